@@ -1,0 +1,1 @@
+"""Evaluation corpora shipped with qeval (installed as the package qeval.corpora)."""

@@ -1,0 +1,155 @@
+"""The Python API behind every CLI command (notebooks and tests use it too).
+
+Each *_report function returns (result dict, text) so the CLI only chooses how to print.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Iterator
+
+from . import metrics, report, runs
+from .capture import CaptureSpec, capture, open_live
+from .engine import EngineSettings
+from .errors import QevalError
+from .llamacpp import import_llamacpp
+from .store import StoreReader
+
+
+@contextlib.contextmanager
+def progress_bar(description: str, total: int | None, enabled: bool = True) -> Iterator:
+    """Yield advance(n) for a rich progress bar on stderr (no-op when disabled)."""
+    if not enabled:
+        yield lambda n=1: None
+        return
+    from rich.console import Console  # noqa: PLC0415
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
+        TimeRemainingColumn  # noqa: PLC0415
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("eta"), TimeRemainingColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=False) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda n=1: bar.advance(task, n)
+
+
+def open_source(spec: str, runs_dir: str | os.PathLike | None = None):
+    return runs.open_source(spec, runs.runs_dir(runs_dir))
+
+
+def is_model_file(spec: str) -> bool:
+    path = Path(spec)
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def compare(ref: str, cand: str, chunks: int | None = None, runs_dir=None, threads: int = 2,
+            settings: EngineSettings = EngineSettings(), save: str | None = None,
+            progress: bool = False) -> metrics.Comparison:
+    """Compare a candidate (store, label, llama.cpp file, or a GGUF model run live) with a reference."""
+    directory = runs.runs_dir(runs_dir)
+    with contextlib.ExitStack() as stack:
+        ref_src = stack.enter_context(contextlib.closing(runs.open_source(ref, directory)))
+        if is_model_file(cand):
+            save_path = None
+            if save:
+                directory.mkdir(parents=True, exist_ok=True)
+                save_path = runs.store_path(save, directory)
+            engine, cand_src = open_live(cand, ref_src, chunks, settings, save or Path(cand).stem, save_path)
+            stack.callback(engine.close)
+            if cand_src.writer is not None:
+                stack.callback(cand_src.writer.close)
+        else:
+            if save:
+                raise QevalError("--save only applies when the candidate is a GGUF model run live")
+            cand_src = stack.enter_context(contextlib.closing(runs.open_source(cand, directory)))
+        n = len(metrics.select_chunks(ref_src, cand_src, chunks))
+        with progress_bar("comparing chunks", n, progress) as advance:
+            result = metrics.compare(ref_src, cand_src, chunks, threads=threads, on_chunk=advance)
+        if getattr(cand_src, "writer", None) is not None:
+            cand_src.writer.finish()
+        return result
+
+
+def kld_report(ref: str, cand: str, chunks: int | None = None, runs_dir=None, threads: int = 2,
+               per_token: Path | None = None, progress: bool = False,
+               settings: EngineSettings = EngineSettings(), save: str | None = None) -> tuple[dict, str]:
+    cmp = compare(ref, cand, chunks, runs_dir, threads, settings, save, progress)
+    if per_token is not None:
+        try:
+            report.write_per_token(cmp, Path(per_token))
+        except OSError as exc:
+            raise QevalError(f"cannot write --per-token file {per_token}: {exc.strerror}") from None
+    result = report.comparison_json(cmp)
+    return result, report.comparison_text(result)
+
+
+def ppl_report(spec: str, chunks: int | None = None, runs_dir=None) -> tuple[dict, str]:
+    import numpy as np  # noqa: PLC0415
+
+    from . import stats  # noqa: PLC0415
+
+    with contextlib.closing(open_source(spec, runs_dir)) as src:
+        available = metrics.usable_chunks(src, "the")
+        if chunks is not None and not 1 <= chunks <= len(available):
+            raise QevalError(f"--chunks {chunks} is outside the {len(available)} chunks of {src.path}")
+        selected = list(available)[:chunks] if chunks else list(available)
+        nll = np.concatenate([-src.read_chunk(i).logprob_target for i in selected])
+        ppl = stats.perplexity(nll)
+        result = {"store": report.describe(src), "chunks": len(selected), "scored_tokens": int(len(nll)), **ppl}
+        return result, report.ppl_text(src.header.label, str(src.path), ppl, len(selected), len(nll))
+
+
+def info_report(spec: str, runs_dir=None) -> tuple[dict, str]:
+    with contextlib.closing(open_source(spec, runs_dir)) as src:
+        d = report.info(src)
+    return d, report.info_text(d)
+
+
+def import_llamacpp_report(file: Path, out: Path) -> str:
+    from .llamacpp import LlamaCppBaseFile  # noqa: PLC0415
+
+    with LlamaCppBaseFile(file) as base:
+        total = base.header.n_chunks
+    with progress_bar("importing chunks", total) as advance:
+        import_llamacpp(file, out, on_chunk=advance)
+    with StoreReader(out) as store:
+        d = report.info(store)
+    return (f"wrote {out}: {d['chunks_present']} chunks, {d['size_bytes']:,} bytes "
+            f"({d['bytes_per_scored_token']:,.0f} per scored token; {file} is {Path(file).stat().st_size:,} bytes, "
+            f"{Path(file).stat().st_size / d['size_bytes']:.1f}x larger)")
+
+
+def capture_store(model: str, label: str, runs_dir=None, out: str | None = None, corpus: str | None = None,
+                  n_ctx: int = 512, chunks: int | None = None, settings: EngineSettings = EngineSettings(),
+                  n_batch: int | None = None, chunk_range: tuple[int, int] | None = None,
+                  progress: bool = False) -> tuple[dict, str]:
+    directory = runs.runs_dir(runs_dir)
+    runs.check_label(label)
+    if out is None:
+        directory.mkdir(parents=True, exist_ok=True)
+        out = str(runs.store_path(label, directory))
+    spec = CaptureSpec(model=model, out=out, label=label, corpus=corpus, n_ctx=n_ctx, chunks=chunks,
+                       chunk_range=chunk_range, settings=settings, n_batch=n_batch)
+    with contextlib.ExitStack() as stack:
+        state = {}
+
+        def on_plan(total: int, done: int) -> None:
+            state["advance"] = stack.enter_context(progress_bar(f"capturing {label}", total, progress))
+            state["advance"](done)
+
+        result = capture(spec, on_chunk=lambda n: state["advance"](n), on_plan=on_plan)
+    if result.status == "already complete":
+        text = f"{result.path} is already complete ({result.chunks_total} chunks): nothing to do"
+    else:
+        text = (f"wrote {result.path}: {result.chunks_total} chunks ({result.chunks_written} captured now) "
+                f"in {result.seconds:.1f} s")
+    return {"path": str(result.path), "status": result.status, "chunks": result.chunks_total,
+            "chunks_written": result.chunks_written, "seconds": result.seconds}, text

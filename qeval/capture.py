@@ -1,0 +1,226 @@
+"""Capture: run a GGUF model over corpus windows and stream its scored logits into a store.
+
+A capture is a pure function of its CaptureSpec (serialisable, so it can run anywhere); the
+store it writes is resumable, so an interrupted capture continues from its last complete chunk.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from . import __version__
+from .codec import BadLogits, SqrtLogCode
+from .corpus import load_corpus, make_windows
+from .engine import Engine, EngineSettings
+from .errors import MismatchError, QevalError
+from .modelinfo import model_facts
+from .probe import ensure_llama_runs
+from .store import ChunkBuilder, ChunkData, StoreComplete, StoreHeader, StoreWriter, tokens_sha256
+
+ENCODE_BLOCK = 16
+
+
+@dataclass(frozen=True)
+class CaptureSpec:
+    model: str
+    out: str
+    label: str
+    corpus: str | None = None
+    n_ctx: int = 512
+    chunks: int | None = None
+    chunk_range: tuple[int, int] | None = None  # windows [start, stop) of the corpus, for shards
+    settings: EngineSettings = field(default_factory=EngineSettings)
+    n_batch: int | None = None  # tokens per decode; default n_ctx (one window per decode)
+    code: SqrtLogCode = field(default_factory=SqrtLogCode)
+
+
+@dataclass
+class CaptureResult:
+    path: Path
+    status: str  # "complete", "already complete"
+    chunks_total: int
+    chunks_written: int
+    seconds: float
+    header: StoreHeader | None = None
+
+
+def windows_per_decode(n_ctx: int, n_batch: int | None) -> int:
+    """llama-perplexity's rule: n_batch / n_ctx windows per decode (n_batch < n_ctx is not supported)."""
+    n_batch = n_batch or n_ctx
+    if n_batch < n_ctx or n_batch % n_ctx:
+        raise QevalError(f"-b/--batch-size {n_batch} must be a multiple of the context size {n_ctx}")
+    return n_batch // n_ctx
+
+
+def encode_chunk(index: int, logits: np.ndarray, targets: np.ndarray, code: SqrtLogCode) -> ChunkData:
+    """Code one window's scored logits [n_scored, V] (a view into llama.cpp's buffer is fine)."""
+    builder = ChunkBuilder(index)
+    for s in range(0, len(logits), ENCODE_BLOCK):
+        try:
+            block = code.encode_block(logits[s:s + ENCODE_BLOCK], targets[s:s + ENCODE_BLOCK])
+        except BadLogits as exc:
+            raise QevalError(f"chunk {index}: the model produced invalid logits ({exc}); the model file or "
+                             "this llama.cpp build is broken for these settings") from None
+        builder.add(block.codes, block.logprob_target, block.logprob_max, block.top_ids)
+    return builder.finish()
+
+
+def scored_targets(window: np.ndarray) -> np.ndarray:
+    n_ctx = len(window)
+    first = n_ctx // 2
+    return window[first + 1:n_ctx].astype(np.int64)
+
+
+def make_header(engine: Engine, spec_label: str, windows: np.ndarray, chunk_range: tuple[int, int], facts: dict,
+                settings: EngineSettings, corpus_identity: dict, code: SqrtLogCode, n_batch: int) -> StoreHeader:
+    import llama_cpp  # noqa: PLC0415
+
+    return StoreHeader(
+        n_vocab=engine.n_vocab, n_ctx=engine.n_ctx, n_chunks=len(windows), chunk_start=chunk_range[0],
+        chunk_stop=chunk_range[1], tokens_sha256=tokens_sha256(windows), label=spec_label, codec=code.params(),
+        tokenizer_sha256=engine.tokenizer_fingerprint(), model=facts, kv=settings.as_json(),
+        corpus=corpus_identity,
+        capture={"n_batch": n_batch, "n_gpu_layers": settings.n_gpu_layers,
+                 "llama_cpp_python": llama_cpp.__version__, "bos_substituted": engine.add_bos,
+                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "qeval": __version__})
+
+
+def resolve_range(chunk_range: tuple[int, int] | None, n_windows: int) -> tuple[int, int]:
+    if chunk_range is None:
+        return 0, n_windows
+    start, stop = chunk_range
+    if not 0 <= start < stop <= n_windows:
+        raise QevalError(f"--chunk-range {start}:{stop} is outside the {n_windows} chunks of this corpus")
+    return start, stop
+
+
+def capture(spec: CaptureSpec, on_chunk: Callable[[int], None] | None = None,
+            on_plan: Callable[[int, int], None] | None = None) -> CaptureResult:
+    """Write (or resume) the store for `spec`. on_plan(total, already_done); on_chunk(1) per chunk."""
+    t0 = time.perf_counter()
+    settings = spec.settings.validate()
+    n_seq = windows_per_decode(spec.n_ctx, spec.n_batch)
+    corpus = load_corpus(spec.corpus)
+    ensure_llama_runs(spec.model)
+    facts = model_facts(spec.model)
+    with Engine(spec.model, spec.n_ctx, n_seq, settings) as engine:
+        tokens = engine.tokenize(corpus.text)
+        windows = make_windows(tokens, spec.n_ctx, spec.chunks, f"corpus {corpus.name!r}")
+        chunk_range = resolve_range(spec.chunk_range, len(windows))
+        identity = {**corpus.identity(), "n_tokens": int(len(tokens)), "chunks_available": int(len(tokens) // spec.n_ctx)}
+        header = make_header(engine, spec.label, windows, chunk_range, facts, settings, identity, spec.code,
+                             n_seq * spec.n_ctx)
+        out = Path(spec.out)
+        try:
+            writer = StoreWriter.open(out, header, windows, spec.code.lut())
+        except StoreComplete:
+            return CaptureResult(out, "already complete", chunk_range[1] - chunk_range[0], 0,
+                                 time.perf_counter() - t0, header)
+        with writer:
+            todo = [i for i in range(*chunk_range) if i not in writer.done_chunks]
+            if on_plan:
+                on_plan(chunk_range[1] - chunk_range[0], chunk_range[1] - chunk_range[0] - len(todo))
+            _run_pipeline(engine, windows, todo, n_seq, spec.code, writer, on_chunk)
+            writer.finish()
+    return CaptureResult(out, "complete", chunk_range[1] - chunk_range[0], len(todo), time.perf_counter() - t0,
+                         header)
+
+
+def _run_pipeline(engine: Engine, windows: np.ndarray, todo: list[int], n_seq: int, code: SqrtLogCode,
+                  writer: StoreWriter, on_chunk) -> None:
+    """Decode group g+1 while a worker codes and writes group g (one spare logits buffer)."""
+    if not todo:
+        return
+    spare = np.empty((min(n_seq, len(todo)), engine.n_scored, engine.n_vocab), dtype=np.float32)
+
+    def encode_group(group: list[int], logits: np.ndarray) -> None:
+        for row, index in enumerate(group):
+            writer.write_chunk(encode_chunk(index, logits[row], scored_targets(windows[index]), code))
+            if on_chunk:
+                on_chunk(1)
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = None
+        for start in range(0, len(todo), n_seq):
+            group = todo[start:start + n_seq]
+            view = engine.scored_logits(windows[group])
+            if pending is not None:
+                pending.result()
+            np.copyto(spare[:len(group)], view)
+            pending = pool.submit(encode_group, group, spare[:len(group)])
+        pending.result()
+
+
+class LiveSource:
+    """A candidate model run over a reference's token windows, read like a store.
+
+    Chunks are produced on demand (decode + code under a lock), so metrics workers overlap the
+    model's next forward pass with the kernel of the previous chunk. With `writer`, every chunk
+    is also saved: the stored and live candidate are the same bytes, hence the same numbers.
+    """
+
+    complete = True
+
+    def __init__(self, engine: Engine, header: StoreHeader, tokens: np.ndarray, code: SqrtLogCode,
+                 writer: StoreWriter | None = None, path: str = "(live)"):
+        self.engine, self.header, self.tokens, self.code = engine, header, tokens, code
+        self.lut = code.lut()
+        self.chunk_indices = list(header.chunk_range)
+        self.writer, self.path = writer, path
+        self._lock = threading.Lock()
+
+    def read_chunk(self, index: int) -> ChunkData:
+        with self._lock:
+            view = self.engine.scored_logits(self.tokens[index][None])
+            chunk = encode_chunk(index, view[0], scored_targets(self.tokens[index]), self.code)
+            if self.writer is not None and index not in self.writer.done_chunks:
+                self.writer.write_chunk(chunk)
+        return chunk
+
+
+def open_live(model: str, ref, n_chunks: int | None, settings: EngineSettings, label: str,
+              save_path: Path | None, code: SqrtLogCode = SqrtLogCode()):
+    """(engine, LiveSource) for a candidate GGUF against a reference's tokens; caller closes both."""
+    settings = settings.validate()
+    rh = ref.header
+    stop = rh.chunk_stop if n_chunks is None else n_chunks
+    if n_chunks is not None and not 1 <= n_chunks <= rh.chunk_stop:
+        raise QevalError(f"--chunks {n_chunks} asks for more than the reference holds ({rh.chunk_stop} chunks)")
+    if rh.chunk_start != 0:
+        raise QevalError("the reference is a shard (it does not start at chunk 0); merge it first")
+    ensure_llama_runs(model)
+    facts = model_facts(model)
+    engine = Engine(model, rh.n_ctx, 1, settings)
+    try:
+        if engine.n_vocab != rh.n_vocab:
+            raise MismatchError(f"vocab size differs: reference {rh.n_vocab}, candidate model {engine.n_vocab} "
+                                "(a model with another tokenizer cannot be compared)")
+        fingerprint = engine.tokenizer_fingerprint()
+        if rh.tokenizer_sha256 and fingerprint != rh.tokenizer_sha256:
+            raise MismatchError("the candidate model's tokenizer differs from the reference's (same vocab size, "
+                                "different token pieces)")
+        windows = np.ascontiguousarray(ref.tokens[:stop])
+        header = StoreHeader(
+            n_vocab=rh.n_vocab, n_ctx=rh.n_ctx, n_chunks=stop, chunk_start=0, chunk_stop=stop,
+            tokens_sha256=tokens_sha256(windows), label=label, codec=code.params(), tokenizer_sha256=fingerprint,
+            model=facts, kv=settings.as_json(), corpus=rh.corpus,
+            capture={"live_against": rh.label, "n_gpu_layers": settings.n_gpu_layers, "qeval": __version__,
+                     "bos_substituted": engine.add_bos})
+        writer = None
+        if save_path is not None:
+            try:
+                writer = StoreWriter.open(save_path, header, windows, code.lut())
+            except StoreComplete:
+                raise QevalError(f"{save_path} already exists and is complete; compare it with --cand "
+                                 f"{label}") from None
+        return engine, LiveSource(engine, header, windows, code, writer, path=f"{model} (live)")
+    except BaseException:
+        engine.close()
+        raise

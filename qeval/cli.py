@@ -1,0 +1,139 @@
+"""`qeval` command line: thin shells over the Python API (qeval.api)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from . import __version__, api
+from .engine import EngineSettings
+from .errors import QevalError
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  help="Measure how much quantization hurts a GGUF model: PPL, KL divergence, same-top-1.")
+
+RunsDir = typer.Option(None, "--runs-dir", help="Directory of labelled stores (default $QEVAL_RUNS_DIR or ./qeval-runs).")
+Chunks = typer.Option(None, "--chunks", help="Use only the first N chunks.")
+Json = typer.Option(False, "--json", help="Print JSON instead of text.")
+TypeK = typer.Option("f16", "-ctk", "--cache-type-k", help="KV cache type for K: f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, f32.")
+TypeV = typer.Option("f16", "-ctv", "--cache-type-v", help="KV cache type for V (a quantized V cache needs -fa on).")
+FlashAttn = typer.Option("auto", "-fa", "--flash-attn", help="Flash attention: on, off or auto.")
+GpuLayers = typer.Option(0, "-ngl", "--n-gpu-layers", help="Layers to offload to the GPU.")
+Threads = typer.Option(None, "-t", "--threads", help="CPU threads for the model (default: all cores).")
+
+
+def _emit(result: dict, text: str, as_json: bool) -> None:
+    typer.echo(json.dumps(result, indent=2, sort_keys=False) if as_json else text)
+
+
+@app.command()
+def kld(
+    ref: str = typer.Option(..., "--ref", help="Reference: store path, label, or llama.cpp --kl-divergence-base file."),
+    cand: str = typer.Option(..., "--cand", help="Candidate: store path, label, or llama.cpp base file."),
+    chunks: Optional[int] = Chunks,
+    as_json: bool = Json,
+    per_token: Optional[Path] = typer.Option(None, "--per-token", help="Write per-token values (.csv, or .npz)."),
+    save: Optional[str] = typer.Option(None, "--save", help="With a live GGUF candidate: also keep its store under this label."),
+    type_k: str = TypeK,
+    type_v: str = TypeV,
+    flash_attn: str = FlashAttn,
+    n_gpu_layers: int = GpuLayers,
+    threads: Optional[int] = Threads,
+    runs_dir: Optional[Path] = RunsDir,
+):
+    """KL divergence, PPL ratio, Δp and same-top-1 of a candidate against a reference.
+
+    The candidate may be a GGUF model: it then runs live over exactly the reference's tokens.
+    """
+    settings = EngineSettings(type_k, type_v, flash_attn, n_gpu_layers, threads)
+    result, text = api.kld_report(ref, cand, chunks=chunks, runs_dir=runs_dir, per_token=per_token,
+                                  progress=True, settings=settings, save=save)
+    _emit(result, text, as_json)
+
+
+@app.command()
+def capture(
+    model: str = typer.Argument(..., help="GGUF model file."),
+    label: str = typer.Option(..., "--label", "-l", help="Name of the store in the runs directory, e.g. Q8_0."),
+    ctx: int = typer.Option(512, "-c", "--ctx", "--ctx-size", help="Tokens per window (n_ctx)."),
+    chunks: Optional[int] = Chunks,
+    corpus: Optional[str] = typer.Option(None, "--corpus", "-f", help="Text file, shipped corpus name, wikitext-2, or hf:DATASET[/CONFIG][:SPLIT][#COLUMN]."),
+    chunk_range: Optional[str] = typer.Option(None, "--chunk-range", help="Capture only windows A:B (a shard)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Store path (default RUNS_DIR/LABEL.qeval)."),
+    type_k: str = TypeK,
+    type_v: str = TypeV,
+    flash_attn: str = FlashAttn,
+    n_gpu_layers: int = GpuLayers,
+    batch: Optional[int] = typer.Option(None, "-b", "--batch-size", help="Tokens per decode, a multiple of n_ctx (default n_ctx)."),
+    threads: Optional[int] = Threads,
+    runs_dir: Optional[Path] = RunsDir,
+):
+    """Run a model over the corpus and store its scored logits (resumes an interrupted capture)."""
+    settings = EngineSettings(type_k, type_v, flash_attn, n_gpu_layers, threads)
+    _, text = api.capture_store(model, label, runs_dir=runs_dir, out=str(out) if out else None, corpus=corpus,
+                                n_ctx=ctx, chunks=chunks, settings=settings, n_batch=batch,
+                                chunk_range=_parse_range(chunk_range), progress=True)
+    typer.echo(text)
+
+
+def _parse_range(text: Optional[str]):
+    if text is None:
+        return None
+    try:
+        a, b = text.split(":")
+        return int(a), int(b)
+    except ValueError:
+        raise QevalError(f"--chunk-range must look like A:B (e.g. 0:20), not {text!r}") from None
+
+
+@app.command()
+def ppl(
+    store: str = typer.Argument(..., help="Store path, label, or llama.cpp base file."),
+    chunks: Optional[int] = Chunks,
+    as_json: bool = Json,
+    runs_dir: Optional[Path] = RunsDir,
+):
+    """Perplexity of one store (from its exact per-token log-probs)."""
+    result, text = api.ppl_report(store, chunks=chunks, runs_dir=runs_dir)
+    _emit(result, text, as_json)
+
+
+@app.command()
+def info(
+    store: str = typer.Argument(..., help="Store path, label, or llama.cpp base file."),
+    as_json: bool = Json,
+    runs_dir: Optional[Path] = RunsDir,
+):
+    """Header, size, bytes per scored token and completeness of a store."""
+    result, text = api.info_report(store, runs_dir=runs_dir)
+    _emit(result, text, as_json)
+
+
+@app.command("import-llamacpp")
+def import_llamacpp(
+    file: Path = typer.Argument(..., help="A llama-perplexity --kl-divergence-base file."),
+    out: Path = typer.Argument(..., help="The qeval store to write."),
+):
+    """Convert a llama.cpp --kl-divergence-base file into a compact qeval store."""
+    typer.echo(api.import_llamacpp_report(file, out))
+
+
+@app.command()
+def version():
+    """Print the qeval version."""
+    typer.echo(__version__)
+
+
+def main() -> None:
+    try:
+        app()
+    except QevalError as exc:
+        typer.echo(f"qeval: error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        typer.echo("qeval: interrupted", err=True)
+        sys.exit(130)

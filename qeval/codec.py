@@ -1,0 +1,142 @@
+"""The uint16 code for one row of log-probabilities, and the exact per-token scalars.
+
+Why this code. For small errors, KLD(P||P_hat) ~ sum_i p_i * delta_i^2 / 2 where delta_i is the error
+in log p_i. A quantizer with step D(d) at depth d = log p_i - log p_max adds p_i * D^2 / 24 per entry
+and costs about -log2 D bits after entropy coding. Minimising bits for a given KLD gives
+D proportional to exp(-d/2): uniform steps in sqrt(p) (the Hellinger geometry). Near the top of the
+row that law would spend 40 % of the 65,536 codes on the top nat, where a row has one or two entries,
+so the code switches to uniform steps in log p above a knee d0:
+
+    u(d) = 2B * exp((d - d0)/2)        d <  d0   (sqrt-probability zone: the tail)
+    u(d) = 2B + B * (d - d0)           d >= d0   (log-linear zone: the head)
+    code = round(u), clipped to 0..65535
+
+u and its slope are continuous at d0. With B = 65535 / (2 + |d0|) the argmax entry (d = 0) gets code
+65535. Lower d0 buys precision everywhere (and bits); see bench/codec_frontier.py for the measured
+frontier. Entries far below the head round to code 0.
+
+The decoder never evaluates this formula: every store carries its 65,536-entry table
+lut[code] = d of the code's representative, so a reader only needs lut[] (docs/store-format.md).
+Representatives preserve probability mass for entries spread evenly in u within the bin:
+u_rep^2 = k^2 + 1/12 in the sqrt zone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+
+from .store import N_CODES, TOP_K
+
+
+@dataclass(frozen=True)
+class SqrtLogCode:
+    """The default code; `knee` is d0 (<= 0, in nats below the row's maximum)."""
+
+    knee: float = -4.0
+
+    @property
+    def slope(self) -> float:
+        return (N_CODES - 1) / (2.0 + abs(self.knee))
+
+    def params(self) -> dict:
+        return {"name": "sqrt-log", "knee": self.knee, "slope": self.slope}
+
+    def lut(self) -> np.ndarray:
+        """float32[65536]: code -> d (log p - log p_max) of the code's representative."""
+        b, d0 = self.slope, self.knee
+        k = np.arange(N_CODES, dtype=np.float64)
+        sqrt_zone = k < 2.0 * b
+        d = np.empty(N_CODES, dtype=np.float64)
+        d[sqrt_zone] = d0 + np.log((k[sqrt_zone] ** 2 + 1.0 / 12.0) / (2.0 * b) ** 2)
+        d[~sqrt_zone] = d0 + (k[~sqrt_zone] - 2.0 * b) / b
+        return np.minimum(d, 0.0).astype(np.float32)
+
+    def encode_block(self, logits: np.ndarray, targets: np.ndarray) -> "EncodedBlock":
+        return encode_block(logits, targets, self)
+
+
+@dataclass
+class EncodedBlock:
+    codes: np.ndarray  # uint16 [b, V]
+    logprob_target: np.ndarray  # float64 [b]
+    logprob_max: np.ndarray  # float64 [b]
+    top_ids: np.ndarray  # int32 [b, TOP_K]
+
+
+class BadLogits(ValueError):
+    """A logits row holds NaN or no finite value: the model produced garbage."""
+
+
+def encode_block(logits: np.ndarray, targets: np.ndarray, code: SqrtLogCode) -> EncodedBlock:
+    """Code a block of float32 logit rows [b, V]; `targets` are the correct next-token ids [b]."""
+    logits = np.ascontiguousarray(logits, dtype=np.float32)
+    b, n_vocab = logits.shape
+    top_vals = np.empty((b, TOP_K), dtype=np.float32)
+    top_ids = np.empty((b, TOP_K), dtype=np.int32)
+    _top_k(logits, top_vals, top_ids)
+    row_max = top_vals[:, 0:1]
+    if not np.all(np.isfinite(row_max)) or np.isnan(logits).any():
+        raise BadLogits("logits contain NaN or a row with no finite value")
+    # exp in numpy: it is vectorised (SIMD), unlike a scalar exp inside a compiled loop.
+    half = np.exp(0.5 * (logits - row_max))  # sqrt(p / p_max), float32, in [0, 1]
+    codes = np.empty((b, n_vocab), dtype=np.uint16)
+    mass = np.empty(b, dtype=np.float64)
+    _codes_and_mass(logits, row_max[:, 0], half, code.slope, code.knee,
+                    2.0 * code.slope * math.exp(-0.5 * code.knee), codes, mass)
+    log_norm = np.log(mass)  # log sum_i exp(x_i - max)
+    rows = np.arange(b)
+    logprob_target = (logits[rows, targets].astype(np.float64) - row_max[:, 0]) - log_norm
+    return EncodedBlock(codes, logprob_target, -log_norm, top_ids)
+
+
+@numba.njit(nogil=True, cache=True)
+def _top_k(logits, top_vals, top_ids):  # pragma: no cover - compiled
+    """Top-K per row, best first; ties go to the lower token id (stable, like a first-max argmax)."""
+    b, n = logits.shape
+    k = top_vals.shape[1]
+    for t in range(b):
+        vals = top_vals[t]
+        ids = top_ids[t]
+        for j in range(k):
+            vals[j] = -np.inf
+            ids[j] = -1
+        row = logits[t]
+        for i in range(n):
+            x = row[i]
+            if x > vals[k - 1] or ids[k - 1] < 0:
+                j = k - 1
+                while j > 0 and (x > vals[j - 1] or ids[j - 1] < 0):
+                    vals[j] = vals[j - 1]
+                    ids[j] = ids[j - 1]
+                    j -= 1
+                vals[j] = x
+                ids[j] = i
+
+
+@numba.njit(nogil=True, cache=True)
+def _codes_and_mass(logits, row_max, half, slope, knee, sqrt_gain, codes, mass):  # pragma: no cover
+    b, n = logits.shape
+    head_base = 2.0 * slope
+    for t in range(b):
+        m = row_max[t]
+        total = 0.0
+        for i in range(n):
+            h = np.float64(half[t, i])
+            total += h * h
+            d = np.float64(logits[t, i]) - m
+            if d < knee:
+                u = sqrt_gain * h
+            else:
+                u = head_base + slope * (d - knee)
+            u = u + 0.5
+            if u >= 65535.0:
+                codes[t, i] = 65535
+            elif u > 0.0:
+                codes[t, i] = np.uint16(u)
+            else:
+                codes[t, i] = 0
+        mass[t] = total

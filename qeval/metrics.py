@@ -1,0 +1,192 @@
+"""Streaming comparison of a candidate against a reference, chunk pair by chunk pair.
+
+Memory stays at a few chunks whatever the chunk count: each worker holds one compressed chunk of
+each side and one block of decoded code planes. Per-token results (a handful of floats per scored
+token) are kept for percentiles and for `--per-token`.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+
+from . import stats
+from .errors import MismatchError, QevalError
+from .kernels import N_SUMS, decode_tables, kld_from_sums, pair_sums
+from .store import ChunkData, StoreHeader
+
+TOPK_AGREEMENT = (5, 10)
+BLOCK_TOKENS = 16
+
+
+class LogitSource(Protocol):
+    """A store, or anything read like one (a llama.cpp base file)."""
+
+    path: object
+    header: StoreHeader
+    tokens: np.ndarray
+    lut: np.ndarray
+    complete: bool
+    chunk_indices: list[int]
+
+    def read_chunk(self, index: int) -> ChunkData: ...
+
+
+# Per-token columns, in this order, in Comparison.per_token and --per-token files.
+PER_TOKEN_FIELDS = ("chunk", "position", "token", "kld", "kld_reverse", "nll_ref", "nll_cand", "p_ref",
+                    "p_cand", "same_top1", "top5_agreement", "top10_agreement")
+
+
+@dataclass
+class Comparison:
+    ref: LogitSource
+    cand: LogitSource
+    chunks: list[int]
+    per_token: dict[str, np.ndarray]
+
+    @property
+    def scored_tokens(self) -> int:
+        return len(self.per_token["kld"])
+
+    def summary(self) -> dict:
+        t = self.per_token
+        kld_mean, kld_se = stats.mean_se(t["kld"])
+        rkld_mean, rkld_se = stats.mean_se(t["kld_reverse"])
+        dp = t["p_cand"] - t["p_ref"]
+        dp_mean, dp_se = stats.mean_se(dp)
+        rms, rms_se = stats.rms_se(dp)
+        top1, top1_se = stats.proportion_se(t["same_top1"])
+        out = {
+            "chunks": len(self.chunks),
+            "scored_tokens": self.scored_tokens,
+            "perplexity": stats.paired_perplexity(t["nll_cand"], t["nll_ref"]),
+            "kld": {"mean": kld_mean, "se": kld_se, "ladder": stats.ladder(t["kld"], stats.KLD_LADDER)},
+            "kld_reverse": {"mean": rkld_mean, "se": rkld_se,
+                            "ladder": stats.ladder(t["kld_reverse"], stats.KLD_LADDER)},
+            "delta_p": {"mean": dp_mean, "se": dp_se, "ladder": stats.ladder(dp, stats.DP_LADDER),
+                        "rms": rms, "rms_se": rms_se},
+            "same_top1": {"fraction": top1, "se": top1_se},
+        }
+        for k in TOPK_AGREEMENT:
+            m, se = stats.mean_se(t[f"top{k}_agreement"])
+            out[f"top{k}_agreement"] = {"mean": m, "se": se}
+        return out
+
+
+def usable_chunks(source: LogitSource, role: str) -> range:
+    if not source.complete:
+        h = source.header
+        raise QevalError(
+            f"{role} store {source.path} is incomplete: {len(source.chunk_indices)} of "
+            f"{h.chunk_stop - h.chunk_start} chunks written (a capture still running or interrupted; "
+            "re-run the same `qeval capture` command to resume it)")
+    return source.header.chunk_range
+
+
+def select_chunks(ref: LogitSource, cand: LogitSource, n_chunks: int | None) -> list[int]:
+    """The first n chunks both sides hold (default: all they share), after checking they compare."""
+    rh, ch = ref.header, cand.header
+    if rh.n_vocab != ch.n_vocab:
+        raise MismatchError(f"vocab size differs: reference {rh.n_vocab}, candidate {ch.n_vocab} "
+                            "(different tokenizers cannot be compared)")
+    if rh.n_ctx != ch.n_ctx:
+        raise MismatchError(f"context size differs: reference n_ctx {rh.n_ctx}, candidate n_ctx {ch.n_ctx}")
+    if rh.tokenizer_sha256 and ch.tokenizer_sha256 and rh.tokenizer_sha256 != ch.tokenizer_sha256:
+        raise MismatchError("tokenizers differ (same vocab size, different token pieces)")
+    ref_range, cand_range = usable_chunks(ref, "reference"), usable_chunks(cand, "candidate")
+    start = max(ref_range.start, cand_range.start)
+    stop = min(ref_range.stop, cand_range.stop)
+    if start != 0 or stop <= start:
+        raise MismatchError(f"the stores share no chunk range starting at chunk 0 (reference "
+                            f"{ref_range.start}:{ref_range.stop}, candidate {cand_range.start}:{cand_range.stop}); "
+                            "merge shards first")
+    if n_chunks is not None:
+        if n_chunks < 1:
+            raise QevalError("--chunks must be at least 1")
+        if n_chunks > stop:
+            raise QevalError(f"--chunks {n_chunks} asks for more than the stores hold together "
+                             f"(reference {ref_range.stop}, candidate {cand_range.stop} chunks)")
+        stop = n_chunks
+    chunks = list(range(stop))
+    check_same_tokens(ref.tokens[:stop], cand.tokens[:stop], rh.n_ctx)
+    return chunks
+
+
+def check_same_tokens(ref_tokens: np.ndarray, cand_tokens: np.ndarray, n_ctx: int) -> None:
+    diff = np.flatnonzero(ref_tokens.ravel() != cand_tokens.ravel())
+    if len(diff):
+        pos = int(diff[0])
+        raise MismatchError(
+            f"token ids differ at position {pos} (chunk {pos // n_ctx}, offset {pos % n_ctx}): reference "
+            f"{int(ref_tokens.ravel()[pos])}, candidate {int(cand_tokens.ravel()[pos])} "
+            f"({len(diff)} positions differ in all) - the runs used different corpora or tokenizers")
+
+
+def compare_chunk(ref: ChunkData, cand: ChunkData, tokens: np.ndarray, ref_tables, cand_tables,
+                  n_vocab: int) -> dict[str, np.ndarray]:
+    """Per-token metrics of one chunk pair. `tokens` is the chunk's n_ctx token ids."""
+    n = ref.n_tokens
+    if cand.n_tokens != n:
+        raise MismatchError(f"chunk {ref.index}: {n} scored tokens in the reference, {cand.n_tokens} in the candidate")
+    sums = np.empty((n, N_SUMS), dtype=np.float64)
+    for (start, planes_ref), (_, planes_cand) in zip(ref.iter_planes(n_vocab, BLOCK_TOKENS),
+                                                     cand.iter_planes(n_vocab, BLOCK_TOKENS)):
+        pair_sums(planes_ref, planes_cand, *ref_tables, *cand_tables, sums[start:start + len(planes_ref)])
+    kld, kld_reverse = kld_from_sums(sums)
+    first = len(tokens) // 2
+    out = {
+        "chunk": np.full(n, ref.index, dtype=np.int32),
+        "position": np.arange(first + 1, first + 1 + n, dtype=np.int32),
+        "token": tokens[first + 1:first + 1 + n].astype(np.int32),
+        "kld": kld,
+        "kld_reverse": kld_reverse,
+        "nll_ref": -ref.logprob_target,
+        "nll_cand": -cand.logprob_target,
+        "p_ref": np.exp(ref.logprob_target),
+        "p_cand": np.exp(cand.logprob_target),
+        "same_top1": ref.top_ids[:, 0] == cand.top_ids[:, 0],
+    }
+    for k in TOPK_AGREEMENT:
+        overlap = (ref.top_ids[:, :k, None] == cand.top_ids[:, None, :k]).any(axis=2).sum(axis=1)
+        out[f"top{k}_agreement"] = overlap / k
+    return out
+
+
+def compare(ref: LogitSource, cand: LogitSource, n_chunks: int | None = None, threads: int = 2,
+            on_chunk: Callable[[int], None] | None = None) -> Comparison:
+    """KLD, PPL, top-1 ... of `cand` against `ref`, streaming chunk pairs over `threads` workers."""
+    chunks = select_chunks(ref, cand, n_chunks)
+    n_vocab = ref.header.n_vocab
+    ref_tables, cand_tables = decode_tables(ref.lut), decode_tables(cand.lut)
+
+    def one(i: int) -> dict[str, np.ndarray]:
+        return compare_chunk(ref.read_chunk(i), cand.read_chunk(i), ref.tokens[i], ref_tables, cand_tables,
+                             n_vocab)
+
+    parts = []
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        for part in _bounded_map(pool, one, chunks, 2 * max(1, threads)):
+            parts.append(part)
+            if on_chunk:
+                on_chunk(1)
+    per_token = {k: np.concatenate([p[k] for p in parts]) for k in PER_TOKEN_FIELDS}
+    return Comparison(ref, cand, chunks, per_token)
+
+
+def _bounded_map(pool: ThreadPoolExecutor, fn, items: Sequence, in_flight: int):
+    """Like pool.map, in order, but with at most `in_flight` tasks submitted (bounded memory)."""
+    futures = []
+    it = iter(items)
+    for item in it:
+        futures.append(pool.submit(fn, item))
+        if len(futures) >= in_flight:
+            break
+    while futures:
+        done = futures.pop(0)
+        nxt = next(it, None)
+        if nxt is not None:
+            futures.append(pool.submit(fn, nxt))
+        yield done.result()

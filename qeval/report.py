@@ -1,0 +1,156 @@
+"""Text and JSON views of results; the text blocks are laid out like llama-perplexity's."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from .metrics import PER_TOKEN_FIELDS, Comparison
+from .store import StoreHeader
+from .llamacpp import record_values
+
+
+def describe(source) -> dict:
+    """Who a store is: the facts a reader of a report needs to trust the comparison."""
+    h: StoreHeader = source.header
+    return {
+        "label": h.label,
+        "path": str(source.path),
+        "source": h.source,
+        "model": h.model,
+        "kv": h.kv,
+        "corpus": h.corpus,
+        "n_vocab": h.n_vocab,
+        "n_ctx": h.n_ctx,
+        "chunks": len(source.chunk_indices),
+        "complete": bool(source.complete),
+    }
+
+
+def comparison_json(cmp: Comparison) -> dict:
+    return {"reference": describe(cmp.ref), "candidate": describe(cmp.cand), **cmp.summary()}
+
+
+def _pm(value: float, se: float, width: int = 10, prec: int = 6) -> str:
+    return f"{value:{width}.{prec}f} ± {se:{width}.{prec}f}"
+
+
+def comparison_text(result: dict) -> str:
+    ref, cand = result["reference"], result["candidate"]
+    p, k, dp = result["perplexity"], result["kld"], result["delta_p"]
+    lines = [
+        f"reference : {_who(ref)}",
+        f"candidate : {_who(cand)}",
+        f"chunks    : {result['chunks']} of n_ctx {ref['n_ctx']}, {result['scored_tokens']} scored tokens",
+        "",
+        "====== Perplexity statistics ======",
+        f"Mean PPL(Q)                   : {_pm(p['ppl_cand'], p['ppl_cand_se'])}",
+        f"Mean PPL(base)                : {_pm(p['ppl_ref'], p['ppl_ref_se'])}",
+        f"Cor(ln(PPL(Q)), ln(PPL(base))): {100 * p['cor_ln_ppl']:6.2f}%",
+        f"Mean ln(PPL(Q)/PPL(base))     : {_pm(p['ln_ratio'], p['ln_ratio_se'])}",
+        f"Mean PPL(Q)/PPL(base)         : {_pm(p['ratio'], p['ratio_se'])}",
+        f"Mean PPL(Q)-PPL(base)         : {_pm(p['diff'], p['diff_se'])}",
+        "",
+        "====== KL divergence statistics ======",
+        f"Mean    KLD: {_pm(k['mean'], k['se'])}",
+    ]
+    for name, v in k["ladder"].items():
+        lines.append(f"{name:<7} KLD: {v:10.6f}")
+    r = result["kld_reverse"]
+    lines += [f"Mean reverse KLD(Q||base): {_pm(r['mean'], r['se'])}", "",
+              "====== Token probability statistics ======",
+              f"Mean    Δp: {100 * dp['mean']:6.3f} ± {100 * dp['se']:5.3f} %"]
+    for name, v in dp["ladder"].items():
+        lines.append(f"{name:<7} Δp: {100 * v:6.3f}%")
+    top1 = result["same_top1"]
+    lines += [f"RMS Δp    : {100 * dp['rms']:6.3f} ± {100 * dp['rms_se']:5.3f} %",
+              f"Same top p: {100 * top1['fraction']:6.3f} ± {100 * top1['se']:5.3f} %"]
+    for key in ("top5_agreement", "top10_agreement"):
+        if key in result:
+            kk = key[3:key.index("_")]
+            lines.append(f"Top-{kk:<2} agreement: {100 * result[key]['mean']:6.3f} ± {100 * result[key]['se']:5.3f} %")
+    return "\n".join(lines)
+
+
+def _who(d: dict) -> str:
+    model = d.get("model") or {}
+    bits = [d["label"] or "?"]
+    if model.get("file_name"):
+        bits.append(model["file_name"])
+    kv = d.get("kv") or {}
+    if kv:
+        bits.append(f"KV {kv.get('type_k', '?')}/{kv.get('type_v', '?')}")
+    bits.append(f"({d['path']})")
+    return "  ".join(bits)
+
+
+def ppl_text(label: str, path: str, ppl: dict, chunks: int, n_tokens: int) -> str:
+    return (f"{label} ({path}): {chunks} chunks, {n_tokens} scored tokens\n"
+            f"Final estimate: PPL = {ppl['ppl']:.4f} +/- {ppl['ppl_se']:.5f}")
+
+
+def info(source) -> dict:
+    h: StoreHeader = source.header
+    n_chunks = len(source.chunk_indices)
+    scored = n_chunks * h.n_scored
+    llama_bytes = 20 + 4 * h.n_chunks * h.n_ctx + scored * 2 * record_values(h.n_vocab)
+    size = getattr(source, "size_bytes", 0)
+    return {
+        "path": str(source.path),
+        "header": h.to_json(),
+        "complete": bool(source.complete),
+        "chunks_present": n_chunks,
+        "chunks_expected": h.chunk_stop - h.chunk_start,
+        "scored_tokens": scored,
+        "size_bytes": size,
+        "bytes_per_scored_token": size / scored if scored else math.nan,
+        "llamacpp_equivalent_bytes": llama_bytes,
+        "ratio_vs_llamacpp": llama_bytes / size if size else math.nan,
+    }
+
+
+def info_text(d: dict) -> str:
+    h = d["header"]
+    state = "complete" if d["complete"] else "INCOMPLETE (still being written or interrupted)"
+    model = h.get("model") or {}
+    lines = [
+        f"store      : {d['path']}",
+        f"label      : {h['label']}   source: {h['source']}   qeval {h['qeval_version']}, format v{h['format_version']}",
+        f"state      : {state}: {d['chunks_present']} of {d['chunks_expected']} chunks "
+        f"(chunk range {h['chunk_start']}:{h['chunk_stop']} of {h['n_chunks']})",
+        f"layout     : n_vocab {h['n_vocab']}, n_ctx {h['n_ctx']}, {h['n_scored']} scored tokens per chunk "
+        f"(positions {h['first_scored']}..{h['n_ctx'] - 2}), top-{h['top_k']} ids kept",
+        f"code       : {json.dumps(h['codec'], sort_keys=True)}",
+    ]
+    if model:
+        lines.append("model      : " + ", ".join(f"{k} {v}" for k, v in model.items() if not isinstance(v, dict)))
+    if h.get("kv"):
+        lines.append("kv cache   : " + ", ".join(f"{k} {v}" for k, v in h["kv"].items()))
+    if h.get("corpus"):
+        lines.append("corpus     : " + ", ".join(f"{k} {v}" for k, v in h["corpus"].items()))
+    lines += [
+        f"tokens     : sha256 {h['tokens_sha256'][:16]}…, tokenizer {h['tokenizer_sha256'][:16] or '-'}",
+        f"size       : {d['size_bytes']:,} bytes, {d['bytes_per_scored_token']:,.0f} bytes per scored token "
+        f"({d['scored_tokens']:,} tokens)",
+        f"vs llama.cpp: {d['llamacpp_equivalent_bytes']:,} bytes in --kl-divergence-base layout, "
+        f"{d['ratio_vs_llamacpp']:.1f}x larger",
+    ]
+    return "\n".join(lines)
+
+
+def write_per_token(cmp: Comparison, path: Path) -> None:
+    """One row per scored token: .npz keeps full precision, anything else is written as CSV."""
+    t = cmp.per_token
+    if path.suffix == ".npz":
+        np.savez_compressed(path, **t)
+        return
+    with open(path, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(PER_TOKEN_FIELDS)
+        cols = [t[k] for k in PER_TOKEN_FIELDS]
+        for row in zip(*cols):
+            w.writerow([int(v) if isinstance(v, (np.integer, np.bool_)) else f"{float(v):.9g}" for v in row])

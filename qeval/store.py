@@ -1,0 +1,543 @@
+"""The qeval logits store: one append-only file per capture, written chunk by chunk.
+
+Layout (docs/store-format.md is the normative spec):
+
+    preamble   8-byte magic "QEVALLOG", u32 format version, u32 zero
+    record     HEAD  JSON header
+    record     TOKS  int32 token ids, n_chunks x n_ctx
+    record     LUT_  float32[65536]: code -> log p - log p_max
+    record     CHNK  one per chunk (scalars + one zstd frame of byte planes), any number
+    record     INDX  chunk index -> offset (only once the capture is complete)
+    trailer    8-byte magic "QEVALEND", u64 offset of the INDX record
+
+Every record is tag(4) u32 zero u64 payload_len, payload, u32 crc32(payload).
+Everything is little-endian. A file without a valid trailer is "still being written"
+(or was interrupted) and can be resumed: chunks are only ever appended.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import zstandard
+
+from . import __version__
+from .errors import QevalError, StoreFormatError
+
+MAGIC = b"QEVALLOG"
+TRAILER_MAGIC = b"QEVALEND"
+FORMAT_VERSION = 1
+N_CODES = 65536
+TOP_K = 10
+
+_PREAMBLE = struct.Struct("<8sII")
+_RECORD = struct.Struct("<4sIQ")
+_CRC = struct.Struct("<I")
+_TRAILER = struct.Struct("<8sQ")
+_CHUNK_HEAD = struct.Struct("<IIII")
+_INDEX_ENTRY = np.dtype([("chunk", "<u4"), ("zero", "<u4"), ("offset", "<u8")])
+
+# Sanity bounds for values read from a file, so a corrupt header cannot make us allocate wildly.
+_MAX_VOCAB = 1 << 24
+_MAX_CTX = 1 << 22
+_MAX_CHUNKS = 1 << 24
+_MAX_HEADER_BYTES = 64 << 20
+ZSTD_LEVEL = 1
+
+
+def tokens_sha256(tokens: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(tokens, dtype="<i4").tobytes()).hexdigest()
+
+
+def scored_positions(n_ctx: int) -> tuple[int, int]:
+    """(first, count): llama-perplexity scores logits at positions n_ctx/2 .. n_ctx-2."""
+    first = n_ctx // 2
+    return first, n_ctx - 1 - first
+
+
+@dataclass(frozen=True)
+class StoreHeader:
+    """What a store must say about itself so that a wrong comparison can be refused."""
+
+    n_vocab: int
+    n_ctx: int
+    n_chunks: int  # chunks in the token list (the whole capture)
+    chunk_start: int  # this file holds chunks [chunk_start, chunk_stop)
+    chunk_stop: int
+    tokens_sha256: str
+    label: str = ""
+    top_k: int = TOP_K
+    codec: dict = field(default_factory=dict)
+    tokenizer_sha256: str = ""
+    model: dict = field(default_factory=dict)
+    kv: dict = field(default_factory=dict)
+    corpus: dict = field(default_factory=dict)
+    capture: dict = field(default_factory=dict)
+    source: str = "qeval"
+    qeval_version: str = __version__
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def first_scored(self) -> int:
+        return scored_positions(self.n_ctx)[0]
+
+    @property
+    def n_scored(self) -> int:
+        """Scored tokens per chunk (255 at n_ctx 512)."""
+        return scored_positions(self.n_ctx)[1]
+
+    @property
+    def chunk_range(self) -> range:
+        return range(self.chunk_start, self.chunk_stop)
+
+    def to_json(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["n_scored"] = self.n_scored
+        d["first_scored"] = self.first_scored
+        return d
+
+    @classmethod
+    def from_json(cls, d: object, where: str) -> "StoreHeader":
+        if not isinstance(d, dict):
+            raise StoreFormatError(f"{where}: header is not a JSON object")
+        ints = {"n_vocab": (2, _MAX_VOCAB), "n_ctx": (4, _MAX_CTX), "n_chunks": (1, _MAX_CHUNKS),
+                "chunk_start": (0, _MAX_CHUNKS), "chunk_stop": (1, _MAX_CHUNKS),
+                "top_k": (1, 64), "format_version": (1, 1 << 16)}
+        kwargs = {}
+        for name, (lo, hi) in ints.items():
+            v = d.get(name)
+            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+                raise StoreFormatError(f"{where}: header field {name!r} is missing or out of range ({v!r})")
+            kwargs[name] = v
+        for name in ("tokens_sha256", "label", "tokenizer_sha256", "source", "qeval_version"):
+            v = d.get(name, "")
+            if not isinstance(v, str):
+                raise StoreFormatError(f"{where}: header field {name!r} must be a string")
+            kwargs[name] = v
+        for name in ("codec", "model", "kv", "corpus", "capture"):
+            v = d.get(name, {})
+            if not isinstance(v, dict):
+                raise StoreFormatError(f"{where}: header field {name!r} must be an object")
+            kwargs[name] = v
+        h = cls(**kwargs)
+        if h.format_version != FORMAT_VERSION:
+            raise StoreFormatError(f"{where}: store format version {h.format_version} is not supported "
+                                   f"(this qeval reads version {FORMAT_VERSION})")
+        if not h.chunk_start < h.chunk_stop <= h.n_chunks:
+            raise StoreFormatError(f"{where}: chunk range {h.chunk_start}:{h.chunk_stop} does not fit "
+                                   f"{h.n_chunks} chunks")
+        if d.get("n_scored", h.n_scored) != h.n_scored:
+            raise StoreFormatError(f"{where}: header n_scored disagrees with n_ctx {h.n_ctx}")
+        return h
+
+
+@dataclass
+class ChunkData:
+    """One chunk as stored: exact per-token scalars plus the compressed code planes."""
+
+    index: int
+    logprob_target: np.ndarray  # float64 [n]: log p(correct next token), exact from float32 logits
+    logprob_max: np.ndarray  # float64 [n]: log p of the argmax token
+    top_ids: np.ndarray  # int32 [n, top_k]: most probable ids, best first (top_ids[:, 0] = argmax)
+    codes_zst: bytes  # one zstd frame: per token, the high-byte plane then the low-byte plane
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.logprob_target)
+
+    def iter_planes(self, n_vocab: int, block_tokens: int = 16) -> Iterator[tuple[int, np.ndarray]]:
+        """Yield (first_token, planes) with planes uint8 [b, 2, n_vocab], b <= block_tokens.
+
+        Streams the frame, so memory stays at one block whatever the chunk size.
+        """
+        token_bytes = 2 * n_vocab
+        reader = zstandard.ZstdDecompressor().stream_reader(self.codes_zst, read_across_frames=False)
+        with reader:
+            for start in range(0, self.n_tokens, block_tokens):
+                b = min(block_tokens, self.n_tokens - start)
+                buf = np.empty(b * token_bytes, dtype=np.uint8)
+                _read_exact(reader, memoryview(buf), f"chunk {self.index}")
+                yield start, buf.reshape(b, 2, n_vocab)
+            if reader.read(1):
+                raise StoreFormatError(f"chunk {self.index}: code frame holds more data than its token count")
+
+    def codes(self, n_vocab: int) -> np.ndarray:
+        """All codes of the chunk as uint16 [n, n_vocab] (tests and small tools; metrics stream)."""
+        out = np.empty((self.n_tokens, n_vocab), dtype=np.uint16)
+        for start, planes in self.iter_planes(n_vocab):
+            out[start:start + len(planes)] = planes_to_codes(planes)
+        return out
+
+
+def _read_exact(reader, view: memoryview, what: str) -> None:
+    got = 0
+    try:
+        while got < len(view):
+            n = reader.readinto(view[got:])
+            if not n:
+                raise StoreFormatError(f"{what}: code frame ends early ({got} of {len(view)} bytes)")
+            got += n
+    except zstandard.ZstdError as exc:
+        raise StoreFormatError(f"{what}: code frame is corrupt ({exc})") from None
+
+
+def codes_to_planes(codes: np.ndarray) -> np.ndarray:
+    """uint16 [b, n_vocab] -> uint8 [b, 2, n_vocab] (high bytes, then low bytes): zstd packs planes far better."""
+    codes = np.asarray(codes, dtype=np.uint16)
+    planes = np.empty((codes.shape[0], 2, codes.shape[1]), dtype=np.uint8)
+    np.right_shift(codes, 8, out=planes[:, 0, :], casting="unsafe")
+    np.bitwise_and(codes, 0xFF, out=planes[:, 1, :], casting="unsafe")
+    return planes
+
+
+def planes_to_codes(planes: np.ndarray) -> np.ndarray:
+    return (planes[:, 0, :].astype(np.uint16) << 8) | planes[:, 1, :]
+
+
+class ChunkBuilder:
+    """Accumulates one chunk token-block by token-block, compressing as it goes."""
+
+    def __init__(self, index: int, level: int = ZSTD_LEVEL):
+        self.index = index
+        self._z = zstandard.ZstdCompressor(level=level).compressobj()
+        self._parts: list[bytes] = []
+        self._scalars: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+
+    def add(self, codes: np.ndarray, logprob_target: np.ndarray, logprob_max: np.ndarray,
+            top_ids: np.ndarray) -> None:
+        self._parts.append(self._z.compress(codes_to_planes(codes).tobytes()))
+        self._scalars.append((np.asarray(logprob_target, np.float64), np.asarray(logprob_max, np.float64),
+                              np.asarray(top_ids, np.int32)))
+
+    def finish(self) -> ChunkData:
+        self._parts.append(self._z.flush())
+        lt, lm, top = (np.concatenate(cols) for cols in zip(*self._scalars))
+        return ChunkData(self.index, lt, lm, top, b"".join(self._parts))
+
+
+def _encode_record(tag: bytes, payload: bytes) -> bytes:
+    return _RECORD.pack(tag, 0, len(payload)) + payload + _CRC.pack(zlib.crc32(payload))
+
+
+def _chunk_payload(chunk: ChunkData, top_k: int) -> bytes:
+    n = chunk.n_tokens
+    if chunk.top_ids.shape != (n, top_k):
+        raise ValueError(f"top_ids must be [{n}, {top_k}], got {chunk.top_ids.shape}")
+    return b"".join([
+        _CHUNK_HEAD.pack(chunk.index, n, top_k, 0),
+        np.ascontiguousarray(chunk.logprob_target, "<f8").tobytes(),
+        np.ascontiguousarray(chunk.logprob_max, "<f8").tobytes(),
+        np.ascontiguousarray(chunk.top_ids, "<i4").tobytes(),
+        chunk.codes_zst,
+    ])
+
+
+class StoreWriter:
+    """Appends chunks to a store; `open()` creates a new file or resumes an interrupted one."""
+
+    def __init__(self, path: Path, header: StoreHeader, fh, done: dict[int, int]):
+        self.path, self.header, self._fh, self._offsets = path, header, fh, done
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, header: StoreHeader, tokens: np.ndarray,
+             lut: np.ndarray) -> "StoreWriter":
+        """Create `path`, or resume it if it already holds a capture of exactly the same inputs."""
+        path = Path(path)
+        tokens = np.ascontiguousarray(tokens, dtype="<i4")
+        if tokens.shape != (header.n_chunks, header.n_ctx):
+            raise ValueError(f"tokens must be [{header.n_chunks}, {header.n_ctx}], got {tokens.shape}")
+        if header.tokens_sha256 != tokens_sha256(tokens):
+            raise ValueError("header.tokens_sha256 does not match the tokens")
+        if path.exists() and path.stat().st_size > 0:
+            return cls._resume(path, header, lut)
+        try:
+            fh = open(path, "wb")
+        except OSError as exc:
+            raise QevalError(f"cannot create store {path}: {exc.strerror}") from None
+        fh.write(_PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0))
+        fh.write(_encode_record(b"HEAD", json.dumps(header.to_json(), sort_keys=True).encode()))
+        fh.write(_encode_record(b"TOKS", tokens.tobytes()))
+        fh.write(_encode_record(b"LUT_", np.ascontiguousarray(lut, "<f4").tobytes()))
+        _sync(fh)
+        return cls(path, header, fh, {})
+
+    @classmethod
+    def _resume(cls, path: Path, header: StoreHeader, lut: np.ndarray) -> "StoreWriter":
+        with StoreReader(path, verify_chunks=True, tolerate_torn_tail=True) as old:
+            if old.complete:
+                raise StoreComplete(path)
+            _require_same_capture(old.header, header, path)
+            if not np.array_equal(old.lut, np.asarray(lut, np.float32)):
+                raise StoreFormatError(f"{path}: existing store uses another code table; "
+                                       "remove it or choose another label")
+            good_end, offsets = old.end_of_valid_data, dict(old.chunk_offsets)
+            header = old.header
+        fh = open(path, "r+b")
+        fh.truncate(good_end)  # drop a torn last record, never a whole one
+        fh.seek(good_end)
+        return cls(path, header, fh, offsets)
+
+    @property
+    def done_chunks(self) -> set[int]:
+        return set(self._offsets)
+
+    def write_chunk(self, chunk: ChunkData) -> None:
+        if chunk.index not in self.header.chunk_range:
+            raise ValueError(f"chunk {chunk.index} is outside {self.header.chunk_start}:{self.header.chunk_stop}")
+        if chunk.index in self._offsets:
+            raise ValueError(f"chunk {chunk.index} is already stored")
+        if chunk.n_tokens != self.header.n_scored:
+            raise ValueError(f"chunk has {chunk.n_tokens} tokens, expected {self.header.n_scored}")
+        record = _encode_record(b"CHNK", _chunk_payload(chunk, self.header.top_k))
+        self._append(record)
+        self._offsets[chunk.index] = self._fh.tell() - len(record)
+
+    def _append(self, record: bytes) -> None:
+        start = self._fh.tell()
+        try:
+            self._fh.write(record)
+            _sync(self._fh)
+        except OSError as exc:
+            # Leave the file exactly as it was before this record, so it stays resumable.
+            try:
+                self._fh.truncate(start)
+                self._fh.seek(start)
+            except OSError:
+                pass
+            raise QevalError(f"writing {self.path} failed ({exc.strerror or exc}); the store is intact up to its "
+                             "last complete chunk: free space and re-run the same command to resume") from None
+
+    def finish(self) -> None:
+        """Write the chunk index and the trailer: from now on the store reads as complete."""
+        missing = set(self.header.chunk_range) - set(self._offsets)
+        if missing:
+            raise ValueError(f"cannot finish: {len(missing)} chunks missing (first {min(missing)})")
+        entries = np.zeros(len(self._offsets), dtype=_INDEX_ENTRY)
+        for row, (chunk, offset) in enumerate(sorted(self._offsets.items())):
+            entries[row] = (chunk, 0, offset)
+        index_offset = self._fh.tell()
+        self._append(_encode_record(b"INDX", entries.tobytes()) + _TRAILER.pack(TRAILER_MAGIC, index_offset))
+
+    def close(self) -> None:
+        self._fh.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class StoreComplete(Exception):
+    """Raised by StoreWriter.open when the store is already complete (resume is a no-op)."""
+
+    def __init__(self, path: Path):
+        super().__init__(f"{path} is already complete")
+        self.path = path
+
+
+def _sync(fh) -> None:
+    fh.flush()
+    os.fsync(fh.fileno())
+
+
+_IDENTITY_FIELDS = ("n_vocab", "n_ctx", "n_chunks", "chunk_start", "chunk_stop", "tokens_sha256",
+                    "tokenizer_sha256", "top_k", "codec", "model", "kv")
+
+
+def _require_same_capture(old: StoreHeader, new: StoreHeader, path: Path) -> None:
+    for name in _IDENTITY_FIELDS:
+        if getattr(old, name) != getattr(new, name):
+            raise StoreFormatError(
+                f"{path} already holds a different capture ({name} differs: stored "
+                f"{_short(getattr(old, name))}, requested {_short(getattr(new, name))}); "
+                "remove it or choose another label")
+
+
+def _short(v: object) -> str:
+    s = json.dumps(v, sort_keys=True) if isinstance(v, dict) else str(v)
+    return s if len(s) <= 80 else s[:77] + "..."
+
+
+class StoreReader:
+    """Reads a store, checking everything it reads; chunks are read (and checksummed) on demand."""
+
+    def __init__(self, path: str | os.PathLike, verify_chunks: bool = False, tolerate_torn_tail: bool = False):
+        self.path = Path(path)
+        try:
+            self._fh = open(self.path, "rb")
+        except OSError as exc:
+            raise StoreFormatError(f"cannot open store {self.path}: {exc.strerror}") from None
+        try:
+            self.size_bytes = os.fstat(self._fh.fileno()).st_size
+            self._read_prologue()
+            self.chunk_offsets: dict[int, int] = {}
+            self.complete = self._read_index()
+            if not self.complete:
+                self._scan_chunks(verify_chunks, tolerate_torn_tail)
+            elif verify_chunks:
+                for i in self.chunk_offsets:
+                    self.read_chunk(i)
+        except BaseException:
+            self._fh.close()
+            raise
+
+    # -- structure -------------------------------------------------------------------------------
+    def _where(self, offset: int) -> str:
+        return f"{self.path} (offset {offset})"
+
+    def _read_at(self, offset: int, n: int) -> bytes:
+        self._fh.seek(offset)
+        data = self._fh.read(n)
+        if len(data) != n:
+            raise StoreFormatError(f"{self.path}: truncated file (wanted {n} bytes at offset {offset}, "
+                                   f"file is {self.size_bytes} bytes)")
+        return data
+
+    def _record_at(self, offset: int, want_tag: bytes, max_len: int | None = None) -> tuple[bytes, int]:
+        """Return (payload, offset after the record), checking tag, length and crc."""
+        tag, zero, n = _RECORD.unpack(self._read_at(offset, _RECORD.size))
+        if tag != want_tag or zero != 0:
+            raise StoreFormatError(f"{self._where(offset)}: expected a {want_tag.decode()} record, "
+                                   f"found {tag!r}")
+        end = offset + _RECORD.size + n + _CRC.size
+        if end > self.size_bytes or (max_len is not None and n > max_len):
+            raise StoreFormatError(f"{self._where(offset)}: truncated file ({want_tag.decode()} record of "
+                                   f"{n} bytes does not fit in {self.size_bytes} bytes)")
+        payload = self._read_at(offset + _RECORD.size, n)
+        (crc,) = _CRC.unpack(self._read_at(offset + _RECORD.size + n, _CRC.size))
+        if zlib.crc32(payload) != crc:
+            raise StoreFormatError(f"{self._where(offset)}: checksum mismatch in {want_tag.decode()} "
+                                   "record (the file is corrupted)")
+        return payload, end
+
+    def _read_prologue(self) -> None:
+        magic, version, _ = _PREAMBLE.unpack(self._read_at(0, _PREAMBLE.size))
+        if magic != MAGIC:
+            raise StoreFormatError(f"{self.path} is not a qeval store (bad magic {magic[:8]!r})")
+        if version != FORMAT_VERSION:
+            raise StoreFormatError(f"{self.path}: store format version {version} is not supported "
+                                   f"(this qeval reads version {FORMAT_VERSION})")
+        payload, pos = self._record_at(_PREAMBLE.size, b"HEAD", _MAX_HEADER_BYTES)
+        try:
+            raw = json.loads(payload)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise StoreFormatError(f"{self.path}: header is not valid JSON ({exc})") from None
+        self.header = StoreHeader.from_json(raw, str(self.path))
+        h = self.header
+        payload, pos = self._record_at(pos, b"TOKS", 4 * h.n_chunks * h.n_ctx)
+        if len(payload) != 4 * h.n_chunks * h.n_ctx:
+            raise StoreFormatError(f"{self.path}: token block has {len(payload)} bytes, expected "
+                                   f"{4 * h.n_chunks * h.n_ctx}")
+        self.tokens = np.frombuffer(payload, dtype="<i4").reshape(h.n_chunks, h.n_ctx)
+        if tokens_sha256(self.tokens) != h.tokens_sha256:
+            raise StoreFormatError(f"{self.path}: token ids do not match the header's tokens_sha256")
+        if self.tokens.min() < 0 or self.tokens.max() >= h.n_vocab:
+            raise StoreFormatError(f"{self.path}: token ids outside the vocab of {h.n_vocab}")
+        payload, pos = self._record_at(pos, b"LUT_", 4 * N_CODES)
+        if len(payload) != 4 * N_CODES:
+            raise StoreFormatError(f"{self.path}: code table has {len(payload)} bytes, expected {4 * N_CODES}")
+        self.lut = np.frombuffer(payload, dtype="<f4").astype(np.float32)
+        if not (np.all(np.isfinite(self.lut)) and np.all(np.diff(self.lut) >= 0) and self.lut[-1] == 0.0):
+            raise StoreFormatError(f"{self.path}: code table must be finite, non-decreasing and end at 0")
+        self.first_chunk_offset = pos
+
+    def _read_index(self) -> bool:
+        if self.size_bytes < self.first_chunk_offset + _TRAILER.size:
+            return False
+        magic, index_offset = _TRAILER.unpack(self._read_at(self.size_bytes - _TRAILER.size, _TRAILER.size))
+        if magic != TRAILER_MAGIC:
+            return False
+        if not self.first_chunk_offset <= index_offset < self.size_bytes - _TRAILER.size:
+            raise StoreFormatError(f"{self.path}: trailer points outside the file")
+        payload, end = self._record_at(index_offset, b"INDX")
+        if end != self.size_bytes - _TRAILER.size or len(payload) % _INDEX_ENTRY.itemsize:
+            raise StoreFormatError(f"{self.path}: chunk index is malformed")
+        entries = np.frombuffer(payload, dtype=_INDEX_ENTRY)
+        for chunk, _, offset in entries:
+            if not self.first_chunk_offset <= int(offset) < index_offset:
+                raise StoreFormatError(f"{self.path}: chunk index entry points outside the file")
+            self.chunk_offsets[int(chunk)] = int(offset)
+        if sorted(self.chunk_offsets) != list(self.header.chunk_range):
+            raise StoreFormatError(f"{self.path}: chunk index does not cover chunks "
+                                   f"{self.header.chunk_start}:{self.header.chunk_stop}")
+        self.end_of_valid_data = index_offset
+        return True
+
+    def _scan_chunks(self, verify: bool, tolerate_torn_tail: bool) -> None:
+        """Walk CHNK records of a store without a trailer (being written, or interrupted)."""
+        pos = self.first_chunk_offset
+        while pos < self.size_bytes:
+            try:
+                chunk = self._chunk_at(pos, verify)
+            except StoreFormatError:
+                if tolerate_torn_tail:
+                    break
+                raise
+            self.chunk_offsets[chunk[0]] = pos
+            pos = chunk[1]
+        self.end_of_valid_data = pos
+
+    def _chunk_at(self, offset: int, verify: bool) -> tuple[int, int]:
+        """(chunk index, end offset) of the CHNK record at offset; full crc check only if verify."""
+        head = self._read_at(offset, _RECORD.size + _CHUNK_HEAD.size)
+        tag, zero, n = _RECORD.unpack(head[:_RECORD.size])
+        if tag != b"CHNK" or zero != 0:
+            raise StoreFormatError(f"{self._where(offset)}: expected a CHNK record, found {tag!r}")
+        end = offset + _RECORD.size + n + _CRC.size
+        if end > self.size_bytes:
+            raise StoreFormatError(f"{self.path}: truncated file (last chunk record is incomplete)")
+        index = _CHUNK_HEAD.unpack(head[_RECORD.size:])[0]
+        if index not in self.header.chunk_range or index in self.chunk_offsets:
+            raise StoreFormatError(f"{self._where(offset)}: unexpected chunk number {index}")
+        if verify:
+            self._record_at(offset, b"CHNK")
+        return index, end
+
+    # -- chunks ----------------------------------------------------------------------------------
+    @property
+    def chunk_indices(self) -> list[int]:
+        return sorted(self.chunk_offsets)
+
+    def read_chunk(self, index: int) -> ChunkData:
+        if index not in self.chunk_offsets:
+            state = "complete" if self.complete else "still being written or interrupted"
+            raise StoreFormatError(f"{self.path}: chunk {index} is not in this store ({state}; it holds "
+                                   f"{len(self.chunk_offsets)} chunks)")
+        payload, _ = self._record_at(self.chunk_offsets[index], b"CHNK")
+        h = self.header
+        if len(payload) < _CHUNK_HEAD.size:
+            raise StoreFormatError(f"{self.path}: chunk {index} record is too short")
+        got_index, n, top_k, _ = _CHUNK_HEAD.unpack_from(payload)
+        if got_index != index or n != h.n_scored or top_k != h.top_k:
+            raise StoreFormatError(f"{self.path}: chunk {index} record disagrees with the header "
+                                   f"(index {got_index}, {n} tokens, top_k {top_k})")
+        pos = _CHUNK_HEAD.size
+        sizes = (8 * n, 8 * n, 4 * n * top_k)
+        if len(payload) < pos + sum(sizes):
+            raise StoreFormatError(f"{self.path}: chunk {index} record is too short")
+        cols = []
+        for size, dtype in zip(sizes, ("<f8", "<f8", "<i4")):
+            cols.append(np.frombuffer(payload, dtype=dtype, count=size // np.dtype(dtype).itemsize, offset=pos))
+            pos += size
+        top_ids = cols[2].reshape(n, top_k)
+        if top_ids.min() < 0 or top_ids.max() >= h.n_vocab:
+            raise StoreFormatError(f"{self.path}: chunk {index} holds token ids outside the vocab")
+        return ChunkData(index, cols[0], cols[1], top_ids, payload[pos:])
+
+    def close(self) -> None:
+        self._fh.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
