@@ -64,8 +64,7 @@ def compare(ref: str, cand: str, chunks: int | None = None, runs_dir=None, threa
                 save_path = runs.store_path(save, directory)
             engine, cand_src = open_live(cand, ref_src, chunks, settings, save or Path(cand).stem, save_path)
             stack.callback(engine.close)
-            if cand_src.writer is not None:
-                stack.callback(cand_src.writer.close)
+            stack.callback(cand_src.close)
         else:
             if save:
                 raise QevalError("--save only applies when the candidate is a GGUF model run live")
@@ -129,7 +128,7 @@ def import_llamacpp_report(file: Path, out: Path) -> str:
 
 def capture_store(model: str, label: str, runs_dir=None, out: str | None = None, corpus: str | None = None,
                   n_ctx: int = 512, chunks: int | None = None, settings: EngineSettings = EngineSettings(),
-                  n_batch: int | None = None, chunk_range: tuple[int, int] | None = None,
+                  n_batch: int = 128, chunk_range: tuple[int, int] | None = None,
                   progress: bool = False) -> tuple[dict, str]:
     directory = runs.runs_dir(runs_dir)
     runs.check_label(label)
@@ -153,3 +152,40 @@ def capture_store(model: str, label: str, runs_dir=None, out: str | None = None,
                 f"in {result.seconds:.1f} s")
     return {"path": str(result.path), "status": result.status, "chunks": result.chunks_total,
             "chunks_written": result.chunks_written, "seconds": result.seconds}, text
+
+
+def demo_report(chunks: int = 80, runs_dir=None, models_dir=None, n_ctx: int = 512, progress: bool = True,
+                threads: int | None = None) -> tuple[dict, str]:
+    """Gemma-3-270M end to end: derive quants, capture the Q8_0 reference, compare every candidate."""
+    from . import demo  # noqa: PLC0415
+
+    directory = runs.runs_dir(runs_dir)
+    paths = demo.prepare_models(demo.models_dir(models_dir))
+    _, text = capture_store(str(paths[demo.REFERENCE]), demo.REFERENCE, runs_dir=directory, n_ctx=n_ctx,
+                            chunks=chunks, settings=EngineSettings(n_threads=threads), progress=progress)
+    lines = [demo.DERIVATION_NOTE, text]
+    results = []
+    for run in demo.demo_runs():
+        store = runs.store_path(run.label, directory)
+        settings = EngineSettings(run.type_k, run.type_v, "on" if run.type_v != "f16" else "auto", 0, threads)
+        cand, save = (run.label, None) if _is_complete(store) else (str(paths[run.quant]), run.label)
+        if save and store.exists():
+            store.unlink()  # an interrupted live run: its partial store is redone from scratch
+        result, _ = kld_report(demo.REFERENCE, cand, chunks=chunks, runs_dir=directory, progress=progress,
+                               settings=settings, save=save)
+        results.append(result)
+    rows = [report.leaderboard_row(r) for r in results]
+    lines += ["", f"reference {demo.REFERENCE}, {results[0]['chunks']} chunks of {n_ctx} tokens, "
+              f"{results[0]['scored_tokens']} scored tokens, corpus {results[0]['reference']['corpus'].get('name')}",
+              report.leaderboard_markdown(rows)]
+    return {"rows": rows, "results": results}, "\n".join(lines)
+
+
+def _is_complete(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    try:
+        with StoreReader(path) as store:
+            return store.complete
+    except QevalError:
+        return False

@@ -37,7 +37,8 @@ class CaptureSpec:
     chunks: int | None = None
     chunk_range: tuple[int, int] | None = None  # windows [start, stop) of the corpus, for shards
     settings: EngineSettings = field(default_factory=EngineSettings)
-    n_batch: int | None = None  # tokens per decode; default n_ctx (one window per decode)
+    n_batch: int = 128  # tokens per llama_decode call: bounds llama.cpp's logits buffers
+    threads: int = 2  # encoder threads
     code: SqrtLogCode = field(default_factory=SqrtLogCode)
 
 
@@ -51,24 +52,23 @@ class CaptureResult:
     header: StoreHeader | None = None
 
 
-def windows_per_decode(n_ctx: int, n_batch: int | None) -> int:
-    """llama-perplexity's rule: n_batch / n_ctx windows per decode (n_batch < n_ctx is not supported)."""
-    n_batch = n_batch or n_ctx
-    if n_batch < n_ctx or n_batch % n_ctx:
-        raise QevalError(f"-b/--batch-size {n_batch} must be a multiple of the context size {n_ctx}")
-    return n_batch // n_ctx
+def encode_window(engine: Engine, index: int, window: np.ndarray, code: SqrtLogCode, pool: ThreadPoolExecutor,
+                  compress: bool = True) -> ChunkData:
+    """Decode one window and code its scored logits, blocks spread over `pool` (numpy, numba and
+    zstd release the GIL). Logits are read straight from llama.cpp's buffer, never copied."""
+    targets = scored_targets(window)
+    builder = ChunkBuilder(index, compress=compress, threads=pool._max_workers)
 
-
-def encode_chunk(index: int, logits: np.ndarray, targets: np.ndarray, code: SqrtLogCode) -> ChunkData:
-    """Code one window's scored logits [n_scored, V] (a view into llama.cpp's buffer is fine)."""
-    builder = ChunkBuilder(index)
-    for s in range(0, len(logits), ENCODE_BLOCK):
+    def encode(view: np.ndarray, row0: int, start: int):
         try:
-            block = code.encode_block(logits[s:s + ENCODE_BLOCK], targets[s:s + ENCODE_BLOCK])
+            return code.encode_block(view[start:start + ENCODE_BLOCK], targets[row0 + start:row0 + start + ENCODE_BLOCK])
         except BadLogits as exc:
             raise QevalError(f"chunk {index}: the model produced invalid logits ({exc}); the model file or "
                              "this llama.cpp build is broken for these settings") from None
-        builder.add(block.codes, block.logprob_target, block.logprob_max, block.top_ids)
+
+    for row0, view in engine.iter_scored_logits(window):
+        for block in pool.map(lambda start: encode(view, row0, start), range(0, len(view), ENCODE_BLOCK)):
+            builder.add(block.planes, block.logprob_target, block.logprob_max, block.top_ids)
     return builder.finish()
 
 
@@ -106,17 +106,16 @@ def capture(spec: CaptureSpec, on_chunk: Callable[[int], None] | None = None,
     """Write (or resume) the store for `spec`. on_plan(total, already_done); on_chunk(1) per chunk."""
     t0 = time.perf_counter()
     settings = spec.settings.validate()
-    n_seq = windows_per_decode(spec.n_ctx, spec.n_batch)
     corpus = load_corpus(spec.corpus)
     ensure_llama_runs(spec.model)
     facts = model_facts(spec.model)
-    with Engine(spec.model, spec.n_ctx, n_seq, settings) as engine:
+    with Engine(spec.model, spec.n_ctx, settings, spec.n_batch) as engine:
         tokens = engine.tokenize(corpus.text)
         windows = make_windows(tokens, spec.n_ctx, spec.chunks, f"corpus {corpus.name!r}")
         chunk_range = resolve_range(spec.chunk_range, len(windows))
         identity = {**corpus.identity(), "n_tokens": int(len(tokens)), "chunks_available": int(len(tokens) // spec.n_ctx)}
         header = make_header(engine, spec.label, windows, chunk_range, facts, settings, identity, spec.code,
-                             n_seq * spec.n_ctx)
+                             engine.n_batch)
         out = Path(spec.out)
         try:
             writer = StoreWriter.open(out, header, windows, spec.code.lut())
@@ -127,35 +126,14 @@ def capture(spec: CaptureSpec, on_chunk: Callable[[int], None] | None = None,
             todo = [i for i in range(*chunk_range) if i not in writer.done_chunks]
             if on_plan:
                 on_plan(chunk_range[1] - chunk_range[0], chunk_range[1] - chunk_range[0] - len(todo))
-            _run_pipeline(engine, windows, todo, n_seq, spec.code, writer, on_chunk)
+            with ThreadPoolExecutor(max_workers=max(1, spec.threads)) as pool:
+                for index in todo:
+                    writer.write_chunk(encode_window(engine, index, windows[index], spec.code, pool))
+                    if on_chunk:
+                        on_chunk(1)
             writer.finish()
     return CaptureResult(out, "complete", chunk_range[1] - chunk_range[0], len(todo), time.perf_counter() - t0,
                          header)
-
-
-def _run_pipeline(engine: Engine, windows: np.ndarray, todo: list[int], n_seq: int, code: SqrtLogCode,
-                  writer: StoreWriter, on_chunk) -> None:
-    """Decode group g+1 while a worker codes and writes group g (one spare logits buffer)."""
-    if not todo:
-        return
-    spare = np.empty((min(n_seq, len(todo)), engine.n_scored, engine.n_vocab), dtype=np.float32)
-
-    def encode_group(group: list[int], logits: np.ndarray) -> None:
-        for row, index in enumerate(group):
-            writer.write_chunk(encode_chunk(index, logits[row], scored_targets(windows[index]), code))
-            if on_chunk:
-                on_chunk(1)
-
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        pending = None
-        for start in range(0, len(todo), n_seq):
-            group = todo[start:start + n_seq]
-            view = engine.scored_logits(windows[group])
-            if pending is not None:
-                pending.result()
-            np.copyto(spare[:len(group)], view)
-            pending = pool.submit(encode_group, group, spare[:len(group)])
-        pending.result()
 
 
 class LiveSource:
@@ -163,14 +141,15 @@ class LiveSource:
 
     Chunks are produced on demand (decode + code under a lock), so metrics workers overlap the
     model's next forward pass with the kernel of the previous chunk. With `writer`, every chunk
-    is also saved: the stored and live candidate are the same bytes, hence the same numbers.
+    is also saved; either way the codes are the same, hence stored and live give the same numbers.
     """
 
     complete = True
 
     def __init__(self, engine: Engine, header: StoreHeader, tokens: np.ndarray, code: SqrtLogCode,
-                 writer: StoreWriter | None = None, path: str = "(live)"):
+                 writer: StoreWriter | None = None, path: str = "(live)", threads: int = 2):
         self.engine, self.header, self.tokens, self.code = engine, header, tokens, code
+        self._pool = ThreadPoolExecutor(max_workers=threads)
         self.lut = code.lut()
         self.chunk_indices = list(header.chunk_range)
         self.writer, self.path = writer, path
@@ -178,11 +157,17 @@ class LiveSource:
 
     def read_chunk(self, index: int) -> ChunkData:
         with self._lock:
-            view = self.engine.scored_logits(self.tokens[index][None])
-            chunk = encode_chunk(index, view[0], scored_targets(self.tokens[index]), self.code)
+            # Compressing only pays when the chunk is kept; the codes are the same either way.
+            chunk = encode_window(self.engine, index, self.tokens[index], self.code, self._pool,
+                                  compress=self.writer is not None)
             if self.writer is not None and index not in self.writer.done_chunks:
                 self.writer.write_chunk(chunk)
         return chunk
+
+    def close(self) -> None:
+        self._pool.shutdown()
+        if self.writer is not None:
+            self.writer.close()
 
 
 def open_live(model: str, ref, n_chunks: int | None, settings: EngineSettings, label: str,
@@ -197,7 +182,7 @@ def open_live(model: str, ref, n_chunks: int | None, settings: EngineSettings, l
         raise QevalError("the reference is a shard (it does not start at chunk 0); merge it first")
     ensure_llama_runs(model)
     facts = model_facts(model)
-    engine = Engine(model, rh.n_ctx, 1, settings)
+    engine = Engine(model, rh.n_ctx, settings)
     try:
         if engine.n_vocab != rh.n_vocab:
             raise MismatchError(f"vocab size differs: reference {rh.n_vocab}, candidate model {engine.n_vocab} "

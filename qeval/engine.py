@@ -1,8 +1,10 @@
 """A GGUF model behind llama-cpp-python's low-level API: tokenize, and decode windows returning
-only the logits of scored positions, as a view of llama.cpp's own output buffer (no copies).
+only the logits of scored positions, as views of llama.cpp's own output buffer (no copies).
 
 Windows are decoded the way llama-perplexity decodes them: KV cache cleared, one sequence per
-window, positions from 0, the first token replaced by BOS when the vocab adds one.
+window, positions from 0, the first token replaced by BOS when the vocab adds one. Unlike
+llama-perplexity, a window is submitted in pieces (unscored half, then scored pieces) to bound
+the output buffers; the logits agree with its own to the last printed digit (see README).
 """
 
 from __future__ import annotations
@@ -87,13 +89,16 @@ def check_model_file(path: str | os.PathLike) -> Path:
 
 
 class Engine:
-    """One loaded model and context, sized for `n_seq` windows of `n_ctx` tokens per decode."""
+    """One loaded model and context for windows of `n_ctx` tokens, decoded `n_batch` at a time."""
 
-    def __init__(self, model_path: str | os.PathLike, n_ctx: int, n_seq: int = 1,
-                 settings: EngineSettings = EngineSettings()):
+    def __init__(self, model_path: str | os.PathLike, n_ctx: int, settings: EngineSettings = EngineSettings(),
+                 n_batch: int = 128):
         self.settings = settings.validate()
         self.model_path = check_model_file(model_path)
-        self.n_ctx, self.n_seq = n_ctx, n_seq
+        self.n_ctx = n_ctx
+        if n_batch < 1:
+            raise QevalError("-b/--batch-size must be at least 1")
+        self.n_batch = min(n_batch, n_ctx)
         quiet_llama()
         lc = self._lc = _llama_cpp()
         mparams = lc.llama_model_default_params()
@@ -106,10 +111,10 @@ class Engine:
         self.add_bos = bool(lc.llama_vocab_get_add_bos(self.vocab))
         self.bos = int(lc.llama_vocab_bos(self.vocab))
         cparams = lc.llama_context_default_params()
-        cparams.n_ctx = n_ctx * n_seq
-        cparams.n_batch = n_ctx * n_seq
-        cparams.n_ubatch = min(512, n_ctx * n_seq)
-        cparams.n_seq_max = n_seq
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = self.n_batch
+        cparams.n_ubatch = self.n_batch
+        cparams.n_seq_max = 1
         cparams.type_k = KV_TYPES[settings.type_k]
         cparams.type_v = KV_TYPES[settings.type_v]
         cparams.flash_attn_type = FLASH_ATTN[settings.flash_attn]
@@ -121,15 +126,15 @@ class Engine:
             lc.llama_model_free(self.model)
             raise QevalError(f"llama.cpp could not create a context for {self.model_path.name} with KV "
                              f"{settings.type_k}/{settings.type_v}, flash attention {settings.flash_attn} "
-                             f"(n_ctx {n_ctx} x {n_seq} windows): out of memory, or a setting this build "
+                             f"(n_ctx {n_ctx}): out of memory, or a setting this build "
                              "does not support")
         self.first, self.n_scored = n_ctx // 2, n_ctx - 1 - n_ctx // 2
-        self._batch = lc.llama_batch_init(n_ctx * n_seq, 0, 1)
-        self._tokens_view = np.ctypeslib.as_array(self._batch.token, shape=(n_ctx * n_seq,))
-        self._pos_view = np.ctypeslib.as_array(self._batch.pos, shape=(n_ctx * n_seq,))
-        self._nseq_view = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(n_ctx * n_seq,))
-        self._logits_view = np.ctypeslib.as_array(self._batch.logits, shape=(n_ctx * n_seq,))
-        self._seq_slots = [self._batch.seq_id[i] for i in range(n_ctx * n_seq)]
+        self._batch = lc.llama_batch_init(n_ctx, 0, 1)
+        self._tokens_view = np.ctypeslib.as_array(self._batch.token, shape=(n_ctx,))
+        self._pos_view = np.ctypeslib.as_array(self._batch.pos, shape=(n_ctx,))
+        self._nseq_view = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(n_ctx,))
+        self._logits_view = np.ctypeslib.as_array(self._batch.logits, shape=(n_ctx,))
+        self._seq_slots = [self._batch.seq_id[i] for i in range(n_ctx)]
 
     # -- vocab -----------------------------------------------------------------------------------
     def tokenize(self, text: str) -> np.ndarray:
@@ -151,36 +156,50 @@ class Engine:
         return h.hexdigest()
 
     # -- decoding --------------------------------------------------------------------------------
-    def scored_logits(self, windows: np.ndarray) -> np.ndarray:
-        """Decode up to n_seq windows [w, n_ctx]; return float32 [w, n_scored, n_vocab].
-
-        The result is a view of llama.cpp's output buffer: valid only until the next call.
-        """
-        w, n_ctx = windows.shape
-        if n_ctx != self.n_ctx or not 1 <= w <= self.n_seq:
-            raise ValueError(f"expected at most {self.n_seq} windows of {self.n_ctx} tokens")
-        lc = self._lc
-        n = w * n_ctx
-        toks = np.array(windows, dtype=np.int32)
-        if self.add_bos:
-            toks[:, 0] = self.bos
-        self._tokens_view[:n] = toks.ravel()
-        pos = np.arange(n_ctx, dtype=np.int32)
-        self._pos_view[:n] = np.tile(pos, w)
+    def _fill_batch(self, tokens: np.ndarray, pos0: int, want_logits: np.ndarray) -> None:
+        n = len(tokens)
+        self._tokens_view[:n] = tokens
+        self._pos_view[:n] = np.arange(pos0, pos0 + n, dtype=np.int32)
         self._nseq_view[:n] = 1
-        want = (pos >= self.first) & (pos < n_ctx - 1)
-        self._logits_view[:n] = np.tile(want, w).astype(np.int8)
-        for s in range(w):
-            for j in range(n_ctx):
-                self._seq_slots[s * n_ctx + j][0] = s
+        self._logits_view[:n] = want_logits.astype(np.int8)
+        for j in range(n):
+            self._seq_slots[j][0] = 0
         self._batch.n_tokens = n
-        lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
-        rc = lc.llama_decode(self.ctx, self._batch)
+
+    def _decode(self) -> None:
+        rc = self._lc.llama_decode(self.ctx, self._batch)
         if rc != 0:
             raise QevalError(f"llama_decode failed with code {rc} (out of memory or KV cache too small)")
-        ptr = lc.llama_get_logits(self.ctx)
-        return np.ctypeslib.as_array(ptr, shape=(w * self.n_scored * self.n_vocab,)).reshape(
-            w, self.n_scored, self.n_vocab)
+
+    def iter_scored_logits(self, window: np.ndarray):
+        """Decode one window; yield (first scored row, float32 [rows, n_vocab]) piece by piece.
+
+        Pieces are n_batch tokens, so llama.cpp's output buffers hold n_batch rows, not n_ctx/2
+        (at a 262K vocab, 128 MiB instead of 255 MiB, twice: compute buffer and logits copy).
+        Each yielded array is a view of llama.cpp's buffer, valid until the next iteration.
+        """
+        if len(window) != self.n_ctx:
+            raise ValueError(f"expected a window of {self.n_ctx} tokens")
+        toks = np.array(window, dtype=np.int32)
+        if self.add_bos:
+            toks[0] = self.bos
+        lc = self._lc
+        lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
+        for start in range(0, self.first, self.n_batch):
+            stop = min(start + self.n_batch, self.first)
+            self._fill_batch(toks[start:stop], start, np.zeros(stop - start, dtype=bool))
+            self._decode()
+        for start in range(self.first, self.n_ctx, self.n_batch):
+            stop = min(start + self.n_batch, self.n_ctx)
+            pos = np.arange(start, stop)
+            want = pos < self.n_ctx - 1
+            self._fill_batch(toks[start:stop], start, want)
+            self._decode()
+            rows = int(want.sum())
+            if rows:
+                ptr = lc.llama_get_logits(self.ctx)
+                yield start - self.first, np.ctypeslib.as_array(ptr, shape=(rows * self.n_vocab,)).reshape(
+                    rows, self.n_vocab)
 
     def close(self) -> None:
         lc = self._lc

@@ -118,7 +118,7 @@ class LlamaCppBaseFile:
             block = self.code.encode_block(logp, targets[start:start + count])
             rows = np.arange(count)
             # keep llama.cpp's own (unnormalised) decoded values for the scalars
-            builder.add(block.codes, logp[rows, targets[start:start + count]].astype(np.float64),
+            builder.add(block.planes, logp[rows, targets[start:start + count]].astype(np.float64),
                         logp[rows, block.top_ids[:, 0]].astype(np.float64), block.top_ids)
         return builder.finish()
 

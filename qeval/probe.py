@@ -62,8 +62,9 @@ def _probe(model: str) -> None:
 
     from .engine import Engine  # noqa: PLC0415
 
-    with Engine(model, 16, 1) as engine:
-        engine.scored_logits(np.full((1, 16), engine.bos, dtype=np.int32))
+    with Engine(model, 16) as engine:
+        for _ in engine.iter_scored_logits(np.full(16, engine.bos, dtype=np.int32)):
+            pass
 
 
 if __name__ == "__main__":

@@ -154,3 +154,43 @@ def write_per_token(cmp: Comparison, path: Path) -> None:
         cols = [t[k] for k in PER_TOKEN_FIELDS]
         for row in zip(*cols):
             w.writerow([int(v) if isinstance(v, (np.integer, np.bool_)) else f"{float(v):.9g}" for v in row])
+
+
+def leaderboard_row(result: dict) -> dict:
+    """One row of the KLD/PPL leaderboard from a comparison's JSON."""
+    cand = result["candidate"]
+    model, kv = cand.get("model") or {}, cand.get("kv") or {}
+    p, k, top1 = result["perplexity"], result["kld"], result["same_top1"]
+    return {
+        "label": cand["label"],
+        "quant": model.get("quant", "?"),
+        "kv": f"{kv.get('type_k', '?')}/{kv.get('type_v', '?')}",
+        "size_gib": model.get("size_gib"),
+        "bpw": model.get("bits_per_weight"),
+        "ppl": p["ppl_cand"], "ppl_se": p["ppl_cand_se"],
+        "delta_ppl_pct": 100.0 * (p["ratio"] - 1.0),
+        "kld_mean": k["mean"], "kld_se": k["se"],
+        "kld_999": k["ladder"]["99.9%"], "kld_max": k["ladder"]["Maximum"],
+        "top1_pct": 100.0 * top1["fraction"], "top1_se_pct": 100.0 * top1["se"],
+        "rms_dp_pct": 100.0 * result["delta_p"]["rms"],
+    }
+
+
+LEADERBOARD_COLUMNS = ("quant", "KV", "size GiB", "BPW", "PPL ± SE", "ΔPPL %", "mean KLD ± SE", "99.9% KLD",
+                       "max KLD", "same top-1 % ± SE", "RMS Δp %")
+
+
+def leaderboard_markdown(rows: list[dict]) -> str:
+    """A paste-ready markdown table, sorted by mean KLD."""
+    lines = ["| label | " + " | ".join(LEADERBOARD_COLUMNS) + " |", "|" + "---|" * (len(LEADERBOARD_COLUMNS) + 1)]
+    for r in sorted(rows, key=lambda r: r["kld_mean"]):
+        cells = [r["label"], r["quant"], r["kv"], _num(r["size_gib"], 3), _num(r["bpw"], 2),
+                 f"{r['ppl']:.4f} ± {r['ppl_se']:.4f}", f"{r['delta_ppl_pct']:+.2f}",
+                 f"{r['kld_mean']:.6f} ± {r['kld_se']:.6f}", f"{r['kld_999']:.4f}", f"{r['kld_max']:.4f}",
+                 f"{r['top1_pct']:.2f} ± {r['top1_se_pct']:.2f}", f"{r['rms_dp_pct']:.3f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _num(v, prec: int) -> str:
+    return "?" if v is None else f"{v:.{prec}f}"

@@ -148,6 +148,7 @@ class ChunkData:
     logprob_max: np.ndarray  # float64 [n]: log p of the argmax token
     top_ids: np.ndarray  # int32 [n, top_k]: most probable ids, best first (top_ids[:, 0] = argmax)
     codes_zst: bytes  # one zstd frame: per token, the high-byte plane then the low-byte plane
+    raw_planes: np.ndarray | None = None  # uint8 [n, 2, V] instead of codes_zst (live chunks, never stored)
 
     @property
     def n_tokens(self) -> int:
@@ -158,6 +159,10 @@ class ChunkData:
 
         Streams the frame, so memory stays at one block whatever the chunk size.
         """
+        if self.raw_planes is not None:
+            for start in range(0, self.n_tokens, block_tokens):
+                yield start, self.raw_planes[start:start + block_tokens]
+            return
         token_bytes = 2 * n_vocab
         reader = zstandard.ZstdDecompressor().stream_reader(self.codes_zst, read_across_frames=False)
         with reader:
@@ -203,23 +208,30 @@ def planes_to_codes(planes: np.ndarray) -> np.ndarray:
 
 
 class ChunkBuilder:
-    """Accumulates one chunk token-block by token-block, compressing as it goes."""
+    """Accumulates one chunk token-block by token-block, compressing as it goes.
 
-    def __init__(self, index: int, level: int = ZSTD_LEVEL):
+    With compress=False the planes are kept as they are (a live chunk that is compared, not stored).
+    """
+
+    def __init__(self, index: int, level: int = ZSTD_LEVEL, compress: bool = True, threads: int = 0):
         self.index = index
-        self._z = zstandard.ZstdCompressor(level=level).compressobj()
-        self._parts: list[bytes] = []
+        self._z = zstandard.ZstdCompressor(level=level, threads=threads).compressobj() if compress else None
+        self._parts: list = []
         self._scalars: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
 
-    def add(self, codes: np.ndarray, logprob_target: np.ndarray, logprob_max: np.ndarray,
+    def add(self, planes: np.ndarray, logprob_target: np.ndarray, logprob_max: np.ndarray,
             top_ids: np.ndarray) -> None:
-        self._parts.append(self._z.compress(codes_to_planes(codes).tobytes()))
+        """planes: uint8 [b, 2, V] (see codes_to_planes)."""
+        planes = np.ascontiguousarray(planes, dtype=np.uint8)
+        self._parts.append(self._z.compress(planes.data) if self._z else planes)
         self._scalars.append((np.asarray(logprob_target, np.float64), np.asarray(logprob_max, np.float64),
                               np.asarray(top_ids, np.int32)))
 
     def finish(self) -> ChunkData:
-        self._parts.append(self._z.flush())
         lt, lm, top = (np.concatenate(cols) for cols in zip(*self._scalars))
+        if self._z is None:
+            return ChunkData(self.index, lt, lm, top, b"", raw_planes=np.concatenate(self._parts))
+        self._parts.append(self._z.flush())
         return ChunkData(self.index, lt, lm, top, b"".join(self._parts))
 
 
