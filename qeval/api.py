@@ -107,7 +107,11 @@ def ppl_report(spec: str, chunks: int | None = None, runs_dir=None) -> tuple[dic
 
 
 def info_report(spec: str, runs_dir=None) -> tuple[dict, str]:
-    with contextlib.closing(open_source(spec, runs_dir)) as src:
+    path = runs.resolve_path(spec, runs.runs_dir(runs_dir))
+    # an interrupted capture may end in a torn record: report its whole chunks, not an error
+    opener = (lambda: StoreReader(path, tolerate_torn_tail=True)) if runs.is_store_file(path) else \
+        (lambda: open_source(spec, runs_dir))
+    with contextlib.closing(opener()) as src:
         d = report.info(src)
     return d, report.info_text(d)
 

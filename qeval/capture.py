@@ -18,7 +18,7 @@ import numpy as np
 from . import __version__
 from .codec import BadLogits, SqrtLogCode
 from .corpus import load_corpus, make_windows
-from .engine import Engine, EngineSettings
+from .engine import Engine, EngineSettings, check_model_file
 from .errors import MismatchError, QevalError
 from .modelinfo import model_facts
 from .probe import ensure_llama_runs
@@ -106,6 +106,7 @@ def capture(spec: CaptureSpec, on_chunk: Callable[[int], None] | None = None,
     """Write (or resume) the store for `spec`. on_plan(total, already_done); on_chunk(1) per chunk."""
     t0 = time.perf_counter()
     settings = spec.settings.validate()
+    check_model_file(spec.model)
     corpus = load_corpus(spec.corpus)
     ensure_llama_runs(spec.model)
     facts = model_facts(spec.model)
@@ -174,6 +175,7 @@ def open_live(model: str, ref, n_chunks: int | None, settings: EngineSettings, l
               save_path: Path | None, code: SqrtLogCode = SqrtLogCode()):
     """(engine, LiveSource) for a candidate GGUF against a reference's tokens; caller closes both."""
     settings = settings.validate()
+    check_model_file(model)
     rh = ref.header
     stop = rh.chunk_stop if n_chunks is None else n_chunks
     if n_chunks is not None and not 1 <= n_chunks <= rh.chunk_stop:

@@ -52,7 +52,7 @@ class SqrtLogCode:
         sqrt_zone = k < 2.0 * b
         d = np.empty(N_CODES, dtype=np.float64)
         d[sqrt_zone] = d0 + np.log((k[sqrt_zone] ** 2 + 1.0 / 12.0) / (2.0 * b) ** 2)
-        d[~sqrt_zone] = d0 + (k[~sqrt_zone] - 2.0 * b) / b
+        d[~sqrt_zone] = (k[~sqrt_zone] - (N_CODES - 1)) / b  # = d0 + (k - 2B)/B, exact 0 at the top
         return np.minimum(d, 0.0).astype(np.float32)
 
     def encode_block(self, logits: np.ndarray, targets: np.ndarray) -> "EncodedBlock":
@@ -64,7 +64,7 @@ class EncodedBlock:
     planes: np.ndarray  # uint8 [b, 2, V]: high bytes then low bytes of the uint16 codes
     logprob_target: np.ndarray  # float64 [b]
     logprob_max: np.ndarray  # float64 [b]
-    top_ids: np.ndarray  # int32 [b, TOP_K]
+    top_ids: np.ndarray  # int32 [b, min(TOP_K, V)]
 
     @property
     def codes(self) -> np.ndarray:
@@ -79,8 +79,9 @@ def encode_block(logits: np.ndarray, targets: np.ndarray, code: SqrtLogCode) -> 
     """Code a block of float32 logit rows [b, V]; `targets` are the correct next-token ids [b]."""
     logits = np.ascontiguousarray(logits, dtype=np.float32)
     b, n_vocab = logits.shape
-    top_vals = np.empty((b, TOP_K), dtype=np.float32)
-    top_ids = np.empty((b, TOP_K), dtype=np.int32)
+    top_k = min(TOP_K, n_vocab)
+    top_vals = np.empty((b, top_k), dtype=np.float32)
+    top_ids = np.empty((b, top_k), dtype=np.int32)
     _top_k(logits, top_vals, top_ids)
     row_max = top_vals[:, 0:1]
     if not np.all(np.isfinite(row_max)) or np.isnan(logits).any():

@@ -95,8 +95,7 @@ class LlamaCppBaseFile:
         """log p, float32 [count, n_vocab], as llama-perplexity decodes it."""
         n_vocab, n_scored = self.header.n_vocab, self.header.n_scored
         offset = self._data_offset + (chunk * n_scored + start) * self._record_bytes
-        self._fh.seek(offset)
-        raw = self._fh.read(count * self._record_bytes)
+        raw = os.pread(self._fh.fileno(), count * self._record_bytes, offset)  # thread-safe
         if len(raw) != count * self._record_bytes:
             raise StoreFormatError(f"{self.path}: truncated at chunk {chunk}")
         records = np.frombuffer(raw, dtype="<u2").reshape(count, -1)

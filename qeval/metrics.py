@@ -150,8 +150,9 @@ def compare_chunk(ref: ChunkData, cand: ChunkData, tokens: np.ndarray, ref_table
         "same_top1": ref.top_ids[:, 0] == cand.top_ids[:, 0],
     }
     for k in TOPK_AGREEMENT:
-        overlap = (ref.top_ids[:, :k, None] == cand.top_ids[:, None, :k]).any(axis=2).sum(axis=1)
-        out[f"top{k}_agreement"] = overlap / k
+        kk = min(k, ref.top_ids.shape[1], cand.top_ids.shape[1])  # tiny vocabs keep fewer ids
+        overlap = (ref.top_ids[:, :kk, None] == cand.top_ids[:, None, :kk]).any(axis=2).sum(axis=1)
+        out[f"top{k}_agreement"] = overlap / kk
     return out
 
 

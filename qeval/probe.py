@@ -33,14 +33,17 @@ def build_id() -> str:
     return h.hexdigest()[:32]
 
 
+def probe_command(model: str | os.PathLike) -> list[str]:
+    return [sys.executable, "-m", "qeval.probe", str(model)]
+
+
 def ensure_llama_runs(model: str | os.PathLike) -> None:
     if os.environ.get("QEVAL_SKIP_PROBE"):
         return
     marker = cache_dir() / "probe" / f"{build_id()}.ok"
     if marker.exists():
         return
-    proc = subprocess.run([sys.executable, "-m", "qeval.probe", str(model)], capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(probe_command(model), capture_output=True, text=True, timeout=600)
     if proc.returncode < 0:
         sig = signal.Signals(-proc.returncode).name
         raise QevalError(

@@ -35,30 +35,35 @@ def labels(directory: Path) -> list[str]:
     return sorted(p.name[:-len(STORE_SUFFIX)] for p in directory.glob(f"*{STORE_SUFFIX}")) if directory.is_dir() else []
 
 
-def open_source(spec: str, directory: Path):
-    """A store path, a llama.cpp --kl-divergence-base path, or a label in the runs directory."""
+def resolve_path(spec: str, directory: Path) -> Path:
+    """The file a store argument names: a path, or a label in the runs directory."""
     path = Path(spec)
     if path.is_file():
-        return _open_path(path)
+        return path
     if path.exists():
         raise QevalError(f"{spec} is not a regular file")
     if _LABEL.match(spec):
         candidate = directory / f"{spec}{STORE_SUFFIX}"
         if candidate.is_file():
-            return _open_path(candidate)
+            return candidate
     known = labels(directory)
     hint = f"labels in {directory}: {', '.join(known)}" if known else f"no stores in {directory}"
     raise QevalError(f"{spec!r} is neither a file nor a label in the runs directory ({hint})")
 
 
-def _open_path(path: Path):
-    if is_llamacpp_file(path):
-        return LlamaCppBaseFile(path)
+def is_store_file(path: Path) -> bool:
     try:
         with open(path, "rb") as fh:
-            magic = fh.read(len(MAGIC))
+            return fh.read(len(MAGIC)) == MAGIC
     except OSError as exc:
         raise QevalError(f"cannot read {path}: {exc.strerror}") from None
-    if magic != MAGIC:
+
+
+def open_source(spec: str, directory: Path):
+    """A store path, a llama.cpp --kl-divergence-base path, or a label in the runs directory."""
+    path = resolve_path(spec, directory)
+    if is_llamacpp_file(path):
+        return LlamaCppBaseFile(path)
+    if not is_store_file(path):
         raise QevalError(f"{path} is neither a qeval store nor a llama.cpp --kl-divergence-base file")
     return StoreReader(path)

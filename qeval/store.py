@@ -74,7 +74,7 @@ class StoreHeader:
     chunk_stop: int
     tokens_sha256: str
     label: str = ""
-    top_k: int = TOP_K
+    top_k: int = 0  # 0: min(TOP_K, n_vocab)
     codec: dict = field(default_factory=dict)
     tokenizer_sha256: str = ""
     model: dict = field(default_factory=dict)
@@ -84,6 +84,10 @@ class StoreHeader:
     source: str = "qeval"
     qeval_version: str = __version__
     format_version: int = FORMAT_VERSION
+
+    def __post_init__(self):
+        if self.top_k == 0:
+            object.__setattr__(self, "top_k", min(TOP_K, self.n_vocab))
 
     @property
     def first_scored(self) -> int:
@@ -131,6 +135,8 @@ class StoreHeader:
         if h.format_version != FORMAT_VERSION:
             raise StoreFormatError(f"{where}: store format version {h.format_version} is not supported "
                                    f"(this qeval reads version {FORMAT_VERSION})")
+        if h.top_k > h.n_vocab:
+            raise StoreFormatError(f"{where}: top_k {h.top_k} exceeds the vocab of {h.n_vocab}")
         if not h.chunk_start < h.chunk_stop <= h.n_chunks:
             raise StoreFormatError(f"{where}: chunk range {h.chunk_start}:{h.chunk_stop} does not fit "
                                    f"{h.n_chunks} chunks")
@@ -222,7 +228,9 @@ class ChunkBuilder:
     def add(self, planes: np.ndarray, logprob_target: np.ndarray, logprob_max: np.ndarray,
             top_ids: np.ndarray) -> None:
         """planes: uint8 [b, 2, V] (see codes_to_planes)."""
-        planes = np.ascontiguousarray(planes, dtype=np.uint8)
+        if planes.dtype != np.uint8 or planes.ndim != 3 or planes.shape[1] != 2:
+            raise ValueError(f"planes must be uint8 [b, 2, V], got {planes.dtype} {planes.shape}")
+        planes = np.ascontiguousarray(planes)
         self._parts.append(self._z.compress(planes.data) if self._z else planes)
         self._scalars.append((np.asarray(logprob_target, np.float64), np.asarray(logprob_max, np.float64),
                               np.asarray(top_ids, np.int32)))
@@ -257,6 +265,7 @@ class StoreWriter:
 
     def __init__(self, path: Path, header: StoreHeader, fh, done: dict[int, int]):
         self.path, self.header, self._fh, self._offsets = path, header, fh, done
+        self.finished = False
 
     @classmethod
     def open(cls, path: str | os.PathLike, header: StoreHeader, tokens: np.ndarray,
@@ -329,6 +338,8 @@ class StoreWriter:
 
     def finish(self) -> None:
         """Write the chunk index and the trailer: from now on the store reads as complete."""
+        if self.finished:
+            return
         missing = set(self.header.chunk_range) - set(self._offsets)
         if missing:
             raise ValueError(f"cannot finish: {len(missing)} chunks missing (first {min(missing)})")
@@ -337,6 +348,7 @@ class StoreWriter:
             entries[row] = (chunk, 0, offset)
         index_offset = self._fh.tell()
         self._append(_encode_record(b"INDX", entries.tobytes()) + _TRAILER.pack(TRAILER_MAGIC, index_offset))
+        self.finished = True
 
     def close(self) -> None:
         self._fh.close()
@@ -407,8 +419,8 @@ class StoreReader:
         return f"{self.path} (offset {offset})"
 
     def _read_at(self, offset: int, n: int) -> bytes:
-        self._fh.seek(offset)
-        data = self._fh.read(n)
+        # pread: metrics workers read chunks from several threads through one descriptor.
+        data = os.pread(self._fh.fileno(), n, offset)
         if len(data) != n:
             raise StoreFormatError(f"{self.path}: truncated file (wanted {n} bytes at offset {offset}, "
                                    f"file is {self.size_bytes} bytes)")
@@ -458,8 +470,8 @@ class StoreReader:
         if len(payload) != 4 * N_CODES:
             raise StoreFormatError(f"{self.path}: code table has {len(payload)} bytes, expected {4 * N_CODES}")
         self.lut = np.frombuffer(payload, dtype="<f4").astype(np.float32)
-        if not (np.all(np.isfinite(self.lut)) and np.all(np.diff(self.lut) >= 0) and self.lut[-1] == 0.0):
-            raise StoreFormatError(f"{self.path}: code table must be finite, non-decreasing and end at 0")
+        if not (np.all(np.isfinite(self.lut)) and np.all(np.diff(self.lut) >= 0)):
+            raise StoreFormatError(f"{self.path}: code table must be finite and non-decreasing")
         self.first_chunk_offset = pos
 
     def _read_index(self) -> bool:
