@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Iterator
 
-from . import metrics, report, runs
+from . import metrics, report, results, runs
 from .capture import CaptureSpec, capture, open_live
 from .engine import EngineSettings
 from .errors import QevalError
@@ -52,7 +52,7 @@ def is_model_file(spec: str) -> bool:
 
 def compare(ref: str, cand: str, chunks: int | None = None, runs_dir=None, threads: int = 2,
             settings: EngineSettings = EngineSettings(), save: str | None = None,
-            progress: bool = False) -> metrics.Comparison:
+            progress: bool = False, on_chunk=None) -> metrics.Comparison:
     """Compare a candidate (store, label, llama.cpp file, or a GGUF model run live) with a reference."""
     directory = runs.runs_dir(runs_dir)
     with contextlib.ExitStack() as stack:
@@ -70,8 +70,8 @@ def compare(ref: str, cand: str, chunks: int | None = None, runs_dir=None, threa
                 raise QevalError("--save only applies when the candidate is a GGUF model run live")
             cand_src = stack.enter_context(contextlib.closing(runs.open_source(cand, directory)))
         n = len(metrics.select_chunks(ref_src, cand_src, chunks))
-        with progress_bar("comparing chunks", n, progress) as advance:
-            result = metrics.compare(ref_src, cand_src, chunks, threads=threads, on_chunk=advance)
+        with progress_bar("comparing chunks", n, progress and on_chunk is None) as advance:
+            result = metrics.compare(ref_src, cand_src, chunks, threads=threads, on_chunk=on_chunk or advance)
         if getattr(cand_src, "writer", None) is not None:
             cand_src.writer.finish()
         return result
@@ -79,8 +79,11 @@ def compare(ref: str, cand: str, chunks: int | None = None, runs_dir=None, threa
 
 def kld_report(ref: str, cand: str, chunks: int | None = None, runs_dir=None, threads: int = 2,
                per_token: Path | None = None, progress: bool = False,
-               settings: EngineSettings = EngineSettings(), save: str | None = None) -> tuple[dict, str]:
-    cmp = compare(ref, cand, chunks, runs_dir, threads, settings, save, progress)
+               settings: EngineSettings = EngineSettings(), save: str | None = None,
+               save_result: bool = False, on_chunk=None) -> tuple[dict, str]:
+    cmp = compare(ref, cand, chunks, runs_dir, threads, settings, save, progress, on_chunk)
+    if save_result:
+        results.save_result(cmp, runs.runs_dir(runs_dir) / results.RESULTS_SUBDIR)
     if per_token is not None:
         try:
             report.write_per_token(cmp, Path(per_token))
@@ -133,7 +136,7 @@ def import_llamacpp_report(file: Path, out: Path) -> str:
 def capture_store(model: str, label: str, runs_dir=None, out: str | None = None, corpus: str | None = None,
                   n_ctx: int = 512, chunks: int | None = None, settings: EngineSettings = EngineSettings(),
                   n_batch: int = 128, chunk_range: tuple[int, int] | None = None,
-                  progress: bool = False) -> tuple[dict, str]:
+                  progress: bool = False, on_chunk=None) -> tuple[dict, str]:
     directory = runs.runs_dir(runs_dir)
     runs.check_label(label)
     if out is None:
@@ -145,7 +148,10 @@ def capture_store(model: str, label: str, runs_dir=None, out: str | None = None,
         state = {}
 
         def on_plan(total: int, done: int) -> None:
-            state["advance"] = stack.enter_context(progress_bar(f"capturing {label}", total, progress))
+            if on_chunk is not None:
+                state["advance"] = on_chunk
+            else:
+                state["advance"] = stack.enter_context(progress_bar(f"capturing {label}", total, progress))
             state["advance"](done)
 
         result = capture(spec, on_chunk=lambda n: state["advance"](n), on_plan=on_plan)
@@ -158,31 +164,86 @@ def capture_store(model: str, label: str, runs_dir=None, out: str | None = None,
             "chunks_written": result.chunks_written, "seconds": result.seconds}, text
 
 
+def parse_model_arg(arg: str) -> tuple[str, str]:
+    """`PATH` or `LABEL=PATH` -> (label, path); the default label is the file name without .gguf."""
+    label, sep, path = arg.partition("=")
+    if not sep:
+        path, label = arg, Path(arg).name.removesuffix(".gguf")
+    return runs.check_label(label), path
+
+
+def pair_label(model_label: str, kv: str) -> str:
+    return model_label if kv == "f16" else f"{model_label}+kv-{kv}"
+
+
+def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int | None = None, n_ctx: int = 512,
+                  corpus: str | None = None, runs_dir=None, threads: int | None = None, n_gpu_layers: int = 0,
+                  progress: bool = True) -> tuple[dict, str]:
+    """Capture `ref` once, then every model x KV pair (live, or reusing finished stores and results)."""
+    directory = runs.runs_dir(runs_dir)
+    ref_label, ref_path = parse_model_arg(ref)
+    pairs = []
+    for model in models:
+        label, path = parse_model_arg(model)
+        for kv in kv_types:
+            if not (path == ref_path and kv == "f16"):
+                pairs.append((pair_label(label, kv), path, kv))
+    return run_pairs(ref_label, ref_path, pairs, chunks, n_ctx, corpus, directory, threads, n_gpu_layers, progress)
+
+
+def run_pairs(ref_label: str, ref_path: str, pairs: list[tuple[str, str, str]], chunks, n_ctx, corpus,
+              directory: Path, threads, n_gpu_layers, progress) -> tuple[dict, str]:
+    for _, path, kv in pairs:  # every bad setting is reported before hours of work start
+        EngineSettings(kv, kv, _fa_for(kv), n_gpu_layers, threads).validate()
+    labels = [p[0] for p in pairs]
+    if len(set(labels)) != len(labels) or ref_label in labels:
+        raise QevalError(f"labels must be unique (reference {ref_label}, candidates {', '.join(labels)}); "
+                         "name models with LABEL=PATH")
+    directory.mkdir(parents=True, exist_ok=True)
+    result_dir = directory / results.RESULTS_SUBDIR
+    # The reference decides how many chunks every pair has.
+    ref_settings = EngineSettings(n_gpu_layers=n_gpu_layers, n_threads=threads)
+    total = chunks * (1 + len(pairs)) if chunks else None
+    with progress_bar(f"matrix: reference + {len(pairs)} pairs", total, progress) as advance:
+        _, ref_text = capture_store(ref_path, ref_label, runs_dir=directory, n_ctx=n_ctx, chunks=chunks,
+                                    corpus=corpus, settings=ref_settings, on_chunk=advance)
+        with StoreReader(runs.store_path(ref_label, directory)) as ref_store:
+            n_chunks = ref_store.header.n_chunks if chunks is None else chunks
+        done_lines, rows_json = [], []
+        for label, path, kv in pairs:
+            result_path = result_dir / f"{results.result_stem(label, ref_label)}.json"
+            if result_path.is_file() and _is_complete(runs.store_path(label, directory)):
+                done_lines.append(f"{label}: done earlier, skipped")
+                advance(n_chunks)
+            else:
+                settings = EngineSettings(kv, kv, _fa_for(kv), n_gpu_layers, threads)
+                store = runs.store_path(label, directory)
+                cand, save = (label, None) if _is_complete(store) else (path, label)
+                kld_report(ref_label, cand, chunks=n_chunks, runs_dir=directory, settings=settings, save=save,
+                           save_result=True, on_chunk=advance)
+            rows_json.append(results.load_result(result_path, with_per_token=False).summary)
+    rows = [report.leaderboard_row(r) for r in rows_json]
+    text = "\n".join([ref_text, *done_lines, "", f"reference {ref_label}: {rows_json[0]['chunks']} chunks of {n_ctx}, "
+                      f"{rows_json[0]['scored_tokens']} scored tokens" if rows_json else "",
+                      "", "PPL matrix (rows: model, columns: KV cache)", report.ppl_matrix_markdown(pairs, rows_json),
+                      "", "Leaderboard (sorted by mean KLD)", report.leaderboard_markdown(rows)])
+    return {"reference": ref_label, "rows": rows, "results": rows_json}, text
+
+
+def _fa_for(kv: str) -> str:
+    return "on" if kv not in ("f16", "f32", "bf16") else "auto"
+
+
 def demo_report(chunks: int = 80, runs_dir=None, models_dir=None, n_ctx: int = 512, progress: bool = True,
                 threads: int | None = None) -> tuple[dict, str]:
     """Gemma-3-270M end to end: derive quants, capture the Q8_0 reference, compare every candidate."""
     from . import demo  # noqa: PLC0415
 
-    directory = runs.runs_dir(runs_dir)
     paths = demo.prepare_models(demo.models_dir(models_dir))
-    _, text = capture_store(str(paths[demo.REFERENCE]), demo.REFERENCE, runs_dir=directory, n_ctx=n_ctx,
-                            chunks=chunks, settings=EngineSettings(n_threads=threads), progress=progress)
-    lines = [demo.DERIVATION_NOTE, text]
-    results = []
-    for run in demo.demo_runs():
-        store = runs.store_path(run.label, directory)
-        settings = EngineSettings(run.type_k, run.type_v, "on" if run.type_v != "f16" else "auto", 0, threads)
-        cand, save = (run.label, None) if _is_complete(store) else (str(paths[run.quant]), run.label)
-        if save and store.exists():
-            store.unlink()  # an interrupted live run: its partial store is redone from scratch
-        result, _ = kld_report(demo.REFERENCE, cand, chunks=chunks, runs_dir=directory, progress=progress,
-                               settings=settings, save=save)
-        results.append(result)
-    rows = [report.leaderboard_row(r) for r in results]
-    lines += ["", f"reference {demo.REFERENCE}, {results[0]['chunks']} chunks of {n_ctx} tokens, "
-              f"{results[0]['scored_tokens']} scored tokens, corpus {results[0]['reference']['corpus'].get('name')}",
-              report.leaderboard_markdown(rows)]
-    return {"rows": rows, "results": results}, "\n".join(lines)
+    pairs = [(run.label, str(paths[run.quant]), run.type_k) for run in demo.demo_runs()]
+    result, text = run_pairs(demo.REFERENCE, str(paths[demo.REFERENCE]), pairs, chunks, n_ctx, None,
+                             runs.runs_dir(runs_dir), threads, 0, progress)
+    return result, demo.DERIVATION_NOTE + "\n" + text
 
 
 def _is_complete(path: Path) -> bool:

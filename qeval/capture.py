@@ -146,6 +146,7 @@ class LiveSource:
     """
 
     complete = True
+    live = True
 
     def __init__(self, engine: Engine, header: StoreHeader, tokens: np.ndarray, code: SqrtLogCode,
                  writer: StoreWriter | None = None, path: str = "(live)", threads: int = 2):

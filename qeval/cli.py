@@ -38,6 +38,7 @@ def kld(
     as_json: bool = Json,
     per_token: Optional[Path] = typer.Option(None, "--per-token", help="Write per-token values (.csv, or .npz)."),
     save: Optional[str] = typer.Option(None, "--save", help="With a live GGUF candidate: also keep its store under this label."),
+    save_result: bool = typer.Option(False, "--save-result", help="Keep the result (JSON + per-token npz) in RUNS_DIR/results for leaderboards, compare and check."),
     type_k: str = TypeK,
     type_v: str = TypeV,
     flash_attn: str = FlashAttn,
@@ -51,7 +52,7 @@ def kld(
     """
     settings = EngineSettings(type_k, type_v, flash_attn, n_gpu_layers, threads)
     result, text = api.kld_report(ref, cand, chunks=chunks, runs_dir=runs_dir, per_token=per_token,
-                                  progress=True, settings=settings, save=save)
+                                  progress=True, settings=settings, save=save, save_result=save_result)
     _emit(result, text, as_json)
 
 
@@ -120,6 +121,26 @@ def import_llamacpp(
 ):
     """Convert a llama.cpp --kl-divergence-base file into a compact qeval store."""
     typer.echo(api.import_llamacpp_report(file, out))
+
+
+@app.command()
+def matrix(
+    ref: str = typer.Option(..., "--ref", help="Reference GGUF (PATH or LABEL=PATH); captured once."),
+    model: list[str] = typer.Option(..., "--model", "-m", help="Candidate GGUF (PATH or LABEL=PATH); repeat."),
+    kv: str = typer.Option("f16", "--kv", help="Comma-separated KV cache types for every model, e.g. f16,q8_0,q4_0."),
+    chunks: Optional[int] = Chunks,
+    ctx: int = typer.Option(512, "-c", "--ctx", help="Tokens per window (n_ctx)."),
+    corpus: Optional[str] = typer.Option(None, "--corpus", "-f", help="Corpus for the reference capture."),
+    n_gpu_layers: int = GpuLayers,
+    threads: Optional[int] = Threads,
+    runs_dir: Optional[Path] = RunsDir,
+    as_json: bool = Json,
+):
+    """Every model x KV type against one reference: resumable, skips finished pairs."""
+    kv_types = [k.strip() for k in kv.split(",") if k.strip()]
+    result, text = api.matrix_report(ref, model, kv_types, chunks=chunks, n_ctx=ctx, corpus=corpus, runs_dir=runs_dir,
+                                     threads=threads, n_gpu_layers=n_gpu_layers)
+    _emit(result, text, as_json)
 
 
 @app.command()

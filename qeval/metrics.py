@@ -126,15 +126,28 @@ def check_same_tokens(ref_tokens: np.ndarray, cand_tokens: np.ndarray, n_ctx: in
 
 
 def compare_chunk(ref: ChunkData, cand: ChunkData, tokens: np.ndarray, ref_tables, cand_tables,
-                  n_vocab: int) -> dict[str, np.ndarray]:
-    """Per-token metrics of one chunk pair. `tokens` is the chunk's n_ctx token ids."""
+                  n_vocab: int, kernel_pool: ThreadPoolExecutor | None = None) -> dict[str, np.ndarray]:
+    """Per-token metrics of one chunk pair. `tokens` is the chunk's n_ctx token ids.
+
+    With `kernel_pool`, token blocks go to its threads as they are decompressed (at most two
+    blocks per thread in flight, so memory stays bounded).
+    """
     n = ref.n_tokens
     if cand.n_tokens != n:
         raise MismatchError(f"chunk {ref.index}: {n} scored tokens in the reference, {cand.n_tokens} in the candidate")
     sums = np.empty((n, N_SUMS), dtype=np.float64)
+    pending: list = []
     for (start, planes_ref), (_, planes_cand) in zip(ref.iter_planes(n_vocab, BLOCK_TOKENS),
                                                      cand.iter_planes(n_vocab, BLOCK_TOKENS)):
-        pair_sums(planes_ref, planes_cand, *ref_tables, *cand_tables, sums[start:start + len(planes_ref)])
+        args = (planes_ref, planes_cand, *ref_tables, *cand_tables, sums[start:start + len(planes_ref)])
+        if kernel_pool is None:
+            pair_sums(*args)
+            continue
+        pending.append(kernel_pool.submit(pair_sums, *args))
+        if len(pending) >= 2 * kernel_pool._max_workers:
+            pending.pop(0).result()
+    for future in pending:
+        future.result()
     kld, kld_reverse = kld_from_sums(sums)
     first = len(tokens) // 2
     out = {
@@ -158,21 +171,31 @@ def compare_chunk(ref: ChunkData, cand: ChunkData, tokens: np.ndarray, ref_table
 
 def compare(ref: LogitSource, cand: LogitSource, n_chunks: int | None = None, threads: int = 2,
             on_chunk: Callable[[int], None] | None = None) -> Comparison:
-    """KLD, PPL, top-1 ... of `cand` against `ref`, streaming chunk pairs over `threads` workers."""
+    """KLD, PPL, top-1 ... of `cand` against `ref`, streaming chunk pairs over `threads` workers.
+
+    A live candidate (a model decoding on all cores) is compared chunk after chunk instead, with
+    the kernel spread over `threads`: a kernel thread beside llama.cpp's own threads would slow
+    its forward pass far more than it gains.
+    """
     chunks = select_chunks(ref, cand, n_chunks)
     n_vocab = ref.header.n_vocab
     ref_tables, cand_tables = decode_tables(ref.lut), decode_tables(cand.lut)
+    threads = max(1, threads)
+    live = getattr(cand, "live", False)
+    kernel_pool = ThreadPoolExecutor(max_workers=threads) if live else None
 
     def one(i: int) -> dict[str, np.ndarray]:
         return compare_chunk(ref.read_chunk(i), cand.read_chunk(i), ref.tokens[i], ref_tables, cand_tables,
-                             n_vocab)
+                             n_vocab, kernel_pool)
 
     parts = []
-    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        for part in _bounded_map(pool, one, chunks, 2 * max(1, threads)):
+    with ThreadPoolExecutor(max_workers=1 if live else threads) as pool:
+        for part in _bounded_map(pool, one, chunks, 1 if live else 2 * threads):
             parts.append(part)
             if on_chunk:
                 on_chunk(1)
+    if kernel_pool is not None:
+        kernel_pool.shutdown()
     per_token = {k: np.concatenate([p[k] for p in parts]) for k in PER_TOKEN_FIELDS}
     return Comparison(ref, cand, chunks, per_token)
 

@@ -194,3 +194,24 @@ def leaderboard_markdown(rows: list[dict]) -> str:
 
 def _num(v, prec: int) -> str:
     return "?" if v is None else f"{v:.{prec}f}"
+
+
+def ppl_matrix_markdown(pairs: list[tuple[str, str, str]], summaries: list[dict]) -> str:
+    """Rows = model file, columns = KV type; cells = PPL ± SE (the reference's PPL for its own f16 cell)."""
+    kvs = list(dict.fromkeys(["f16"] + [kv for _, _, kv in pairs]))
+    models = list(dict.fromkeys(path for _, path, _ in pairs))
+    cell = {}
+    for (label, path, kv), s in zip(pairs, summaries):
+        p = s["perplexity"]
+        cell[(path, kv)] = f"{p['ppl_cand']:.4f} ± {p['ppl_cand_se']:.4f}"
+        ref_model = s["reference"]["model"].get("file_name")
+        cell.setdefault(("ref", "f16"), (ref_model, f"{p['ppl_ref']:.4f} ± {p['ppl_ref_se']:.4f} (ref)"))
+    ref_name, ref_cell = cell.get(("ref", "f16"), (None, ""))
+    if not any(kv == "f16" for _, _, kv in pairs) and ref_name not in {Path(p).name for p in models}:
+        kvs.remove("f16")
+    lines = ["| model | " + " | ".join(f"KV {kv}" for kv in kvs) + " |", "|---|" + "---|" * len(kvs)]
+    for path in models:
+        name = Path(path).name
+        cells = [cell.get((path, kv), ref_cell if name == ref_name and kv == "f16" else "") for kv in kvs]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

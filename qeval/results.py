@@ -1,0 +1,95 @@
+"""Saved comparison results: what leaderboards, paired comparisons and release gates read.
+
+A result is two files in RUNS_DIR/results/: `<cand>.vs.<ref>.json` (the comparison summary, as
+`qeval kld --json` prints it, plus `"per_token_file"`) and `<cand>.vs.<ref>.npz` (the per-token
+arrays, one value per scored token: kld, kld_reverse, nll_ref, nll_cand, p_ref, p_cand, same_top1,
+top5_agreement, top10_agreement, chunk, position, token).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import QevalError
+from .metrics import PER_TOKEN_FIELDS, Comparison
+from .report import comparison_json
+
+RESULTS_SUBDIR = "results"
+
+
+@dataclass
+class Result:
+    summary: dict  # comparison JSON (reference, candidate, perplexity, kld, ...)
+    per_token: dict[str, np.ndarray] | None
+    path: Path
+
+    @property
+    def label(self) -> str:
+        return self.summary["candidate"]["label"]
+
+    @property
+    def ref_label(self) -> str:
+        return self.summary["reference"]["label"]
+
+
+def result_stem(cand_label: str, ref_label: str) -> str:
+    return f"{cand_label}.vs.{ref_label}"
+
+
+def save_result(cmp: Comparison, directory: str | os.PathLike) -> Path:
+    """Write the summary JSON and per-token npz; returns the JSON path."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    summary = comparison_json(cmp)
+    stem = result_stem(summary["candidate"]["label"], summary["reference"]["label"])
+    npz = directory / f"{stem}.npz"
+    np.savez_compressed(npz, **cmp.per_token)
+    summary["per_token_file"] = npz.name
+    path = directory / f"{stem}.json"
+    tmp = path.with_suffix(".json.part")
+    tmp.write_text(json.dumps(summary, indent=2))
+    tmp.replace(path)
+    return path
+
+
+def load_result(path: str | os.PathLike, with_per_token: bool = True) -> Result:
+    path = Path(path)
+    try:
+        summary = json.loads(path.read_text())
+    except OSError as exc:
+        raise QevalError(f"cannot read result {path}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise QevalError(f"{path} is not a qeval result (invalid JSON: {exc})") from None
+    if not isinstance(summary, dict) or not {"reference", "candidate", "kld", "perplexity"} <= summary.keys():
+        raise QevalError(f"{path} is not a qeval result (expected the JSON of `qeval kld --json`)")
+    per_token = None
+    if with_per_token and summary.get("per_token_file"):
+        npz = path.parent / summary["per_token_file"]
+        try:
+            with np.load(npz) as data:
+                per_token = {k: data[k] for k in PER_TOKEN_FIELDS if k in data.files}
+        except (OSError, ValueError) as exc:
+            raise QevalError(f"cannot read per-token file {npz} of {path}: {exc}") from None
+    return Result(summary, per_token, path)
+
+
+def find_results(paths: list[str | os.PathLike]) -> list[Path]:
+    """Result JSON files named directly, or found in directories (a runs dir or its results/)."""
+    found: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            sub = p / RESULTS_SUBDIR if (p / RESULTS_SUBDIR).is_dir() else p
+            found += sorted(sub.glob("*.vs.*.json"))
+        elif p.is_file():
+            found.append(p)
+        else:
+            raise QevalError(f"{p} is neither a result file nor a directory of results")
+    if not found:
+        raise QevalError(f"no results found in {', '.join(map(str, paths))} (run `qeval matrix` or "
+                         "`qeval kld ... --save-result` first)")
+    return found
