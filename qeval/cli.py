@@ -156,10 +156,101 @@ def demo(
     _emit(result, text, as_json)
 
 
+@app.command("leaderboard")
+def leaderboard_cmd(
+    run: list[Path] = typer.Argument(..., help="Result JSON files, or directories of them (a runs dir or its results/)."),
+    out: Path = typer.Option(Path("leaderboard"), "--out", "-o", help="Output directory."),
+    title: Optional[str] = typer.Option(None, "--title", help="Page and markdown heading."),
+):
+    """Leaderboard of saved results: markdown for a model card, CSV, JSON, HTML page and plots (PNG + SVG)."""
+    from . import leaderboard  # noqa: PLC0415 - matplotlib loads only for this command
+
+    board = leaderboard.leaderboard(run, out=out, title=title)
+    typer.echo(board.markdown())
+    typer.echo("wrote " + ", ".join(str(p) for p in board.paths.values()))
+
+
 @app.command()
 def version():
     """Print the qeval version."""
     typer.echo(__version__)
+
+
+# --- paired comparison, release gate, baselines (qeval.paired, qeval.gate, qeval.baselines) ----------
+@app.command("compare")
+def compare_cmd(
+    ref: str = typer.Option(..., "--ref", help="Reference: store path or label."),
+    cand: list[str] = typer.Option(..., "--cand", help="Candidate A, then candidate B: store path, label, or saved result .json."),
+    chunks: Optional[int] = Chunks,
+    method: str = typer.Option("t", "--method", help="t (t-interval over per-chunk differences) or bootstrap (over chunks, seed 0)."),
+    as_json: bool = Json,
+    runs_dir: Optional[Path] = RunsDir,
+):
+    """Is A really better than B? Paired KLD/NLL/top-1 differences on the same reference tokens, with CIs."""
+    from . import paired  # noqa: PLC0415
+
+    if len(cand) != 2:
+        raise QevalError(f"give exactly two candidates: --cand A --cand B (got {len(cand)})")
+    result, text = paired.paired_report(ref, cand[0], cand[1], chunks=chunks, runs_dir=runs_dir, method=method,
+                                        progress=True)
+    _emit(result, text, as_json)
+
+
+@app.command("check")
+def check_cmd(
+    ref: str = typer.Option(..., "--ref", help="Reference: store path or label."),
+    cand: str = typer.Option(..., "--cand", help="Candidate: store path, label, or saved result .json."),
+    max_kld: Optional[float] = typer.Option(None, "--max-kld", help="Fail if mean KLD is above X beyond its error bars."),
+    max_kld_999: Optional[float] = typer.Option(None, "--max-kld-999", help="Fail if the 99.9 % KLD is above X (no SE: compared directly)."),
+    min_top1: Optional[float] = typer.Option(None, "--min-top1", help="Fail if same top-1 (percent, e.g. 90) is below Y beyond its error bars."),
+    max_ppl_ratio: Optional[float] = typer.Option(None, "--max-ppl-ratio", help="Fail if PPL(cand)/PPL(ref) is above Z beyond its error bars."),
+    baseline: Optional[str] = typer.Option(None, "--baseline", help="Baseline file or name: fail where the candidate is worse beyond the combined error bars."),
+    baseline_entry: Optional[str] = typer.Option(None, "--baseline-entry", help="Which entry of the baseline (default: the one matching the candidate)."),
+    baseline_metric: Optional[list[str]] = typer.Option(None, "--baseline-metric", help="Judge only these baseline metrics (repeat)."),
+    chunks: Optional[int] = Chunks,
+    as_json: bool = Json,
+    runs_dir: Optional[Path] = RunsDir,
+):
+    """Release gate: exit 0 if every check passes, 1 if one fails beyond its error bars, 2 on bad input."""
+    from . import gate  # noqa: PLC0415
+
+    result, text, passed = gate.check_report(ref, cand, chunks=chunks, runs_dir=runs_dir, max_kld=max_kld,
+                                             max_kld_999=max_kld_999, min_top1=min_top1, max_ppl_ratio=max_ppl_ratio,
+                                             baseline=baseline, baseline_entry=baseline_entry,
+                                             baseline_metrics=baseline_metric, progress=True)
+    _emit(result, text, as_json)
+    raise typer.Exit(0 if passed else 1)
+
+
+baseline_app = typer.Typer(no_args_is_help=True, help="Published and saved baselines (baselines/*.json).")
+app.add_typer(baseline_app, name="baseline")
+
+
+@baseline_app.command("show")
+def baseline_show(
+    name: Optional[str] = typer.Argument(None, help="Baseline file or name (omit to list them)."),
+    run: Optional[Path] = typer.Option(None, "--run", help="A saved qeval result (.json) to put beside the baseline."),
+    entry: Optional[str] = typer.Option(None, "--entry", help="Put the run beside this entry (default: entries matching its quant/KV)."),
+    as_json: bool = Json,
+):
+    """Print a baseline's table (or list the baselines), optionally with a qeval result beside it."""
+    from . import baselines  # noqa: PLC0415
+
+    result, text = baselines.show_report(name, str(run) if run else None, entry)
+    _emit(result, text, as_json)
+
+
+@baseline_app.command("from-result")
+def baseline_from_result_cmd(
+    result: Path = typer.Argument(..., help="A saved qeval result (.json)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Baseline file to write."),
+    title: Optional[str] = typer.Option(None, "--title", help="Title of the baseline."),
+    entry: Optional[str] = typer.Option(None, "--entry", help="Entry id (default: the candidate's label)."),
+):
+    """Turn a qeval result into a baseline file (for `qeval check --baseline`)."""
+    from . import baselines  # noqa: PLC0415
+
+    typer.echo(baselines.result_to_baseline_file(result, out, title, entry))
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ def describe(source) -> dict:
         "corpus": h.corpus,
         "n_vocab": h.n_vocab,
         "n_ctx": h.n_ctx,
+        "tokens_sha256": h.tokens_sha256,
         "chunks": len(source.chunk_indices),
         "complete": bool(source.complete),
     }
@@ -165,6 +166,8 @@ def leaderboard_row(result: dict) -> dict:
         "label": cand["label"],
         "quant": model.get("quant", "?"),
         "kv": f"{kv.get('type_k', '?')}/{kv.get('type_v', '?')}",
+        "model_file": model.get("file_name"),
+        "type_k": kv.get("type_k"), "type_v": kv.get("type_v"),
         "size_gib": model.get("size_gib"),
         "bpw": model.get("bits_per_weight"),
         "ppl": p["ppl_cand"], "ppl_se": p["ppl_cand_se"],
@@ -180,16 +183,32 @@ LEADERBOARD_COLUMNS = ("quant", "KV", "size GiB", "BPW", "PPL ± SE", "ΔPPL %",
                        "max KLD", "same top-1 % ± SE", "RMS Δp %")
 
 
-def leaderboard_markdown(rows: list[dict]) -> str:
-    """A paste-ready markdown table, sorted by mean KLD."""
-    lines = ["| label | " + " | ".join(LEADERBOARD_COLUMNS) + " |", "|" + "---|" * (len(LEADERBOARD_COLUMNS) + 1)]
-    for r in sorted(rows, key=lambda r: r["kld_mean"]):
-        cells = [r["label"], r["quant"], r["kv"], _num(r["size_gib"], 3), _num(r["bpw"], 2),
-                 f"{r['ppl']:.4f} ± {r['ppl_se']:.4f}", f"{r['delta_ppl_pct']:+.2f}",
-                 f"{r['kld_mean']:.6f} ± {r['kld_se']:.6f}", f"{r['kld_999']:.4f}", f"{r['kld_max']:.4f}",
-                 f"{r['top1_pct']:.2f} ± {r['top1_se_pct']:.2f}", f"{r['rms_dp_pct']:.3f}"]
+def leaderboard_cells(r: dict) -> list[str]:
+    """The formatted cells of one leaderboard row: label, then LEADERBOARD_COLUMNS."""
+    return [r["label"], r["quant"], r["kv"], _num(r["size_gib"], 3), _num(r["bpw"], 2),
+            f"{r['ppl']:.4f} ± {r['ppl_se']:.4f}", f"{r['delta_ppl_pct']:+.2f}",
+            f"{r['kld_mean']:.6f} ± {r['kld_se']:.6f}", f"{r['kld_999']:.4f}", f"{r['kld_max']:.4f}",
+            f"{r['top1_pct']:.2f} ± {r['top1_se_pct']:.2f}", f"{r['rms_dp_pct']:.3f}"]
+
+
+def leaderboard_sorted(rows: list[dict]) -> list[dict]:
+    return sorted(rows, key=lambda r: (r["kld_mean"], r["label"]))
+
+
+def leaderboard_markdown(rows: list[dict], pareto=None) -> str:
+    """A paste-ready markdown table, sorted by mean KLD; `pareto` (labels) adds a Pareto-front column."""
+    header = ["label", *LEADERBOARD_COLUMNS] + (["Pareto"] if pareto is not None else [])
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in leaderboard_sorted(rows):
+        cells = [_md_escape(c) for c in leaderboard_cells(r)]
+        if pareto is not None:
+            cells.append("✓" if r["label"] in pareto else "")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _md_escape(text: str) -> str:
+    return str(text).replace("|", "\\|")
 
 
 def _num(v, prec: int) -> str:

@@ -1,0 +1,103 @@
+"""qeval next to llama-perplexity on the same model, corpus, n_ctx 512, chunks and threads.
+
+    LLAMA_PERPLEXITY=/path/to/llama-perplexity python bench/bench_vs_llamacpp.py [--chunks 16]
+
+Build llama-perplexity from the llama.cpp that llama-cpp-python 0.3.36 vendors (see README,
+"Checking against llama-perplexity"); this script only runs it. Reports wall time and peak RSS of
+  1. writing the reference: llama-perplexity --kl-divergence-base vs `qeval capture`,
+  2. a live candidate: llama-perplexity --kl-divergence vs `qeval kld --cand MODEL.gguf`,
+and the agreement of Final PPL, Mean KLD and Same top p, for Q8_0 vs Q2_K and Q8_0 vs Q8_0 with
+KV q4_0 (-fa on). Also the peak RSS of `qeval capture` at 4 and 80 chunks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from qeval import demo
+from qeval.corpus import load_corpus
+
+TIME = ["/usr/bin/time", "-f", "WALL=%e RSS_KB=%M"]
+
+
+def timed(cmd: list[str]) -> tuple[float, int, str]:
+    proc = subprocess.run(TIME + cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cmd[0]} failed:\n{proc.stderr[-3000:]}")
+    m = re.search(r"WALL=([\d.]+) RSS_KB=(\d+)", proc.stderr)
+    return float(m.group(1)), int(m.group(2)) * 1024, proc.stdout + proc.stderr
+
+
+def llama_numbers(text: str) -> dict:
+    def grab(pattern):
+        m = re.search(pattern, text)
+        return float(m.group(1)) if m else None
+    return {"ppl_cand": grab(r"Mean PPL\(Q\)\s*:\s*([\d.]+)"), "ppl_ref": grab(r"Mean PPL\(base\)\s*:\s*([\d.]+)"),
+            "mean_kld": grab(r"Mean\s+KLD:\s*([-\d.]+)"), "same_top_pct": grab(r"Same top p:\s*([\d.]+)"),
+            "final_ppl": grab(r"Final estimate: PPL = ([\d.]+)")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--chunks", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="bench/results/vs_llamacpp.json")
+    args = ap.parse_args()
+    lp = os.environ.get("LLAMA_PERPLEXITY")
+    if not lp or not Path(lp).is_file():
+        sys.exit("set LLAMA_PERPLEXITY to a llama-perplexity binary")
+    paths = demo.prepare_models(demo.models_dir())
+    work = Path(tempfile.mkdtemp(prefix="qeval-bench-"))
+    corpus = work / "corpus.txt"
+    corpus.write_text(load_corpus().text)
+    runs = work / "runs"
+    common = ["-f", str(corpus), "-c", "512", "--chunks", str(args.chunks), "-t", str(args.threads)]
+    qeval = [sys.executable, "-m", "qeval"]
+    out: dict = {"chunks": args.chunks, "threads": args.threads, "pairs": {}}
+
+    base = work / "q8.kld"
+    w, r, text = timed([lp, "-m", str(paths["Q8_0"]), *common, "--kl-divergence-base", str(base)])
+    out["reference"] = {"llamacpp": {"wall_s": w, "peak_rss_bytes": r, "file_bytes": base.stat().st_size,
+                                     **llama_numbers(text)}}
+    w, r, _ = timed([*qeval, "capture", str(paths["Q8_0"]), "--label", "Q8_0", "--corpus", str(corpus), "-c", "512",
+                     "--chunks", str(args.chunks), "-t", str(args.threads), "--runs-dir", str(runs)])
+    ppl = json.loads(subprocess.run([*qeval, "ppl", "Q8_0", "--json", "--runs-dir", str(runs)], capture_output=True,
+                                    text=True, check=True).stdout)
+    out["reference"]["qeval"] = {"wall_s": w, "peak_rss_bytes": r, "file_bytes": (runs / "Q8_0.qeval").stat().st_size,
+                                 "final_ppl": ppl["ppl"]}
+    out["reference"]["time_ratio"] = out["reference"]["qeval"]["wall_s"] / out["reference"]["llamacpp"]["wall_s"]
+
+    for name, model, kv in (("Q2_K", paths["Q2_K"], None), ("Q8_0+kv-q4_0", paths["Q8_0"], "q4_0")):
+        kv_args = ["-ctk", kv, "-ctv", kv, "-fa", "on"] if kv else []
+        w, r, text = timed([lp, "-m", str(model), *common, *kv_args, "--kl-divergence-base", str(base),
+                            "--kl-divergence"])
+        ll = {"wall_s": w, "peak_rss_bytes": r, **llama_numbers(text)}
+        w, r, stdout = timed([*qeval, "kld", "--ref", "Q8_0", "--cand", str(model), *kv_args, "-t", str(args.threads),
+                              "--json", "--runs-dir", str(runs)])
+        res = json.loads(stdout[:stdout.rindex("}") + 1])
+        q = {"wall_s": w, "peak_rss_bytes": r, "ppl_cand": res["perplexity"]["ppl_cand"],
+             "ppl_ref": res["perplexity"]["ppl_ref"], "mean_kld": res["kld"]["mean"],
+             "same_top_pct": 100 * res["same_top1"]["fraction"]}
+        out["pairs"][name] = {"llamacpp": ll, "qeval": q, "time_ratio": q["wall_s"] / ll["wall_s"],
+                              "ppl_rel_diff": abs(q["ppl_cand"] / ll["ppl_cand"] - 1),
+                              "kld_rel_diff": abs(q["mean_kld"] / ll["mean_kld"] - 1),
+                              "same_top_diff_points": abs(q["same_top_pct"] - ll["same_top_pct"])}
+    out["capture_rss"] = {}
+    for n in (4, 80):
+        w, r, _ = timed([*qeval, "capture", str(paths["Q8_0"]), "--label", f"rss{n}", "--corpus", str(corpus),
+                         "-c", "512", "--chunks", str(n), "-t", str(args.threads), "--runs-dir", str(runs)])
+        out["capture_rss"][str(n)] = {"wall_s": w, "peak_rss_bytes": r, "peak_rss_gib": r / 2**30}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2))
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,512 @@
+"""Baselines: published (or earlier qeval) numbers to hold a run against. Schema: baselines/SCHEMA.md.
+
+A baseline file is JSON: the source of its numbers, default settings and model, and entries; each
+entry is one candidate (optionally measured against a reference) with metric values in the units
+fixed by METRICS. `load_baseline` validates a file and raises QevalError naming the bad field;
+`baseline_from_result` turns a qeval result (the JSON of `qeval kld --json`) into a baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import __version__
+from .errors import QevalError
+
+SCHEMA = "qeval-baseline/1"
+BASELINES_ENV = "QEVAL_BASELINES_DIR"
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    description: str
+    unit: str
+    better: str | None  # "lower", "higher", or None (shown, never judged)
+
+
+METRICS: dict[str, MetricSpec] = {
+    "ppl": MetricSpec("perplexity of the candidate", "PPL", "lower"),
+    "ppl_ref": MetricSpec("perplexity of the reference", "PPL", None),
+    "ppl_ratio": MetricSpec("PPL(candidate) / PPL(reference)", "ratio", "lower"),
+    "delta_ppl_pct": MetricSpec("PPL change against the reference", "%", "lower"),
+    "kld_mean": MetricSpec("mean KL divergence KLD(reference || candidate)", "nats", "lower"),
+    "kld_median": MetricSpec("median per-token KLD", "nats", "lower"),
+    "kld_99": MetricSpec("99.0 % percentile of per-token KLD", "nats", "lower"),
+    "kld_999": MetricSpec("99.9 % percentile of per-token KLD", "nats", "lower"),
+    "kld_max": MetricSpec("maximum per-token KLD", "nats", "lower"),
+    "same_top1_pct": MetricSpec("share of tokens where both pick the same top-1 token", "%", "higher"),
+    "rms_dp_pct": MetricSpec("RMS of the change in the correct token's probability", "%", "lower"),
+}
+
+_SETTINGS = {"n_ctx": int, "chunks": int, "scored_tokens": int, "corpus": str, "llama_cpp_build": str,
+             "tool": str, "backend": str, "note": str}
+_SOURCE = {"file": str, "title": str, "author": str, "url": str, "date": str, "via": str, "note": str}
+_SIDE = {"quant": str, "kv": str, "label": str, "file": str, "imatrix": str, "note": str}
+_TOP = {"schema", "title", "description", "source", "model", "settings", "entries"}
+_ENTRY = {"id", "model", "candidate", "reference", "settings", "metrics", "quote", "where", "note"}
+_VALUE = {"value", "se", "approx", "note"}
+
+
+@dataclass
+class MetricValue:
+    value: float
+    se: float | None = None
+    approx: bool = False
+    note: str | None = None
+
+
+@dataclass
+class Entry:
+    id: str
+    model: str | None
+    candidate: dict
+    reference: dict | None
+    settings: dict  # the file's settings overlaid with the entry's
+    metrics: dict[str, MetricValue]
+    quote: list[str] = field(default_factory=list)
+    where: str | None = None
+    note: str | None = None
+
+
+@dataclass
+class Baseline:
+    name: str
+    path: Path | None
+    title: str
+    source: dict
+    settings: dict
+    entries: list[Entry]
+    description: str | None = None
+
+    def entry(self, entry_id: str) -> Entry:
+        for e in self.entries:
+            if e.id == entry_id:
+                return e
+        raise QevalError(f"baseline {self.name} has no entry {entry_id!r} (entries: {', '.join(self.ids())})")
+
+    def ids(self) -> list[str]:
+        return [e.id for e in self.entries]
+
+
+# --------------------------------------------------------------------------------------------------
+# finding and loading
+# --------------------------------------------------------------------------------------------------
+def baseline_dirs() -> list[Path]:
+    """$QEVAL_BASELINES_DIR, then the checkout's baselines/ folder."""
+    dirs = []
+    if os.environ.get(BASELINES_ENV):
+        dirs.append(Path(os.environ[BASELINES_ENV]))
+    dirs.append(Path(__file__).resolve().parents[1] / "baselines")
+    return dirs
+
+
+def available() -> list[Path]:
+    seen: dict[str, Path] = {}
+    for d in baseline_dirs():
+        if d.is_dir():
+            for p in sorted(d.glob("*.json")):
+                seen.setdefault(p.stem, p)
+    return sorted(seen.values(), key=lambda p: p.stem)
+
+
+def resolve(spec: str | os.PathLike) -> Path:
+    """A baseline file path, or the NAME of baselines/NAME.json."""
+    path = Path(spec)
+    if path.is_file():
+        return path
+    if path.exists():
+        raise QevalError(f"{spec} is not a regular file")
+    for d in baseline_dirs():
+        p = d / f"{spec}.json"
+        if p.is_file():
+            return p
+    names = ", ".join(p.stem for p in available()) or "none"
+    raise QevalError(f"baseline {str(spec)!r} is neither a file nor a known baseline name (known: {names})")
+
+
+def load_baseline(spec: str | os.PathLike) -> Baseline:
+    path = resolve(spec)
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise QevalError(f"cannot read baseline {path}: {exc.strerror}") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise QevalError(f"baseline {path} is not valid JSON ({exc})") from None
+    return validate(doc, str(path), name=path.stem, path=path)
+
+
+def validate(doc: object, where: str = "baseline", name: str = "baseline", path: Path | None = None) -> Baseline:
+    """Check `doc` against the schema (baselines/SCHEMA.md); QevalError names the first bad field."""
+    def bad(loc: str, msg: str) -> QevalError:
+        return QevalError(f"{where}: {loc} {msg} (see baselines/SCHEMA.md)")
+
+    if not isinstance(doc, dict):
+        raise bad("the file", "must hold a JSON object")
+    _no_unknown(doc, _TOP, "top level", bad)
+    if doc.get("schema") != SCHEMA:
+        raise bad("'schema'", f"must be {SCHEMA!r}, not {doc.get('schema')!r}")
+    title = _str(doc, "title", "top level", bad, required=True)
+    description = _str(doc, "description", "top level", bad)
+    source = _obj(doc.get("source"), _SOURCE, "'source'", bad, required=True)
+    if not source.get("title"):
+        raise bad("'source.title'", "is required")
+    model = _str(doc, "model", "top level", bad)
+    settings = _settings(doc.get("settings"), "'settings'", bad)
+    entries_doc = doc.get("entries")
+    if not isinstance(entries_doc, list) or not entries_doc:
+        raise bad("'entries'", "must be a non-empty list")
+    entries, ids = [], set()
+    for i, e in enumerate(entries_doc):
+        loc = f"entries[{i}]"
+        if not isinstance(e, dict):
+            raise bad(loc, "must be an object")
+        _no_unknown(e, _ENTRY, loc, bad)
+        eid = e.get("id")
+        if not isinstance(eid, str) or not _ID.match(eid):
+            raise bad(f"{loc}.id", f"must be a name of letters, digits, '.', '_', '+', '-' (got {eid!r})")
+        if eid in ids:
+            raise bad(f"{loc}.id", f"{eid!r} is used twice")
+        ids.add(eid)
+        loc = f"entry {eid!r}"
+        emodel = _str(e, "model", loc, bad) or model
+        if not emodel:
+            raise bad(f"{loc}: 'model'", "is required (in the entry or at the top level)")
+        cand = _obj(e.get("candidate"), _SIDE, f"{loc}: 'candidate'", bad, required=True)
+        if not cand.get("quant") and not cand.get("label"):
+            raise bad(f"{loc}: 'candidate'", "needs a 'quant' or a 'label'")
+        ref = _obj(e.get("reference"), _SIDE, f"{loc}: 'reference'", bad) if e.get("reference") is not None else None
+        merged = {**settings, **_settings(e.get("settings"), f"{loc}: 'settings'", bad)}
+        metrics_doc = e.get("metrics")
+        if not isinstance(metrics_doc, dict) or not metrics_doc:
+            raise bad(f"{loc}: 'metrics'", "must be a non-empty object")
+        metrics = {}
+        for key, v in metrics_doc.items():
+            if key not in METRICS:
+                raise bad(f"{loc}: metric {key!r}", f"is unknown (known: {', '.join(METRICS)})")
+            metrics[key] = _metric_value(v, f"{loc}: metric {key!r}", bad)
+        if any(k in metrics for k in ("ppl_ratio", "delta_ppl_pct", "kld_mean", "kld_median", "kld_99", "kld_999",
+                                      "kld_max", "same_top1_pct", "rms_dp_pct")) and ref is None:
+            raise bad(f"{loc}: 'reference'", "is required for metrics measured against a reference")
+        quote = e.get("quote", [])
+        if isinstance(quote, str):
+            quote = [quote]
+        if not isinstance(quote, list) or not all(isinstance(q, str) for q in quote):
+            raise bad(f"{loc}: 'quote'", "must be a string or a list of strings")
+        entries.append(Entry(eid, emodel, cand, ref, merged, metrics, quote, _str(e, "where", loc, bad),
+                             _str(e, "note", loc, bad)))
+    return Baseline(name, path, title, source, settings, entries, description)
+
+
+def _no_unknown(d: dict, allowed: set, loc: str, bad) -> None:
+    extra = sorted(set(d) - allowed)
+    if extra:
+        raise bad(loc, f"has unknown field(s) {', '.join(map(repr, extra))} (allowed: {', '.join(sorted(allowed))})")
+
+
+def _str(d: dict, key: str, loc: str, bad, required: bool = False) -> str | None:
+    v = d.get(key)
+    if v is None and not required:
+        return None
+    if not isinstance(v, str) or (required and not v.strip()):
+        raise bad(f"{loc}: {key!r}", f"must be {'a non-empty' if required else 'a'} string (got {v!r})")
+    return v
+
+
+def _obj(v: object, spec: dict, loc: str, bad, required: bool = False) -> dict:
+    if v is None and not required:
+        return {}
+    if not isinstance(v, dict):
+        raise bad(loc, f"must be an object (got {v!r})")
+    _no_unknown(v, set(spec), loc, bad)
+    for key, typ in spec.items():
+        if v.get(key) is not None and not isinstance(v[key], typ):
+            raise bad(f"{loc}.{key}", f"must be a {typ.__name__} or null (got {v[key]!r})")
+    return {k: x for k, x in v.items() if x is not None}
+
+
+def _settings(v: object, loc: str, bad) -> dict:
+    s = _obj(v, _SETTINGS, loc, bad)
+    for key in ("n_ctx", "chunks", "scored_tokens"):
+        if key in s and (isinstance(s[key], bool) or s[key] < 1):
+            raise bad(f"{loc}.{key}", f"must be a positive integer or null (got {s[key]!r})")
+    return s
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _metric_value(v: object, loc: str, bad) -> MetricValue:
+    if _is_number(v):
+        return MetricValue(float(v))
+    if not isinstance(v, dict):
+        raise bad(loc, f"must be a number or an object {{value, se, approx, note}} (got {v!r})")
+    _no_unknown(v, _VALUE, loc, bad)
+    if not _is_number(v.get("value")):
+        raise bad(f"{loc}.value", f"must be a finite number (got {v.get('value')!r})")
+    se = v.get("se")
+    if se is not None and (not _is_number(se) or se < 0):
+        raise bad(f"{loc}.se", f"must be a non-negative number or null (got {se!r})")
+    if not isinstance(v.get("approx", False), bool):
+        raise bad(f"{loc}.approx", "must be true or false")
+    note = v.get("note")
+    if note is not None and not isinstance(note, str):
+        raise bad(f"{loc}.note", "must be a string")
+    return MetricValue(float(v["value"]), None if se is None else float(se), v.get("approx", False), note)
+
+
+# --------------------------------------------------------------------------------------------------
+# qeval results as metrics, and as baselines
+# --------------------------------------------------------------------------------------------------
+def result_metrics(summary: dict) -> dict[str, MetricValue]:
+    """The METRICS of a comparison JSON (`qeval kld --json`, a saved result), with their SEs."""
+    p, k, top1, dp = summary["perplexity"], summary["kld"], summary["same_top1"], summary["delta_p"]
+    ladder = k["ladder"]
+    return {
+        "ppl": MetricValue(p["ppl_cand"], p["ppl_cand_se"]),
+        "ppl_ref": MetricValue(p["ppl_ref"], p["ppl_ref_se"]),
+        "ppl_ratio": MetricValue(p["ratio"], p["ratio_se"]),
+        "delta_ppl_pct": MetricValue(100.0 * (p["ratio"] - 1.0), 100.0 * p["ratio_se"]),
+        "kld_mean": MetricValue(k["mean"], k["se"]),
+        "kld_median": MetricValue(ladder["Median"]),
+        "kld_99": MetricValue(ladder["99.0%"]),
+        "kld_999": MetricValue(ladder["99.9%"]),
+        "kld_max": MetricValue(ladder["Maximum"]),
+        "same_top1_pct": MetricValue(100.0 * top1["fraction"], 100.0 * top1["se"]),
+        "rms_dp_pct": MetricValue(100.0 * dp["rms"], 100.0 * dp["rms_se"]),
+    }
+
+
+def _kv_text(kv: dict | None) -> str | None:
+    if not kv:
+        return None
+    k, v = kv.get("type_k"), kv.get("type_v")
+    if k is None:
+        return None
+    return k if v in (None, k) else f"{k}/{v}"
+
+
+def _side(desc: dict) -> dict:
+    model = desc.get("model") or {}
+    side = {"quant": model.get("quant"), "kv": _kv_text(desc.get("kv")), "label": desc.get("label") or None,
+            "file": model.get("file_name")}
+    return {k: v for k, v in side.items() if v}
+
+
+def entry_from_result(summary: dict, entry_id: str | None = None) -> dict:
+    """A baseline entry (JSON) holding every metric of a qeval result, with SEs where they exist."""
+    ref, cand = summary["reference"], summary["candidate"]
+    model = (cand.get("model") or {})
+    corpus = (ref.get("corpus") or {}).get("name")
+    settings = {"n_ctx": ref.get("n_ctx"), "chunks": summary.get("chunks"), "scored_tokens": summary.get("scored_tokens"),
+                "corpus": corpus, "tool": f"qeval {__version__}"}
+    metrics = {}
+    for key, mv in result_metrics(summary).items():
+        metrics[key] = {"value": mv.value} if mv.se is None or not math.isfinite(mv.se) else \
+            {"value": mv.value, "se": mv.se}
+    eid = entry_id or cand.get("label") or "result"
+    if not _ID.match(eid):
+        eid = re.sub(r"[^A-Za-z0-9._+-]", "_", eid).lstrip("._+-") or "result"
+    return {"id": eid, "model": model.get("name") or model.get("file_name") or cand.get("label") or "unknown",
+            "candidate": _side(cand), "reference": _side(ref),
+            "settings": {k: v for k, v in settings.items() if v is not None}, "metrics": metrics}
+
+
+def baseline_from_result(summary: dict, title: str | None = None, source_file: str | None = None,
+                         entry_id: str | None = None) -> dict:
+    """A whole baseline document (valid against the schema) from one qeval result."""
+    ref, cand = summary["reference"], summary["candidate"]
+    doc = {
+        "schema": SCHEMA,
+        "title": title or f"qeval result: {cand.get('label')} against {ref.get('label')}",
+        "source": {"title": f"qeval {__version__} comparison {cand.get('label')} vs {ref.get('label')}",
+                   "file": source_file, "note": "converted from a qeval result by qeval.baselines.baseline_from_result"},
+        "entries": [entry_from_result(summary, entry_id)],
+    }
+    doc["source"] = {k: v for k, v in doc["source"].items() if v}
+    validate(doc, "converted result")
+    return doc
+
+
+def result_to_baseline_file(result_path: str | os.PathLike, out: str | os.PathLike, title: str | None = None,
+                            entry_id: str | None = None) -> str:
+    from .results import load_result  # noqa: PLC0415
+
+    res = load_result(result_path, with_per_token=False)
+    doc = baseline_from_result(res.summary, title, Path(result_path).name, entry_id)
+    out = Path(out)
+    try:
+        out.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    except OSError as exc:
+        raise QevalError(f"cannot write {out}: {exc.strerror}") from None
+    return f"wrote {out}: baseline entry {doc['entries'][0]['id']!r} with {len(doc['entries'][0]['metrics'])} metrics"
+
+
+# --------------------------------------------------------------------------------------------------
+# matching a run to an entry, and the table
+# --------------------------------------------------------------------------------------------------
+def _norm(x: str | None) -> str | None:
+    return x.lower() if isinstance(x, str) else None
+
+
+def _kv_norm(kv: str | None) -> str | None:
+    if not kv:
+        return None
+    k, _, v = kv.lower().partition("/")
+    return k if v in ("", k) else f"{k}/{v}"
+
+
+def matching_entries(baseline: Baseline, summary: dict) -> list[Entry]:
+    """Entries about this run's candidate: same label, or same quant (and KV type, reference quant
+    where the entry states them)."""
+    cand, ref = _side(summary["candidate"]), _side(summary["reference"])
+    by_label = [e for e in baseline.entries if e.candidate.get("label") and e.candidate.get("label") == cand.get("label")]
+    if by_label:
+        return by_label
+    out = []
+    for e in baseline.entries:
+        if not e.candidate.get("quant") or _norm(e.candidate.get("quant")) != _norm(cand.get("quant")):
+            continue
+        if e.candidate.get("kv") and _kv_norm(e.candidate["kv"]) != _kv_norm(cand.get("kv") or "f16"):
+            continue
+        if e.reference and e.reference.get("quant") and ref.get("quant") and \
+                _norm(e.reference["quant"]) != _norm(ref["quant"]):
+            continue
+        out.append(e)
+    return out
+
+
+def pick_entry(baseline: Baseline, summary: dict, entry_id: str | None = None) -> Entry:
+    if entry_id:
+        return baseline.entry(entry_id)
+    if len(baseline.entries) == 1:
+        return baseline.entries[0]
+    found = matching_entries(baseline, summary)
+    cand = _side(summary["candidate"])
+    if len(found) == 1:
+        return found[0]
+    what = f"candidate {cand.get('label')!r} (quant {cand.get('quant', '?')}, KV {cand.get('kv', 'f16')})"
+    if not found:
+        raise QevalError(f"no entry of baseline {baseline.name} matches {what}; choose one with --baseline-entry "
+                         f"({', '.join(baseline.ids())})")
+    raise QevalError(f"{len(found)} entries of baseline {baseline.name} match {what}; choose one with "
+                     f"--baseline-entry ({', '.join(e.id for e in found)})")
+
+
+def format_value(key: str, mv: MetricValue | None) -> str:
+    if mv is None:
+        return ""
+    unit = METRICS[key].unit
+    dec = {"PPL": 4, "ratio": 4, "%": 2, "nats": 6}[unit]
+    if unit == "nats" and abs(mv.value) >= 0.1:
+        dec = 4
+    s = f"{'~' if mv.approx else ''}{mv.value:.{dec}f}"
+    if mv.se is not None:
+        s += f" ± {mv.se:.{dec}f}"
+    return s
+
+
+def _settings_text(s: dict) -> str:
+    bits = []
+    if s.get("n_ctx"):
+        bits.append(f"ctx {s['n_ctx']}")
+    if s.get("chunks"):
+        bits.append(f"{s['chunks']} chunks")
+    bits.append(s.get("corpus") or "corpus ?")
+    if s.get("llama_cpp_build"):
+        bits.append(f"llama.cpp {s['llama_cpp_build']}")
+    elif s.get("tool"):
+        bits.append(s["tool"])
+    return ", ".join(bits)
+
+
+def _side_text(side: dict | None) -> str:
+    if not side:
+        return "-"
+    s = side.get("quant") or side.get("label")
+    if side.get("kv"):
+        s += f" KV {side['kv']}"
+    if side.get("imatrix"):
+        s += f" ({side['imatrix']})"
+    return s
+
+
+def baseline_json(b: Baseline) -> dict:
+    return {"name": b.name, "path": str(b.path) if b.path else None, "title": b.title, "source": b.source,
+            "settings": b.settings,
+            "entries": [{"id": e.id, "model": e.model, "candidate": e.candidate, "reference": e.reference,
+                         "settings": e.settings,
+                         "metrics": {k: {"value": v.value, "se": v.se, "approx": v.approx, "unit": METRICS[k].unit}
+                                     for k, v in e.metrics.items()},
+                         "quote": e.quote, "where": e.where, "note": e.note} for e in b.entries]}
+
+
+def show_report(spec: str | None = None, run: str | None = None, entry_id: str | None = None) -> tuple[dict, str]:
+    """`qeval baseline show`: the list of baselines, or one baseline's table (with a run beside it)."""
+    if spec is None:
+        if run:
+            raise QevalError("--run needs a baseline: qeval baseline show NAME --run RESULT_JSON")
+        rows = []
+        for p in available():
+            b = load_baseline(p)
+            rows.append({"name": b.name, "path": str(p), "title": b.title, "entries": len(b.entries)})
+        text = "\n".join([f"{'name':<40} entries  title"] +
+                         [f"{r['name']:<40} {r['entries']:>7}  {r['title']}" for r in rows]) if rows else \
+            f"no baselines in {', '.join(map(str, baseline_dirs()))}"
+        return {"baselines": rows}, text
+    b = load_baseline(spec)
+    result = baseline_json(b)
+    run_summary, matched = None, set()
+    if run:
+        from .results import load_result  # noqa: PLC0415
+
+        run_summary = load_result(run, with_per_token=False).summary
+        if entry_id:
+            matched = {b.entry(entry_id).id}
+        else:
+            matched = {e.id for e in (b.entries if len(b.entries) == 1 else matching_entries(b, run_summary))}
+        run_metrics = result_metrics(run_summary)
+        result["run"] = {"path": str(run), "candidate": run_summary["candidate"]["label"],
+                         "reference": run_summary["reference"]["label"], "matched_entries": sorted(matched),
+                         "metrics": {k: {"value": v.value, "se": v.se} for k, v in run_metrics.items()}}
+    return result, baseline_text(b, run_summary, matched)
+
+
+def baseline_text(b: Baseline, run_summary: dict | None = None, matched: set | None = None) -> str:
+    src = b.source
+    who = src.get("author") or "author not named"
+    lines = [f"baseline  : {b.name} — {b.title}",
+             f"source    : {src.get('file') or '-'}: \"{src['title']}\" ({who}"
+             f"{', ' + src['date'] if src.get('date') else ''}){' via ' + src['via'] if src.get('via') else ''}"]
+    if src.get("url"):
+        lines.append(f"url       : {src['url']}")
+    run_metrics = result_metrics(run_summary) if run_summary else None
+    if run_summary:
+        rc, rr = run_summary["candidate"], run_summary["reference"]
+        lines.append(f"run       : {rc['label']} against {rr['label']}, {run_summary['chunks']} chunks of n_ctx "
+                     f"{rr['n_ctx']}, {run_summary['scored_tokens']} scored tokens"
+                     + ("" if matched else " — no entry matches its quant/KV (use --entry ID)"))
+    header = ["entry", "model", "candidate", "reference", "metric", "value", "unit", "settings"]
+    if run_summary:
+        header += [f"run {run_summary['candidate']['label']}", "run − baseline"]
+    rows = []
+    for e in b.entries:
+        for key, mv in e.metrics.items():
+            row = [e.id, e.model or "", _side_text(e.candidate), _side_text(e.reference), key, format_value(key, mv),
+                   METRICS[key].unit, _settings_text(e.settings)]
+            if run_summary:
+                rv = run_metrics.get(key) if e.id in matched else None
+                row += [format_value(key, rv), "" if rv is None else f"{rv.value - mv.value:+.{4 if METRICS[key].unit != 'nats' else 6}f}"]
+            rows.append(row)
+    lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    notes = [f"{e.id}: {e.note}" for e in b.entries if e.note]
+    if notes:
+        lines += ["", "notes:", *[f"- {n}" for n in notes]]
+    return "\n".join(lines)
