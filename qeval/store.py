@@ -154,7 +154,7 @@ class ChunkData:
     logprob_max: np.ndarray  # float64 [n]: log p of the argmax token
     top_ids: np.ndarray  # int32 [n, top_k]: most probable ids, best first (top_ids[:, 0] = argmax)
     codes_zst: bytes  # one zstd frame: per token, the high-byte plane then the low-byte plane
-    raw_planes: np.ndarray | None = None  # uint8 [n, 2, V] instead of codes_zst (live chunks, never stored)
+    raw_planes: list[np.ndarray] | None = None  # uint8 [b, 2, V] blocks instead of codes_zst (live chunks)
 
     @property
     def n_tokens(self) -> int:
@@ -166,8 +166,7 @@ class ChunkData:
         Streams the frame, so memory stays at one block whatever the chunk size.
         """
         if self.raw_planes is not None:
-            for start in range(0, self.n_tokens, block_tokens):
-                yield start, self.raw_planes[start:start + block_tokens]
+            yield from _reblock(self.raw_planes, block_tokens)
             return
         token_bytes = 2 * n_vocab
         reader = zstandard.ZstdDecompressor().stream_reader(self.codes_zst, read_across_frames=False)
@@ -186,6 +185,20 @@ class ChunkData:
         for start, planes in self.iter_planes(n_vocab):
             out[start:start + len(planes)] = planes_to_codes(planes)
         return out
+
+
+def _reblock(blocks: list[np.ndarray], size: int) -> Iterator[tuple[int, np.ndarray]]:
+    """(first row, rows) in blocks of `size` rows; blocks that already fit are passed without a copy."""
+    start, pending = 0, []
+    for block in blocks:
+        pending.append(block)
+        while sum(len(b) for b in pending) >= size:
+            joined = pending[0] if len(pending) == 1 else np.concatenate(pending)
+            yield start, joined[:size]
+            start += size
+            pending = [joined[size:]] if len(joined) > size else []
+    if pending and sum(len(b) for b in pending):
+        yield start, pending[0] if len(pending) == 1 else np.concatenate(pending)
 
 
 def _read_exact(reader, view: memoryview, what: str) -> None:
@@ -238,7 +251,7 @@ class ChunkBuilder:
     def finish(self) -> ChunkData:
         lt, lm, top = (np.concatenate(cols) for cols in zip(*self._scalars))
         if self._z is None:
-            return ChunkData(self.index, lt, lm, top, b"", raw_planes=np.concatenate(self._parts))
+            return ChunkData(self.index, lt, lm, top, b"", raw_planes=self._parts)
         self._parts.append(self._z.flush())
         return ChunkData(self.index, lt, lm, top, b"".join(self._parts))
 
