@@ -178,8 +178,11 @@ def pair_label(model_label: str, kv: str) -> str:
 
 def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int | None = None, n_ctx: int = 512,
                   corpus: str | None = None, runs_dir=None, threads: int | None = None, n_gpu_layers: int = 0,
-                  progress: bool = True) -> tuple[dict, str]:
-    """Capture `ref` once, then every model x KV pair (live, or reusing finished stores and results)."""
+                  progress: bool = True, executor=None) -> tuple[dict, str]:
+    """Capture `ref` once, then every model x KV pair (live, or reusing finished stores and results).
+
+    executor: None or "local" runs here; "ray" or a qeval.distributed.RayExecutor runs every capture
+    and pair as a Ray task (the runs directory must then be on a shared filesystem)."""
     directory = runs.runs_dir(runs_dir)
     ref_label, ref_path = parse_model_arg(ref)
     pairs = []
@@ -188,11 +191,12 @@ def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int 
         for kv in kv_types:
             if not (path == ref_path and kv == "f16"):
                 pairs.append((pair_label(label, kv), path, kv))
-    return run_pairs(ref_label, ref_path, pairs, chunks, n_ctx, corpus, directory, threads, n_gpu_layers, progress)
+    return run_pairs(ref_label, ref_path, pairs, chunks, n_ctx, corpus, directory, threads, n_gpu_layers, progress,
+                     executor)
 
 
 def run_pairs(ref_label: str, ref_path: str, pairs: list[tuple[str, str, str]], chunks, n_ctx, corpus,
-              directory: Path, threads, n_gpu_layers, progress) -> tuple[dict, str]:
+              directory: Path, threads, n_gpu_layers, progress, executor=None) -> tuple[dict, str]:
     for _, path, kv in pairs:  # every bad setting is reported before hours of work start
         EngineSettings(kv, kv, _fa_for(kv), n_gpu_layers, threads).validate()
     labels = [p[0] for p in pairs]
@@ -200,6 +204,13 @@ def run_pairs(ref_label: str, ref_path: str, pairs: list[tuple[str, str, str]], 
         raise QevalError(f"labels must be unique (reference {ref_label}, candidates {', '.join(labels)}); "
                          "name models with LABEL=PATH")
     directory.mkdir(parents=True, exist_ok=True)
+    if executor not in (None, "local"):
+        from .distributed import as_executor  # noqa: PLC0415 - Ray is optional
+
+        ref_text, done_lines, rows_json = as_executor(executor).run_pairs(
+            ref_label, ref_path, pairs, chunks, n_ctx, corpus, directory, threads, n_gpu_layers, progress,
+            pair_settings)
+        return _matrix_result(ref_label, pairs, n_ctx, ref_text, done_lines, rows_json)
     result_dir = directory / results.RESULTS_SUBDIR
     # The reference decides how many chunks every pair has.
     ref_settings = EngineSettings(n_gpu_layers=n_gpu_layers, n_threads=threads)
@@ -222,6 +233,10 @@ def run_pairs(ref_label: str, ref_path: str, pairs: list[tuple[str, str, str]], 
                 kld_report(ref_label, cand, chunks=n_chunks, runs_dir=directory, settings=settings, save=save,
                            save_result=True, on_chunk=advance)
             rows_json.append(results.load_result(result_path, with_per_token=False).summary)
+    return _matrix_result(ref_label, pairs, n_ctx, ref_text, done_lines, rows_json)
+
+
+def _matrix_result(ref_label, pairs, n_ctx, ref_text, done_lines, rows_json) -> tuple[dict, str]:
     rows = [report.leaderboard_row(r) for r in rows_json]
     text = "\n".join([ref_text, *done_lines, "", f"reference {ref_label}: {rows_json[0]['chunks']} chunks of {n_ctx}, "
                       f"{rows_json[0]['scored_tokens']} scored tokens" if rows_json else "",
@@ -232,6 +247,11 @@ def run_pairs(ref_label: str, ref_path: str, pairs: list[tuple[str, str, str]], 
 
 def _fa_for(kv: str) -> str:
     return "on" if kv not in ("f16", "f32", "bf16") else "auto"
+
+
+def pair_settings(kv: str, n_gpu_layers: int, threads: int | None) -> EngineSettings:
+    """How a matrix runs a model with KV cache type `kv` (a quantized V cache needs flash attention)."""
+    return EngineSettings(kv, kv, _fa_for(kv), n_gpu_layers, threads)
 
 
 def demo_report(chunks: int = 80, runs_dir=None, models_dir=None, n_ctx: int = 512, progress: bool = True,

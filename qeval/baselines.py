@@ -226,7 +226,7 @@ def _obj(v: object, spec: dict, loc: str, bad, required: bool = False) -> dict:
     _no_unknown(v, set(spec), loc, bad)
     for key, typ in spec.items():
         if v.get(key) is not None and not isinstance(v[key], typ):
-            raise bad(f"{loc}.{key}", f"must be a {typ.__name__} or null (got {v[key]!r})")
+            raise bad(f"{loc}.{key}", f"must be {'an integer' if typ is int else 'a string'} or null (got {v[key]!r})")
     return {k: x for k, x in v.items() if x is not None}
 
 
@@ -399,16 +399,29 @@ def pick_entry(baseline: Baseline, summary: dict, entry_id: str | None = None) -
                      f"--baseline-entry ({', '.join(e.id for e in found)})")
 
 
-def format_value(key: str, mv: MetricValue | None) -> str:
+def _decimals(key: str, value: float) -> int:
+    unit = METRICS[key].unit
+    if unit == "nats":
+        return 4 if abs(value) >= 0.1 else 6 if abs(value) >= 0.001 or value == 0 else 8
+    return {"PPL": 4, "ratio": 4, "%": 2}[unit]
+
+
+def _as_printed(x: float) -> str | None:
+    """A published number as its source printed it (short reprs only: 97.674, 0.0282, 2e-07 -> None)."""
+    r = repr(float(x))
+    return r if "e" not in r and len(r.lstrip("-").replace(".", "")) <= 8 else None
+
+
+def format_value(key: str, mv: MetricValue | None, as_printed: bool = False) -> str:
+    """`as_printed`: keep a short published value's own digits (97.674, not 97.67)."""
     if mv is None:
         return ""
-    unit = METRICS[key].unit
-    dec = {"PPL": 4, "ratio": 4, "%": 2, "nats": 6}[unit]
-    if unit == "nats" and abs(mv.value) >= 0.1:
-        dec = 4
-    s = f"{'~' if mv.approx else ''}{mv.value:.{dec}f}"
+    dec = _decimals(key, mv.value)
+    v = _as_printed(mv.value) if as_printed else None
+    se = _as_printed(mv.se) if as_printed and mv.se is not None else None
+    s = f"{'~' if mv.approx else ''}{v or f'{mv.value:.{dec}f}'}"
     if mv.se is not None:
-        s += f" ± {mv.se:.{dec}f}"
+        s += f" ± {se or f'{mv.se:.{dec}f}'}"
     return s
 
 
@@ -433,7 +446,7 @@ def _side_text(side: dict | None) -> str:
     if side.get("kv"):
         s += f" KV {side['kv']}"
     if side.get("imatrix"):
-        s += f" ({side['imatrix']})"
+        s += f" (imatrix {side['imatrix']})"
     return s
 
 
@@ -498,11 +511,11 @@ def baseline_text(b: Baseline, run_summary: dict | None = None, matched: set | N
     rows = []
     for e in b.entries:
         for key, mv in e.metrics.items():
-            row = [e.id, e.model or "", _side_text(e.candidate), _side_text(e.reference), key, format_value(key, mv),
+            row = [e.id, e.model or "", _side_text(e.candidate), _side_text(e.reference), key, format_value(key, mv, as_printed=True),
                    METRICS[key].unit, _settings_text(e.settings)]
             if run_summary:
                 rv = run_metrics.get(key) if e.id in matched else None
-                row += [format_value(key, rv), "" if rv is None else f"{rv.value - mv.value:+.{4 if METRICS[key].unit != 'nats' else 6}f}"]
+                row += [format_value(key, rv), "" if rv is None else f"{rv.value - mv.value:+.{_decimals(key, mv.value)}f}"]
             rows.append(row)
     lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]

@@ -135,11 +135,41 @@ def matrix(
     threads: Optional[int] = Threads,
     runs_dir: Optional[Path] = RunsDir,
     as_json: bool = Json,
+    executor: str = typer.Option("local", "--executor", help="local (this machine, one run after another) or ray (every capture and pair a Ray task; --runs-dir must be on a shared filesystem)."),
+    address: Optional[str] = typer.Option(None, "--address", help="With --executor ray: the Ray cluster (auto, or HEAD:6379; default $RAY_ADDRESS, else a new local instance)."),
+    gpus_per_task: float = typer.Option(0, "--gpus-per-task", help="With --executor ray: GPUs per task (1 with -ngl 99)."),
+    cpus_per_task: float = typer.Option(1, "--cpus-per-task", help="With --executor ray: CPUs per task (also the task's model and encoder threads unless -t)."),
+    shard_chunks: int = typer.Option(1, "--shard-chunks", help="With --executor ray: split the reference capture into K tasks over chunk ranges, then merge."),
 ):
     """Every model x KV type against one reference: resumable, skips finished pairs."""
     kv_types = [k.strip() for k in kv.split(",") if k.strip()]
+    run_on = None
+    if executor == "ray":
+        from .distributed import RayExecutor  # noqa: PLC0415 - Ray is optional
+
+        run_on = RayExecutor(address=address, gpus_per_task=gpus_per_task, cpus_per_task=cpus_per_task,
+                             shard_chunks=shard_chunks)
+    elif executor != "local":
+        raise QevalError(f"--executor must be local or ray, not {executor!r}")
+    elif address is not None or gpus_per_task or cpus_per_task != 1 or shard_chunks != 1:
+        raise QevalError("--address, --gpus-per-task, --cpus-per-task and --shard-chunks need --executor ray")
     result, text = api.matrix_report(ref, model, kv_types, chunks=chunks, n_ctx=ctx, corpus=corpus, runs_dir=runs_dir,
-                                     threads=threads, n_gpu_layers=n_gpu_layers)
+                                     threads=threads, n_gpu_layers=n_gpu_layers, executor=run_on)
+    _emit(result, text, as_json)
+
+
+@app.command("merge")
+def merge_cmd(
+    paths: list[Path] = typer.Argument(..., help="PART... OUT: partial stores (each complete for its --chunk-range), then the store to write."),
+    label: Optional[str] = typer.Option(None, "--label", "-l", help="Label of the merged store (default: the parts' label)."),
+    as_json: bool = Json,
+):
+    """Assemble one complete store from shards of a capture (chunks copied as they are, never re-encoded)."""
+    from .merge import merge_report  # noqa: PLC0415
+
+    if len(paths) < 2:
+        raise QevalError("give the parts and then the output: qeval merge PART... OUT")
+    result, text = merge_report(paths[:-1], paths[-1], label=label, progress=True)
     _emit(result, text, as_json)
 
 
@@ -158,7 +188,7 @@ def demo(
 
 @app.command("leaderboard")
 def leaderboard_cmd(
-    run: list[Path] = typer.Argument(..., help="Result JSON files, or directories of them (a runs dir or its results/)."),
+    run: list[Path] = typer.Argument(..., metavar="RUN", help="Result JSON files, or directories of them (a runs dir or its results/)."),
     out: Path = typer.Option(Path("leaderboard"), "--out", "-o", help="Output directory."),
     title: Optional[str] = typer.Option(None, "--title", help="Page and markdown heading."),
 ):

@@ -12,13 +12,14 @@ Bad input (unknown store, malformed baseline, nonsense limit) raises QevalError:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import asdict, dataclass, field
 
 from . import baselines
 from .errors import QevalError
-from .measured import Measured, measure
+from .measured import Measured, is_result_spec, measure
 
 Z = 1.96  # two-sided 95 %; each check is one-sided at 97.5 %
 
@@ -33,6 +34,7 @@ class Check:
     limit: float
     bound: float | None  # the favourable end of the interval that was compared with the limit
     reason: str
+    judged: bool = True  # False: shown for information only (no error bar on either side)
 
 
 @dataclass
@@ -76,7 +78,7 @@ def limit_check(name: str, metric: str, what: str, value: float, se: float | Non
     cmp_ok, cmp_bad = ("≤", ">") if better == "lower" else ("≥", "<")
     side = "lower" if better == "lower" else "upper"
     shown = f"{what} {_pm(value, se if has_se else None, unit)}"
-    lim = _fmt(limit, unit)
+    lim = f"{limit:g}{' %' if unit == '%' else ''}"
     if not has_se:
         reason = (f"{shown} {cmp_bad if worse else cmp_ok} limit {lim} "
                   f"(a percentile has no standard error: compared directly)")
@@ -90,7 +92,10 @@ def limit_check(name: str, metric: str, what: str, value: float, se: float | Non
     return Check(name, metric, not worse, value, se if has_se else None, limit, bound if has_se else None, reason)
 
 
-def baseline_check(key: str, run: baselines.MetricValue, base: baselines.MetricValue, entry_id: str) -> Check:
+def baseline_check(key: str, run: baselines.MetricValue, base: baselines.MetricValue, entry_id: str,
+                   judge_direct: bool = False) -> Check:
+    """Worse than the baseline beyond sqrt(SE_run² + SE_base²)·Z fails. Without any SE (percentiles on
+    both sides) there is no error bar: the line is informative unless `judge_direct` (asked for by name)."""
     spec = baselines.METRICS[key]
     se_run = run.se if run.se is not None and math.isfinite(run.se) else None
     se_base = base.se
@@ -102,6 +107,10 @@ def baseline_check(key: str, run: baselines.MetricValue, base: baselines.MetricV
     unit = spec.unit
     shown = (f"{key} {_pm(run.value, se_run, unit)} vs baseline {entry_id} "
              f"{'~' if base.approx else ''}{_pm(base.value, se_base, unit)}")
+    if direct and not judge_direct:
+        reason = (f"{shown}: {'worse' if worse_by > 0 else 'not worse'} (no standard error on either side: shown, "
+                  f"not judged; judge it with --baseline-metric {key})")
+        return Check(f"baseline:{key}", key, True, run.value, None, base.value, None, reason, judged=False)
     if direct:
         reason = f"{shown}: {'worse' if fails else 'not worse'} (no standard errors: compared directly)"
     elif fails:
@@ -148,6 +157,8 @@ def run_checks(summary: dict, max_kld: float | None = None, max_kld_999: float |
     if baseline is not None:
         entry = baselines.pick_entry(baseline, summary, baseline_entry)
         keys = [k for k in entry.metrics if baselines.METRICS[k].better is not None]
+        if "ppl_ratio" in keys and "delta_ppl_pct" in keys and not baseline_metrics:
+            keys.remove("delta_ppl_pct")  # the same quantity as the ratio: judged once
         if baseline_metrics:
             unknown = [k for k in baseline_metrics if k not in entry.metrics]
             if unknown:
@@ -157,12 +168,16 @@ def run_checks(summary: dict, max_kld: float | None = None, max_kld_999: float |
         if not keys:
             raise QevalError(f"baseline entry {entry.id} has no metric a run can be judged on")
         for key in keys:
-            checks.append(baseline_check(key, m[key], entry.metrics[key], entry.id))
+            checks.append(baseline_check(key, m[key], entry.metrics[key], entry.id,
+                                         judge_direct=bool(baseline_metrics)))
         notes += _setting_notes(entry, summary)
         base_info = {"name": baseline.name, "path": str(baseline.path) if baseline.path else None, "entry": entry.id}
     if not checks:
         raise QevalError("nothing to check: give at least one of --max-kld, --max-kld-999, --min-top1, "
                          "--max-ppl-ratio, --baseline")
+    if not any(c.judged for c in checks):
+        raise QevalError("nothing to judge: the baseline's metrics have no standard error on either side; name "
+                         "them with --baseline-metric to compare them directly, or give a threshold")
     return GateResult(all(c.passed for c in checks), summary["candidate"]["label"], summary["reference"]["label"],
                       int(summary["chunks"]), int(summary["scored_tokens"]), Z, checks, notes, base_info)
 
@@ -178,9 +193,25 @@ def _setting_notes(entry: baselines.Entry, summary: dict) -> list[str]:
             notes.append(f"baseline {entry.id} does not state its {what}")
         elif run[key] is not None and b != run[key]:
             notes.append(f"baseline {entry.id} used {what} {b}, this run {run[key]}")
-    if entry.model:
-        notes.append(f"baseline model: {entry.model}")
+    run_model = (summary["candidate"].get("model") or {}).get("name")
+    if entry.model and run_model and entry.model.lower() != run_model.lower():
+        notes.append(f"baseline model {entry.model}, this run {run_model}")
     return notes
+
+
+def _pick_early(base: baselines.Baseline, ref: str, cand: str, runs_dir) -> None:
+    """Refuse an ambiguous or unmatched baseline from the stores' headers, before a long comparison."""
+    from . import api, report  # noqa: PLC0415
+
+    if is_result_spec(cand) or api.is_model_file(cand):
+        return  # a saved result is read at once; a live model's quant is known only once loaded
+    try:
+        with contextlib.closing(api.open_source(ref, runs_dir)) as r, \
+                contextlib.closing(api.open_source(cand, runs_dir)) as c:
+            head = {"reference": report.describe(r), "candidate": report.describe(c)}
+    except QevalError:
+        return  # the comparison itself reports bad stores
+    baselines.pick_entry(base, head)
 
 
 def gate_text(r: GateResult) -> str:
@@ -189,10 +220,12 @@ def gate_text(r: GateResult) -> str:
         lines.append(f"baseline {r.baseline['name']}, entry {r.baseline['entry']}")
     width = max(len(c.name) for c in r.checks)
     for c in r.checks:
-        lines.append(f"{'PASS' if c.passed else 'FAIL'}  {c.name:<{width}}  {c.reason}")
+        lines.append(f"{'INFO' if not c.judged else 'PASS' if c.passed else 'FAIL'}  {c.name:<{width}}  {c.reason}")
     lines += [f"note: {n}" for n in r.notes]
     failed = sum(not c.passed for c in r.checks)
-    lines.append(f"PASSED: all {len(r.checks)} checks" if r.passed else f"FAILED: {failed} of {len(r.checks)} checks")
+    n = sum(c.judged for c in r.checks)
+    lines.append((f"PASSED: all {n} checks" if n > 1 else "PASSED: 1 check") if r.passed else
+                 f"FAILED: {failed} of {n} check{'s' if n > 1 else ''}")
     return "\n".join(lines)
 
 
@@ -211,6 +244,8 @@ def check_report(ref: str, cand: str, chunks: int | None = None, runs_dir: str |
     if not (base or any(v is not None for v in (max_kld, max_kld_999, min_top1, max_ppl_ratio))):
         raise QevalError("nothing to check: give at least one of --max-kld, --max-kld-999, --min-top1, "
                          "--max-ppl-ratio, --baseline")
+    if base is not None and not baseline_entry and len(base.entries) > 1:
+        _pick_early(base, ref, cand, runs_dir)
     measured: Measured = measure(ref, cand, chunks, runs_dir, threads, progress, need_per_token=False)
     result = run_checks(measured.summary, max_kld, max_kld_999, min_top1, max_ppl_ratio, base, baseline_entry,
                         baseline_metrics)

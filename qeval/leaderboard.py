@@ -384,8 +384,7 @@ def plot_heatmap(board: Leaderboard, metric: str):
     fig = _figure(2.6 + 0.12 * max(map(len, names)) + 1.3 * len(kvs), 1.5 + 0.5 * len(names))
     ax = fig.add_subplot()
     finite = values[np.isfinite(values)]
-    cmap = colormaps["YlOrRd"].copy()
-    cmap.set_bad("white")
+    cmap = colormaps["YlOrRd"].with_extremes(bad="white")
     if metric == "kld" and finite.size and finite.min() > 0:
         norm = LogNorm(finite.min(), finite.max()) if finite.max() > finite.min() else None
     else:
@@ -489,8 +488,8 @@ dl.settings { display: grid; grid-template-columns: max-content 1fr; gap: 3px 18
 dl.settings dt { font-weight: 600; color: var(--muted); }
 dl.settings dd { margin: 0; }
 .table-wrap { overflow-x: auto; border: 1px solid var(--line); border-radius: 8px; }
-table { border-collapse: collapse; width: 100%; font-variant-numeric: tabular-nums; }
-th, td { padding: 6px 10px; border-bottom: 1px solid var(--line); white-space: nowrap; }
+table { border-collapse: collapse; width: 100%; font-variant-numeric: tabular-nums; font-size: 13px; }
+th, td { padding: 5px 8px; border-bottom: 1px solid var(--line); white-space: nowrap; }
 th { background: var(--bg2); text-align: left; font-weight: 600; position: sticky; top: 0; }
 td.num { text-align: right; }
 tbody tr:nth-child(even) { background: #fbfcfd; }

@@ -7,48 +7,14 @@ Paired comparisons (`qeval compare`) and release gates (`qeval check`) both star
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from . import results, runs
 from .errors import MismatchError, QevalError
-from .metrics import Comparison
 
-
-@dataclass
-class Measured:
-    summary: dict  # the comparison JSON (`qeval kld --json`): reference, candidate, chunks, kld, ...
-    per_token: dict[str, np.ndarray] | None
-    origin: str  # "stores" or the result file it came from
-
-    @property
-    def label(self) -> str:
-        return self.summary["candidate"]["label"]
-
-    @property
-    def ref_label(self) -> str:
-        return self.summary["reference"]["label"]
-
-    @property
-    def chunk_ids(self) -> np.ndarray:
-        return np.unique(self.per_token["chunk"])
-
-    def restricted(self, chunk_ids) -> "Measured":
-        """The same measurement over only these chunks (summary recomputed from per-token values)."""
-        if self.per_token is None:
-            raise QevalError(f"{self.origin} has no per-token values: it cannot be cut to fewer chunks")
-        keep = np.isin(self.per_token["chunk"], np.asarray(chunk_ids))
-        per_token = {k: v[keep] for k, v in self.per_token.items()}
-        return Measured(summarize(self.summary, per_token), per_token, self.origin)
-
-
-def summarize(head: dict, per_token: dict[str, np.ndarray]) -> dict:
-    """Comparison JSON (reference/candidate descriptions from `head`) recomputed from per-token values."""
-    chunks = [int(c) for c in np.unique(per_token["chunk"])]
-    body = Comparison(None, None, chunks, per_token).summary()  # summary() reads only per_token and chunks
-    return {"reference": head["reference"], "candidate": head["candidate"], **body}
+Measured = results.Result  # the name paired comparisons and gates use for a candidate's measurement
 
 
 def is_result_spec(spec: str) -> bool:
@@ -63,7 +29,7 @@ def measure(ref: str, cand: str, chunks: int | None = None, runs_dir: str | os.P
     from . import api, report  # noqa: PLC0415 - api imports the capture engine
 
     cmp = api.compare(ref, cand, chunks, runs_dir, threads=threads, progress=progress)
-    return Measured(report.comparison_json(cmp), cmp.per_token, "stores")
+    return Measured(report.comparison_json(cmp), cmp.per_token, None)
 
 
 def _from_result(ref: str, path: Path, chunks: int | None, runs_dir, need_per_token: bool) -> Measured:
@@ -74,13 +40,12 @@ def _from_result(ref: str, path: Path, chunks: int | None, runs_dir, need_per_to
         raise QevalError(f"{path} has no per-token file (save results with `qeval kld --save-result` or "
                          "`qeval matrix`)")
     _check_reference(ref, res, runs_dir)
-    m = Measured(res.summary, res.per_token, str(path))
     if chunks is not None:
         have = int(res.summary["chunks"])
         if not 1 <= chunks <= have:
             raise QevalError(f"--chunks {chunks} is outside the {have} chunks of {path}")
-        m = m.restricted(np.arange(chunks))
-    return m
+        res = res.restricted(np.arange(chunks))
+    return res
 
 
 def _check_reference(ref: str, res: results.Result, runs_dir) -> None:

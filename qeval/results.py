@@ -24,9 +24,11 @@ RESULTS_SUBDIR = "results"
 
 @dataclass
 class Result:
+    """One candidate measured against a reference: loaded from a file, or computed just now."""
+
     summary: dict  # comparison JSON (reference, candidate, perplexity, kld, ...)
     per_token: dict[str, np.ndarray] | None
-    path: Path
+    path: Path | None  # None when computed from stores, not loaded
 
     @property
     def label(self) -> str:
@@ -35,6 +37,29 @@ class Result:
     @property
     def ref_label(self) -> str:
         return self.summary["reference"]["label"]
+
+    @property
+    def origin(self) -> str:
+        return str(self.path) if self.path is not None else "stores"
+
+    @property
+    def chunk_ids(self) -> np.ndarray:
+        return np.unique(self.per_token["chunk"])
+
+    def restricted(self, chunk_ids) -> "Result":
+        """The same measurement over only these chunks (summary recomputed from per-token values)."""
+        if self.per_token is None:
+            raise QevalError(f"{self.origin} has no per-token values: it cannot be cut to fewer chunks")
+        keep = np.isin(self.per_token["chunk"], np.asarray(chunk_ids))
+        per_token = {k: v[keep] for k, v in self.per_token.items()}
+        return Result(summarize(self.summary, per_token), per_token, self.path)
+
+
+def summarize(head: dict, per_token: dict[str, np.ndarray]) -> dict:
+    """Comparison JSON (reference/candidate descriptions from `head`) recomputed from per-token values."""
+    chunks = [int(c) for c in np.unique(per_token["chunk"])]
+    body = Comparison(None, None, chunks, per_token).summary()  # summary() reads only per_token and chunks
+    return {"reference": head["reference"], "candidate": head["candidate"], **body}
 
 
 def result_stem(cand_label: str, ref_label: str) -> str:

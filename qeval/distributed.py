@@ -1,0 +1,540 @@
+"""`qeval matrix --executor ray`: the same matrix, every capture and comparison a Ray task.
+
+Tasks are pure functions of serialisable specs: a reference capture (or each of its shards) is a
+CaptureSpec, a model x KV pair is a CompareSpec. Every task writes into the runs directory, which
+must be one shared filesystem path, mounted at the same place on every node (NFS, Lustre, ...):
+stores are resumable, so a task that dies (worker killed, node lost, OOM) is retried by Ray
+(`max_retries`) and continues from its last complete chunk. Shards of the reference are merged
+(qeval.merge) only once every shard is complete; a store is never made to look complete early.
+
+The driver (the `qeval matrix` process) only submits tasks, merges shards, and counts the CHNK
+records of the stores being written to report progress for the whole fleet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+from . import metrics, results, runs
+from .capture import CaptureSpec, capture, open_live
+from .engine import EngineSettings
+from .errors import QevalError
+from .store import StoreReader
+
+SHARDS_SUBDIR = "shards"
+INSTALL_HINT = "pip install 'qeval[ray]'"
+
+
+def import_ray():
+    try:
+        import ray  # noqa: PLC0415 - optional dependency
+    except ImportError:
+        raise QevalError(f"--executor ray needs Ray, which is not installed: {INSTALL_HINT}") from None
+    return ray
+
+
+# ------------------------------------------------------------------------------------------------
+# task specs and task bodies (plain functions: they run the same in a Ray worker or in-process)
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CompareSpec:
+    """A live comparison of one model x KV pair against a reference store, saved as a result."""
+
+    ref: str  # reference: label in runs_dir, or store path
+    model: str  # candidate GGUF
+    label: str  # the pair's label: its store RUNS/<label>.qeval and result <label>.vs.<ref>
+    runs_dir: str
+    chunks: int | None = None
+    settings: EngineSettings = field(default_factory=EngineSettings)
+    threads: int = 2  # metrics threads (as `qeval kld`)
+
+
+class _ResumingSource:
+    """A live candidate that reads back the chunks its saved store already holds (from an attempt
+    that died) and runs the model only for the others: a retried comparison resumes too."""
+
+    live = True
+    complete = True
+
+    def __init__(self, live, store: Path):
+        self._live = live
+        self.header, self.tokens, self.lut, self.path = live.header, live.tokens, live.lut, live.path
+        self.chunk_indices = live.chunk_indices
+        self.done = set(live.writer.done_chunks)
+        self._partial = StoreReader(store, tolerate_torn_tail=True) if self.done else None
+
+    def read_chunk(self, index: int):
+        if index in self.done:
+            return self._partial.read_chunk(index)
+        return self._live.read_chunk(index)
+
+    def close(self) -> None:
+        if self._partial is not None:
+            self._partial.close()
+
+
+def run_compare(spec: CompareSpec, on_chunk: Callable[[int], None] | None = None) -> dict:
+    """What `qeval kld --ref REF --cand MODEL --save LABEL --save-result` does, resumable."""
+    from .api import _is_complete  # noqa: PLC0415 - api imports this module lazily
+
+    directory = Path(spec.runs_dir)
+    store = runs.store_path(spec.label, directory)
+    resumed = 0
+    with contextlib.ExitStack() as stack:
+        ref = stack.enter_context(contextlib.closing(runs.open_source(spec.ref, directory)))
+        writer = None
+        if _is_complete(store):  # captured earlier: compare the stored candidate
+            cand = stack.enter_context(contextlib.closing(StoreReader(store)))
+        else:
+            engine, live = open_live(spec.model, ref, spec.chunks, spec.settings, spec.label, store)
+            stack.callback(engine.close)
+            stack.callback(live.close)
+            cand = _ResumingSource(live, store)
+            stack.callback(cand.close)
+            writer, resumed = live.writer, len(cand.done)
+        cmp = metrics.compare(ref, cand, spec.chunks, threads=spec.threads, on_chunk=on_chunk)
+        if writer is not None:
+            writer.finish()
+        path = results.save_result(cmp, directory / results.RESULTS_SUBDIR)
+    return {"result": str(path), "chunks": len(cmp.chunks), "resumed_chunks": resumed}
+
+
+def _killer(kill_after: int | None, attempt: int) -> Callable[[int], None]:
+    """Test hook: on the first attempt, SIGKILL this worker after `kill_after` chunks (a real crash)."""
+    state = {"n": 0}
+
+    def on_chunk(n: int = 1) -> None:
+        state["n"] += n
+        if kill_after is not None and attempt == 1 and state["n"] >= kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return on_chunk
+
+
+def _start(tracker, name: str) -> int:
+    if tracker is None:
+        return 1
+    import ray  # noqa: PLC0415
+
+    return ray.get(tracker.start.remote(name))
+
+
+def capture_task(spec: CaptureSpec, name: str, tracker=None, kill_after: int | None = None) -> dict:
+    attempt = _start(tracker, name)
+    plan = {}
+    res = capture(spec, on_chunk=_killer(kill_after, attempt),
+                  on_plan=lambda total, done: plan.update(total=total, done=done))
+    return {"name": name, "path": str(res.path), "status": res.status, "chunks_total": res.chunks_total,
+            "chunks_written": res.chunks_written, "chunks_before": plan.get("done", res.chunks_total),
+            "seconds": res.seconds, "attempt": attempt, "host": socket.gethostname()}
+
+
+def compare_task(spec: CompareSpec, name: str, tracker=None, kill_after: int | None = None) -> dict:
+    attempt = _start(tracker, name)
+    t0 = time.perf_counter()
+    out = run_compare(spec, on_chunk=_killer(kill_after, attempt))
+    return {"name": name, **out, "seconds": time.perf_counter() - t0, "attempt": attempt,
+            "host": socket.gethostname()}
+
+
+def count_windows_task(model: str, corpus: str | None, n_ctx: int) -> int:
+    """Chunks the corpus gives at n_ctx (to plan shards when --chunks is not given): vocab only."""
+    import llama_cpp  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    from .corpus import load_corpus, make_windows  # noqa: PLC0415
+    from .engine import check_model_file, quiet_llama  # noqa: PLC0415
+
+    check_model_file(model)
+    quiet_llama()
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = True
+    m = llama_cpp.llama_model_load_from_file(str(model).encode(), params)
+    if not m:
+        raise QevalError(f"llama.cpp could not load the vocabulary of {model}")
+    try:
+        c = load_corpus(corpus)
+        data = c.text.encode("utf-8")
+        buf = (llama_cpp.llama_token * (len(data) + 16))()
+        n = llama_cpp.llama_tokenize(llama_cpp.llama_model_get_vocab(m), data, len(data), buf, len(data) + 16,
+                                     True, False)
+        if n < 0:
+            raise QevalError("tokenization failed (text too long for one call)")
+        return len(make_windows(np.zeros(n, dtype=np.int32), n_ctx, None, f"corpus {c.name!r}"))
+    finally:
+        llama_cpp.llama_model_free(m)
+
+
+class Tracker:
+    """Ray actor: counts task starts (attempts), so the driver can tell running and retried tasks."""
+
+    def __init__(self):
+        self.starts: dict[str, int] = {}
+
+    def start(self, name: str) -> int:
+        self.starts[name] = self.starts.get(name, 0) + 1
+        return self.starts[name]
+
+    def snapshot(self) -> dict[str, int]:
+        return dict(self.starts)
+
+
+def shard_ranges(n_chunks: int, shards: int) -> list[tuple[int, int]]:
+    """`shards` contiguous chunk ranges covering [0, n_chunks), sizes differing by at most one."""
+    k = max(1, min(shards, n_chunks))
+    bounds = [round(i * n_chunks / k) for i in range(k + 1)]
+    return [(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def count_chunks(path: Path) -> int:
+    """Whole CHNK records of a store being written (0 while it does not exist or has no header yet)."""
+    try:
+        with StoreReader(path, tolerate_torn_tail=True) as r:
+            return len(r.chunk_indices)
+    except (QevalError, OSError):
+        return 0
+
+
+# ------------------------------------------------------------------------------------------------
+# the driver
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class _Task:
+    name: str
+    kind: str  # "capture" or "compare"
+    store: Path  # the store whose CHNK records count as this task's progress
+    chunks: int | None  # chunks it has to hold when done
+    ref: object = None  # Ray ObjectRef
+    state: str = "pending"  # pending, running, done, failed
+    result: dict | None = None
+    error: str = ""
+
+
+def _describe_error(exc: BaseException) -> str:
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, QevalError):
+        return str(cause)
+    name = type(exc).__name__
+    text = str(exc).strip().splitlines()
+    if "WorkerCrashed" in name or "OutOfMemory" in name or "NodeDied" in name or "ActorDied" in name:
+        return f"{name}: the worker died ({text[0] if text else 'no message'})"
+    if cause is not None:
+        return f"{type(cause).__name__}: {cause}"
+    return f"{name}: {text[-1] if text else ''}"
+
+
+class RayExecutor:
+    """Runs a matrix (api.run_pairs) as Ray tasks. One task per reference capture or shard and per
+    model x KV pair, each with `num_gpus=gpus_per_task, num_cpus=cpus_per_task`."""
+
+    def __init__(self, address: str | None = None, gpus_per_task: float = 0, cpus_per_task: float = 1,
+                 shard_chunks: int = 1, max_retries: int = 3, progress_interval: float = 10.0,
+                 log: Callable[[str], None] | None = None, kill_after: dict[str, int] | None = None):
+        if gpus_per_task < 0 or cpus_per_task < 0:
+            raise QevalError("--gpus-per-task and --cpus-per-task must not be negative")
+        if shard_chunks < 1:
+            raise QevalError("--shard-chunks must be at least 1")
+        if max_retries < 0:
+            raise QevalError("max_retries must not be negative")
+        self.address, self.gpus, self.cpus = address, gpus_per_task, cpus_per_task
+        self.shards, self.max_retries, self.interval = shard_chunks, max_retries, progress_interval
+        self._log = log
+        self.kill_after = dict(kill_after or {})  # test hook: task name -> chunks before SIGKILL (attempt 1)
+        self.report: list[str] = []  # one line per task of the last run: name, state, error
+        self.notes: list[str] = []
+        self.tasks: list[_Task] = []
+
+    # -- Ray plumbing ----------------------------------------------------------------------------
+    def _connect(self):
+        ray = import_ray()
+        started = False
+        if not ray.is_initialized():
+            kwargs = {} if self.address else {"include_dashboard": False}
+            try:
+                ray.init(address=self.address, **kwargs)
+            except (ConnectionError, RuntimeError, ValueError) as exc:
+                raise QevalError(f"cannot connect to Ray at {self.address or '(a new local instance)'}: {exc}") \
+                    from None
+            started = True
+        return ray, started
+
+    def _remote(self, ray, fn, name: str, **extra):
+        opts = {"num_cpus": self.cpus, "num_gpus": self.gpus, "max_retries": self.max_retries, "name": name}
+        opts.update(extra)
+        return ray.remote(fn).options(**opts)
+
+    def _say(self, line: str, progress: bool) -> None:
+        if self._log is not None:
+            self._log(line)
+        elif progress:
+            print(line, file=sys.stderr, flush=True)
+
+    # -- the matrix ------------------------------------------------------------------------------
+    def run_pairs(self, ref_label: str, ref_path: str, pairs: list[tuple[str, str, str]], chunks, n_ctx, corpus,
+                  directory: Path, threads, n_gpu_layers, progress, pair_settings) -> tuple[str, list[str], list[dict]]:
+        """Returns (reference line, per-pair lines, result summaries in `pairs` order), like the local loop."""
+        ray, started = self._connect()
+        try:
+            return self._run(ray, ref_label, ref_path, pairs, chunks, n_ctx, corpus, Path(directory).resolve(),
+                             threads, n_gpu_layers, progress, pair_settings)
+        finally:
+            if started:
+                ray.shutdown()
+
+    def _run(self, ray, ref_label, ref_path, pairs, chunks, n_ctx, corpus, directory, threads, n_gpu_layers,
+             progress, pair_settings):
+        from .api import _is_complete  # noqa: PLC0415
+        from .merge import merge_stores  # noqa: PLC0415
+
+        t0 = time.time()
+        threads = threads or max(1, int(self.cpus))  # a task uses its own CPUs, not the whole node's
+        corpus = os.path.abspath(corpus) if corpus and Path(corpus).is_file() else corpus
+        ref_path = os.path.abspath(ref_path)
+        tracker = ray.remote(num_cpus=0)(Tracker).remote()
+        ref_store = runs.store_path(ref_label, directory)
+        base = CaptureSpec(model=ref_path, out=str(ref_store), label=ref_label, corpus=corpus, n_ctx=n_ctx,
+                           chunks=chunks, settings=EngineSettings(n_gpu_layers=n_gpu_layers, n_threads=threads),
+                           threads=max(1, int(self.cpus)))
+        self.tasks, self.notes = [], []
+        fleet = _Fleet(self, ray, tracker, progress, t0)
+        result_dir = directory / results.RESULTS_SUBDIR
+        done_lines, todo = [], []
+        for label, path, kv in pairs:
+            result_path = result_dir / f"{results.result_stem(label, ref_label)}.json"
+            if result_path.is_file() and _is_complete(runs.store_path(label, directory)):
+                done_lines.append(f"{label}: done earlier, skipped")
+            else:
+                todo.append((label, path, kv))
+        fleet.planned(len(todo), chunks)  # so that progress counts them before they are submitted
+
+        # 1. the reference: whole, or K shards then merged
+        if _is_complete(ref_store):
+            ref_text = f"{ref_store} is already complete: nothing to do"
+        else:
+            shard_specs = self._plan_shards(ray, base, ref_store, directory, n_ctx, corpus)
+            if shard_specs is None:
+                fleet.submit_capture(f"{ref_label}", base, ref_store)
+            else:
+                for spec in shard_specs:
+                    if _is_complete(Path(spec.out)):  # done by an earlier run that did not get to merge
+                        continue
+                    fleet.submit_capture(f"{ref_label}[{spec.chunk_range[0]}:{spec.chunk_range[1]}]", spec,
+                                         Path(spec.out))
+            fleet.wait()
+            if fleet.failed():
+                self.report = fleet.summary_lines()
+                raise QevalError(self._failure_text(fleet, "the reference capture failed, no pair was started"))
+            if shard_specs is not None:
+                parts = [spec.out for spec in shard_specs]
+                for p in parts:
+                    self._check_visible(Path(p), fleet)
+                merge_stores(parts, ref_store, label=ref_label)
+                for p in parts:
+                    Path(p).unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    (directory / SHARDS_SUBDIR).rmdir()
+                how = f"{len(parts)} shards (Ray tasks), merged"
+            else:
+                self._check_visible(ref_store, fleet)
+                how = "1 Ray task"
+            written = sum(t.result["chunks_written"] for t in fleet.tasks if t.kind == "capture")
+            ref_text = "\n".join([*self.notes, f"wrote {ref_store}: {self._chunks_of(ref_store)} chunks ({written} "
+                                  f"captured now, {how}) in {time.time() - t0:.1f} s"])
+        n_chunks = self._chunks_of(ref_store) if chunks is None else chunks
+
+        # 2. every model x KV pair not done earlier
+        fleet.planned(len(todo), n_chunks)
+        for label, path, kv in todo:
+            spec = CompareSpec(ref=ref_label, model=os.path.abspath(path), label=label, runs_dir=str(directory),
+                               chunks=n_chunks, settings=pair_settings(kv, n_gpu_layers, threads))
+            fleet.submit_compare(label, spec, runs.store_path(label, directory), n_chunks)
+        fleet.wait()
+        for t in fleet.tasks:
+            if t.kind == "compare" and t.state == "done" and t.result.get("resumed_chunks"):
+                done_lines.append(f"{t.name}: resumed after a failed attempt ({t.result['resumed_chunks']} chunks "
+                                  "read back from its store)")
+        done_lines += fleet.retry_lines()
+        self.report = fleet.summary_lines()
+        if fleet.failed():
+            raise QevalError(self._failure_text(fleet, f"{len(fleet.failed())} of {len(fleet.tasks)} tasks failed"))
+        rows_json = [results.load_result(result_dir / f"{results.result_stem(label, ref_label)}.json",
+                                         with_per_token=False).summary for label, _, _ in pairs]
+        done_lines.append(fleet.final_line())
+        return ref_text, done_lines, rows_json
+
+    def _plan_shards(self, ray, base: CaptureSpec, ref_store: Path, directory: Path, n_ctx, corpus):
+        if self.shards <= 1:
+            return None
+        if ref_store.exists():  # an interrupted unsharded capture: resuming it beats starting over
+            self.notes.append(f"{ref_store} exists (an interrupted capture): resumed in one task instead of "
+                              f"{self.shards} shards")
+            return None
+        n = base.chunks
+        if n is None:
+            counter = ray.remote(count_windows_task).options(num_cpus=min(1, self.cpus), name="count-windows")
+            try:
+                n = ray.get(counter.remote(base.model, corpus, n_ctx))
+            except Exception as exc:  # noqa: BLE001 - Ray wraps the task's exception
+                raise QevalError(f"planning shards failed: {_describe_error(exc)}") from None
+        ranges = shard_ranges(n, self.shards)
+        if len(ranges) == 1:
+            return None
+        shard_dir = directory / SHARDS_SUBDIR
+        shard_dir.mkdir(parents=True, exist_ok=True)
+        return [replace(base, out=str(shard_dir / f"{base.label}.{a:06d}-{b:06d}.qeval"), chunks=n, chunk_range=(a, b))
+                for a, b in ranges]
+
+    @staticmethod
+    def _chunks_of(path: Path) -> int:
+        with StoreReader(path) as r:
+            return r.header.n_chunks
+
+    @staticmethod
+    def _check_visible(path: Path, fleet: "_Fleet") -> None:
+        if not path.is_file():
+            hosts = sorted({t.result.get("host", "?") for t in fleet.tasks if t.result})
+            raise QevalError(f"a Ray task on {', '.join(hosts)} wrote {path}, but this machine cannot see it: "
+                             "--runs-dir must be a shared filesystem path, mounted at the same place on every node")
+
+    @staticmethod
+    def _failure_text(fleet: "_Fleet", head: str) -> str:
+        lines = [f"{t.name}: {t.error}" for t in fleet.failed()]
+        partial = [f"{t.store} ({count_chunks(t.store)} chunks)" for t in fleet.failed() if t.store.exists()]
+        tail = (" Their partial stores are incomplete and resumable: " + ", ".join(partial) + ".") if partial else ""
+        return (f"{head}: " + "; ".join(lines) + "." + tail + " Finished stores and results are kept: re-run the "
+                "same command to resume.")
+
+
+class _Fleet:
+    """Submitted tasks, their states, and the progress line."""
+
+    def __init__(self, ex: RayExecutor, ray, tracker, progress: bool, t0: float):
+        self.ex, self.ray, self.tracker, self.progress, self.t0 = ex, ray, tracker, progress, t0
+        self.tasks = ex.tasks
+        self.starts: dict[str, int] = {}
+        self._last_line = 0.0
+        self._chunks0: int | None = None
+        self._future_tasks, self._future_chunks = 0, 0  # planned pairs, not submitted yet
+
+    def planned(self, n_tasks: int, chunks_each: int | None) -> None:
+        self._future_tasks = n_tasks
+        self._future_chunks = n_tasks * chunks_each if chunks_each is not None else (None if n_tasks else 0)
+
+    def submit_capture(self, name: str, spec: CaptureSpec, store: Path) -> None:
+        chunks = (spec.chunk_range[1] - spec.chunk_range[0]) if spec.chunk_range else spec.chunks
+        fn = self.ex._remote(self.ray, capture_task, name)
+        ref = fn.remote(spec, name, self.tracker, self.ex.kill_after.get(name))
+        self.tasks.append(_Task(name, "capture", store, chunks, ref))
+
+    def submit_compare(self, name: str, spec: CompareSpec, store: Path, chunks: int) -> None:
+        self._future_tasks -= 1
+        if self._future_chunks is not None:
+            self._future_chunks -= chunks
+        fn = self.ex._remote(self.ray, compare_task, name)
+        ref = fn.remote(spec, name, self.tracker, self.ex.kill_after.get(name))
+        self.tasks.append(_Task(name, "compare", store, chunks, ref))
+
+    def failed(self) -> list[_Task]:
+        return [t for t in self.tasks if t.state == "failed"]
+
+    def wait(self) -> None:
+        waiting = {t.ref: t for t in self.tasks if t.state in ("pending", "running")}
+        self.line(force=True)
+        while waiting:
+            ready, _ = self.ray.wait(list(waiting), num_returns=1, timeout=min(1.0, self.ex.interval))
+            for ref in ready:
+                task = waiting.pop(ref)
+                try:
+                    task.result, task.state = self.ray.get(ref), "done"
+                except Exception as exc:  # noqa: BLE001 - RayTaskError, WorkerCrashedError, OutOfMemoryError ...
+                    task.state, task.error = "failed", _describe_error(exc)
+                    self.ex._say(f"qeval ray: task {task.name} failed: {task.error}", self.progress)
+            self.line(force=not waiting)
+
+    def _refresh(self) -> None:
+        with contextlib.suppress(Exception):
+            self.starts = self.ray.get(self.tracker.snapshot.remote(), timeout=10)
+        for t in self.tasks:
+            if t.state == "pending" and t.name in self.starts:
+                t.state = "running"
+
+    def chunk_counts(self) -> tuple[int, int | None]:
+        done, total = 0, self._future_chunks
+        for t in self.tasks:
+            if t.chunks is None:
+                total = None
+            elif total is not None:
+                total += t.chunks
+            if t.state == "done" and t.chunks is not None:
+                done += t.chunks
+            else:  # a pending task's store may hold chunks of an earlier run
+                done += count_chunks(t.store)
+        return done, total
+
+    def line(self, force: bool = False) -> None:
+        now = time.time()
+        if not force and now - self._last_line < self.ex.interval:
+            return
+        self._last_line = now
+        self._refresh()
+        states = {s: sum(t.state == s for t in self.tasks) for s in ("done", "running", "pending", "failed")}
+        states["pending"] += self._future_tasks
+        n_tasks = len(self.tasks) + self._future_tasks
+        retried = sum(1 for n in self.starts.values() if n > 1)
+        done, total = self.chunk_counts()
+        if self._chunks0 is None:
+            self._chunks0 = done
+        elapsed = now - self.t0
+        rate = (done - self._chunks0) / elapsed if elapsed > 0 else 0.0
+        eta = "?"
+        if total is not None and rate > 0:
+            eta = _hms((total - done) / rate)
+        elif total is not None and done >= total:
+            eta = "0:00:00"
+        self.ex._say(f"qeval ray [{_hms(elapsed)}]: tasks {states['done']}/{n_tasks} done, "
+                     f"{states['running']} running, {states['pending']} pending, {states['failed']} failed"
+                     f"{f' ({retried} retried)' if retried else ''} | chunks {done}/"
+                     f"{total if total is not None else '?'} ({rate:.2f}/s) | eta {eta}", self.progress)
+
+    def retry_lines(self) -> list[str]:
+        out = []
+        for t in self.tasks:
+            n = self.starts.get(t.name, 0)
+            if n > 1:
+                what = "succeeded" if t.state == "done" else "failed"
+                extra = ""
+                if t.state == "done" and t.kind == "capture":
+                    extra = f", resumed at chunk {t.result['chunks_before']} of {t.result['chunks_total']}"
+                out.append(f"{t.name}: {n - 1} failed attempt(s) retried, {what} on attempt {n}{extra}")
+        return out
+
+    def summary_lines(self) -> list[str]:
+        return [f"{t.name}: {t.state}{' (' + t.error + ')' if t.error else ''}" for t in self.tasks]
+
+    def final_line(self) -> str:
+        done, total = self.chunk_counts()
+        return (f"ray: {len(self.tasks)} tasks ({sum(t.kind == 'capture' for t in self.tasks)} captures, "
+                f"{sum(t.kind == 'compare' for t in self.tasks)} comparisons), {done} chunks, "
+                f"{time.time() - self.t0:.1f} s")
+
+
+def _hms(seconds: float) -> str:
+    s = int(round(max(seconds, 0)))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def as_executor(executor) -> RayExecutor:
+    """`"ray"` (defaults: local Ray or RAY_ADDRESS, 1 CPU per task) or an executor object."""
+    if executor == "ray":
+        return RayExecutor()
+    if isinstance(executor, str):
+        raise QevalError(f"unknown executor {executor!r}: choose local or ray")
+    return executor

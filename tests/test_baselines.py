@@ -1,0 +1,159 @@
+"""baselines/: every file validates, quotes its source verbatim, and bad files are refused clearly."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, assert_cli_error, run_cli
+from qeval import api, baselines, results
+from qeval.errors import QevalError
+from synth_runs import make_runs
+
+FILES = sorted((REPO / "baselines").glob("*.json"))
+SOURCES = [Path("/work/shared/seeds"), Path("/work/shared/reference")]
+
+
+def test_shipped_baselines_load():
+    assert len(FILES) >= 3
+    assert {p.stem for p in baselines.available()} >= {p.stem for p in FILES}
+    for path in FILES:
+        b = baselines.load_baseline(path)
+        assert b.entries and b.source["title"]
+        for e in b.entries:
+            assert e.quote, f"{path.name}: {e.id} quotes no source line"
+            assert e.model
+
+
+def _numbers_in(text: str) -> set[float]:
+    return {float(m) for m in re.findall(r"\d+\.\d+|\d+", text)}
+
+
+@pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
+def test_every_number_is_in_its_quoted_source(path):
+    b = baselines.load_baseline(path)
+    for e in b.entries:
+        quoted = " ".join(e.quote)
+        for key, mv in e.metrics.items():
+            assert abs(mv.value) in _numbers_in(quoted), f"{e.id}: {key} {mv.value} is not in its quote"
+    src = next((d / b.source["file"] for d in SOURCES if (d / b.source["file"]).is_file()), None)
+    if src is None:
+        pytest.skip(f"source {b.source['file']} is not on this machine")
+    text = " ".join(src.read_text(encoding="utf-8").split())
+    for e in b.entries:
+        for q in e.quote:
+            assert " ".join(q.split()) in text, f"{e.id}: quote not in {src.name}: {q!r}"
+
+
+def test_published_anchor_numbers():
+    readme = baselines.load_baseline("llama-3-8b-llamacpp-readme")
+    q4 = readme.entry("llama3-8b.q4_K_M")
+    assert (q4.metrics["kld_mean"].value, q4.metrics["same_top1_pct"].value) == (0.031273, 91.901)
+    assert q4.settings["n_ctx"] == 512 and q4.settings["corpus"] == "wikitext-2"
+    follow = baselines.load_baseline("qwen3.5-35b-a3b-rtx5080-followup")
+    e2 = follow.entry("e2.UD-Q4_K_XL")
+    assert (e2.metrics["kld_mean"].value, e2.metrics["kld_max"].value, e2.metrics["same_top1_pct"].value) == \
+        (0.1087, 1.2175, 86.2)
+    assert e2.settings == {**follow.settings, "n_ctx": 512, "chunks": 80}
+    assert follow.entry("e1.Q4_K_M.kv-q4_0").metrics["ppl"].value == 6.0422
+
+
+GOOD = {"schema": "qeval-baseline/1", "title": "t", "source": {"title": "s"}, "model": "m",
+        "entries": [{"id": "e", "candidate": {"quant": "Q4_K_M"}, "reference": {"quant": "Q8_0"},
+                     "metrics": {"kld_mean": {"value": 0.03, "se": 0.001}, "ppl": 6.1}}]}
+
+
+def broken(path: str, value):
+    doc = copy.deepcopy(GOOD)
+    *parents, last = path.split(".")
+    d = doc
+    for p in parents:
+        d = d[int(p)] if isinstance(d, list) else d[p]
+    if value is KeyError:
+        del d[last]
+    else:
+        d[int(last) if isinstance(d, list) else last] = value
+    return doc
+
+
+@pytest.mark.parametrize("path,value,fragment", [
+    ("schema", "qeval-baseline/9", "'schema' must be"),
+    ("source", KeyError, "'source'"),
+    ("source.title", "", "source.title"),
+    ("entries", [], "non-empty list"),
+    ("entries.0.metrics.kld_mean.value", "0.03", "kld_mean'.value must be a finite number"),
+    ("entries.0.metrics.kld_mean.se", -1, ".se must be a non-negative"),
+    ("entries.0.metrics.kld_avg", 1.0, "metric 'kld_avg' is unknown"),
+    ("entries.0.reference", None, "'reference' is required"),
+    ("entries.0.id", "bad id", "must be a name"),
+    ("entries.0.settings", {"n_ctx": "512"}, "n_ctx must be an integer"),
+    ("entries.0.candidate", {"kv": "f16"}, "needs a 'quant' or a 'label'"),
+    ("entries.0.colour", "red", "unknown field(s) 'colour'"),
+    ("model", KeyError, "'model' is required"),
+])
+def test_malformed_baselines_are_refused(path, value, fragment):
+    baselines.validate(GOOD)
+    with pytest.raises(QevalError) as exc:
+        baselines.validate(broken(path, value), "x.json")
+    assert fragment in str(exc.value) and str(exc.value).startswith("x.json:")
+
+
+def test_duplicate_ids_and_bad_json(tmp_path):
+    doc = copy.deepcopy(GOOD)
+    doc["entries"].append(copy.deepcopy(doc["entries"][0]))
+    with pytest.raises(QevalError, match="used twice"):
+        baselines.validate(doc)
+    p = tmp_path / "b.json"
+    p.write_text("{not json")
+    with pytest.raises(QevalError, match="not valid JSON"):
+        baselines.load_baseline(p)
+    with pytest.raises(QevalError, match="neither a file nor a known baseline"):
+        baselines.load_baseline("no-such-baseline")
+
+
+@pytest.fixture(scope="module")
+def result_path(tmp_path_factory):
+    runs = make_runs(tmp_path_factory.mktemp("base") / "runs")
+    api.kld_report("REF", "B", runs_dir=runs, threads=1, save_result=True)
+    return runs / results.RESULTS_SUBDIR / "B.vs.REF.json"
+
+
+def test_result_converts_to_a_valid_baseline(result_path, tmp_path):
+    summary = results.load_result(result_path).summary
+    doc = baselines.baseline_from_result(summary, title="mine")
+    out = tmp_path / "mine.json"
+    out.write_text(json.dumps(doc))
+    b = baselines.load_baseline(out)
+    (e,) = b.entries
+    assert e.id == "B" and e.candidate["label"] == "B" and e.reference["label"] == "REF"
+    assert e.settings["n_ctx"] == summary["reference"]["n_ctx"] and e.settings["chunks"] == summary["chunks"]
+    assert set(e.metrics) == set(baselines.METRICS)
+    assert e.metrics["kld_mean"].value == summary["kld"]["mean"] and e.metrics["kld_mean"].se == summary["kld"]["se"]
+    assert e.metrics["same_top1_pct"].value == pytest.approx(100 * summary["same_top1"]["fraction"])
+    assert e.metrics["kld_999"].value == summary["kld"]["ladder"]["99.9%"] and e.metrics["kld_999"].se is None
+    assert e.metrics["ppl_ratio"].se == summary["perplexity"]["ratio_se"]
+    assert baselines.pick_entry(b, summary) is e
+
+
+def test_cli_baseline_show(result_path, tmp_path):
+    listing = run_cli("baseline", "show")
+    assert listing.returncode == 0 and "qwen3.5-35b-a3b-rtx5080-followup" in listing.stdout
+    res = run_cli("baseline", "show", "qwen3.5-35b-a3b-rtx5080-followup")
+    assert res.returncode == 0, res.stderr
+    assert "| e2.UD-Q4_K_XL | Qwen3.5-35B-A3B | UD-Q4_K_XL | Q8_0 | kld_mean | 0.1087 | nats | ctx 512, 80 chunks" in res.stdout
+    side = run_cli("baseline", "show", "llama-3-8b-llamacpp-readme", "--run", result_path, "--entry", "llama3-8b.q4_K_M",
+                   "--json")
+    assert side.returncode == 0, side.stderr
+    out = json.loads(side.stdout)
+    assert out["run"]["matched_entries"] == ["llama3-8b.q4_K_M"] and "kld_mean" in out["run"]["metrics"]
+    text = run_cli("baseline", "show", "llama-3-8b-llamacpp-readme", "--run", result_path, "--entry", "llama3-8b.q4_K_M")
+    row = next(line for line in text.stdout.splitlines() if line.startswith("| llama3-8b.q4_K_M") and "kld_mean" in line)
+    assert row.count("±") == 2  # baseline and run side by side
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(broken("entries.0.metrics.kld_mean.value", "x")))
+    assert_cli_error(run_cli("baseline", "show", bad), "bad.json", "kld_mean")
+    assert_cli_error(run_cli("baseline", "show", "nope"), "neither a file nor a known baseline")

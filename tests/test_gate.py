@@ -1,0 +1,146 @@
+"""qeval.gate and `qeval check`: thresholds judged beyond their error bars; exit codes 0 / 1 / 2."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from conftest import assert_cli_error, run_cli
+from qeval import api, baselines, gate, results
+from qeval.errors import QevalError
+from synth_runs import make_runs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = make_runs(tmp_path_factory.mktemp("gate") / "runs")
+    for cand in ("A", "B"):
+        api.kld_report("REF", cand, runs_dir=d, threads=1, save_result=True)
+    return d
+
+
+def summary(kld=0.05, kld_se=0.002, top1=0.90, top1_se=0.005, ratio=1.02, ratio_se=0.004, k999=1.5):
+    """A comparison JSON with just the fields the gate reads."""
+    return {
+        "reference": {"label": "R", "n_ctx": 512, "corpus": {"name": "wikitext-2"}, "model": {}},
+        "candidate": {"label": "C", "model": {"quant": "Q4_K_M"}, "kv": {"type_k": "f16", "type_v": "f16"}},
+        "chunks": 80, "scored_tokens": 20400,
+        "perplexity": {"ppl_cand": 6.0 * ratio, "ppl_cand_se": 0.04, "ppl_ref": 6.0, "ppl_ref_se": 0.04,
+                       "ratio": ratio, "ratio_se": ratio_se},
+        "kld": {"mean": kld, "se": kld_se, "ladder": {"Maximum": 5.0, "99.9%": k999, "99.0%": 0.5, "Median": 0.01}},
+        "same_top1": {"fraction": top1, "se": top1_se},
+        "delta_p": {"rms": 0.05, "rms_se": 0.001},
+    }
+
+
+def by_name(r: gate.GateResult) -> dict:
+    return {c.name: c for c in r.checks}
+
+
+def test_max_kld_fails_only_beyond_error_bars():
+    s = summary(kld=0.05, kld_se=0.002)
+    assert by_name(gate.run_checks(s, max_kld=0.06))["max-kld"].passed  # below the limit
+    within = by_name(gate.run_checks(s, max_kld=0.047))["max-kld"]  # 0.05 - 1.96*0.002 = 0.04608 <= 0.047
+    assert within.passed and within.bound == pytest.approx(0.05 - 1.96 * 0.002)
+    assert "within its error bars" in within.reason
+    beyond = gate.run_checks(s, max_kld=0.046)  # 0.04608 > 0.046
+    assert not beyond.passed and not by_name(beyond)["max-kld"].passed
+    assert "lower 95 % bound 0.046080" in by_name(beyond)["max-kld"].reason
+
+
+def test_min_top1_uses_upper_bound_in_percent():
+    s = summary(top1=0.90, top1_se=0.005)  # 90 % ± 0.5 %: upper bound 90.98 %
+    assert gate.run_checks(s, min_top1=90.9).passed
+    r = gate.run_checks(s, min_top1=91.0)
+    assert not r.passed and by_name(r)["min-top1"].bound == pytest.approx(90.0 + 1.96 * 0.5)
+    with pytest.raises(QevalError, match="percentage"):
+        gate.run_checks(s, min_top1=0.9)
+
+
+def test_ppl_ratio_uses_ratio_se_and_kld999_is_direct():
+    s = summary(ratio=1.02, ratio_se=0.004, k999=1.5)
+    assert gate.run_checks(s, max_ppl_ratio=1.013).passed  # 1.02 - 0.00784 = 1.01216
+    assert not gate.run_checks(s, max_ppl_ratio=1.012).passed
+    ok = by_name(gate.run_checks(s, max_kld_999=1.5))["max-kld-999"]
+    bad = by_name(gate.run_checks(s, max_kld_999=1.49))["max-kld-999"]
+    assert ok.passed and not bad.passed and bad.se is None and "no standard error" in bad.reason
+
+
+def test_nothing_to_check_and_bad_limits():
+    with pytest.raises(QevalError, match="nothing to check"):
+        gate.run_checks(summary())
+    with pytest.raises(QevalError, match="--max-kld must be a positive"):
+        gate.run_checks(summary(), max_kld=-1)
+    with pytest.raises(QevalError, match="--max-ppl-ratio"):
+        gate.run_checks(summary(), max_ppl_ratio=math.nan)
+
+
+def test_baseline_combined_error_bars():
+    base = baselines.validate({
+        "schema": baselines.SCHEMA, "title": "t", "source": {"title": "s"}, "model": "m",
+        "entries": [{"id": "q4", "candidate": {"quant": "Q4_K_M"}, "reference": {"quant": "Q8_0"},
+                     "metrics": {"kld_mean": {"value": 0.045, "se": 0.002}, "same_top1_pct": 91.0, "kld_max": 4.0}}]})
+    # worse by 0.005; combined SE sqrt(0.002²+0.002²)=0.00283, 1.96*SE = 0.00554 -> within
+    r = gate.run_checks(summary(kld=0.05, kld_se=0.002), baseline=base)
+    checks = by_name(r)
+    assert checks["baseline:kld_mean"].passed and "within the combined" in checks["baseline:kld_mean"].reason
+    # top-1: 90 % ± 0.5 % vs 91.0 (no SE): worse by 1.0 > 1.96*0.5 = 0.98 -> fails
+    assert not checks["baseline:same_top1_pct"].passed and "baseline gives no SE" in checks["baseline:same_top1_pct"].reason
+    # kld_max: no SE on either side -> shown, not judged
+    assert checks["baseline:kld_max"].passed and not checks["baseline:kld_max"].judged
+    assert not r.passed
+    r2 = gate.run_checks(summary(kld=0.06, kld_se=0.002), baseline=base, baseline_metrics=["kld_mean", "kld_max"])
+    assert [c.name for c in r2.checks] == ["baseline:kld_mean", "baseline:kld_max"]
+    assert not r2.passed and by_name(r2)["baseline:kld_max"].judged  # named: compared directly
+    assert not by_name(r2)["baseline:kld_max"].passed and "compared directly" in by_name(r2)["baseline:kld_max"].reason
+    assert any("does not state its n_ctx" in n for n in r.notes)
+
+
+def test_converted_result_is_its_own_passing_baseline(runs):
+    res = results.load_result(runs / "results" / "A.vs.REF.json")
+    base = baselines.validate(baselines.baseline_from_result(res.summary))
+    assert gate.run_checks(res.summary, baseline=base).passed
+    worse = results.load_result(runs / "results" / "B.vs.REF.json").summary
+    r = gate.run_checks(worse, baseline=base)
+    assert not r.passed and not by_name(r)["baseline:kld_mean"].passed
+
+
+def run_check(runs, *args):
+    res = run_cli("check", "--ref", "REF", "--runs-dir", runs, *args)
+    assert "Traceback" not in res.stderr, res.stderr
+    return res
+
+
+def test_cli_exit_codes(runs, tmp_path):
+    kld_b = results.load_result(runs / "results" / "B.vs.REF.json").summary["kld"]
+    hi, lo = kld_b["mean"] * 3, kld_b["mean"] / 3
+    ok = run_check(runs, "--cand", "B", "--max-kld", hi, "--min-top1", 5, "--max-ppl-ratio", 10)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert ok.stdout.count("PASS  ") == 3 and "PASSED: all 3 checks" in ok.stdout
+
+    fail = run_check(runs, "--cand", "B", "--max-kld", lo, "--json")
+    assert fail.returncode == 1, fail.stdout + fail.stderr
+    out = json.loads(fail.stdout)
+    assert out["passed"] is False and out["checks"][0]["name"] == "max-kld" and not out["checks"][0]["passed"]
+
+    # a saved result is judged without recomputing, against a baseline made from a better candidate
+    base = tmp_path / "a.json"
+    conv = run_cli("baseline", "from-result", runs / "results" / "A.vs.REF.json", "-o", base)
+    assert conv.returncode == 0, conv.stderr
+    worse = run_check(runs, "--cand", runs / "results" / "B.vs.REF.json", "--baseline", base)
+    assert worse.returncode == 1 and "FAIL  baseline:kld_mean" in worse.stdout
+    same = run_check(runs, "--cand", "A", "--baseline", base)
+    assert same.returncode == 0, same.stdout
+
+    assert run_check(runs, "--cand", "NOPE", "--max-kld", 1).returncode == 2
+    assert_cli_error(run_check(runs, "--cand", "B"), "nothing to check")
+    assert_cli_error(run_check(runs, "--cand", "B", "--min-top1", 0.9), "percentage")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema": "qeval-baseline/1", "title": "x"}')
+    res = run_check(runs, "--cand", "B", "--baseline", bad)
+    assert res.returncode == 2
+    assert_cli_error(res, "source")
+    assert_cli_error(run_check(runs, "--cand", "B", "--baseline", "qwen3.5-35b-a3b-rtx5080-followup"),
+                     "no entry", "--baseline-entry")
