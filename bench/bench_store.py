@@ -28,7 +28,7 @@ from qeval.corpus import load_corpus, make_windows
 from qeval.engine import Engine, EngineSettings
 from qeval.kernels import decode_tables
 from qeval.metrics import compare_chunk
-from qeval.store import ZSTD_LEVEL, ChunkBuilder
+from qeval.store import ZSTD_LEVEL, ChunkBuilder, zstd_compressor
 
 CANDIDATES = ("Q4_0", "Q3_K_M", "Q2_K")
 KNEES = (0.0, -1.0, -2.0, -3.0, -4.0, -5.0, -6.0)
@@ -141,7 +141,7 @@ def encode_speed(logits: np.ndarray, targets: np.ndarray, code: SqrtLogCode) -> 
         with ThreadPoolExecutor(threads) as pool:
             _chunk(0, logits[:16], np.concatenate([np.zeros(257, np.int32), targets]), code)  # warm-up
             t = time.perf_counter()
-            builder = ChunkBuilder(0, threads=threads)
+            builder = ChunkBuilder(0, compressor=zstd_compressor(threads))
             for blk in pool.map(lambda s: code.encode_block(logits[s:s + 16], targets[s:s + 16]),
                                 range(0, len(logits), 16)):
                 builder.add(blk.planes, blk.logprob_target, blk.logprob_max, blk.top_ids)

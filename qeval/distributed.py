@@ -57,30 +57,6 @@ class CompareSpec:
     threads: int = 2  # metrics threads (as `qeval kld`)
 
 
-class _ResumingSource:
-    """A live candidate that reads back the chunks its saved store already holds (from an attempt
-    that died) and runs the model only for the others: a retried comparison resumes too."""
-
-    live = True
-    complete = True
-
-    def __init__(self, live, store: Path):
-        self._live = live
-        self.header, self.tokens, self.lut, self.path = live.header, live.tokens, live.lut, live.path
-        self.chunk_indices = live.chunk_indices
-        self.done = set(live.writer.done_chunks)
-        self._partial = StoreReader(store, tolerate_torn_tail=True) if self.done else None
-
-    def read_chunk(self, index: int):
-        if index in self.done:
-            return self._partial.read_chunk(index)
-        return self._live.read_chunk(index)
-
-    def close(self) -> None:
-        if self._partial is not None:
-            self._partial.close()
-
-
 def run_compare(spec: CompareSpec, on_chunk: Callable[[int], None] | None = None) -> dict:
     """What `qeval kld --ref REF --cand MODEL --save LABEL --save-result` does, resumable."""
     from .api import _is_complete  # noqa: PLC0415 - api imports this module lazily
@@ -94,12 +70,10 @@ def run_compare(spec: CompareSpec, on_chunk: Callable[[int], None] | None = None
         if _is_complete(store):  # captured earlier: compare the stored candidate
             cand = stack.enter_context(contextlib.closing(StoreReader(store)))
         else:
-            engine, live = open_live(spec.model, ref, spec.chunks, spec.settings, spec.label, store)
+            engine, cand = open_live(spec.model, ref, spec.chunks, spec.settings, spec.label, store)
             stack.callback(engine.close)
-            stack.callback(live.close)
-            cand = _ResumingSource(live, store)
             stack.callback(cand.close)
-            writer, resumed = live.writer, len(cand.done)
+            writer, resumed = cand.writer, len(cand.resumed)
         cmp = metrics.compare(ref, cand, spec.chunks, threads=spec.threads, on_chunk=on_chunk)
         if writer is not None:
             writer.finish()

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Protocol
 
 import numpy as np
 
 from . import stats
 from .errors import MismatchError, QevalError
 from .kernels import N_SUMS, decode_tables, kld_from_sums, pair_sums
+from .pool import bounded_map
 from .store import ChunkData, StoreHeader
 
 TOPK_AGREEMENT = (5, 10)
@@ -137,8 +138,9 @@ def compare_chunk(ref: ChunkData, cand: ChunkData, tokens: np.ndarray, ref_table
         raise MismatchError(f"chunk {ref.index}: {n} scored tokens in the reference, {cand.n_tokens} in the candidate")
     sums = np.empty((n, N_SUMS), dtype=np.float64)
     pending: list = []
+    # strict: both streams run to their end (a live candidate fills in its scalars there)
     for (start, planes_ref), (_, planes_cand) in zip(ref.iter_planes(n_vocab, BLOCK_TOKENS),
-                                                     cand.iter_planes(n_vocab, BLOCK_TOKENS)):
+                                                     cand.iter_planes(n_vocab, BLOCK_TOKENS), strict=True):
         args = (planes_ref, planes_cand, *ref_tables, *cand_tables, sums[start:start + len(planes_ref)])
         if kernel_pool is None:
             pair_sums(*args)
@@ -190,7 +192,7 @@ def compare(ref: LogitSource, cand: LogitSource, n_chunks: int | None = None, th
 
     parts = []
     with ThreadPoolExecutor(max_workers=1 if live else threads) as pool:
-        for part in _bounded_map(pool, one, chunks, 1 if live else 2 * threads):
+        for part in bounded_map(pool, one, chunks, 1 if live else 2 * threads):
             parts.append(part)
             if on_chunk:
                 on_chunk(1)
@@ -198,19 +200,3 @@ def compare(ref: LogitSource, cand: LogitSource, n_chunks: int | None = None, th
         kernel_pool.shutdown()
     per_token = {k: np.concatenate([p[k] for p in parts]) for k in PER_TOKEN_FIELDS}
     return Comparison(ref, cand, chunks, per_token)
-
-
-def _bounded_map(pool: ThreadPoolExecutor, fn, items: Sequence, in_flight: int):
-    """Like pool.map, in order, but with at most `in_flight` tasks submitted (bounded memory)."""
-    futures = []
-    it = iter(items)
-    for item in it:
-        futures.append(pool.submit(fn, item))
-        if len(futures) >= in_flight:
-            break
-    while futures:
-        done = futures.pop(0)
-        nxt = next(it, None)
-        if nxt is not None:
-            futures.append(pool.submit(fn, nxt))
-        yield done.result()

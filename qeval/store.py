@@ -24,7 +24,7 @@ import struct
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 import zstandard
@@ -154,7 +154,6 @@ class ChunkData:
     logprob_max: np.ndarray  # float64 [n]: log p of the argmax token
     top_ids: np.ndarray  # int32 [n, top_k]: most probable ids, best first (top_ids[:, 0] = argmax)
     codes_zst: bytes  # one zstd frame: per token, the high-byte plane then the low-byte plane
-    raw_planes: list[np.ndarray] | None = None  # uint8 [b, 2, V] blocks instead of codes_zst (live chunks)
 
     @property
     def n_tokens(self) -> int:
@@ -165,9 +164,6 @@ class ChunkData:
 
         Streams the frame, so memory stays at one block whatever the chunk size.
         """
-        if self.raw_planes is not None:
-            yield from _reblock(self.raw_planes, block_tokens)
-            return
         token_bytes = 2 * n_vocab
         reader = zstandard.ZstdDecompressor().stream_reader(self.codes_zst, read_across_frames=False)
         with reader:
@@ -187,7 +183,7 @@ class ChunkData:
         return out
 
 
-def _reblock(blocks: list[np.ndarray], size: int) -> Iterator[tuple[int, np.ndarray]]:
+def reblock(blocks: Iterable[np.ndarray], size: int) -> Iterator[tuple[int, np.ndarray]]:
     """(first row, rows) in blocks of `size` rows; blocks that already fit are passed without a copy."""
     start, pending = 0, []
     for block in blocks:
@@ -226,15 +222,18 @@ def planes_to_codes(planes: np.ndarray) -> np.ndarray:
     return (planes[:, 0, :].astype(np.uint16) << 8) | planes[:, 1, :]
 
 
+def zstd_compressor(threads: int = 0) -> zstandard.ZstdCompressor:
+    return zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=threads)
+
+
 class ChunkBuilder:
     """Accumulates one chunk token-block by token-block, compressing as it goes.
 
-    With compress=False the planes are kept as they are (a live chunk that is compared, not stored).
-    """
+    A compressor may be shared by consecutive chunks (not by concurrent ones)."""
 
-    def __init__(self, index: int, level: int = ZSTD_LEVEL, compress: bool = True, threads: int = 0):
+    def __init__(self, index: int, compressor: zstandard.ZstdCompressor | None = None):
         self.index = index
-        self._z = zstandard.ZstdCompressor(level=level, threads=threads).compressobj() if compress else None
+        self._z = (compressor or zstd_compressor()).compressobj()
         self._parts: list = []
         self._scalars: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
 
@@ -244,14 +243,12 @@ class ChunkBuilder:
         if planes.dtype != np.uint8 or planes.ndim != 3 or planes.shape[1] != 2:
             raise ValueError(f"planes must be uint8 [b, 2, V], got {planes.dtype} {planes.shape}")
         planes = np.ascontiguousarray(planes)
-        self._parts.append(self._z.compress(planes.data) if self._z else planes)
+        self._parts.append(self._z.compress(planes.data))
         self._scalars.append((np.asarray(logprob_target, np.float64), np.asarray(logprob_max, np.float64),
                               np.asarray(top_ids, np.int32)))
 
     def finish(self) -> ChunkData:
         lt, lm, top = (np.concatenate(cols) for cols in zip(*self._scalars))
-        if self._z is None:
-            return ChunkData(self.index, lt, lm, top, b"", raw_planes=self._parts)
         self._parts.append(self._z.flush())
         return ChunkData(self.index, lt, lm, top, b"".join(self._parts))
 
