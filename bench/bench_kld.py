@@ -11,25 +11,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
+import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from qeval import api, demo
 
 
 def run_child(args: list[str]) -> tuple[float, int, str]:
-    """(wall seconds, peak RSS bytes of this child, stdout); one child per call."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    t = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "qeval", *args], capture_output=True, text=True, check=True)
-    wall = time.perf_counter() - t
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    if peak <= before:
-        raise RuntimeError("peak RSS of this child is hidden by an earlier, larger child: run separately")
-    return wall, peak * 1024, proc.stdout
+    """(wall seconds, peak RSS bytes, stdout) of `python -m qeval ARGS`, measured by GNU time."""
+    proc = subprocess.run(["/usr/bin/time", "-f", "WALL=%e RSS_KB=%M", sys.executable, "-m", "qeval", *args],
+                          capture_output=True, text=True, check=True)
+    m = re.search(r"WALL=([\d.]+) RSS_KB=(\d+)", proc.stderr)
+    return float(m.group(1)), int(m.group(2)) * 1024, proc.stdout
 
 
 def main() -> None:
@@ -43,7 +38,6 @@ def main() -> None:
     for label in ("Q8_0", "Q2_K"):
         api.capture_store(str(paths[label]), label, runs_dir=args.runs_dir, chunks=n_max, progress=True)
     out = {"n_vocab": 262144, "runs": []}
-    # smallest first: ru_maxrss of children is a running maximum
     for n in sorted(args.chunks):
         wall, rss, stdout = run_child(["kld", "--ref", "Q8_0", "--cand", "Q2_K", "--chunks", str(n), "--json",
                                        "--runs-dir", args.runs_dir])

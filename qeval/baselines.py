@@ -321,13 +321,20 @@ def entry_from_result(summary: dict, entry_id: str | None = None) -> dict:
 def baseline_from_result(summary: dict, title: str | None = None, source_file: str | None = None,
                          entry_id: str | None = None) -> dict:
     """A whole baseline document (valid against the schema) from one qeval result."""
-    ref, cand = summary["reference"], summary["candidate"]
+    return baseline_from_results([summary], title, source_file, entry_id)
+
+
+def baseline_from_results(summaries: list[dict], title: str | None = None, source_file: str | None = None,
+                          entry_id: str | None = None) -> dict:
+    """One baseline document with an entry per qeval result (e.g. every pair of a matrix)."""
+    ref, cand = summaries[0]["reference"], summaries[0]["candidate"]
+    what = cand.get("label") if len(summaries) == 1 else f"{len(summaries)} candidates"
     doc = {
         "schema": SCHEMA,
-        "title": title or f"qeval result: {cand.get('label')} against {ref.get('label')}",
-        "source": {"title": f"qeval {__version__} comparison {cand.get('label')} vs {ref.get('label')}",
-                   "file": source_file, "note": "converted from a qeval result by qeval.baselines.baseline_from_result"},
-        "entries": [entry_from_result(summary, entry_id)],
+        "title": title or f"qeval result: {what} against {ref.get('label')}",
+        "source": {"title": f"qeval {__version__} comparison {what} vs {ref.get('label')}",
+                   "file": source_file, "note": "converted from qeval results by qeval.baselines.baseline_from_results"},
+        "entries": [entry_from_result(s, entry_id if len(summaries) == 1 else None) for s in summaries],
     }
     doc["source"] = {k: v for k, v in doc["source"].items() if v}
     validate(doc, "converted result")

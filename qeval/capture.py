@@ -165,7 +165,8 @@ class LiveChunk:
         self.n_tokens = source.header.n_scored
         self.logprob_target = self.logprob_max = self.top_ids = None
 
-    def iter_planes(self, n_vocab: int, block_tokens: int = 16) -> Iterator[tuple[int, np.ndarray]]:
+    def iter_planes(self, n_vocab: int, block_tokens: int = 16, buffers: int = 1) -> Iterator[tuple[int, np.ndarray]]:
+        """Blocks are fresh arrays here, so `buffers` (a ring size for stored chunks) is not needed."""
         src = self.source
         save = src.writer is not None and self.index not in src.writer.done_chunks
         builder = ChunkBuilder(self.index, compressor=src.compressor) if save else None

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from . import __version__, api
-from .engine import EngineSettings
+from .engine import EngineSettings, fixed_mmap_threshold
 from .errors import QevalError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -284,6 +284,7 @@ def baseline_from_result_cmd(
 
 
 def main() -> None:
+    fixed_mmap_threshold()  # flat peak RSS over long runs (see qeval.engine)
     try:
         app()
     except QevalError as exc:

@@ -138,15 +138,18 @@ def compare_chunk(ref: ChunkData, cand: ChunkData, tokens: np.ndarray, ref_table
         raise MismatchError(f"chunk {ref.index}: {n} scored tokens in the reference, {cand.n_tokens} in the candidate")
     sums = np.empty((n, N_SUMS), dtype=np.float64)
     pending: list = []
+    in_flight = 2 * kernel_pool._max_workers if kernel_pool else 0
+    buffers = in_flight + 2  # a decompressed block must outlive the kernel tasks that read it
     # strict: both streams run to their end (a live candidate fills in its scalars there)
-    for (start, planes_ref), (_, planes_cand) in zip(ref.iter_planes(n_vocab, BLOCK_TOKENS),
-                                                     cand.iter_planes(n_vocab, BLOCK_TOKENS), strict=True):
+    for (start, planes_ref), (_, planes_cand) in zip(ref.iter_planes(n_vocab, BLOCK_TOKENS, buffers),
+                                                     cand.iter_planes(n_vocab, BLOCK_TOKENS, buffers),
+                                                     strict=True):
         args = (planes_ref, planes_cand, *ref_tables, *cand_tables, sums[start:start + len(planes_ref)])
         if kernel_pool is None:
             pair_sums(*args)
             continue
         pending.append(kernel_pool.submit(pair_sums, *args))
-        if len(pending) >= 2 * kernel_pool._max_workers:
+        if len(pending) >= in_flight:
             pending.pop(0).result()
     for future in pending:
         future.result()

@@ -10,7 +10,7 @@ Layout (docs/store-format.md is the normative spec):
     record     INDX  chunk index -> offset (only once the capture is complete)
     trailer    8-byte magic "QEVALEND", u64 offset of the INDX record
 
-Every record is tag(4) u32 zero u64 payload_len, payload, u32 crc32(payload).
+Every record is tag(4) u32 zero u64 payload_len, payload, u64 xxh3_64(payload).
 Everything is little-endian. A file without a valid trailer is "still being written"
 (or was interrupted) and can be resumed: chunks are only ever appended.
 """
@@ -21,12 +21,12 @@ import hashlib
 import json
 import os
 import struct
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
+import xxhash
 import zstandard
 
 from . import __version__
@@ -40,7 +40,7 @@ TOP_K = 10
 
 _PREAMBLE = struct.Struct("<8sII")
 _RECORD = struct.Struct("<4sIQ")
-_CRC = struct.Struct("<I")
+_CHECKSUM = struct.Struct("<Q")  # XXH3-64: 16 GB/s here, CRC-32 (zlib) only 1.8 GB/s
 _TRAILER = struct.Struct("<8sQ")
 _CHUNK_HEAD = struct.Struct("<IIII")
 _INDEX_ENTRY = np.dtype([("chunk", "<u4"), ("zero", "<u4"), ("offset", "<u8")])
@@ -51,6 +51,10 @@ _MAX_CTX = 1 << 22
 _MAX_CHUNKS = 1 << 24
 _MAX_HEADER_BYTES = 64 << 20
 ZSTD_LEVEL = 1
+
+
+def checksum(payload: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(payload)
 
 
 def tokens_sha256(tokens: np.ndarray) -> str:
@@ -159,17 +163,19 @@ class ChunkData:
     def n_tokens(self) -> int:
         return len(self.logprob_target)
 
-    def iter_planes(self, n_vocab: int, block_tokens: int = 16) -> Iterator[tuple[int, np.ndarray]]:
+    def iter_planes(self, n_vocab: int, block_tokens: int = 16, buffers: int = 1) -> Iterator[tuple[int, np.ndarray]]:
         """Yield (first_token, planes) with planes uint8 [b, 2, n_vocab], b <= block_tokens.
 
-        Streams the frame, so memory stays at one block whatever the chunk size.
+        Streams the frame into a ring of `buffers` reused block buffers, so memory stays at a few
+        blocks whatever the chunk size: a yielded block is overwritten `buffers` blocks later.
         """
         token_bytes = 2 * n_vocab
+        ring = [np.empty(block_tokens * token_bytes, dtype=np.uint8) for _ in range(max(1, buffers))]
         reader = zstandard.ZstdDecompressor().stream_reader(self.codes_zst, read_across_frames=False)
         with reader:
-            for start in range(0, self.n_tokens, block_tokens):
+            for k, start in enumerate(range(0, self.n_tokens, block_tokens)):
                 b = min(block_tokens, self.n_tokens - start)
-                buf = np.empty(b * token_bytes, dtype=np.uint8)
+                buf = ring[k % len(ring)][:b * token_bytes]
                 _read_exact(reader, memoryview(buf), f"chunk {self.index}")
                 yield start, buf.reshape(b, 2, n_vocab)
             if reader.read(1):
@@ -178,7 +184,7 @@ class ChunkData:
     def codes(self, n_vocab: int) -> np.ndarray:
         """All codes of the chunk as uint16 [n, n_vocab] (tests and small tools; metrics stream)."""
         out = np.empty((self.n_tokens, n_vocab), dtype=np.uint16)
-        for start, planes in self.iter_planes(n_vocab):
+        for start, planes in self.iter_planes(n_vocab):  # each block is copied out before the next
             out[start:start + len(planes)] = planes_to_codes(planes)
         return out
 
@@ -254,7 +260,7 @@ class ChunkBuilder:
 
 
 def _encode_record(tag: bytes, payload: bytes) -> bytes:
-    return _RECORD.pack(tag, 0, len(payload)) + payload + _CRC.pack(zlib.crc32(payload))
+    return _RECORD.pack(tag, 0, len(payload)) + payload + _CHECKSUM.pack(checksum(payload))
 
 
 def _chunk_payload(chunk: ChunkData, top_k: int) -> bytes:
@@ -437,18 +443,18 @@ class StoreReader:
         return data
 
     def _record_at(self, offset: int, want_tag: bytes, max_len: int | None = None) -> tuple[bytes, int]:
-        """Return (payload, offset after the record), checking tag, length and crc."""
+        """Return (payload, offset after the record), checking tag, length and checksum."""
         tag, zero, n = _RECORD.unpack(self._read_at(offset, _RECORD.size))
         if tag != want_tag or zero != 0:
             raise StoreFormatError(f"{self._where(offset)}: expected a {want_tag.decode()} record, "
                                    f"found {tag!r}")
-        end = offset + _RECORD.size + n + _CRC.size
+        end = offset + _RECORD.size + n + _CHECKSUM.size
         if end > self.size_bytes or (max_len is not None and n > max_len):
             raise StoreFormatError(f"{self._where(offset)}: truncated file ({want_tag.decode()} record of "
                                    f"{n} bytes does not fit in {self.size_bytes} bytes)")
         payload = self._read_at(offset + _RECORD.size, n)
-        (crc,) = _CRC.unpack(self._read_at(offset + _RECORD.size + n, _CRC.size))
-        if zlib.crc32(payload) != crc:
+        (stored,) = _CHECKSUM.unpack(self._read_at(offset + _RECORD.size + n, _CHECKSUM.size))
+        if checksum(payload) != stored:
             raise StoreFormatError(f"{self._where(offset)}: checksum mismatch in {want_tag.decode()} "
                                    "record (the file is corrupted)")
         return payload, end
@@ -521,12 +527,12 @@ class StoreReader:
         self.end_of_valid_data = pos
 
     def _chunk_at(self, offset: int, verify: bool) -> tuple[int, int]:
-        """(chunk index, end offset) of the CHNK record at offset; full crc check only if verify."""
+        """(chunk index, end offset) of the CHNK record at offset; full checksum check only if verify."""
         head = self._read_at(offset, _RECORD.size + _CHUNK_HEAD.size)
         tag, zero, n = _RECORD.unpack(head[:_RECORD.size])
         if tag != b"CHNK" or zero != 0:
             raise StoreFormatError(f"{self._where(offset)}: expected a CHNK record, found {tag!r}")
-        end = offset + _RECORD.size + n + _CRC.size
+        end = offset + _RECORD.size + n + _CHECKSUM.size
         if end > self.size_bytes:
             raise StoreFormatError(f"{self.path}: truncated file (last chunk record is incomplete)")
         index = _CHUNK_HEAD.unpack(head[_RECORD.size:])[0]

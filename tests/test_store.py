@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import struct
-import zlib
 
 import numpy as np
+import xxhash
 import pytest
 
 from conftest import (build_chunk, decoded_logprobs, kld64, log_softmax64, make_header, make_tokens,
@@ -77,10 +77,10 @@ def test_header_json_and_file_layout(tmp_path, inputs):
     while pos < len(data) - 16:
         tag, z, n = struct.unpack_from("<4sIQ", data, pos)
         payload = data[pos + 16:pos + 16 + n]
-        (crc,) = struct.unpack_from("<I", data, pos + 16 + n)
-        assert z == 0 and crc == zlib.crc32(payload)
+        (digest,) = struct.unpack_from("<Q", data, pos + 16 + n)
+        assert z == 0 and digest == xxhash.xxh3_64_intdigest(payload)
         records.append((tag, pos, payload))
-        pos += 16 + n + 4
+        pos += 16 + n + 8
     assert pos == len(data) - 16
     tags = [t for t, _, _ in records]
     assert tags == [b"HEAD", b"TOKS", b"LUT_"] + [b"CHNK"] * N_CHUNKS + [b"INDX"]
@@ -349,7 +349,7 @@ def _records(data: bytes):
     while pos < end:
         tag, _, n = struct.unpack_from("<4sIQ", data, pos)
         out.append((tag, pos, n))
-        pos += 16 + n + 4
+        pos += 16 + n + 8
     return out
 
 
@@ -361,7 +361,7 @@ def _rewrite_payload(path, tag: bytes, edit) -> None:
             payload = edit(bytearray(data[off + 16:off + 16 + n]))
             assert len(payload) == n
             data[off + 16:off + 16 + n] = payload
-            data[off + 16 + n:off + 20 + n] = struct.pack("<I", zlib.crc32(bytes(payload)))
+            data[off + 16 + n:off + 24 + n] = struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(payload)))
             path.write_bytes(bytes(data))
             return
     raise AssertionError(f"no {tag} record")
