@@ -92,7 +92,14 @@ class LlamaCppBaseFile:
                      "note": "reference decoded from llama.cpp's linear uint16 code, clamped at max-16"})
 
     def _decoded_block(self, chunk: int, start: int, count: int) -> np.ndarray:
-        """log p, float32 [count, n_vocab], as llama-perplexity decodes it."""
+        """log p, float32 [count, n_vocab], as llama-perplexity decodes it; clamped entries are -inf.
+
+        Code 0 means "at or below max - 16": llama.cpp decodes all of them to that floor, which at a
+        262K vocab puts ~3 % of made-up mass (262,144 * e^-16) in the tail, and llama-perplexity
+        skips them when it computes KLD. They are read as "below the clamp" (-inf) here, so the
+        re-coded distribution keeps only what the file really knows. (Measured on a real file of
+        Gemma-3-270M: KLD of the model against itself 0.0875 with the floor, ~1e-5 without.)
+        """
         n_vocab, n_scored = self.header.n_vocab, self.header.n_scored
         offset = self._data_offset + (chunk * n_scored + start) * self._record_bytes
         raw = os.pread(self._fh.fileno(), count * self._record_bytes, offset)  # thread-safe
@@ -103,7 +110,15 @@ class LlamaCppBaseFile:
         if not np.all(np.isfinite(scale_min)) or np.any(scale_min[:, 0] < 0):
             raise StoreFormatError(f"{self.path}: chunk {chunk} holds invalid scale/min values")
         codes = records[:, 4:4 + n_vocab]
-        return codes.astype(np.float32) * scale_min[:, :1] + scale_min[:, 1:2]
+        logp = codes.astype(np.float32) * scale_min[:, :1] + scale_min[:, 1:2]
+        logp[codes == 0] = -np.inf
+        return logp
+
+    def _floor(self, chunk: int, start: int, count: int) -> np.ndarray:
+        """min_log_prob per record: what llama-perplexity uses for a clamped target."""
+        offset = self._data_offset + (chunk * self.header.n_scored + start) * self._record_bytes
+        heads = [os.pread(self._fh.fileno(), 8, offset + i * self._record_bytes) for i in range(count)]
+        return np.frombuffer(b"".join(heads), dtype="<f4").reshape(count, 2)[:, 1]
 
     def read_chunk(self, index: int) -> ChunkData:
         if index not in range(self.header.n_chunks):
@@ -116,8 +131,10 @@ class LlamaCppBaseFile:
             logp = self._decoded_block(index, start, count)
             block = self.code.encode_block(logp, targets[start:start + count])
             rows = np.arange(count)
-            # keep llama.cpp's own (unnormalised) decoded values for the scalars
-            builder.add(block.planes, logp[rows, targets[start:start + count]].astype(np.float64),
+            # keep llama.cpp's own (unnormalised) decoded values for the scalars, floor included
+            floor = self._floor(index, start, count)
+            target_logp = np.maximum(logp[rows, targets[start:start + count]], floor)
+            builder.add(block.planes, target_logp.astype(np.float64),
                         logp[rows, block.top_ids[:, 0]].astype(np.float64), block.top_ids)
         return builder.finish()
 

@@ -157,7 +157,7 @@ class ChunkData:
     logprob_target: np.ndarray  # float64 [n]: log p(correct next token), exact from float32 logits
     logprob_max: np.ndarray  # float64 [n]: log p of the argmax token
     top_ids: np.ndarray  # int32 [n, top_k]: most probable ids, best first (top_ids[:, 0] = argmax)
-    codes_zst: bytes  # one zstd frame: per token, the high-byte plane then the low-byte plane
+    codes_zst: bytes | memoryview  # one zstd frame: per token, the high-byte plane then the low-byte plane
 
     @property
     def n_tokens(self) -> int:
@@ -442,8 +442,20 @@ class StoreReader:
                                    f"file is {self.size_bytes} bytes)")
         return data
 
-    def _record_at(self, offset: int, want_tag: bytes, max_len: int | None = None) -> tuple[bytes, int]:
-        """Return (payload, offset after the record), checking tag, length and checksum."""
+    def _read_into(self, buf: bytearray, offset: int, n: int) -> memoryview:
+        if len(buf) < n:
+            buf.extend(bytes(n - len(buf)))
+        view = memoryview(buf)[:n]
+        if os.preadv(self._fh.fileno(), [view], offset) != n:
+            raise StoreFormatError(f"{self.path}: truncated file (wanted {n} bytes at offset {offset})")
+        return view
+
+    def _record_at(self, offset: int, want_tag: bytes, max_len: int | None = None,
+                   into: bytearray | None = None) -> tuple[bytes | memoryview, int]:
+        """Return (payload, offset after the record), checking tag, length and checksum.
+
+        With `into`, the payload is read into that (grown as needed) buffer and returned as a view.
+        """
         tag, zero, n = _RECORD.unpack(self._read_at(offset, _RECORD.size))
         if tag != want_tag or zero != 0:
             raise StoreFormatError(f"{self._where(offset)}: expected a {want_tag.decode()} record, "
@@ -452,7 +464,7 @@ class StoreReader:
         if end > self.size_bytes or (max_len is not None and n > max_len):
             raise StoreFormatError(f"{self._where(offset)}: truncated file ({want_tag.decode()} record of "
                                    f"{n} bytes does not fit in {self.size_bytes} bytes)")
-        payload = self._read_at(offset + _RECORD.size, n)
+        payload = self._read_at(offset + _RECORD.size, n) if into is None else self._read_into(into, offset + _RECORD.size, n)
         (stored,) = _CHECKSUM.unpack(self._read_at(offset + _RECORD.size + n, _CHECKSUM.size))
         if checksum(payload) != stored:
             raise StoreFormatError(f"{self._where(offset)}: checksum mismatch in {want_tag.decode()} "
@@ -547,12 +559,14 @@ class StoreReader:
     def chunk_indices(self) -> list[int]:
         return sorted(self.chunk_offsets)
 
-    def read_chunk(self, index: int) -> ChunkData:
+    def read_chunk(self, index: int, buffer: bytearray | None = None) -> ChunkData:
+        """Chunk `index`, checksummed. With `buffer` (one per thread), the chunk's bytes live in it and
+        stay valid only until the next read into the same buffer: no fresh 35 MB per chunk."""
         if index not in self.chunk_offsets:
             state = "complete" if self.complete else "still being written or interrupted"
             raise StoreFormatError(f"{self.path}: chunk {index} is not in this store ({state}; it holds "
                                    f"{len(self.chunk_offsets)} chunks)")
-        payload, _ = self._record_at(self.chunk_offsets[index], b"CHNK")
+        payload, _ = self._record_at(self.chunk_offsets[index], b"CHNK", into=buffer)
         h = self.header
         if len(payload) < _CHUNK_HEAD.size:
             raise StoreFormatError(f"{self.path}: chunk {index} record is too short")
@@ -566,12 +580,12 @@ class StoreReader:
             raise StoreFormatError(f"{self.path}: chunk {index} record is too short")
         cols = []
         for size, dtype in zip(sizes, ("<f8", "<f8", "<i4")):
-            cols.append(np.frombuffer(payload, dtype=dtype, count=size // np.dtype(dtype).itemsize, offset=pos))
+            cols.append(np.frombuffer(payload, dtype=dtype, count=size // np.dtype(dtype).itemsize, offset=pos).copy())
             pos += size
         top_ids = cols[2].reshape(n, top_k)
         if top_ids.min() < 0 or top_ids.max() >= h.n_vocab:
             raise StoreFormatError(f"{self.path}: chunk {index} holds token ids outside the vocab")
-        return ChunkData(index, cols[0], cols[1], top_ids, payload[pos:])
+        return ChunkData(index, cols[0], cols[1], top_ids, memoryview(payload)[pos:])  # no 35 MB copy
 
     def close(self) -> None:
         self._fh.close()
