@@ -15,7 +15,8 @@ from qeval.errors import QevalError
 from synth_runs import make_runs
 
 FILES = sorted((REPO / "baselines").glob("*.json"))
-SOURCES = [Path("/work/shared/seeds"), Path("/work/shared/reference")]
+# the articles the numbers come from: shared/ beside the checkout (as CI lays it out)
+SOURCES = [REPO.parent / "shared" / "seeds", REPO.parent / "shared" / "reference"]
 
 
 def test_shipped_baselines_load():
@@ -25,8 +26,13 @@ def test_shipped_baselines_load():
         b = baselines.load_baseline(path)
         assert b.entries and b.source["title"]
         for e in b.entries:
-            assert e.quote, f"{path.name}: {e.id} quotes no source line"
+            assert e.quote or _measured_by_qeval(e), f"{path.name}: {e.id} quotes no source line"
             assert e.model
+
+
+def _measured_by_qeval(entry) -> bool:
+    """qeval's own results (baselines/qeval-*.json) come from a run, not from a quoted article."""
+    return str(entry.settings.get("tool", "")).startswith("qeval")
 
 
 def _numbers_in(text: str) -> set[float]:
@@ -36,6 +42,8 @@ def _numbers_in(text: str) -> set[float]:
 @pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
 def test_every_number_is_in_its_quoted_source(path):
     b = baselines.load_baseline(path)
+    if all(_measured_by_qeval(e) for e in b.entries):
+        pytest.skip("qeval's own measurements: nothing to quote")
     for e in b.entries:
         quoted = " ".join(e.quote)
         for key, mv in e.metrics.items():

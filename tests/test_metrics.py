@@ -1,10 +1,7 @@
 """metrics.compare on synthetic stores, and the kld / ppl / info commands end to end.
 
-metrics.compare is called with threads=1 and the CLI `kld` runs compare at most one chunk at a time
-(single-chunk stores or --chunks 1) until the shared-file-handle race in StoreReader is fixed (see
-test_concurrent_chunk_reads_on_one_reader): with two workers, a read can land at the other worker's
-offset and fail with a spurious checksum error, which would make these tests flaky.
-"""
+test_concurrent_chunk_reads_on_one_reader guards the fix of a real race: StoreReader once read with
+seek()+read() on one handle shared by the metrics workers (now os.pread)."""
 
 from __future__ import annotations
 
