@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -222,3 +223,20 @@ def assert_cli_error(res: subprocess.CompletedProcess, *fragments: str) -> str:
     for frag in fragments:
         assert frag.lower() in msg.lower(), f"{frag!r} not in error message: {msg!r}"
     return msg
+
+
+class SlowSeekFile:
+    """A file whose seek() gives up the GIL for a moment, as a real seek may: it makes the
+    interleaving of two threads' seek+read pairs on one shared handle likely instead of rare
+    (a regression guard: readers use os.pread on the descriptor, so seek must not matter)."""
+
+    def __init__(self, fh):
+        self._fh = fh
+
+    def seek(self, *args):
+        pos = self._fh.seek(*args)
+        time.sleep(0.002)
+        return pos
+
+    def __getattr__(self, name):
+        return getattr(self._fh, name)

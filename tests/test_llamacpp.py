@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import math
-import time
 
 import numpy as np
 import pytest
 
-from conftest import (assert_cli_error, decoded_logprobs, kld64, log_softmax64, make_tokens, run_cli,
+from conftest import (SlowSeekFile, assert_cli_error, decoded_logprobs, kld64, log_softmax64, make_tokens, run_cli,
                       stable_topk, synth_logits, write_llamacpp_file)
 from qeval import api, metrics
 from qeval.errors import StoreFormatError
@@ -199,19 +198,6 @@ def test_oversized_and_malformed_llamacpp_files(tmp_path):
         LlamaCppBaseFile(path)
 
 
-class _SlowSeekFile:
-    def __init__(self, fh):
-        self._fh = fh
-
-    def seek(self, *args):
-        pos = self._fh.seek(*args)
-        time.sleep(0.002)
-        return pos
-
-    def __getattr__(self, name):
-        return getattr(self._fh, name)
-
-
 def test_concurrent_reads_of_a_llamacpp_file(tmp_path):
     rng = np.random.default_rng(4)
     tokens = make_tokens(rng, 6, 40, 800)  # 19 scored tokens: two blocks of reads per chunk
@@ -219,7 +205,7 @@ def test_concurrent_reads_of_a_llamacpp_file(tmp_path):
     write_llamacpp_file(path, tokens, synth_logits(rng, tokens, 800), 800)
     import_llamacpp(path, tmp_path / "b.qeval")
     with LlamaCppBaseFile(path) as f, StoreReader(tmp_path / "b.qeval") as s:
-        f._fh = _SlowSeekFile(f._fh)
+        f._fh = SlowSeekFile(f._fh)
         cmp = metrics.compare(f, s, threads=4)
     assert np.all(np.abs(cmp.per_token["kld"]) < 1e-12)
 

@@ -9,12 +9,11 @@ import csv
 import json
 import math
 import re
-import time
 
 import numpy as np
 import pytest
 
-from conftest import (decoded_logprobs, kld64, log_softmax64, make_pair, run_cli, stable_topk)
+from conftest import (SlowSeekFile, decoded_logprobs, kld64, log_softmax64, make_pair, run_cli, stable_topk)
 from qeval import api, metrics
 from qeval.store import StoreReader
 
@@ -114,27 +113,11 @@ def test_chunks_option_uses_the_first_chunks(pair, n):
     np.testing.assert_allclose(part.per_token["kld"], want["kld"], rtol=1e-9, atol=1e-13)
 
 
-class _SlowSeekFile:
-    """A file whose seek() gives up the GIL for a moment, as a real seek may: it makes the
-    interleaving of two threads' seek+read pairs on one shared handle likely instead of rare."""
-
-    def __init__(self, fh):
-        self._fh = fh
-
-    def seek(self, *args):
-        pos = self._fh.seek(*args)
-        time.sleep(0.002)
-        return pos
-
-    def __getattr__(self, name):
-        return getattr(self._fh, name)
-
-
 def test_concurrent_chunk_reads_on_one_reader(tmp_path):
     p = make_pair(tmp_path, seed=8, n_chunks=8, n_ctx=16, n_vocab=1500)
     with StoreReader(p.ref.path) as ref, StoreReader(p.cand.path) as cand:
         serial = metrics.compare(ref, cand, threads=1).per_token["kld"]
-        ref._fh, cand._fh = _SlowSeekFile(ref._fh), _SlowSeekFile(cand._fh)
+        ref._fh, cand._fh = SlowSeekFile(ref._fh), SlowSeekFile(cand._fh)
         parallel = metrics.compare(ref, cand, threads=4).per_token["kld"]
     np.testing.assert_array_equal(parallel, serial)
 
