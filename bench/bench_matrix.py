@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from qeval import baselines, demo
-from qeval.corpus import load_corpus
+from common import llama_numbers, llamacpp_setup
+from qeval import baselines
 
 QUANTS = ("Q8_0", "Q4_K_M", "Q4_0", "Q3_K_M", "Q2_K")
 KV_TYPES = ("f16", "q8_0", "q4_0")
@@ -41,13 +38,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/matrix.json")
     ap.add_argument("--baseline", default="baselines/qeval-gemma-3-270m-default.json")
     args = ap.parse_args()
-    lp = os.environ.get("LLAMA_PERPLEXITY")
-    if not lp:
-        sys.exit("set LLAMA_PERPLEXITY to a llama-perplexity binary")
-    paths = demo.prepare_models(demo.models_dir())
-    work = Path(tempfile.mkdtemp(prefix="qeval-matrix-"))
-    corpus = work / "corpus.txt"
-    corpus.write_text(load_corpus().text)
+    lp, paths, work, corpus = llamacpp_setup("qeval-matrix-")
     runs = work / "runs"
     models = [f"--model={q}={paths[q]}" for q in QUANTS]
     qeval_s, text = run([sys.executable, "-m", "qeval", "matrix", f"--ref=Q8_0={paths['Q8_0']}", *models,
@@ -67,8 +58,8 @@ def main() -> None:
         s, out = run([lp, "-m", str(paths[quant]), *common, *kv_args, "--kl-divergence-base", str(base),
                       "--kl-divergence"])
         llama_s += s
-        ppl = float(re.search(r"Mean PPL\(Q\)\s*:\s*([\d.]+)", out).group(1))
-        kld = float(re.search(r"Mean\s+KLD:\s*([-\d.]+)", out).group(1))
+        numbers = llama_numbers(out)
+        ppl, kld = numbers["ppl_cand"], numbers["mean_kld"]
         worst["ppl_rel"] = max(worst["ppl_rel"], abs(row["perplexity"]["ppl_cand"] / ppl - 1))
         worst["kld_rel"] = max(worst["kld_rel"], abs(row["kld"]["mean"] / kld - 1))
     result = {"chunks": args.chunks, "pairs": len(rows), "qeval_matrix_s": qeval_s, "qeval_leaderboard_s": board_s,

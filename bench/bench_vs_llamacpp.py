@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-from qeval import demo
-from qeval.corpus import load_corpus
+from common import llama_numbers, llamacpp_setup
 
 TIME = ["/usr/bin/time", "-f", "WALL=%e RSS_KB=%M"]
 
@@ -35,28 +32,13 @@ def timed(cmd: list[str]) -> tuple[float, int, str]:
     return float(m.group(1)), int(m.group(2)) * 1024, proc.stdout + proc.stderr
 
 
-def llama_numbers(text: str) -> dict:
-    def grab(pattern):
-        m = re.search(pattern, text)
-        return float(m.group(1)) if m else None
-    return {"ppl_cand": grab(r"Mean PPL\(Q\)\s*:\s*([\d.]+)"), "ppl_ref": grab(r"Mean PPL\(base\)\s*:\s*([\d.]+)"),
-            "mean_kld": grab(r"Mean\s+KLD:\s*([-\d.]+)"), "same_top_pct": grab(r"Same top p:\s*([\d.]+)"),
-            "final_ppl": grab(r"Final estimate: PPL = ([\d.]+)")}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--chunks", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="bench/results/vs_llamacpp.json")
     args = ap.parse_args()
-    lp = os.environ.get("LLAMA_PERPLEXITY")
-    if not lp or not Path(lp).is_file():
-        sys.exit("set LLAMA_PERPLEXITY to a llama-perplexity binary")
-    paths = demo.prepare_models(demo.models_dir())
-    work = Path(tempfile.mkdtemp(prefix="qeval-bench-"))
-    corpus = work / "corpus.txt"
-    corpus.write_text(load_corpus().text)
+    lp, paths, work, corpus = llamacpp_setup("qeval-bench-")
     runs = work / "runs"
     common = ["-f", str(corpus), "-c", "512", "--chunks", str(args.chunks), "-t", str(args.threads)]
     qeval = [sys.executable, "-m", "qeval"]

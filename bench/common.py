@@ -1,0 +1,34 @@
+"""Shared by the benchmarks that run llama-perplexity next to qeval."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+from qeval import demo
+from qeval.corpus import load_corpus
+
+
+def llamacpp_setup(prefix: str) -> tuple[str, dict[str, Path], Path, Path]:
+    """(llama-perplexity binary, demo model paths, a fresh work dir, the shipped corpus copied into it)."""
+    lp = os.environ.get("LLAMA_PERPLEXITY")
+    if not lp or not Path(lp).is_file():
+        sys.exit("set LLAMA_PERPLEXITY to a llama-perplexity binary")
+    paths = demo.prepare_models(demo.models_dir())
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    corpus = work / "corpus.txt"
+    corpus.write_text(load_corpus().text)
+    return lp, paths, work, corpus
+
+
+def llama_numbers(text: str) -> dict:
+    """The numbers llama-perplexity prints (None where a line is absent)."""
+    def grab(pattern):
+        m = re.search(pattern, text)
+        return float(m.group(1)) if m else None
+    return {"ppl_cand": grab(r"Mean PPL\(Q\)\s*:\s*([\d.]+)"), "ppl_ref": grab(r"Mean PPL\(base\)\s*:\s*([\d.]+)"),
+            "mean_kld": grab(r"Mean\s+KLD:\s*([-\d.]+)"), "same_top_pct": grab(r"Same top p:\s*([\d.]+)"),
+            "final_ppl": grab(r"Final estimate: PPL = ([\d.]+)")}
