@@ -7,13 +7,13 @@ from F16 weights: they show how the tool works, not how good these quant types a
 
 from __future__ import annotations
 
-import ctypes
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import QevalError
 from .modelinfo import cache_dir
+from .probe import quantize_guarded
 
 SOURCE_QUANT = "Q4_K_M"
 # llama.cpp LLAMA_FTYPE_MOSTLY_* values
@@ -50,23 +50,16 @@ def assemble_source(directory: Path) -> Path:
 
 
 def quantize(src: Path, dst: Path, ftype: int) -> Path:
-    """llama.cpp's quantizer from `src` (requantizing is allowed); atomic, skipped if dst exists."""
+    """llama.cpp's quantizer from `src` (requantizing is allowed), in a guarded child process
+    (a build that crashes on this CPU becomes a message); atomic, skipped if dst exists."""
     if dst.is_file():
         return dst
-    import llama_cpp  # noqa: PLC0415
-
-    from .engine import quiet_llama  # noqa: PLC0415
-
-    quiet_llama()
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = ftype
-    params.allow_requantize = True
-    params.nthread = os.cpu_count() or 1
     tmp = dst.with_suffix(".gguf.part")
-    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
-    if rc != 0:
+    try:
+        quantize_guarded(src, tmp, ftype)
+    except BaseException:
         tmp.unlink(missing_ok=True)
-        raise QevalError(f"llama.cpp could not quantize {src.name} to ftype {ftype} (code {rc})")
+        raise
     tmp.replace(dst)
     return dst
 

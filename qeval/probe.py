@@ -1,13 +1,20 @@
-"""Catch a llama-cpp-python build that crashes on this CPU before it takes a capture down.
+"""Catch a llama-cpp-python build that crashes on this CPU before it takes a run down.
 
-A build compiled with native flags on some machines dies in the AMX matmul at the first decode
-(SIGSEGV): no Python exception, just a dead process. So the first use of each build decodes a
-few tokens in a child process; a crash there becomes one clear message. Success is remembered per
-build (the shared libraries' paths, sizes and mtimes).
+A llama.cpp build can die without a Python exception: SIGILL when it was compiled for
+instructions this CPU lacks (AVX-512 on an AMD Zen 3, say), SIGSEGV in the AMX matmul of a
+native build on some Intel machines, SIGBUS, SIGFPE, an abort. So every path that runs llama.cpp
+first runs it in a child process: a decode of a few tokens before a capture or a live candidate
+(remembered per build, keyed by the shared libraries' paths, sizes and mtimes), and the whole
+quantization for `demo`. A crash there becomes one clear message with a rebuild command for
+this machine.
+
+The child prints llama.cpp's system info (the instruction sets the build was compiled for)
+before it does anything else, so the message can say which of them this CPU lacks.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import signal
@@ -15,11 +22,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .buildflags import X86_OPTIONS, cpu_flags, is_x86_64, reinstall_command
 from .errors import QevalError
 from .modelinfo import cache_dir
 
-REINSTALL = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON '
-             '-DGGML_AVX512=ON" pip install --force-reinstall --no-cache-dir --no-deps llama-cpp-python==0.3.36')
+SYSTEM_INFO_PREFIX = "qeval-llama-system-info: "
 
 
 def build_id() -> str:
@@ -33,23 +40,59 @@ def build_id() -> str:
     return h.hexdigest()[:32]
 
 
-def probe_command(model: str | os.PathLike) -> list[str]:
-    return [sys.executable, "-m", "qeval.probe", str(model)]
+def child_command(args: list[str]) -> list[str]:
+    """The argv of a guarded child; the one seam tests replace with a child that crashes."""
+    return [sys.executable, "-m", "qeval.probe", *args]
+
+
+def missing_instructions(system_info: str, flags: set[str]) -> list[str]:
+    """Instruction sets the build uses (llama.cpp prints `AVX512 = 1`) that this CPU lacks."""
+    if not flags:
+        return []
+    used = {part.split("=")[0].strip() for part in system_info.split("|") if part.strip().endswith("= 1")}
+    lacking = []
+    for option, needs in X86_OPTIONS.items():
+        name = option.removeprefix("GGML_")
+        if name in used and not all(f in flags for f in needs):
+            lacking.append(name)
+    return lacking
+
+
+def crash_message(returncode: int, stdout: str, what: str) -> str:
+    try:
+        sig = signal.Signals(-returncode).name
+    except ValueError:
+        sig = f"signal {-returncode}"
+    info = next((line[len(SYSTEM_INFO_PREFIX):] for line in stdout.splitlines()
+                 if line.startswith(SYSTEM_INFO_PREFIX)), "")
+    lacking = missing_instructions(info, cpu_flags()) if is_x86_64() else []
+    if lacking:
+        why = f"it was compiled for {', '.join(lacking)}, which this CPU does not have"
+    elif sig == "SIGSEGV":
+        why = "a build with native CPU flags crashes like this in the AMX matmul on some machines"
+    else:
+        why = "it was probably compiled for another machine or with flags this CPU does not support"
+    return (f"this llama-cpp-python build crashes on this CPU ({sig} during {what}): {why}. "
+            f"Rebuild it for this machine (pip's wheel cache bypassed):\n  {reinstall_command()}\n"
+            "or, in a qeval checkout: ./install.sh --rebuild (add --gpu cuda|metal|vulkan for a GPU build)")
+
+
+def run_guarded(args: list[str], what: str, timeout: float = 3600) -> subprocess.CompletedProcess:
+    """Run `python -m qeval.probe ARGS` in a child; a crash by signal raises one clear QevalError."""
+    proc = subprocess.run(child_command(args), capture_output=True, text=True, timeout=timeout)
+    if proc.returncode < 0:
+        raise QevalError(crash_message(proc.returncode, proc.stdout, what))
+    return proc
 
 
 def ensure_llama_runs(model: str | os.PathLike) -> None:
+    """Decode a few tokens of `model` in a child once per llama.cpp build."""
     if os.environ.get("QEVAL_SKIP_PROBE"):
         return
     marker = cache_dir() / "probe" / f"{build_id()}.ok"
     if marker.exists():
         return
-    proc = subprocess.run(probe_command(model), capture_output=True, text=True, timeout=600)
-    if proc.returncode < 0:
-        sig = signal.Signals(-proc.returncode).name
-        raise QevalError(
-            f"this llama-cpp-python build crashes on this CPU ({sig} at the first decode). This happens when it "
-            f"was compiled with native CPU flags on some machines (the AMX matmul path). Rebuild it with "
-            f"portable flags:\n  {REINSTALL}")
+    proc = run_guarded(["decode", str(model)], "the first decode")
     if proc.returncode != 0:
         # The model itself may be at fault (bad file, ...); the caller will report that properly.
         return
@@ -60,7 +103,23 @@ def ensure_llama_runs(model: str | os.PathLike) -> None:
         pass
 
 
-def _probe(model: str) -> None:
+def quantize_guarded(src: Path, dst: Path, ftype: int) -> None:
+    """llama.cpp's quantizer in a child: a crash is a message, a failure its stderr's last line."""
+    proc = run_guarded(["quantize", str(src), str(dst), str(ftype)], f"quantization of {src.name}")
+    if proc.returncode != 0:
+        detail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise QevalError(f"llama.cpp could not quantize {src.name} to ftype {ftype}: {detail}")
+
+
+# -- the child's side ------------------------------------------------------------------------------
+def _print_system_info() -> None:
+    import llama_cpp  # noqa: PLC0415
+
+    info = llama_cpp.llama_print_system_info().decode(errors="replace").replace("\n", " ")
+    print(SYSTEM_INFO_PREFIX + info, flush=True)
+
+
+def _decode(model: str) -> None:
     import numpy as np  # noqa: PLC0415
 
     from .engine import Engine  # noqa: PLC0415
@@ -70,5 +129,23 @@ def _probe(model: str) -> None:
             pass
 
 
+def _quantize(src: str, dst: str, ftype: str) -> None:
+    import llama_cpp  # noqa: PLC0415
+
+    from .engine import quiet_llama  # noqa: PLC0415
+
+    quiet_llama()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = int(ftype)
+    params.allow_requantize = True
+    params.nthread = os.cpu_count() or 1
+    rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params))
+    if rc != 0:
+        sys.exit(f"llama_model_quantize returned {rc}")
+
+
+CHILD_JOBS = {"decode": _decode, "quantize": _quantize}
+
 if __name__ == "__main__":
-    _probe(sys.argv[1])
+    _print_system_info()
+    CHILD_JOBS[sys.argv[1]](*sys.argv[2:])

@@ -15,9 +15,8 @@ import zstandard
 
 from qeval import api, demo
 from qeval.corpus import load_corpus
-from qeval.engine import Engine, EngineSettings
+from qeval.engine import Engine
 from qeval.llamacpp import LlamaCppBaseFile
-from qeval.store import StoreReader
 
 FIXTURE = Path(__file__).parent / "data" / "llamacpp-gemma3-270m-q8_0-c16.kld.zst"
 
@@ -42,21 +41,38 @@ def test_layout_and_tokens_match_llama_perplexity(base_file, models):
         np.testing.assert_array_equal(f.tokens, tokens[:32].reshape(2, 16))
 
 
-def test_qeval_capture_agrees_with_the_llama_file(base_file, models, tmp_path):
-    runs = tmp_path / "runs"
-    api.capture_store(str(models["Q8_0"]), "q8", runs_dir=runs, n_ctx=16, chunks=2,
-                      settings=EngineSettings(flash_attn="off"))
-    with LlamaCppBaseFile(base_file) as f, StoreReader(runs / "q8.qeval") as store:
+def raw_records(path: Path, n_vocab: int, n_records: int, offset: int) -> tuple[np.ndarray, np.ndarray]:
+    """(scale, min_log_prob) float32 pairs and uint16 codes, read in the test with plain numpy."""
+    nv = 2 * ((n_vocab + 1) // 2) + 4
+    raw = np.fromfile(path, dtype="<u2", offset=offset, count=n_records * nv).reshape(n_records, nv)
+    head = raw[:, :4].copy().view("<f4")
+    return head, raw[:, 4:4 + n_vocab]
+
+
+# The file was written on another machine: llama.cpp's CPU kernels give slightly different logits
+# per CPU (up to 0.17 nats at the target on AMD EPYC vs the Intel box that wrote it), so no test
+# compares this file's numbers with a capture made here. What is machine-independent is tested:
+# the layout, the tokens (above), the decoding and the clamp rule. Same-machine agreement with
+# llama-perplexity's numbers is measured by bench/bench_vs_llamacpp.py.
+def test_decoding_and_clamp_rule_of_the_llama_file(base_file, tmp_path):
+    n_vocab, n_scored = 262144, 7
+    head, codes = raw_records(base_file, n_vocab, 2 * n_scored, offset=8 + 12 + 2 * 16 * 4)
+    scale, min_lp = head[:, 0].astype(np.float64), head[:, 1].astype(np.float64)
+    logp = scale[:, None] * codes + min_lp[:, None]  # llama.cpp's decoding, in float64
+    with LlamaCppBaseFile(base_file) as f:
+        tokens = f.tokens
         for c in range(2):
-            ours, theirs = store.read_chunk(c), f.read_chunk(c)
-            # llama.cpp's linear code resolves log p to (max - min)/65535 <= 16/65535 near the target
-            np.testing.assert_allclose(theirs.logprob_target, ours.logprob_target, atol=2e-3)
-            np.testing.assert_array_equal(theirs.top_ids[:, 0], ours.top_ids[:, 0])
-    result, _ = api.kld_report(str(base_file), "q8", runs_dir=runs, threads=1)
-    assert result["same_top1"]["fraction"] == 1.0
-    assert 0 <= result["kld"]["mean"] < 1e-3  # the same model: only llama.cpp's code and clamp differ
-    assert abs(result["perplexity"]["ratio"] - 1) < 2e-3
+            chunk = f.read_chunk(c)
+            rows = slice(c * n_scored, (c + 1) * n_scored)
+            targets = tokens[c, 9:16]
+            np.testing.assert_allclose(chunk.logprob_target, logp[rows][np.arange(n_scored), targets], rtol=0, atol=1e-6)
+            np.testing.assert_array_equal(chunk.top_ids[:, 0], np.argmax(codes[rows], axis=1))
+    # clamp rule: every code-0 entry stands for "at or below max - 16"; the same model against itself
+    # reads as KLD 0 (llama.cpp's floor value, ~3 % of made-up mass at this vocab, is not summed)
+    assert (codes == 0).mean() > 0.5
     imported = tmp_path / "imported.qeval"
     assert "wrote" in api.import_llamacpp_report(base_file, imported)
-    again, _ = api.kld_report(str(imported), "q8", runs_dir=runs, threads=1)
-    assert again["kld"]["mean"] == pytest.approx(result["kld"]["mean"], rel=1e-9)
+    result, _ = api.kld_report(str(base_file), str(imported), threads=1)
+    assert result["same_top1"]["fraction"] == 1.0 and 0 <= result["kld"]["mean"] < 1e-6
+    nll = -logp[np.arange(2 * n_scored), np.concatenate([tokens[0, 9:16], tokens[1, 9:16]])]
+    assert result["perplexity"]["ppl_ref"] == pytest.approx(np.exp(nll.mean()), rel=1e-6)
