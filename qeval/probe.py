@@ -32,11 +32,13 @@ SYSTEM_INFO_PREFIX = "qeval-llama-system-info: "
 def build_id() -> str:
     import llama_cpp  # noqa: PLC0415
 
-    root = Path(llama_cpp.__file__).parent
+    # LLAMA_CPP_LIB_PATH makes llama-cpp-python load the libraries from elsewhere: hash those too
+    roots = [Path(llama_cpp.__file__).parent, *filter(None, [os.environ.get("LLAMA_CPP_LIB_PATH")])]
     h = hashlib.sha256(llama_cpp.__version__.encode())
-    for lib in sorted(root.rglob("*.so*")) + sorted(root.rglob("*.dylib")) + sorted(root.rglob("*.dll")):
-        st = lib.stat()
-        h.update(f"{lib}:{st.st_size}:{st.st_mtime_ns}".encode())
+    for root in map(Path, roots):
+        for lib in sorted(root.rglob("*.so*")) + sorted(root.rglob("*.dylib")) + sorted(root.rglob("*.dll")):
+            st = lib.stat()
+            h.update(f"{lib}:{st.st_size}:{st.st_mtime_ns}".encode())
     return h.hexdigest()[:32]
 
 
@@ -68,6 +70,9 @@ def crash_message(returncode: int, stdout: str, what: str) -> str:
     lacking = missing_instructions(info, cpu_flags()) if is_x86_64() else []
     if lacking:
         why = f"it was compiled for {', '.join(lacking)}, which this CPU does not have"
+    elif sig == "SIGILL":
+        why = ("it executes an instruction this CPU does not have: it was compiled for another CPU "
+               "(AVX-512 on a CPU without it, say)")
     elif sig == "SIGSEGV":
         why = "a build with native CPU flags crashes like this in the AMX matmul on some machines"
     else:

@@ -121,6 +121,16 @@ def test_a_failing_quantization_is_a_message(monkeypatch, tmp_path):
         demo.quantize(tmp_path / "src.gguf", tmp_path / "dst.gguf", 7)
 
 
+def test_sigill_before_the_system_info_still_says_why(monkeypatch, tmp_path):
+    # a build for AVX-512 dies in llama.cpp's CPU feature report already (seen on AMD EPYC Zen 3)
+    monkeypatch.setenv("QEVAL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("QEVAL_SKIP_PROBE", raising=False)
+    monkeypatch.setattr(probe, "child_command", lambda args: [
+        sys.executable, "-c", f"import os; os.kill(os.getpid(), {int(signal.SIGILL)})"])
+    with pytest.raises(QevalError, match="instruction this CPU does not have"):
+        probe.ensure_llama_runs("model.gguf")
+
+
 def test_crash_reaches_the_cli_as_one_message(crashing_child, tmp_path, capsys):
     from qeval.cli import main
 
@@ -132,3 +142,11 @@ def test_crash_reaches_the_cli_as_one_message(crashing_child, tmp_path, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "SIGILL" in err and "Traceback" not in err
+
+
+def test_libraries_loaded_from_llama_cpp_lib_path_are_a_new_build(monkeypatch, tmp_path):
+    monkeypatch.delenv("LLAMA_CPP_LIB_PATH", raising=False)
+    packaged = probe.build_id()
+    (tmp_path / "libggml-cpu.so").write_bytes(b"another build")
+    monkeypatch.setenv("LLAMA_CPP_LIB_PATH", str(tmp_path))
+    assert probe.build_id() != packaged  # so the probe runs again for them
