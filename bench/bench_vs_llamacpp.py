@@ -1,13 +1,15 @@
 """qeval next to llama-perplexity on the same model, corpus, n_ctx 512, chunks and threads.
 
     LLAMA_PERPLEXITY=/path/to/llama-perplexity python bench/bench_vs_llamacpp.py [--chunks 16]
+        [--batch 2048 --ubatch 512 --out bench/results/vs_llamacpp-b2048.json]
 
 Build llama-perplexity from the llama.cpp that llama-cpp-python 0.3.36 vendors (see README,
 "Checking against llama-perplexity"); this script only runs it. Reports wall time and peak RSS of
   1. writing the reference: llama-perplexity --kl-divergence-base vs `qeval capture`,
   2. a live candidate: llama-perplexity --kl-divergence vs `qeval kld --cand MODEL.gguf`,
 and the agreement of Final PPL, Mean KLD and Same top p, for Q8_0 vs Q2_K and Q8_0 vs Q8_0 with
-KV q4_0 (-fa on). Also the peak RSS of `qeval capture` at 4 and 80 chunks.
+KV q4_0 (-fa on). Also the peak RSS of `qeval capture` at 4 and 80 chunks. --batch/--ubatch pass
+-b/-ub to both tools (default: each tool's own; llama-perplexity's is -b 2048 -ub 512).
 """
 
 from __future__ import annotations
@@ -36,20 +38,24 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--chunks", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, help="-b for both tools")
+    ap.add_argument("--ubatch", type=int, help="-ub for both tools")
     ap.add_argument("--out", default="bench/results/vs_llamacpp.json")
     args = ap.parse_args()
     lp, paths, work, corpus = llamacpp_setup("qeval-bench-")
     runs = work / "runs"
-    common = ["-f", str(corpus), "-c", "512", "--chunks", str(args.chunks), "-t", str(args.threads)]
+    batching = [*(["-b", str(args.batch)] if args.batch else []), *(["-ub", str(args.ubatch)] if args.ubatch else [])]
+    common = ["-f", str(corpus), "-c", "512", "--chunks", str(args.chunks), "-t", str(args.threads), *batching]
     qeval = [sys.executable, "-m", "qeval"]
-    out: dict = {"chunks": args.chunks, "threads": args.threads, "pairs": {}}
+    out: dict = {"chunks": args.chunks, "threads": args.threads, "batch": args.batch, "ubatch": args.ubatch,
+                 "pairs": {}}
 
     base = work / "q8.kld"
     w, r, text = timed([lp, "-m", str(paths["Q8_0"]), *common, "--kl-divergence-base", str(base)])
     out["reference"] = {"llamacpp": {"wall_s": w, "peak_rss_bytes": r, "file_bytes": base.stat().st_size,
                                      **llama_numbers(text)}}
     w, r, _ = timed([*qeval, "capture", str(paths["Q8_0"]), "--label", "Q8_0", "--corpus", str(corpus), "-c", "512",
-                     "--chunks", str(args.chunks), "-t", str(args.threads), "--runs-dir", str(runs)])
+                     "--chunks", str(args.chunks), "-t", str(args.threads), *batching, "--runs-dir", str(runs)])
     ppl = json.loads(subprocess.run([*qeval, "ppl", "Q8_0", "--json", "--runs-dir", str(runs)], capture_output=True,
                                     text=True, check=True).stdout)
     out["reference"]["qeval"] = {"wall_s": w, "peak_rss_bytes": r, "file_bytes": (runs / "Q8_0.qeval").stat().st_size,
@@ -62,7 +68,7 @@ def main() -> None:
                             "--kl-divergence"])
         ll = {"wall_s": w, "peak_rss_bytes": r, **llama_numbers(text)}
         w, r, stdout = timed([*qeval, "kld", "--ref", "Q8_0", "--cand", str(model), *kv_args, "-t", str(args.threads),
-                              "--json", "--runs-dir", str(runs)])
+                              *batching, "--json", "--runs-dir", str(runs)])
         res = json.loads(stdout[:stdout.rindex("}") + 1])
         q = {"wall_s": w, "peak_rss_bytes": r, "ppl_cand": res["perplexity"]["ppl_cand"],
              "ppl_ref": res["perplexity"]["ppl_ref"], "mean_kld": res["kld"]["mean"],
@@ -74,7 +80,7 @@ def main() -> None:
     out["capture_rss"] = {}
     for n in (4, 80):
         w, r, _ = timed([*qeval, "capture", str(paths["Q8_0"]), "--label", f"rss{n}", "--corpus", str(corpus),
-                         "-c", "512", "--chunks", str(n), "-t", str(args.threads), "--runs-dir", str(runs)])
+                         "-c", "512", "--chunks", str(n), "-t", str(args.threads), *batching, "--runs-dir", str(runs)])
         out["capture_rss"][str(n)] = {"wall_s": w, "peak_rss_bytes": r, "peak_rss_gib": r / 2**30}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))

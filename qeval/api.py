@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from . import metrics, report, results, runs
+from . import identity, metrics, report, results, runs
 from .capture import CaptureSpec, capture, open_live
-from .engine import EngineSettings
+from .codec import SqrtLogCode
+from .engine import EngineSettings, available_cores
 from .errors import QevalError
 from .llamacpp import import_llamacpp
 from .store import StoreReader
@@ -50,10 +52,13 @@ def is_model_file(spec: str) -> bool:
         return False
 
 
-def compare(ref: str, cand: str, chunks: int | None = None, runs_dir=None, threads: int = 2,
+def compare(ref: str, cand: str, chunks: int | None = None, runs_dir=None, threads: int | None = None,
             settings: EngineSettings = EngineSettings(), save: str | None = None,
-            progress: bool = False, on_chunk=None) -> metrics.Comparison:
-    """Compare a candidate (store, label, llama.cpp file, or a GGUF model run live) with a reference."""
+            progress: bool = False, on_chunk=None, force: bool = False) -> metrics.Comparison:
+    """Compare a candidate (store, label, llama.cpp file, or a GGUF model run live) with a reference.
+
+    save: keep a live candidate's store under this label; a store there that holds another capture is
+    refused, or replaced with `force`."""
     directory = runs.runs_dir(runs_dir)
     with contextlib.ExitStack() as stack:
         ref_src = stack.enter_context(contextlib.closing(runs.open_source(ref, directory)))
@@ -62,7 +67,8 @@ def compare(ref: str, cand: str, chunks: int | None = None, runs_dir=None, threa
             if save:
                 directory.mkdir(parents=True, exist_ok=True)
                 save_path = runs.store_path(save, directory)
-            engine, cand_src = open_live(cand, ref_src, chunks, settings, save or Path(cand).stem, save_path)
+            engine, cand_src = open_live(cand, ref_src, chunks, settings, save or Path(cand).stem, save_path,
+                                         replace=force)
             stack.callback(engine.close)
             stack.callback(cand_src.close)
         else:
@@ -71,17 +77,18 @@ def compare(ref: str, cand: str, chunks: int | None = None, runs_dir=None, threa
             cand_src = stack.enter_context(contextlib.closing(runs.open_source(cand, directory)))
         n = len(metrics.select_chunks(ref_src, cand_src, chunks))
         with progress_bar("comparing chunks", n, progress and on_chunk is None) as advance:
-            result = metrics.compare(ref_src, cand_src, chunks, threads=threads, on_chunk=on_chunk or advance)
+            result = metrics.compare(ref_src, cand_src, chunks, threads=threads or available_cores(),
+                                     on_chunk=on_chunk or advance)
         if getattr(cand_src, "writer", None) is not None:
             cand_src.writer.finish()
         return result
 
 
-def kld_report(ref: str, cand: str, chunks: int | None = None, runs_dir=None, threads: int = 2,
+def kld_report(ref: str, cand: str, chunks: int | None = None, runs_dir=None, threads: int | None = None,
                per_token: Path | None = None, progress: bool = False,
                settings: EngineSettings = EngineSettings(), save: str | None = None,
-               save_result: bool = False, on_chunk=None) -> tuple[dict, str]:
-    cmp = compare(ref, cand, chunks, runs_dir, threads, settings, save, progress, on_chunk)
+               save_result: bool = False, on_chunk=None, force: bool = False) -> tuple[dict, str]:
+    cmp = compare(ref, cand, chunks, runs_dir, threads, settings, save, progress, on_chunk, force)
     if save_result:
         results.save_result(cmp, runs.runs_dir(runs_dir) / results.RESULTS_SUBDIR)
     if per_token is not None:
@@ -119,13 +126,13 @@ def info_report(spec: str, runs_dir=None) -> tuple[dict, str]:
     return d, report.info_text(d)
 
 
-def import_llamacpp_report(file: Path, out: Path) -> str:
+def import_llamacpp_report(file: Path, out: Path, force: bool = False) -> str:
     from .llamacpp import LlamaCppBaseFile  # noqa: PLC0415
 
     with LlamaCppBaseFile(file) as base:
         total = base.header.n_chunks
     with progress_bar("importing chunks", total) as advance:
-        import_llamacpp(file, out, on_chunk=advance)
+        import_llamacpp(file, out, on_chunk=advance, replace=force)
     with StoreReader(out) as store:
         d = report.info(store)
     return (f"wrote {out}: {d['chunks_present']} chunks, {d['size_bytes']:,} bytes "
@@ -135,15 +142,17 @@ def import_llamacpp_report(file: Path, out: Path) -> str:
 
 def capture_store(model: str, label: str, runs_dir=None, out: str | None = None, corpus: str | None = None,
                   n_ctx: int = 512, chunks: int | None = None, settings: EngineSettings = EngineSettings(),
-                  n_batch: int = 128, chunk_range: tuple[int, int] | None = None,
-                  progress: bool = False, on_chunk=None) -> tuple[dict, str]:
+                  chunk_range: tuple[int, int] | None = None,
+                  progress: bool = False, on_chunk=None, force: bool = False) -> tuple[dict, str]:
+    """Capture `model` into a store, resume an interrupted capture, or reuse one that holds it already.
+    A store there that holds another capture is refused (naming what differs), or replaced with `force`."""
     directory = runs.runs_dir(runs_dir)
     runs.check_label(label)
     if out is None:
         directory.mkdir(parents=True, exist_ok=True)
         out = str(runs.store_path(label, directory))
     spec = CaptureSpec(model=model, out=out, label=label, corpus=corpus, n_ctx=n_ctx, chunks=chunks,
-                       chunk_range=chunk_range, settings=settings, n_batch=n_batch)
+                       chunk_range=chunk_range, settings=settings, replace=force)
     with contextlib.ExitStack() as stack:
         state = {}
 
@@ -178,8 +187,13 @@ def pair_label(model_label: str, kv: str) -> str:
 
 def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int | None = None, n_ctx: int = 512,
                   corpus: str | None = None, runs_dir=None, threads: int | None = None, n_gpu_layers: int = 0,
-                  progress: bool = True, executor=None) -> tuple[dict, str]:
+                  progress: bool = True, executor=None, n_batch: int | None = None,
+                  n_ubatch: int | None = None, force: bool = False) -> tuple[dict, str]:
     """Capture `ref` once, then every model x KV pair (live, or reusing finished stores and results).
+
+    A saved result or store is reused only when it answers the pair's request (qeval.identity); else
+    the pair is recomputed and its result and store overwritten, and the text says so. A reference store
+    that holds another capture is refused, or replaced with `force`.
 
     executor: None or "local" runs here; "ray" or a qeval.distributed.RayExecutor runs every capture
     and pair as a Ray task (the runs directory must then be on a shared filesystem)."""
@@ -192,13 +206,14 @@ def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int 
             if not (path == ref_path and kv == "f16"):
                 pairs.append((pair_label(label, kv), path, kv))
     return run_pairs(ref_label, ref_path, pairs, chunks, n_ctx, corpus, directory, threads, n_gpu_layers, progress,
-                     executor)
+                     executor, n_batch, n_ubatch, force)
 
 
 def run_pairs(ref_label: str, ref_path: str, pairs: list[tuple[str, str, str]], chunks, n_ctx, corpus,
-              directory: Path, threads, n_gpu_layers, progress, executor=None) -> tuple[dict, str]:
+              directory: Path, threads, n_gpu_layers, progress, executor=None, n_batch: int | None = None,
+              n_ubatch: int | None = None, force: bool = False) -> tuple[dict, str]:
     for _, path, kv in pairs:  # every bad setting is reported before hours of work start
-        EngineSettings(kv, kv, _fa_for(kv), n_gpu_layers, threads).validate()
+        pair_settings(kv, n_gpu_layers, threads, n_batch, n_ubatch).validate()
     labels = [p[0] for p in pairs]
     if len(set(labels)) != len(labels) or ref_label in labels:
         raise QevalError(f"labels must be unique (reference {ref_label}, candidates {', '.join(labels)}); "
@@ -209,31 +224,91 @@ def run_pairs(ref_label: str, ref_path: str, pairs: list[tuple[str, str, str]], 
 
         ref_text, done_lines, rows_json = as_executor(executor).run_pairs(
             ref_label, ref_path, pairs, chunks, n_ctx, corpus, directory, threads, n_gpu_layers, progress,
-            pair_settings)
+            pair_settings, n_batch, n_ubatch, force)
         return _matrix_result(ref_label, pairs, n_ctx, ref_text, done_lines, rows_json)
     result_dir = directory / results.RESULTS_SUBDIR
     # The reference decides how many chunks every pair has.
-    ref_settings = EngineSettings(n_gpu_layers=n_gpu_layers, n_threads=threads)
+    ref_settings = pair_settings("f16", n_gpu_layers, threads, n_batch, n_ubatch)
     total = chunks * (1 + len(pairs)) if chunks else None
     with progress_bar(f"matrix: reference + {len(pairs)} pairs", total, progress) as advance:
         _, ref_text = capture_store(ref_path, ref_label, runs_dir=directory, n_ctx=n_ctx, chunks=chunks,
-                                    corpus=corpus, settings=ref_settings, on_chunk=advance)
+                                    corpus=corpus, settings=ref_settings, on_chunk=advance, force=force)
         with StoreReader(runs.store_path(ref_label, directory)) as ref_store:
             n_chunks = ref_store.header.n_chunks if chunks is None else chunks
+            plans = [plan_pair(ref_store, n_chunks, label, path, pair_settings(kv, n_gpu_layers, threads, n_batch,
+                                                                                n_ubatch), directory)
+                     for label, path, kv in pairs]
         done_lines, rows_json = [], []
-        for label, path, kv in pairs:
-            result_path = result_dir / f"{results.result_stem(label, ref_label)}.json"
-            if result_path.is_file() and _is_complete(runs.store_path(label, directory)):
-                done_lines.append(f"{label}: done earlier, skipped")
+        for plan in plans:
+            if plan.result_current:
+                done_lines.append(f"{plan.label}: done earlier, skipped")
                 advance(n_chunks)
             else:
-                settings = EngineSettings(kv, kv, _fa_for(kv), n_gpu_layers, threads)
-                store = runs.store_path(label, directory)
-                cand, save = (label, None) if _is_complete(store) else (path, label)
-                kld_report(ref_label, cand, chunks=n_chunks, runs_dir=directory, settings=settings, save=save,
-                           save_result=True, on_chunk=advance)
-            rows_json.append(results.load_result(result_path, with_per_token=False).summary)
+                if plan.note:
+                    done_lines.append(plan.note)
+                cand, save = (plan.label, None) if plan.store_usable else (plan.model, plan.label)
+                kld_report(ref_label, cand, chunks=n_chunks, runs_dir=directory, settings=plan.settings, save=save,
+                           save_result=True, on_chunk=advance, force=True)
+            rows_json.append(results.load_result(results.result_path(result_dir, plan.label, ref_label),
+                                                 with_per_token=False).summary)
     return _matrix_result(ref_label, pairs, n_ctx, ref_text, done_lines, rows_json)
+
+
+@dataclass(frozen=True)
+class PairPlan:
+    """What a matrix does with one model x KV pair: nothing (its saved result answers the request), compare
+    its stored candidate, or run the model live; `note` says why something saved is not reused."""
+
+    label: str
+    model: str
+    settings: EngineSettings
+    result_current: bool
+    store_usable: bool  # its store holds this candidate over the compared windows
+    note: str = ""
+
+
+def plan_pair(ref_store, n_chunks: int, label: str, model: str, settings: EngineSettings,
+              directory: Path) -> PairPlan:
+    """The plan for candidate `label` (GGUF `model` run with `settings`) against the open reference store
+    over its first n_chunks chunks, from what `directory` holds: its result, and its store."""
+    try:
+        planned = identity.planned_producer(model, settings, ref_store.header.n_ctx, SqrtLogCode().params())
+    except (QevalError, OSError):
+        return PairPlan(label, model, settings, False, False)  # running it says what is wrong with the model
+    request = identity.ComparisonRequest(identity.reference_identity(ref_store, n_chunks), planned, n_chunks)
+    result_path = results.result_path(directory / results.RESULTS_SUBDIR, label, ref_store.header.label)
+    saved = results.saved_request(result_path)
+    usable, store_changes = _stored_candidate(runs.store_path(label, directory), planned, ref_store, n_chunks)
+    if saved is not None and saved.key == request.key:
+        return PairPlan(label, model, settings, True, usable)
+    if saved is not None:
+        note = f"{label}: recomputed: its saved result answers another request ({_listed(request.changes_from(saved))})"
+    elif result_path.is_file():
+        note = f"{label}: recomputed: its saved result records no request (saved by an older qeval)"
+    elif store_changes:
+        note = f"{label}: its store held another capture ({_listed(store_changes)}): replaced"
+    else:
+        note = ""
+    return PairPlan(label, model, settings, False, usable, note)
+
+
+def _listed(changes: list[str]) -> str:
+    return "; ".join(changes) + ", saved vs now"
+
+
+def _stored_candidate(path: Path, planned: dict, ref_store, n_chunks: int) -> tuple[bool, list[str]]:
+    """(whether the store at `path` is a complete capture of the planned candidate over the reference's
+    first n_chunks windows, how its producer differs from the planned one)."""
+    if not path.is_file():
+        return False, []
+    try:
+        with StoreReader(path, tolerate_torn_tail=True) as store:
+            differences = identity.changes(identity.producer(store.header), planned)
+            holds = store.complete and identity.holds_windows(store.header, store.tokens, range(n_chunks),
+                                                              ref_store.tokens[:n_chunks])
+            return holds and not differences, differences
+    except QevalError:
+        return False, ["it is not a readable store"]
 
 
 def _matrix_result(ref_label, pairs, n_ctx, ref_text, done_lines, rows_json) -> tuple[dict, str]:
@@ -249,9 +324,10 @@ def _fa_for(kv: str) -> str:
     return "on" if kv not in ("f16", "f32", "bf16") else "auto"
 
 
-def pair_settings(kv: str, n_gpu_layers: int, threads: int | None) -> EngineSettings:
+def pair_settings(kv: str, n_gpu_layers: int, threads: int | None, n_batch: int | None = None,
+                  n_ubatch: int | None = None) -> EngineSettings:
     """How a matrix runs a model with KV cache type `kv` (a quantized V cache needs flash attention)."""
-    return EngineSettings(kv, kv, _fa_for(kv), n_gpu_layers, threads)
+    return EngineSettings(kv, kv, _fa_for(kv), n_gpu_layers, threads, n_batch, n_ubatch)
 
 
 def demo_report(chunks: int = 80, runs_dir=None, models_dir=None, n_ctx: int = 512, progress: bool = True,

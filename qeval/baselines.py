@@ -1,9 +1,9 @@
 """Baselines: published (or earlier qeval) numbers to hold a run against. Schema: baselines/SCHEMA.md.
 
 A baseline file is JSON: the source of its numbers, default settings and model, and entries; each
-entry is one candidate (optionally measured against a reference) with metric values in the units
-fixed by METRICS. `load_baseline` validates a file and raises QevalError naming the bad field;
-`baseline_from_result` turns a qeval result (the JSON of `qeval kld --json`) into a baseline.
+entry is one candidate (optionally measured against a reference) with metric values under the names
+and in the units of qeval.metric_registry. `load_baseline` validates a file and raises QevalError naming
+the bad field; `baseline_from_result` turns a qeval result (the JSON of `qeval kld --json`) into a baseline.
 """
 
 from __future__ import annotations
@@ -15,34 +15,14 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import __version__
+from . import __version__, metric_registry
 from .errors import QevalError
+from .metric_registry import METRICS, MetricValue
 
 SCHEMA = "qeval-baseline/1"
 BASELINES_ENV = "QEVAL_BASELINES_DIR"
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 
-
-@dataclass(frozen=True)
-class MetricSpec:
-    description: str
-    unit: str
-    better: str | None  # "lower", "higher", or None (shown, never judged)
-
-
-METRICS: dict[str, MetricSpec] = {
-    "ppl": MetricSpec("perplexity of the candidate", "PPL", "lower"),
-    "ppl_ref": MetricSpec("perplexity of the reference", "PPL", None),
-    "ppl_ratio": MetricSpec("PPL(candidate) / PPL(reference)", "ratio", "lower"),
-    "delta_ppl_pct": MetricSpec("PPL change against the reference", "%", "lower"),
-    "kld_mean": MetricSpec("mean KL divergence KLD(reference || candidate)", "nats", "lower"),
-    "kld_median": MetricSpec("median per-token KLD", "nats", "lower"),
-    "kld_99": MetricSpec("99.0 % percentile of per-token KLD", "nats", "lower"),
-    "kld_999": MetricSpec("99.9 % percentile of per-token KLD", "nats", "lower"),
-    "kld_max": MetricSpec("maximum per-token KLD", "nats", "lower"),
-    "same_top1_pct": MetricSpec("share of tokens where both pick the same top-1 token", "%", "higher"),
-    "rms_dp_pct": MetricSpec("RMS of the change in the correct token's probability", "%", "lower"),
-}
 
 _SETTINGS = {"n_ctx": int, "chunks": int, "scored_tokens": int, "corpus": str, "llama_cpp_build": str,
              "tool": str, "backend": str, "note": str}
@@ -51,14 +31,6 @@ _SIDE = {"quant": str, "kv": str, "label": str, "file": str, "imatrix": str, "no
 _TOP = {"schema", "title", "description", "source", "model", "settings", "entries"}
 _ENTRY = {"id", "model", "candidate", "reference", "settings", "metrics", "quote", "where", "note"}
 _VALUE = {"value", "se", "approx", "note"}
-
-
-@dataclass
-class MetricValue:
-    value: float
-    se: float | None = None
-    approx: bool = False
-    note: str | None = None
 
 
 @dataclass
@@ -190,8 +162,7 @@ def validate(doc: object, where: str = "baseline", name: str = "baseline", path:
             if key not in METRICS:
                 raise bad(f"{loc}: metric {key!r}", f"is unknown (known: {', '.join(METRICS)})")
             metrics[key] = _metric_value(v, f"{loc}: metric {key!r}", bad)
-        if any(k in metrics for k in ("ppl_ratio", "delta_ppl_pct", "kld_mean", "kld_median", "kld_99", "kld_999",
-                                      "kld_max", "same_top1_pct", "rms_dp_pct")) and ref is None:
+        if ref is None and any(METRICS[k].relative for k in metrics):
             raise bad(f"{loc}: 'reference'", "is required for metrics measured against a reference")
         quote = e.get("quote", [])
         if isinstance(quote, str):
@@ -264,25 +235,6 @@ def _metric_value(v: object, loc: str, bad) -> MetricValue:
 # --------------------------------------------------------------------------------------------------
 # qeval results as metrics, and as baselines
 # --------------------------------------------------------------------------------------------------
-def result_metrics(summary: dict) -> dict[str, MetricValue]:
-    """The METRICS of a comparison JSON (`qeval kld --json`, a saved result), with their SEs."""
-    p, k, top1, dp = summary["perplexity"], summary["kld"], summary["same_top1"], summary["delta_p"]
-    ladder = k["ladder"]
-    return {
-        "ppl": MetricValue(p["ppl_cand"], p["ppl_cand_se"]),
-        "ppl_ref": MetricValue(p["ppl_ref"], p["ppl_ref_se"]),
-        "ppl_ratio": MetricValue(p["ratio"], p["ratio_se"]),
-        "delta_ppl_pct": MetricValue(100.0 * (p["ratio"] - 1.0), 100.0 * p["ratio_se"]),
-        "kld_mean": MetricValue(k["mean"], k["se"]),
-        "kld_median": MetricValue(ladder["Median"]),
-        "kld_99": MetricValue(ladder["99.0%"]),
-        "kld_999": MetricValue(ladder["99.9%"]),
-        "kld_max": MetricValue(ladder["Maximum"]),
-        "same_top1_pct": MetricValue(100.0 * top1["fraction"], 100.0 * top1["se"]),
-        "rms_dp_pct": MetricValue(100.0 * dp["rms"], 100.0 * dp["rms_se"]),
-    }
-
-
 def _kv_text(kv: dict | None) -> str | None:
     if not kv:
         return None
@@ -307,7 +259,7 @@ def entry_from_result(summary: dict, entry_id: str | None = None) -> dict:
     settings = {"n_ctx": ref.get("n_ctx"), "chunks": summary.get("chunks"), "scored_tokens": summary.get("scored_tokens"),
                 "corpus": corpus, "tool": f"qeval {__version__}"}
     metrics = {}
-    for key, mv in result_metrics(summary).items():
+    for key, mv in metric_registry.read(summary).items():
         metrics[key] = {"value": mv.value} if mv.se is None or not math.isfinite(mv.se) else \
             {"value": mv.value, "se": mv.se}
     eid = entry_id or cand.get("label") or "result"
@@ -406,13 +358,6 @@ def pick_entry(baseline: Baseline, summary: dict, entry_id: str | None = None) -
                      f"--baseline-entry ({', '.join(e.id for e in found)})")
 
 
-def _decimals(key: str, value: float) -> int:
-    unit = METRICS[key].unit
-    if unit == "nats":
-        return 4 if abs(value) >= 0.1 else 6 if abs(value) >= 0.001 or value == 0 else 8
-    return {"PPL": 4, "ratio": 4, "%": 2}[unit]
-
-
 def _as_printed(x: float) -> str | None:
     """A published number as its source printed it (short reprs only: 97.674, 0.0282, 2e-07 -> None)."""
     r = repr(float(x))
@@ -423,7 +368,7 @@ def format_value(key: str, mv: MetricValue | None, as_printed: bool = False) -> 
     """`as_printed`: keep a short published value's own digits (97.674, not 97.67)."""
     if mv is None:
         return ""
-    dec = _decimals(key, mv.value)
+    dec = METRICS[key].decimals(mv.value)
     v = _as_printed(mv.value) if as_printed else None
     se = _as_printed(mv.se) if as_printed and mv.se is not None else None
     s = f"{'~' if mv.approx else ''}{v or f'{mv.value:.{dec}f}'}"
@@ -491,7 +436,7 @@ def show_report(spec: str | None = None, run: str | None = None, entry_id: str |
             matched = {b.entry(entry_id).id}
         else:
             matched = {e.id for e in (b.entries if len(b.entries) == 1 else matching_entries(b, run_summary))}
-        run_metrics = result_metrics(run_summary)
+        run_metrics = metric_registry.read(run_summary)
         result["run"] = {"path": str(run), "candidate": run_summary["candidate"]["label"],
                          "reference": run_summary["reference"]["label"], "matched_entries": sorted(matched),
                          "metrics": {k: {"value": v.value, "se": v.se} for k, v in run_metrics.items()}}
@@ -506,7 +451,7 @@ def baseline_text(b: Baseline, run_summary: dict | None = None, matched: set | N
              f"{', ' + src['date'] if src.get('date') else ''}){' via ' + src['via'] if src.get('via') else ''}"]
     if src.get("url"):
         lines.append(f"url       : {src['url']}")
-    run_metrics = result_metrics(run_summary) if run_summary else None
+    run_metrics = metric_registry.read(run_summary) if run_summary else None
     if run_summary:
         rc, rr = run_summary["candidate"], run_summary["reference"]
         lines.append(f"run       : {rc['label']} against {rr['label']}, {run_summary['chunks']} chunks of n_ctx "
@@ -522,7 +467,8 @@ def baseline_text(b: Baseline, run_summary: dict | None = None, matched: set | N
                    METRICS[key].unit, _settings_text(e.settings)]
             if run_summary:
                 rv = run_metrics.get(key) if e.id in matched else None
-                row += [format_value(key, rv), "" if rv is None else f"{rv.value - mv.value:+.{_decimals(key, mv.value)}f}"]
+                diff = "" if rv is None else f"{rv.value - mv.value:+.{METRICS[key].decimals(mv.value)}f}"
+                row += [format_value(key, rv), diff]
             rows.append(row)
     lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]

@@ -6,6 +6,7 @@ store it writes is resumable, so an interrupted capture continues from its last 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -18,13 +19,13 @@ import zstandard
 from . import __version__
 from .codec import BadLogits, EncodedBlock, SqrtLogCode
 from .corpus import load_corpus, make_windows
-from .engine import Engine, EngineSettings, check_model_file
+from .engine import Engine, EngineSettings, ScoredRows, available_cores, check_model_file
 from .errors import MismatchError, QevalError
 from .modelinfo import model_facts
 from .probe import ensure_llama_runs
 from .pool import bounded_map
 from .store import (ChunkBuilder, ChunkData, StoreComplete, StoreHeader, StoreReader, StoreWriter, reblock,
-                    tokens_sha256, zstd_compressor)
+                    scored_positions, tokens_sha256, zstd_compressor)
 
 ENCODE_BLOCK = 16
 
@@ -38,10 +39,10 @@ class CaptureSpec:
     n_ctx: int = 512
     chunks: int | None = None
     chunk_range: tuple[int, int] | None = None  # windows [start, stop) of the corpus, for shards
-    settings: EngineSettings = field(default_factory=EngineSettings)
-    n_batch: int = 128  # tokens per llama_decode call: bounds llama.cpp's logits buffers
-    threads: int = 2  # encoder threads
+    settings: EngineSettings = field(default_factory=EngineSettings)  # batch sizes included
+    threads: int | None = None  # encoder threads (see encoder_threads)
     code: SqrtLogCode = field(default_factory=SqrtLogCode)
+    replace: bool = False  # a store at `out` that holds another capture is replaced, not refused (--force)
 
 
 @dataclass
@@ -54,45 +55,65 @@ class CaptureResult:
     header: StoreHeader | None = None
 
 
-def iter_encoded_blocks(engine: Engine, index: int, window: np.ndarray, code: SqrtLogCode,
-                        pool: ThreadPoolExecutor) -> Iterator[EncodedBlock]:
-    """Decode one window and code its scored logits, ENCODE_BLOCK rows at a time, in order.
+def encoder_threads(threads: int | None, settings: EngineSettings) -> int:
+    """As asked, else -t, else every core: numpy, numba and zstd release the GIL, so coding scales."""
+    return threads or settings.n_threads or available_cores()
 
-    Blocks are coded on `pool` (numpy, numba and zstd release the GIL), one per worker in flight
-    (two per worker is 4 % faster and 60 MB larger); logits are read straight from llama.cpp's
-    buffer, never copied.
+
+def iter_encoded_blocks(engine: Engine, windows: np.ndarray, indices: list[int], code: SqrtLogCode,
+                        pool: ThreadPoolExecutor) -> Iterator[tuple[int, int, EncodedBlock]]:
+    """Decode windows[j] (chunk indices[j]); yield (chunk, first row, block) in order, ENCODE_BLOCK rows each.
+
+    Blocks are coded on `pool`, one per worker in flight (two per worker is 4 % faster and 60 MB
+    larger), straight from the engine's logits, never copied here: a call's rows are valid until the
+    engine's next iteration, so all its blocks are coded before it. The blocks of all windows of a
+    call share the pool, so it stays busy across window borders.
     """
-    targets = scored_targets(window)
-
-    def encode(view: np.ndarray, row0: int, start: int) -> EncodedBlock:
+    def encode(job: tuple[ScoredRows, int]) -> EncodedBlock:
+        rows, start = job
+        logits = rows.logits[start:start + ENCODE_BLOCK]
+        row0 = rows.first_row + start
         try:
-            return code.encode_block(view[start:start + ENCODE_BLOCK], targets[row0 + start:row0 + start + ENCODE_BLOCK])
+            return code.encode_block(logits, scored_targets(windows[rows.window])[row0:row0 + len(logits)])
         except BadLogits as exc:
-            raise QevalError(f"chunk {index}: the model produced invalid logits ({exc}); the model file or "
-                             "this llama.cpp build is broken for these settings") from None
+            raise QevalError(f"chunk {indices[rows.window]}: the model produced invalid logits ({exc}); the model "
+                             "file or this llama.cpp build is broken for these settings") from None
 
-    for row0, view in engine.iter_scored_logits(window):
-        yield from bounded_map(pool, lambda start: encode(view, row0, start), range(0, len(view), ENCODE_BLOCK),
-                               pool._max_workers)
+    for call in engine.iter_calls(windows):
+        jobs = [(rows, start) for rows in call for start in range(0, len(rows.logits), ENCODE_BLOCK)]
+        for (rows, start), block in zip(jobs, bounded_map(pool, encode, jobs, pool._max_workers)):
+            yield indices[rows.window], rows.first_row + start, block
+
+
+def iter_chunks(engine: Engine, windows: np.ndarray, indices: list[int], code: SqrtLogCode,
+                pool: ThreadPoolExecutor, compressor: zstandard.ZstdCompressor) -> Iterator[ChunkData]:
+    """windows[j] decoded, coded and compressed into chunk indices[j], in order, one chunk held at a time."""
+    builder = None
+    for index, row, block in iter_encoded_blocks(engine, windows, indices, code, pool):
+        if builder is None:
+            builder = ChunkBuilder(index, compressor=compressor)
+        builder.add(block.planes, block.logprob_target, block.logprob_max, block.top_ids)
+        if row + len(block.planes) == engine.n_scored:
+            yield builder.finish()
+            builder = None
 
 
 def encode_window(engine: Engine, index: int, window: np.ndarray, code: SqrtLogCode,
                   pool: ThreadPoolExecutor, compressor: zstandard.ZstdCompressor | None = None) -> ChunkData:
     """One window decoded, coded and compressed into a chunk (pass one compressor for many chunks)."""
-    builder = ChunkBuilder(index, compressor=compressor or zstd_compressor(pool._max_workers))
-    for block in iter_encoded_blocks(engine, index, window, code, pool):
-        builder.add(block.planes, block.logprob_target, block.logprob_max, block.top_ids)
-    return builder.finish()
+    chunk, = iter_chunks(engine, window[None], [index], code, pool,
+                         compressor or zstd_compressor(pool._max_workers))
+    return chunk
 
 
 def scored_targets(window: np.ndarray) -> np.ndarray:
-    n_ctx = len(window)
-    first = n_ctx // 2
-    return window[first + 1:n_ctx].astype(np.int64)
+    """The correct next token of every scored position."""
+    first, n_scored = scored_positions(len(window))
+    return window[first + 1:first + 1 + n_scored].astype(np.int64)
 
 
 def make_header(engine: Engine, spec_label: str, windows: np.ndarray, chunk_range: tuple[int, int], facts: dict,
-                settings: EngineSettings, corpus_identity: dict, code: SqrtLogCode, n_batch: int) -> StoreHeader:
+                settings: EngineSettings, corpus_identity: dict, code: SqrtLogCode) -> StoreHeader:
     import llama_cpp  # noqa: PLC0415
 
     return StoreHeader(
@@ -100,7 +121,7 @@ def make_header(engine: Engine, spec_label: str, windows: np.ndarray, chunk_rang
         chunk_stop=chunk_range[1], tokens_sha256=tokens_sha256(windows), label=spec_label, codec=code.params(),
         tokenizer_sha256=engine.tokenizer_fingerprint(), model=facts, kv=settings.as_json(),
         corpus=corpus_identity,
-        capture={"n_batch": n_batch, "n_gpu_layers": settings.n_gpu_layers,
+        capture={"n_batch": engine.n_batch, "n_ubatch": engine.n_ubatch, "n_gpu_layers": settings.n_gpu_layers,
                  "llama_cpp_python": llama_cpp.__version__, "bos_substituted": engine.add_bos,
                  "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "qeval": __version__})
 
@@ -121,18 +142,17 @@ def capture(spec: CaptureSpec, on_chunk: Callable[[int], None] | None = None,
     settings = spec.settings.validate()
     check_model_file(spec.model)
     corpus = load_corpus(spec.corpus)
+    facts = model_facts(spec.model)  # refuses what qeval cannot evaluate before a child loads it
     ensure_llama_runs(spec.model)
-    facts = model_facts(spec.model)
-    with Engine(spec.model, spec.n_ctx, settings, spec.n_batch) as engine:
+    with Engine(spec.model, spec.n_ctx, settings) as engine:
         tokens = engine.tokenize(corpus.text)
         windows = make_windows(tokens, spec.n_ctx, spec.chunks, f"corpus {corpus.name!r}")
         chunk_range = resolve_range(spec.chunk_range, len(windows))
         identity = {**corpus.identity(), "n_tokens": int(len(tokens)), "chunks_available": int(len(tokens) // spec.n_ctx)}
-        header = make_header(engine, spec.label, windows, chunk_range, facts, settings, identity, spec.code,
-                             engine.n_batch)
+        header = make_header(engine, spec.label, windows, chunk_range, facts, settings, identity, spec.code)
         out = Path(spec.out)
         try:
-            writer = StoreWriter.open(out, header, windows, spec.code.lut())
+            writer = StoreWriter.open(out, header, windows, spec.code.lut(), replace=spec.replace)
         except StoreComplete:
             return CaptureResult(out, "already complete", chunk_range[1] - chunk_range[0], 0,
                                  time.perf_counter() - t0, header)
@@ -140,10 +160,11 @@ def capture(spec: CaptureSpec, on_chunk: Callable[[int], None] | None = None,
             todo = [i for i in range(*chunk_range) if i not in writer.done_chunks]
             if on_plan:
                 on_plan(chunk_range[1] - chunk_range[0], chunk_range[1] - chunk_range[0] - len(todo))
-            with ThreadPoolExecutor(max_workers=max(1, spec.threads)) as pool:
-                compressor = zstd_compressor(spec.threads)
-                for index in todo:
-                    writer.write_chunk(encode_window(engine, index, windows[index], spec.code, pool, compressor))
+            threads = encoder_threads(spec.threads, settings)
+            with ThreadPoolExecutor(max_workers=threads) as pool, contextlib.closing(
+                    iter_chunks(engine, windows[todo], todo, spec.code, pool, zstd_compressor(threads))) as chunks:
+                for chunk in chunks:
+                    writer.write_chunk(chunk)
                     if on_chunk:
                         on_chunk(1)
             writer.finish()
@@ -154,10 +175,12 @@ def capture(spec: CaptureSpec, on_chunk: Callable[[int], None] | None = None,
 class LiveChunk:
     """A chunk of a live candidate, read like a ChunkData but produced while it is read.
 
-    iter_planes() decodes the window and codes it block by block as the metrics kernel asks, so a
-    whole chunk of codes (134 MB at a 262K vocab) is never held; the scalars are filled in as it
-    goes and are complete once iteration ends. With a writer the chunk is also compressed and
-    saved; the codes are the same either way, hence stored and live give the same numbers.
+    iter_planes() codes the window block by block as the metrics kernel asks, so a whole chunk of
+    codes (134 MB at a 262K vocab) is never held; its window is decoded with the others of its
+    decode call when the first of them is read, and only that call's logits are held. The scalars
+    are filled in as it goes and are complete once iteration ends. With a writer the chunk is also
+    compressed and saved; the codes are the same either way, hence stored and live give the same
+    numbers.
     """
 
     def __init__(self, source: "LiveSource", index: int):
@@ -173,7 +196,7 @@ class LiveChunk:
         blocks: list[EncodedBlock] = []
 
         def planes() -> Iterator[np.ndarray]:
-            for block in iter_encoded_blocks(src.engine, self.index, src.tokens[self.index], src.code, src.pool):
+            for block in src.blocks_of(self.index):
                 if builder is not None:
                     builder.add(block.planes, block.logprob_target, block.logprob_max, block.top_ids)
                 blocks.append(EncodedBlock(None, block.logprob_target, block.logprob_max, block.top_ids))
@@ -190,18 +213,19 @@ class LiveChunk:
 class LiveSource:
     """A candidate model run over a reference's token windows, read like a store.
 
-    Chunks are produced while the metrics read them (LiveChunk); `compare` reads a live source one
-    chunk at a time, since the model is busy on every core anyway. When the store it saves to was
-    left incomplete by an earlier, interrupted run, the chunks it holds are read back instead of
-    being run again.
+    Chunks are produced while the metrics read them (LiveChunk), one chunk at a time and in order,
+    as `compare` reads a live source: windows are decoded in the engine's groups. When the store it
+    saves to was left incomplete by an earlier, interrupted run, the chunks it holds are read back
+    instead of being run again.
     """
 
     complete = True
     live = True
 
     def __init__(self, engine: Engine, header: StoreHeader, tokens: np.ndarray, code: SqrtLogCode,
-                 writer: StoreWriter | None = None, path: str = "(live)", threads: int = 2):
+                 writer: StoreWriter | None = None, path: str = "(live)", threads: int | None = None):
         self.engine, self.header, self.tokens, self.code = engine, header, tokens, code
+        threads = encoder_threads(threads, engine.settings)
         self.pool = ThreadPoolExecutor(max_workers=threads)
         self.compressor = zstd_compressor(threads)
         self.lut = code.lut()
@@ -209,6 +233,18 @@ class LiveSource:
         self.writer, self.path = writer, path
         self.resumed = set(writer.done_chunks) if writer is not None else set()
         self._saved = StoreReader(writer.path, tolerate_torn_tail=True) if self.resumed else None
+        todo = [i for i in self.chunk_indices if i not in self.resumed]
+        self._blocks = iter_encoded_blocks(engine, tokens[todo], todo, code, self.pool)  # decodes when read
+
+    def blocks_of(self, index: int) -> Iterator[EncodedBlock]:
+        """The coded blocks of chunk `index`, which must be the next live chunk."""
+        for got, row, block in self._blocks:
+            if got != index:
+                raise QevalError(f"live chunks are produced in order: chunk {index} was asked for, {got} is next")
+            yield block
+            if row + len(block.planes) == self.header.n_scored:
+                return
+        raise QevalError(f"chunk {index} is not among the chunks this live source runs")
 
     def read_chunk(self, index: int) -> LiveChunk | ChunkData:
         if index in self.resumed:
@@ -216,6 +252,7 @@ class LiveSource:
         return LiveChunk(self, index)
 
     def close(self) -> None:
+        self._blocks.close()
         self.pool.shutdown()
         if self._saved is not None:
             self._saved.close()
@@ -224,8 +261,9 @@ class LiveSource:
 
 
 def open_live(model: str, ref, n_chunks: int | None, settings: EngineSettings, label: str,
-              save_path: Path | None, code: SqrtLogCode = SqrtLogCode()):
-    """(engine, LiveSource) for a candidate GGUF against a reference's tokens; caller closes both."""
+              save_path: Path | None, code: SqrtLogCode = SqrtLogCode(), replace: bool = False):
+    """(engine, LiveSource) for a candidate GGUF against a reference's tokens; caller closes both.
+    replace: a store at save_path that holds another capture is replaced (see StoreWriter.open)."""
     settings = settings.validate()
     check_model_file(model)
     rh = ref.header
@@ -234,8 +272,8 @@ def open_live(model: str, ref, n_chunks: int | None, settings: EngineSettings, l
         raise QevalError(f"--chunks {n_chunks} asks for more than the reference holds ({rh.chunk_stop} chunks)")
     if rh.chunk_start != 0:
         raise QevalError("the reference is a shard (it does not start at chunk 0); merge it first")
+    facts = model_facts(model)  # refuses what qeval cannot evaluate before a child loads it
     ensure_llama_runs(model)
-    facts = model_facts(model)
     engine = Engine(model, rh.n_ctx, settings)
     try:
         if engine.n_vocab != rh.n_vocab:
@@ -250,12 +288,12 @@ def open_live(model: str, ref, n_chunks: int | None, settings: EngineSettings, l
             n_vocab=rh.n_vocab, n_ctx=rh.n_ctx, n_chunks=stop, chunk_start=0, chunk_stop=stop,
             tokens_sha256=tokens_sha256(windows), label=label, codec=code.params(), tokenizer_sha256=fingerprint,
             model=facts, kv=settings.as_json(), corpus=rh.corpus,
-            capture={"live_against": rh.label, "n_gpu_layers": settings.n_gpu_layers, "qeval": __version__,
-                     "bos_substituted": engine.add_bos})
+            capture={"live_against": rh.label, "n_batch": engine.n_batch, "n_ubatch": engine.n_ubatch,
+                     "n_gpu_layers": settings.n_gpu_layers, "qeval": __version__, "bos_substituted": engine.add_bos})
         writer = None
         if save_path is not None:
             try:
-                writer = StoreWriter.open(save_path, header, windows, code.lut())
+                writer = StoreWriter.open(save_path, header, windows, code.lut(), replace=replace)
             except StoreComplete:
                 raise QevalError(f"{save_path} already exists and is complete; compare it with --cand "
                                  f"{label}") from None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -9,11 +10,11 @@ from typing import Optional
 
 import typer
 
-from . import __version__, api
+from . import __version__, api, gate, metric_registry
 from .engine import EngineSettings, fixed_mmap_threshold
 from .errors import QevalError
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Measure how much quantization hurts a GGUF model: PPL, KL divergence, same-top-1.")
 
 RunsDir = typer.Option(None, "--runs-dir", help="Directory of labelled stores (default $QEVAL_RUNS_DIR or ./qeval-runs).")
@@ -23,7 +24,21 @@ TypeK = typer.Option("f16", "-ctk", "--cache-type-k", help="KV cache type for K:
 TypeV = typer.Option("f16", "-ctv", "--cache-type-v", help="KV cache type for V (a quantized V cache needs -fa on).")
 FlashAttn = typer.Option("auto", "-fa", "--flash-attn", help="Flash attention: on, off or auto.")
 GpuLayers = typer.Option(0, "-ngl", "--n-gpu-layers", help="Layers to offload to the GPU.")
-Threads = typer.Option(None, "-t", "--threads", help="CPU threads for the model (default: all cores).")
+Threads = typer.Option(None, "-t", "--threads", help="CPU threads for the model and for coding logits (default: all cores).")
+Batch = typer.Option(None, "-b", "--batch-size", help=(
+    "Tokens per llama_decode call, as llama-perplexity: a -b of -c or more decodes b/c windows per call as "
+    "separate sequences, a smaller one each window in pieces of b tokens. Default: 128 on CPU, where llama.cpp's "
+    "logits buffers then hold 128 rows (Gemma-3-270M: 0.96 GiB peak RSS, 2.2 GiB at -b 2048, same speed); "
+    "2048 when layers are offloaded (-ngl on a GPU build), as llama-perplexity: 4 windows of 512 per call, "
+    "whose logits take (b/c) x (c/2-1) x vocab x 4 bytes of host memory (1 GiB at -c 512 and a 262K vocab, "
+    "twice with decode-ahead); a smaller -b bounds it. With flash attention on CPU let every ubatch hold at least 64 "
+    "tokens of each window (-ub a multiple of 64 x b/c): its kernel gives other numbers below."))
+UBatch = typer.Option(None, "-ub", "--ubatch-size", help="Tokens per physical batch (default: min(-b, 512), as llama.cpp); "
+                      "on a GPU it sets prompt-processing speed.")
+DecodeAhead = typer.Option(None, "--decode-ahead/--no-decode-ahead", help=(
+    "Decode the next call while the last one is coded, on a copy of its logits (one more call's worth of host "
+    "memory). Default: on with -ngl, so the GPU never waits for the CPU; off on CPU, where decoding and coding "
+    "share the cores."), show_default=False)
 
 
 def _emit(result: dict, text: str, as_json: bool) -> None:
@@ -39,10 +54,14 @@ def kld(
     per_token: Optional[Path] = typer.Option(None, "--per-token", help="Write per-token values (.csv, or .npz)."),
     save: Optional[str] = typer.Option(None, "--save", help="With a live GGUF candidate: also keep its store under this label."),
     save_result: bool = typer.Option(False, "--save-result", help="Keep the result (JSON + per-token npz) in RUNS_DIR/results for leaderboards, compare and check."),
+    force: bool = typer.Option(False, "--force", help="With --save: replace a store under that label that holds another capture (the old one is kept until the new one is complete)."),
     type_k: str = TypeK,
     type_v: str = TypeV,
     flash_attn: str = FlashAttn,
     n_gpu_layers: int = GpuLayers,
+    batch: Optional[int] = Batch,
+    ubatch: Optional[int] = UBatch,
+    decode_ahead: Optional[bool] = DecodeAhead,
     threads: Optional[int] = Threads,
     runs_dir: Optional[Path] = RunsDir,
 ):
@@ -50,9 +69,9 @@ def kld(
 
     The candidate may be a GGUF model: it then runs live over exactly the reference's tokens.
     """
-    settings = EngineSettings(type_k, type_v, flash_attn, n_gpu_layers, threads)
+    settings = EngineSettings(type_k, type_v, flash_attn, n_gpu_layers, threads, batch, ubatch, decode_ahead)
     result, text = api.kld_report(ref, cand, chunks=chunks, runs_dir=runs_dir, per_token=per_token,
-                                  progress=True, settings=settings, save=save, save_result=save_result)
+                                  progress=True, settings=settings, save=save, save_result=save_result, force=force)
     _emit(result, text, as_json)
 
 
@@ -69,15 +88,18 @@ def capture(
     type_v: str = TypeV,
     flash_attn: str = FlashAttn,
     n_gpu_layers: int = GpuLayers,
-    batch: int = typer.Option(128, "-b", "--batch-size", help="Tokens per llama_decode call; bounds llama.cpp's logits buffers to b x vocab floats."),
+    batch: Optional[int] = Batch,
+    ubatch: Optional[int] = UBatch,
+    decode_ahead: Optional[bool] = DecodeAhead,
     threads: Optional[int] = Threads,
+    force: bool = typer.Option(False, "--force", help="Replace a store at the output that holds another capture (the old one is kept until the new one is complete)."),
     runs_dir: Optional[Path] = RunsDir,
 ):
     """Run a model over the corpus and store its scored logits (resumes an interrupted capture)."""
-    settings = EngineSettings(type_k, type_v, flash_attn, n_gpu_layers, threads)
+    settings = EngineSettings(type_k, type_v, flash_attn, n_gpu_layers, threads, batch, ubatch, decode_ahead)
     _, text = api.capture_store(model, label, runs_dir=runs_dir, out=str(out) if out else None, corpus=corpus,
-                                n_ctx=ctx, chunks=chunks, settings=settings, n_batch=batch,
-                                chunk_range=_parse_range(chunk_range), progress=True)
+                                n_ctx=ctx, chunks=chunks, settings=settings,
+                                chunk_range=_parse_range(chunk_range), progress=True, force=force)
     typer.echo(text)
 
 
@@ -118,9 +140,10 @@ def info(
 def import_llamacpp(
     file: Path = typer.Argument(..., help="A llama-perplexity --kl-divergence-base file."),
     out: Path = typer.Argument(..., help="The qeval store to write."),
+    force: bool = typer.Option(False, "--force", help="Replace a store at OUT that holds another capture."),
 ):
     """Convert a llama.cpp --kl-divergence-base file into a compact qeval store."""
-    typer.echo(api.import_llamacpp_report(file, out))
+    typer.echo(api.import_llamacpp_report(file, out, force=force))
 
 
 @app.command()
@@ -132,6 +155,8 @@ def matrix(
     ctx: int = typer.Option(512, "-c", "--ctx", help="Tokens per window (n_ctx)."),
     corpus: Optional[str] = typer.Option(None, "--corpus", "-f", help="Corpus for the reference capture."),
     n_gpu_layers: int = GpuLayers,
+    batch: Optional[int] = Batch,
+    ubatch: Optional[int] = UBatch,
     threads: Optional[int] = Threads,
     runs_dir: Optional[Path] = RunsDir,
     as_json: bool = Json,
@@ -140,6 +165,7 @@ def matrix(
     gpus_per_task: float = typer.Option(0, "--gpus-per-task", help="With --executor ray: GPUs per task (1 with -ngl 99)."),
     cpus_per_task: float = typer.Option(1, "--cpus-per-task", help="With --executor ray: CPUs per task (also the task's model and encoder threads unless -t)."),
     shard_chunks: int = typer.Option(1, "--shard-chunks", help="With --executor ray: split the reference capture into K tasks over chunk ranges, then merge."),
+    force: bool = typer.Option(False, "--force", help="Replace a reference store that holds another capture (pairs whose saved result or store answers another request are always recomputed)."),
 ):
     """Every model x KV type against one reference: resumable, skips finished pairs."""
     kv_types = [k.strip() for k in kv.split(",") if k.strip()]
@@ -154,7 +180,8 @@ def matrix(
     elif address is not None or gpus_per_task or cpus_per_task != 1 or shard_chunks != 1:
         raise QevalError("--address, --gpus-per-task, --cpus-per-task and --shard-chunks need --executor ray")
     result, text = api.matrix_report(ref, model, kv_types, chunks=chunks, n_ctx=ctx, corpus=corpus, runs_dir=runs_dir,
-                                     threads=threads, n_gpu_layers=n_gpu_layers, executor=run_on)
+                                     threads=threads, n_gpu_layers=n_gpu_layers, executor=run_on, n_batch=batch,
+                                     n_ubatch=ubatch, force=force)
     _emit(result, text, as_json)
 
 
@@ -226,33 +253,42 @@ def compare_cmd(
     _emit(result, text, as_json)
 
 
+def _with_thresholds(command):
+    """Give `command` a --max-…/--min-… option per metric `qeval check` can threshold (qeval.metric_registry),
+    after --cand; their values reach it as keyword arguments (**limits)."""
+    declared = inspect.signature(command, eval_str=True).parameters.values()
+    params = [p for p in declared if p.kind != p.VAR_KEYWORD]
+    thresholds = [inspect.Parameter(gate.keyword(m), inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                    default=typer.Option(None, gate.option(m), help=gate.option_help(m)),
+                                    annotation=Optional[float])
+                  for m in metric_registry.gated()]
+    after_cand = [p.name for p in params].index("cand") + 1
+    command.__signature__ = inspect.Signature(params[:after_cand] + thresholds + params[after_cand:])
+    return command
+
+
 @app.command("check")
+@_with_thresholds
 def check_cmd(
     ref: str = typer.Option(..., "--ref", help="Reference: store path or label."),
     cand: str = typer.Option(..., "--cand", help="Candidate: store path, label, or saved result .json."),
-    max_kld: Optional[float] = typer.Option(None, "--max-kld", help="Fail if mean KLD is above X beyond its error bars."),
-    max_kld_999: Optional[float] = typer.Option(None, "--max-kld-999", help="Fail if the 99.9 % KLD is above X (no SE: compared directly)."),
-    min_top1: Optional[float] = typer.Option(None, "--min-top1", help="Fail if same top-1 (percent, e.g. 90) is below Y beyond its error bars."),
-    max_ppl_ratio: Optional[float] = typer.Option(None, "--max-ppl-ratio", help="Fail if PPL(cand)/PPL(ref) is above Z beyond its error bars."),
     baseline: Optional[str] = typer.Option(None, "--baseline", help="Baseline file or name: fail where the candidate is worse beyond the combined error bars."),
     baseline_entry: Optional[str] = typer.Option(None, "--baseline-entry", help="Which entry of the baseline (default: the one matching the candidate)."),
     baseline_metric: Optional[list[str]] = typer.Option(None, "--baseline-metric", help="Judge only these baseline metrics (repeat)."),
     chunks: Optional[int] = Chunks,
     as_json: bool = Json,
     runs_dir: Optional[Path] = RunsDir,
+    **limits: Optional[float],
 ):
     """Release gate: exit 0 if every check passes, 1 if one fails beyond its error bars, 2 on bad input."""
-    from . import gate  # noqa: PLC0415
-
-    result, text, passed = gate.check_report(ref, cand, chunks=chunks, runs_dir=runs_dir, max_kld=max_kld,
-                                             max_kld_999=max_kld_999, min_top1=min_top1, max_ppl_ratio=max_ppl_ratio,
-                                             baseline=baseline, baseline_entry=baseline_entry,
-                                             baseline_metrics=baseline_metric, progress=True)
+    result, text, passed = gate.check_report(ref, cand, chunks=chunks, runs_dir=runs_dir, baseline=baseline,
+                                             baseline_entry=baseline_entry, baseline_metrics=baseline_metric,
+                                             progress=True, **limits)
     _emit(result, text, as_json)
     raise typer.Exit(0 if passed else 1)
 
 
-baseline_app = typer.Typer(no_args_is_help=True, help="Published and saved baselines (baselines/*.json).")
+baseline_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Published and saved baselines (baselines/*.json).")
 app.add_typer(baseline_app, name="baseline")
 
 
@@ -283,10 +319,11 @@ def baseline_from_result_cmd(
     typer.echo(baselines.result_to_baseline_file(result, out, title, entry))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """The `qeval` command; `argv` (default sys.argv[1:]) lets tests run it in-process."""
     fixed_mmap_threshold()  # flat peak RSS over long runs (see qeval.engine)
     try:
-        app()
+        app(args=argv)
     except QevalError as exc:
         typer.echo(f"qeval: error: {exc}", err=True)
         sys.exit(exc.exit_code)

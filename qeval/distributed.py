@@ -27,7 +27,7 @@ from . import metrics, results, runs
 from .capture import CaptureSpec, capture, open_live
 from .engine import EngineSettings
 from .errors import QevalError
-from .store import StoreReader
+from .store import StoreReader, replacement_path
 
 SHARDS_SUBDIR = "shards"
 INSTALL_HINT = "pip install 'qeval[ray]'"
@@ -58,8 +58,9 @@ class CompareSpec:
 
 
 def run_compare(spec: CompareSpec, on_chunk: Callable[[int], None] | None = None) -> dict:
-    """What `qeval kld --ref REF --cand MODEL --save LABEL --save-result` does, resumable."""
-    from .api import _is_complete  # noqa: PLC0415 - api imports this module lazily
+    """What `qeval kld --ref REF --cand MODEL --save LABEL --save-result --force` does, resumable: the
+    pair's store is compared when it holds this candidate (api.plan_pair), else replaced by a live run."""
+    from .api import plan_pair  # noqa: PLC0415 - api imports this module lazily
 
     directory = Path(spec.runs_dir)
     store = runs.store_path(spec.label, directory)
@@ -67,10 +68,11 @@ def run_compare(spec: CompareSpec, on_chunk: Callable[[int], None] | None = None
     with contextlib.ExitStack() as stack:
         ref = stack.enter_context(contextlib.closing(runs.open_source(spec.ref, directory)))
         writer = None
-        if _is_complete(store):  # captured earlier: compare the stored candidate
+        plan = plan_pair(ref, spec.chunks or ref.header.chunk_stop, spec.label, spec.model, spec.settings, directory)
+        if plan.store_usable:  # captured earlier: compare the stored candidate
             cand = stack.enter_context(contextlib.closing(StoreReader(store)))
         else:
-            engine, cand = open_live(spec.model, ref, spec.chunks, spec.settings, spec.label, store)
+            engine, cand = open_live(spec.model, ref, spec.chunks, spec.settings, spec.label, store, replace=True)
             stack.callback(engine.close)
             stack.callback(cand.close)
             writer, resumed = cand.writer, len(cand.resumed)
@@ -169,7 +171,10 @@ def shard_ranges(n_chunks: int, shards: int) -> list[tuple[int, int]]:
 
 
 def count_chunks(path: Path) -> int:
-    """Whole CHNK records of a store being written (0 while it does not exist or has no header yet)."""
+    """Whole CHNK records of a store being written (0 while it does not exist or has no header yet);
+    of its replacement, while one is being written."""
+    if replacement_path(path).exists():
+        path = replacement_path(path)
     try:
         with StoreReader(path, tolerate_torn_tail=True) as r:
             return len(r.chunk_indices)
@@ -253,19 +258,20 @@ class RayExecutor:
 
     # -- the matrix ------------------------------------------------------------------------------
     def run_pairs(self, ref_label: str, ref_path: str, pairs: list[tuple[str, str, str]], chunks, n_ctx, corpus,
-                  directory: Path, threads, n_gpu_layers, progress, pair_settings) -> tuple[str, list[str], list[dict]]:
+                  directory: Path, threads, n_gpu_layers, progress, pair_settings, n_batch=None,
+                  n_ubatch=None, force: bool = False) -> tuple[str, list[str], list[dict]]:
         """Returns (reference line, per-pair lines, result summaries in `pairs` order), like the local loop."""
         ray, started = self._connect()
         try:
             return self._run(ray, ref_label, ref_path, pairs, chunks, n_ctx, corpus, Path(directory).resolve(),
-                             threads, n_gpu_layers, progress, pair_settings)
+                             threads, n_gpu_layers, progress, pair_settings, n_batch, n_ubatch, force)
         finally:
             if started:
                 ray.shutdown()
 
     def _run(self, ray, ref_label, ref_path, pairs, chunks, n_ctx, corpus, directory, threads, n_gpu_layers,
-             progress, pair_settings):
-        from .api import _is_complete  # noqa: PLC0415
+             progress, pair_settings, n_batch, n_ubatch, force):
+        from .api import plan_pair  # noqa: PLC0415
         from .merge import merge_stores  # noqa: PLC0415
 
         t0 = time.time()
@@ -275,37 +281,29 @@ class RayExecutor:
         tracker = ray.remote(num_cpus=0)(Tracker).remote()
         ref_store = runs.store_path(ref_label, directory)
         base = CaptureSpec(model=ref_path, out=str(ref_store), label=ref_label, corpus=corpus, n_ctx=n_ctx,
-                           chunks=chunks, settings=EngineSettings(n_gpu_layers=n_gpu_layers, n_threads=threads),
-                           threads=max(1, int(self.cpus)))
+                           chunks=chunks, settings=pair_settings("f16", n_gpu_layers, threads, n_batch, n_ubatch),
+                           threads=max(1, int(self.cpus)), replace=force)
         self.tasks, self.notes = [], []
         fleet = _Fleet(self, ray, tracker, progress, t0)
         result_dir = directory / results.RESULTS_SUBDIR
-        done_lines, todo = [], []
-        for label, path, kv in pairs:
-            result_path = result_dir / f"{results.result_stem(label, ref_label)}.json"
-            if result_path.is_file() and _is_complete(runs.store_path(label, directory)):
-                done_lines.append(f"{label}: done earlier, skipped")
-            else:
-                todo.append((label, path, kv))
-        fleet.planned(len(todo), chunks)  # so that progress counts them before they are submitted
+        fleet.planned(len(pairs), chunks)  # at most; so that progress counts them before they are submitted
 
-        # 1. the reference: whole, or K shards then merged
-        if _is_complete(ref_store):
+        # 1. the reference: whole, or K shards then merged. A store (or shard) already there goes through a
+        # capture task too: only a capture, which tokenizes the corpus, can tell whether it holds the request.
+        shard_specs = self._plan_shards(ray, base, ref_store, directory, n_ctx, corpus)
+        if shard_specs is None:
+            fleet.submit_capture(f"{ref_label}", base, ref_store)
+        else:
+            for spec in shard_specs:
+                fleet.submit_capture(f"{ref_label}[{spec.chunk_range[0]}:{spec.chunk_range[1]}]", spec,
+                                     Path(spec.out))
+        fleet.wait()
+        if fleet.failed():
+            self.report = fleet.summary_lines()
+            raise QevalError(self._failure_text(fleet, "the reference capture failed, no pair was started"))
+        if shard_specs is None and fleet.tasks[0].result["status"] == "already complete":
             ref_text = f"{ref_store} is already complete: nothing to do"
         else:
-            shard_specs = self._plan_shards(ray, base, ref_store, directory, n_ctx, corpus)
-            if shard_specs is None:
-                fleet.submit_capture(f"{ref_label}", base, ref_store)
-            else:
-                for spec in shard_specs:
-                    if _is_complete(Path(spec.out)):  # done by an earlier run that did not get to merge
-                        continue
-                    fleet.submit_capture(f"{ref_label}[{spec.chunk_range[0]}:{spec.chunk_range[1]}]", spec,
-                                         Path(spec.out))
-            fleet.wait()
-            if fleet.failed():
-                self.report = fleet.summary_lines()
-                raise QevalError(self._failure_text(fleet, "the reference capture failed, no pair was started"))
             if shard_specs is not None:
                 parts = [spec.out for spec in shard_specs]
                 for p in parts:
@@ -324,12 +322,19 @@ class RayExecutor:
                                   f"captured now, {how}) in {time.time() - t0:.1f} s"])
         n_chunks = self._chunks_of(ref_store) if chunks is None else chunks
 
-        # 2. every model x KV pair not done earlier
+        # 2. every model x KV pair whose saved result does not answer its request
+        with StoreReader(ref_store) as ref_reader:
+            plans = [plan_pair(ref_reader, n_chunks, label, os.path.abspath(path),
+                               pair_settings(kv, n_gpu_layers, threads, n_batch, n_ubatch), directory)
+                     for label, path, kv in pairs]
+        todo = [plan for plan in plans if not plan.result_current]
+        done_lines = [f"{plan.label}: done earlier, skipped" for plan in plans if plan.result_current]
+        done_lines += [plan.note for plan in todo if plan.note]
         fleet.planned(len(todo), n_chunks)
-        for label, path, kv in todo:
-            spec = CompareSpec(ref=ref_label, model=os.path.abspath(path), label=label, runs_dir=str(directory),
-                               chunks=n_chunks, settings=pair_settings(kv, n_gpu_layers, threads))
-            fleet.submit_compare(label, spec, runs.store_path(label, directory), n_chunks)
+        for plan in todo:
+            spec = CompareSpec(ref=ref_label, model=plan.model, label=plan.label, runs_dir=str(directory),
+                               chunks=n_chunks, settings=plan.settings)
+            fleet.submit_compare(plan.label, spec, runs.store_path(plan.label, directory), n_chunks)
         fleet.wait()
         for t in fleet.tasks:
             if t.kind == "compare" and t.state == "done" and t.result.get("resumed_chunks"):
@@ -339,17 +344,20 @@ class RayExecutor:
         self.report = fleet.summary_lines()
         if fleet.failed():
             raise QevalError(self._failure_text(fleet, f"{len(fleet.failed())} of {len(fleet.tasks)} tasks failed"))
-        rows_json = [results.load_result(result_dir / f"{results.result_stem(label, ref_label)}.json",
+        rows_json = [results.load_result(results.result_path(result_dir, label, ref_label),
                                          with_per_token=False).summary for label, _, _ in pairs]
         done_lines.append(fleet.final_line())
         return ref_text, done_lines, rows_json
 
     def _plan_shards(self, ray, base: CaptureSpec, ref_store: Path, directory: Path, n_ctx, corpus):
+        from .api import _is_complete  # noqa: PLC0415 - api imports this module lazily
+
         if self.shards <= 1:
             return None
-        if ref_store.exists():  # an interrupted unsharded capture: resuming it beats starting over
-            self.notes.append(f"{ref_store} exists (an interrupted capture): resumed in one task instead of "
-                              f"{self.shards} shards")
+        if ref_store.exists():  # reused or resumed (or replaced) in one task: resuming beats starting over
+            if not _is_complete(ref_store):
+                self.notes.append(f"{ref_store} exists (an interrupted capture): resumed in one task instead of "
+                                  f"{self.shards} shards")
             return None
         n = base.chunks
         if n is None:

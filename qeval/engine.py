@@ -1,10 +1,12 @@
 """A GGUF model behind llama-cpp-python's low-level API: tokenize, and decode windows returning
-only the logits of scored positions, as views of llama.cpp's own output buffer (no copies).
+only the logits of scored positions.
 
 Windows are decoded the way llama-perplexity decodes them: KV cache cleared, one sequence per
-window, positions from 0, the first token replaced by BOS when the vocab adds one. Unlike
-llama-perplexity, a window is submitted in pieces (unscored half, then scored pieces) to bound
-the output buffers; the logits agree with its own to the last printed digit (see README).
+window, positions from 0, the first token replaced by BOS when the vocab adds one. With
+n_batch >= n_ctx, n_batch // n_ctx windows go into one llama_decode call as separate sequences
+(llama-perplexity's -b 2048 = 4 windows of 512); with n_batch < n_ctx a window is submitted in
+pieces of n_batch tokens (unscored half, then scored pieces), which bounds llama.cpp's output
+buffers to n_batch rows. The logits agree with llama-perplexity's to the last printed digit.
 """
 
 from __future__ import annotations
@@ -12,17 +14,32 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
 from .errors import QevalError
+from .modelinfo import require_decoder_context
+from .store import scored_positions
 
 # GGML type ids accepted for the KV cache (llama.cpp ggml.h).
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20, "bf16": 30}
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
 UNQUANTIZED_KV = ("f32", "f16", "bf16")
+
+# Default batch sizes. On CPU, windows go in 128-token pieces: llama.cpp's output buffers then hold
+# 128 rows (128 MiB each at a 262K vocab), and a capture of Gemma-3-270M peaks at 0.96 GiB RSS
+# instead of 2.24 GiB with -b 2048 -ub 512, at the same speed (measured on 2 cores: 22.5 s and
+# 22.9 s for 8 chunks of 512). With layers offloaded, llama-perplexity's -b 2048 -ub 512: the ubatch
+# size multiplies a GPU's prompt speed, and 4 windows of 512 per call take 1 GiB of host memory for
+# their logits at a 262K vocab (llama.cpp's output buffer; twice with decode-ahead's copy).
+CPU_BATCH = 128
+OFFLOAD_BATCH = 2048
+DEFAULT_UBATCH = 512  # llama.cpp's default n_ubatch
+MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ: windows per call at most
 
 
 def _llama_cpp():
@@ -60,6 +77,14 @@ def quiet_llama() -> None:
         llama_cpp.llama_backend_init()
 
 
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, which containers and taskset narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 @dataclass(frozen=True)
 class EngineSettings:
     """How a model runs; everything that can change its logits is recorded in the store."""
@@ -68,7 +93,12 @@ class EngineSettings:
     type_v: str = "f16"
     flash_attn: str = "auto"
     n_gpu_layers: int = 0
-    n_threads: int | None = None
+    n_threads: int | None = None  # None: every core
+    n_batch: int | None = None  # tokens per llama_decode call; None: CPU_BATCH, or OFFLOAD_BATCH with -ngl
+    n_ubatch: int | None = None  # tokens per physical batch; None: min(n_batch, DEFAULT_UBATCH)
+    # Decode the next call while the last one is coded; None: when offloaded. On CPU both compete for
+    # the cores: 5 % slower with 128-token pieces, 23 % with -b 2048 (2 cores, 8 chunks of 512).
+    decode_ahead: bool | None = None
 
     def validate(self) -> "EngineSettings":
         for name, value in (("-ctk", self.type_k), ("-ctv", self.type_v)):
@@ -80,9 +110,31 @@ class EngineSettings:
         if self.type_v not in UNQUANTIZED_KV and self.flash_attn == "off":
             raise QevalError(f"a quantized V cache (-ctv {self.type_v}) needs flash attention: use -fa on "
                              "(llama.cpp cannot create such a context without it)")
-        if self.n_threads is not None and self.n_threads < 1:
-            raise QevalError("-t/--threads must be at least 1")
+        for flag, value in (("-t/--threads", self.n_threads), ("-b/--batch-size", self.n_batch),
+                            ("-ub/--ubatch-size", self.n_ubatch)):
+            if value is not None and value < 1:
+                raise QevalError(f"{flag} must be at least 1")
         return self
+
+    @property
+    def offloaded(self) -> bool:
+        """Layers go to a GPU: asked for (-ngl, where -1 is all) and this llama.cpp build can."""
+        return self.n_gpu_layers != 0 and bool(_llama_cpp().llama_supports_gpu_offload())
+
+    def batch_sizes(self, n_ctx: int) -> tuple[int, int]:
+        """(n_batch, n_ubatch) as used for windows of n_ctx tokens.
+
+        As llama-perplexity: n_batch >= n_ctx decodes n_batch // n_ctx whole windows per call, so
+        n_batch is rounded down to a multiple of n_ctx; n_ubatch is at most n_batch.
+        """
+        n_batch = self.n_batch or (OFFLOAD_BATCH if self.offloaded else CPU_BATCH)
+        if n_batch >= n_ctx:
+            n_batch = min(n_batch // n_ctx, MAX_SEQUENCES) * n_ctx
+        return n_batch, min(self.n_ubatch or DEFAULT_UBATCH, n_batch)
+
+    @property
+    def decodes_ahead(self) -> bool:
+        return self.offloaded if self.decode_ahead is None else self.decode_ahead
 
     def as_json(self) -> dict:
         return {"type_k": self.type_k, "type_v": self.type_v, "flash_attn": self.flash_attn}
@@ -102,18 +154,30 @@ def check_model_file(path: str | os.PathLike) -> Path:
     return path
 
 
-class Engine:
-    """One loaded model and context for windows of `n_ctx` tokens, decoded `n_batch` at a time."""
+@dataclass(frozen=True)
+class ScoredRows:
+    """Logits of scored positions of one window, as produced by one llama_decode call."""
 
-    def __init__(self, model_path: str | os.PathLike, n_ctx: int, settings: EngineSettings = EngineSettings(),
-                 n_batch: int = 128):
+    window: int  # index into the windows being decoded
+    first_row: int  # its first scored row held here (row r is position n_ctx/2 + r)
+    logits: np.ndarray  # float32 [rows, n_vocab]
+
+
+Span = tuple[int, int, int]  # (window, first position, stop position) submitted in one call
+
+
+class Engine:
+    """One loaded model and context for windows of `n_ctx` tokens, decoded as `settings` says."""
+
+    def __init__(self, model_path: str | os.PathLike, n_ctx: int, settings: EngineSettings = EngineSettings()):
         self.settings = settings.validate()
         self.model_path = check_model_file(model_path)
         fixed_mmap_threshold()
         self.n_ctx = n_ctx
-        if n_batch < 1:
-            raise QevalError("-b/--batch-size must be at least 1")
-        self.n_batch = min(n_batch, n_ctx)
+        self.first, self.n_scored = scored_positions(n_ctx)
+        self.n_batch, self.n_ubatch = settings.batch_sizes(n_ctx)
+        self.whole_windows = self.n_batch >= n_ctx  # else each window in pieces of n_batch tokens
+        self.windows_per_call = max(1, self.n_batch // n_ctx)
         quiet_llama()
         lc = self._lc = _llama_cpp()
         mparams = lc.llama_model_default_params()
@@ -125,31 +189,46 @@ class Engine:
         self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
         self.add_bos = bool(lc.llama_vocab_get_add_bos(self.vocab))
         self.bos = int(lc.llama_vocab_bos(self.vocab))
-        cparams = lc.llama_context_default_params()
-        cparams.n_ctx = n_ctx
-        cparams.n_batch = self.n_batch
-        cparams.n_ubatch = self.n_batch
-        cparams.n_seq_max = 1
-        cparams.type_k = KV_TYPES[settings.type_k]
-        cparams.type_v = KV_TYPES[settings.type_v]
-        cparams.flash_attn_type = FLASH_ATTN[settings.flash_attn]
-        threads = settings.n_threads or os.cpu_count() or 1
-        cparams.n_threads = threads
-        cparams.n_threads_batch = threads
-        self.ctx = lc.llama_init_from_model(self.model, cparams)
+        self.ctx = lc.llama_init_from_model(self.model, self._context_params())
         if not self.ctx:
             lc.llama_model_free(self.model)
             raise QevalError(f"llama.cpp could not create a context for {self.model_path.name} with KV "
                              f"{settings.type_k}/{settings.type_v}, flash attention {settings.flash_attn} "
-                             f"(n_ctx {n_ctx}): out of memory, or a setting this build "
-                             "does not support")
-        self.first, self.n_scored = n_ctx // 2, n_ctx - 1 - n_ctx // 2
-        self._batch = lc.llama_batch_init(n_ctx, 0, 1)
-        self._tokens_view = np.ctypeslib.as_array(self._batch.token, shape=(n_ctx,))
-        self._pos_view = np.ctypeslib.as_array(self._batch.pos, shape=(n_ctx,))
-        self._nseq_view = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(n_ctx,))
-        self._logits_view = np.ctypeslib.as_array(self._batch.logits, shape=(n_ctx,))
-        self._seq_slots = [self._batch.seq_id[i] for i in range(n_ctx)]
+                             f"(n_ctx {n_ctx}, -b {self.n_batch}, -ub {self.n_ubatch}): out of memory, or a "
+                             "setting this build does not support")
+        try:  # an encoder decodes without complaint, returning meaningless logits
+            require_decoder_context(lc, self.model, self.ctx, self.model_path)
+        except QevalError:
+            self.close()
+            raise
+        self._decoder: ThreadPoolExecutor | None = None  # the decode-ahead thread, once used
+        n = self.n_batch
+        self._batch = lc.llama_batch_init(n, 0, 1)
+        self._tokens_view = np.ctypeslib.as_array(self._batch.token, shape=(n,))
+        self._pos_view = np.ctypeslib.as_array(self._batch.pos, shape=(n,))
+        self._nseq_view = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(n,))
+        self._logits_view = np.ctypeslib.as_array(self._batch.logits, shape=(n,))
+        self._seq_slots = [self._batch.seq_id[i] for i in range(n)]
+
+    def _context_params(self):
+        """As llama-perplexity sets them: one sequence (and n_ctx KV cells) per window of a call."""
+        s, cparams = self.settings, self._lc.llama_context_default_params()
+        cparams.n_ctx = self.windows_per_call * self.n_ctx
+        cparams.n_batch = self.n_batch
+        cparams.n_ubatch = self.n_ubatch
+        cparams.n_seq_max = self.windows_per_call
+        cparams.type_k = KV_TYPES[s.type_k]
+        cparams.type_v = KV_TYPES[s.type_v]
+        cparams.flash_attn_type = FLASH_ATTN[s.flash_attn]
+        cparams.n_threads = cparams.n_threads_batch = s.n_threads or available_cores()
+        return cparams
+
+    @property
+    def max_scored_rows(self) -> int:
+        """Scored rows one llama_decode call returns at most."""
+        if self.whole_windows:
+            return self.windows_per_call * self.n_scored
+        return min(self.n_batch, self.n_scored)
 
     # -- vocab -----------------------------------------------------------------------------------
     def tokenize(self, text: str) -> np.ndarray:
@@ -171,53 +250,96 @@ class Engine:
         return h.hexdigest()
 
     # -- decoding --------------------------------------------------------------------------------
-    def _fill_batch(self, tokens: np.ndarray, pos0: int, want_logits: np.ndarray) -> None:
-        n = len(tokens)
-        self._tokens_view[:n] = tokens
-        self._pos_view[:n] = np.arange(pos0, pos0 + n, dtype=np.int32)
-        self._nseq_view[:n] = 1
-        self._logits_view[:n] = want_logits.astype(np.int8)
-        for j in range(n):
-            self._seq_slots[j][0] = 0
-        self._batch.n_tokens = n
+    def _calls(self, n_windows: int) -> Iterator[list[Span]]:
+        """The spans of each llama_decode call for n_windows windows, in order."""
+        w = self.windows_per_call
+        if self.whole_windows:
+            for g in range(0, n_windows, w):
+                yield [(k, 0, self.n_ctx) for k in range(g, min(g + w, n_windows))]
+            return
+        for k in range(n_windows):  # the unscored half, then the scored half, n_batch at a time
+            for lo, hi in ((0, self.first), (self.first, self.n_ctx)):
+                for start in range(lo, hi, self.n_batch):
+                    yield [(k, start, min(start + self.n_batch, hi))]
 
-    def _decode(self) -> None:
-        rc = self._lc.llama_decode(self.ctx, self._batch)
+    def _scored_span(self, start: int, stop: int) -> tuple[int, int]:
+        """The scored positions [lo, hi) among positions [start, stop) (lo == hi: none)."""
+        lo = max(start, self.first)
+        return lo, max(lo, min(stop, self.first + self.n_scored))
+
+    def _fill_batch(self, windows: np.ndarray, spans: list[Span]) -> None:
+        """Span i becomes sequence i; logits are asked for scored positions only."""
+        at = 0
+        for seq, (k, start, stop) in enumerate(spans):
+            n = stop - start
+            self._tokens_view[at:at + n] = windows[k, start:stop]
+            if start == 0 and self.add_bos:
+                self._tokens_view[at] = self.bos
+            self._pos_view[at:at + n] = np.arange(start, stop, dtype=np.int32)
+            self._nseq_view[at:at + n] = 1
+            lo, hi = self._scored_span(start, stop)
+            self._logits_view[at:at + n] = 0
+            self._logits_view[at + lo - start:at + hi - start] = 1
+            for j in range(at, at + n):
+                self._seq_slots[j][0] = seq
+            at += n
+        self._batch.n_tokens = at
+
+    def _decode(self, windows: np.ndarray, spans: list[Span]) -> list[ScoredRows]:
+        lc = self._lc
+        if spans[0][1] == 0:  # new windows: nothing of the previous ones may be attended to
+            lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
+        self._fill_batch(windows, spans)
+        rc = lc.llama_decode(self.ctx, self._batch)
         if rc != 0:
             raise QevalError(f"llama_decode failed with code {rc} (out of memory or KV cache too small)")
+        parts = [(k, *self._scored_span(start, stop)) for k, start, stop in spans]
+        total = sum(hi - lo for _, lo, hi in parts)
+        if not total:
+            return []
+        # one row per requested position, in batch order (llama.cpp restores it after splitting ubatches)
+        logits = np.ctypeslib.as_array(lc.llama_get_logits(self.ctx), shape=(total, self.n_vocab))
+        out, at = [], 0
+        for k, lo, hi in parts:
+            if hi > lo:
+                out.append(ScoredRows(k, lo - self.first, logits[at:at + hi - lo]))
+                at += hi - lo
+        return out
 
-    def iter_scored_logits(self, window: np.ndarray):
-        """Decode one window; yield (first scored row, float32 [rows, n_vocab]) piece by piece.
+    def iter_calls(self, windows: np.ndarray) -> Iterator[list[ScoredRows]]:
+        """Decode windows [n, n_ctx] in order; yield the scored rows of every call that has some.
 
-        Pieces are n_batch tokens, so llama.cpp's output buffers hold n_batch rows, not n_ctx/2
-        (at a 262K vocab, 128 MiB instead of 255 MiB, twice: compute buffer and logits copy).
-        Each yielded array is a view of llama.cpp's buffer, valid until the next iteration.
+        The rows are views of llama.cpp's output buffer, valid until the next iteration (its next
+        decode overwrites them), or, with decode-ahead, of one copy of it.
         """
-        if len(window) != self.n_ctx:
-            raise ValueError(f"expected a window of {self.n_ctx} tokens")
-        toks = np.array(window, dtype=np.int32)
-        if self.add_bos:
-            toks[0] = self.bos
-        lc = self._lc
-        lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
-        for start in range(0, self.first, self.n_batch):
-            stop = min(start + self.n_batch, self.first)
-            self._fill_batch(toks[start:stop], start, np.zeros(stop - start, dtype=bool))
-            self._decode()
-        for start in range(self.first, self.n_ctx, self.n_batch):
-            stop = min(start + self.n_batch, self.n_ctx)
-            pos = np.arange(start, stop)
-            want = pos < self.n_ctx - 1
-            self._fill_batch(toks[start:stop], start, want)
-            self._decode()
-            rows = int(want.sum())
-            if rows:
-                ptr = lc.llama_get_logits(self.ctx)
-                yield start - self.first, np.ctypeslib.as_array(ptr, shape=(rows * self.n_vocab,)).reshape(
-                    rows, self.n_vocab)
+        windows = np.asarray(windows, dtype=np.int32)
+        if windows.ndim != 2 or windows.shape[1] != self.n_ctx:
+            raise ValueError(f"expected windows of {self.n_ctx} tokens")
+        n = len(windows)
+        if self.whole_windows:
+            # The last call is filled up with copies of the last window, their rows dropped: every
+            # window is then decoded in the same ubatch shapes, so its logits do not depend on the
+            # chunk count or a resume point (CPU flash attention and GPU kernels depend on shapes).
+            windows = np.concatenate([windows, np.repeat(windows[-1:], -n % self.windows_per_call, axis=0)])
+        calls = (rows for spans in self._calls(len(windows))
+                 if (rows := [r for r in self._decode(windows, spans) if r.window < n]))
+        if not self.settings.decodes_ahead:
+            return calls
+        if self._decoder is None:
+            self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qeval-decode")
+        return decode_ahead(calls, self._decoder, self.max_scored_rows, self.n_vocab)
+
+    def iter_scored_logits(self, window: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+        """One window: (first scored row, float32 [rows, n_vocab]) per call, valid until the next."""
+        for call in self.iter_calls(np.asarray(window)[None]):
+            for rows in call:
+                yield rows.first_row, rows.logits
 
     def close(self) -> None:
         lc = self._lc
+        if getattr(self, "_decoder", None) is not None:
+            self._decoder.shutdown(wait=True)  # no decode may run on a freed context
+            self._decoder = None
         if getattr(self, "_batch", None) is not None:
             lc.llama_batch_free(self._batch)
             self._batch = None
@@ -233,3 +355,35 @@ class Engine:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def decode_ahead(calls: Iterator[list[ScoredRows]], decoder: ThreadPoolExecutor, max_rows: int,
+                 n_vocab: int) -> Iterator[list[ScoredRows]]:
+    """`calls`, each copied out of llama.cpp's buffer, the next one decoding while the caller works.
+
+    llama_decode releases the GIL (ctypes), so the next call runs on `decoder` while the caller
+    encodes the copy: an accelerator need not wait for the CPU. One copy buffer, so a yielded call
+    is valid until the next iteration, as without decode-ahead.
+    """
+    buffer = None
+    pending = decoder.submit(next, calls, None)
+    try:
+        while (call := pending.result()) is not None:
+            if buffer is None:
+                buffer = np.empty((max_rows, n_vocab), dtype=np.float32)
+            copied = _copy_rows(call, buffer)
+            pending = decoder.submit(next, calls, None)
+            yield copied
+    finally:
+        wait([pending])  # a generator cannot be closed while it runs in another thread
+        calls.close()
+
+
+def _copy_rows(call: list[ScoredRows], buffer: np.ndarray) -> list[ScoredRows]:
+    out, at = [], 0
+    for rows in call:
+        n = len(rows.logits)
+        np.copyto(buffer[at:at + n], rows.logits)
+        out.append(replace(rows, logits=buffer[at:at + n]))
+        at += n
+    return out

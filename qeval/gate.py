@@ -1,5 +1,7 @@
 """Release gate: `qeval check` passes (exit 0) or fails (exit 1) a candidate on thresholds and baselines.
 
+Every metric of qeval.metric_registry with a `gate` option is a threshold: `--max-…` for lower-is-better
+metrics, `--min-…` for higher-is-better ones (keyword `max_kld` etc. in Python).
 A check fails only when the candidate is worse than the limit *beyond its error bars*: the mean must
 be over the limit even at the favourable end of its 95 % interval (mean − 1.96·SE for lower-is-better
 metrics, value + 1.96·SE for same-top-1). A measurement that is over the limit but within noise of
@@ -17,9 +19,10 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 
-from . import baselines
+from . import baselines, metric_registry
 from .errors import QevalError
 from .measured import Measured, is_result_spec, measure
+from .metric_registry import METRICS, Metric, MetricValue
 
 Z = 1.96  # two-sided 95 %; each check is one-sided at 97.5 %
 
@@ -55,58 +58,72 @@ class GateResult:
         return d
 
 
-def _fmt(x: float, unit: str) -> str:
-    if unit == "%":
-        return f"{x:.2f} %"
-    if unit in ("PPL", "ratio"):
-        return f"{x:.4f}"
-    return f"{x:.4f}" if abs(x) >= 0.1 else f"{x:.6f}"
+def _fmt(m: Metric, x: float) -> str:
+    return m.number(x) + _percent(m)
 
 
-def _pm(value: float, se: float | None, unit: str) -> str:
-    s = _fmt(value, unit)
-    return s if se is None else f"{s} ± {_fmt(se, unit).removesuffix(' %')}{' %' if unit == '%' else ''}"
+def _percent(m: Metric) -> str:
+    return " %" if m.unit == "%" else ""
 
 
-def limit_check(name: str, metric: str, what: str, value: float, se: float | None, limit: float,
-                better: str, unit: str) -> Check:
+def _pm(m: Metric, value: float, se: float | None) -> str:
+    return _fmt(m, value) if se is None else f"{m.number(value)} ± {m.number(se)}{_percent(m)}"
+
+
+def option(m: Metric) -> str:
+    return f"--{m.gate}"
+
+
+def keyword(m: Metric) -> str:
+    """The keyword of run_checks and check_report that carries its limit: --max-kld-999 -> max_kld_999."""
+    return m.gate.replace("-", "_")
+
+
+def option_help(m: Metric) -> str:
+    side = "above" if m.better == "lower" else "below"
+    unit = (" (percent, e.g. 90)" if m.better == "higher" else " (percent)") if m.unit == "%" else ""
+    how = "beyond its error bars" if m.has_se else "(no SE: compared directly)"
+    return f"Fail if {m.title} is {side} the limit{unit} {how}."
+
+
+def limit_check(m: Metric, measured: MetricValue, limit: float) -> Check:
     """Fail only when even the favourable end of value ± Z·SE is on the wrong side of the limit."""
+    value, se, better = measured.value, measured.se, m.better
     has_se = se is not None and math.isfinite(se)
     bound = (value - Z * se if better == "lower" else value + Z * se) if has_se else value
     worse = bound > limit if better == "lower" else bound < limit
     over = value > limit if better == "lower" else value < limit
     cmp_ok, cmp_bad = ("≤", ">") if better == "lower" else ("≥", "<")
     side = "lower" if better == "lower" else "upper"
-    shown = f"{what} {_pm(value, se if has_se else None, unit)}"
-    lim = f"{limit:g}{' %' if unit == '%' else ''}"
+    shown = f"{m.title} {_pm(m, value, se if has_se else None)}"
+    lim = f"{limit:g}{_percent(m)}"
     if not has_se:
         reason = (f"{shown} {cmp_bad if worse else cmp_ok} limit {lim} "
                   f"(a percentile has no standard error: compared directly)")
     elif worse:
-        reason = f"{shown}: even the {side} 95 % bound {_fmt(bound, unit)} is {cmp_bad} limit {lim}"
+        reason = f"{shown}: even the {side} 95 % bound {_fmt(m, bound)} is {cmp_bad} limit {lim}"
     elif over:
         reason = (f"{shown} is past limit {lim}, but within its error bars ({side} 95 % bound "
-                  f"{_fmt(bound, unit)} {cmp_ok} {lim}): not a significant failure")
+                  f"{_fmt(m, bound)} {cmp_ok} {lim}): not a significant failure")
     else:
         reason = f"{shown} {cmp_ok} limit {lim}"
-    return Check(name, metric, not worse, value, se if has_se else None, limit, bound if has_se else None, reason)
+    return Check(m.gate, m.key, not worse, value, se if has_se else None, limit, bound if has_se else None, reason)
 
 
-def baseline_check(key: str, run: baselines.MetricValue, base: baselines.MetricValue, entry_id: str,
+def baseline_check(key: str, run: MetricValue, base: MetricValue, entry_id: str,
                    judge_direct: bool = False) -> Check:
     """Worse than the baseline beyond sqrt(SE_run² + SE_base²)·Z fails. Without any SE (percentiles on
     both sides) there is no error bar: the line is informative unless `judge_direct` (asked for by name)."""
-    spec = baselines.METRICS[key]
+    m = METRICS[key]
     se_run = run.se if run.se is not None and math.isfinite(run.se) else None
     se_base = base.se
-    worse_by = run.value - base.value if spec.better == "lower" else base.value - run.value
+    worse_by = run.value - base.value if m.better == "lower" else base.value - run.value
     direct = se_run is None and se_base is None
     se = None if direct else math.sqrt((se_run or 0.0) ** 2 + (se_base or 0.0) ** 2)
     margin = worse_by - (0.0 if direct else Z * se)
     fails = margin > 0.0
-    unit = spec.unit
-    shown = (f"{key} {_pm(run.value, se_run, unit)} vs baseline {entry_id} "
-             f"{'~' if base.approx else ''}{_pm(base.value, se_base, unit)}")
+    shown = (f"{key} {_pm(m, run.value, se_run)} vs baseline {entry_id} "
+             f"{'~' if base.approx else ''}{_pm(m, base.value, se_base)}")
     if direct and not judge_direct:
         reason = (f"{shown}: {'worse' if worse_by > 0 else 'not worse'} (no standard error on either side: shown, "
                   f"not judged; judge it with --baseline-metric {key})")
@@ -114,9 +131,9 @@ def baseline_check(key: str, run: baselines.MetricValue, base: baselines.MetricV
     if direct:
         reason = f"{shown}: {'worse' if fails else 'not worse'} (no standard errors: compared directly)"
     elif fails:
-        reason = f"{shown}: worse by {_fmt(worse_by, unit)}, beyond the combined 95 % error bar ±{_fmt(Z * se, unit)}"
+        reason = f"{shown}: worse by {_fmt(m, worse_by)}, beyond the combined 95 % error bar ±{_fmt(m, Z * se)}"
     elif worse_by > 0:
-        reason = f"{shown}: worse by {_fmt(worse_by, unit)}, within the combined 95 % error bar ±{_fmt(Z * se, unit)}"
+        reason = f"{shown}: worse by {_fmt(m, worse_by)}, within the combined 95 % error bar ±{_fmt(m, Z * se)}"
     else:
         reason = f"{shown}: not worse"
     if se_base is None and not direct:
@@ -125,61 +142,72 @@ def baseline_check(key: str, run: baselines.MetricValue, base: baselines.MetricV
                  None if direct else worse_by - Z * se, reason)
 
 
-def validate_limits(max_kld=None, max_kld_999=None, min_top1=None, max_ppl_ratio=None) -> None:
-    for name, v in (("--max-kld", max_kld), ("--max-kld-999", max_kld_999), ("--max-ppl-ratio", max_ppl_ratio)):
-        if v is not None and (not math.isfinite(v) or v <= 0):
-            raise QevalError(f"{name} must be a positive number, not {v}")
-    if min_top1 is not None and not (1.0 <= min_top1 <= 100.0):
-        raise QevalError(f"--min-top1 is a percentage between 1 and 100 (e.g. 90 for 90 %), not {min_top1}")
+def validate_limits(limits: dict[str, float | None]) -> dict[str, float]:
+    """The limits given, by metric key, from keyword -> limit (None: not given); nonsense is refused."""
+    known = [keyword(m) for m in metric_registry.gated()]
+    unknown = sorted(set(limits) - set(known))
+    if unknown:
+        raise QevalError(f"unknown threshold(s) {', '.join(unknown)} (known: {', '.join(known)})")
+    given = {}
+    for m in metric_registry.gated():  # checks in table order, whatever the order of the options
+        v = limits.get(keyword(m))
+        if v is None:
+            continue
+        if not math.isfinite(v) or v <= 0:
+            raise QevalError(f"{option(m)} must be a positive number, not {v}")
+        if m.unit == "%" and v > 100.0:
+            raise QevalError(f"{option(m)} is a percentage, at most 100, not {v}")
+        # a limit below 1 % on a higher-is-better percentage is a fraction typed for a percentage
+        if m.unit == "%" and m.better == "higher" and v < 1.0:
+            raise QevalError(f"{option(m)} is a percentage between 1 and 100 (e.g. 90 for 90 %), not {v}")
+        given[m.key] = v
+    return given
 
 
-def run_checks(summary: dict, max_kld: float | None = None, max_kld_999: float | None = None,
-               min_top1: float | None = None, max_ppl_ratio: float | None = None,
-               baseline: baselines.Baseline | None = None, baseline_entry: str | None = None,
-               baseline_metrics: list[str] | None = None) -> GateResult:
-    """Judge one comparison summary (the JSON of `qeval kld --json`)."""
-    validate_limits(max_kld, max_kld_999, min_top1, max_ppl_ratio)
-    m = baselines.result_metrics(summary)
-    checks = []
-    if max_kld is not None:
-        checks.append(limit_check("max-kld", "kld_mean", "mean KLD", m["kld_mean"].value, m["kld_mean"].se, max_kld,
-                                  "lower", "nats"))
-    if max_kld_999 is not None:
-        checks.append(limit_check("max-kld-999", "kld_999", "99.9 % KLD", m["kld_999"].value, None, max_kld_999,
-                                  "lower", "nats"))
-    if min_top1 is not None:
-        checks.append(limit_check("min-top1", "same_top1_pct", "same top-1", m["same_top1_pct"].value,
-                                  m["same_top1_pct"].se, min_top1, "higher", "%"))
-    if max_ppl_ratio is not None:
-        checks.append(limit_check("max-ppl-ratio", "ppl_ratio", "PPL ratio", m["ppl_ratio"].value, m["ppl_ratio"].se,
-                                  max_ppl_ratio, "lower", "ratio"))
+def _nothing_to_check() -> QevalError:
+    options = ", ".join(option(m) for m in metric_registry.gated())
+    return QevalError(f"nothing to check: give at least one of {options}, --baseline")
+
+
+def run_checks(summary: dict, baseline: baselines.Baseline | None = None, baseline_entry: str | None = None,
+               baseline_metrics: list[str] | None = None, **limits: float | None) -> GateResult:
+    """Judge one comparison summary (the JSON of `qeval kld --json`); `limits` by keyword (max_kld=0.05)."""
+    given = validate_limits(limits)
+    measured = metric_registry.read(summary)
+    checks = [limit_check(METRICS[key], _held(measured, key, summary), limit) for key, limit in given.items()]
     notes, base_info = [], None
     if baseline is not None:
         entry = baselines.pick_entry(baseline, summary, baseline_entry)
-        keys = [k for k in entry.metrics if baselines.METRICS[k].better is not None]
-        if "ppl_ratio" in keys and "delta_ppl_pct" in keys and not baseline_metrics:
-            keys.remove("delta_ppl_pct")  # the same quantity as the ratio: judged once
+        keys = [k for k in entry.metrics if METRICS[k].better is not None]
         if baseline_metrics:
             unknown = [k for k in baseline_metrics if k not in entry.metrics]
             if unknown:
                 raise QevalError(f"baseline entry {entry.id} has no metric {', '.join(unknown)} "
                                  f"(it has {', '.join(entry.metrics)})")
             keys = [k for k in keys if k in baseline_metrics]
+        else:  # a metric that restates another one the entry holds is judged once
+            keys = [k for k in keys if METRICS[k].restates not in keys]
         if not keys:
             raise QevalError(f"baseline entry {entry.id} has no metric a run can be judged on")
         for key in keys:
-            checks.append(baseline_check(key, m[key], entry.metrics[key], entry.id,
+            checks.append(baseline_check(key, _held(measured, key, summary), entry.metrics[key], entry.id,
                                          judge_direct=bool(baseline_metrics)))
         notes += _setting_notes(entry, summary)
         base_info = {"name": baseline.name, "path": str(baseline.path) if baseline.path else None, "entry": entry.id}
     if not checks:
-        raise QevalError("nothing to check: give at least one of --max-kld, --max-kld-999, --min-top1, "
-                         "--max-ppl-ratio, --baseline")
+        raise _nothing_to_check()
     if not any(c.judged for c in checks):
         raise QevalError("nothing to judge: the baseline's metrics have no standard error on either side; name "
                          "them with --baseline-metric to compare them directly, or give a threshold")
     return GateResult(all(c.passed for c in checks), summary["candidate"]["label"], summary["reference"]["label"],
                       int(summary["chunks"]), int(summary["scored_tokens"]), Z, checks, notes, base_info)
+
+
+def _held(measured: dict[str, MetricValue], key: str, summary: dict) -> MetricValue:
+    if key not in measured:
+        raise QevalError(f"the comparison of {summary['candidate']['label']!r} holds no {key} (computed before qeval "
+                         "measured it): recompute it")
+    return measured[key]
 
 
 def _setting_notes(entry: baselines.Entry, summary: dict) -> list[str]:
@@ -230,24 +258,21 @@ def gate_text(r: GateResult) -> str:
 
 
 def check_report(ref: str, cand: str, chunks: int | None = None, runs_dir: str | os.PathLike | None = None,
-                 threads: int = 2, max_kld: float | None = None, max_kld_999: float | None = None,
-                 min_top1: float | None = None, max_ppl_ratio: float | None = None, baseline: str | None = None,
-                 baseline_entry: str | None = None, baseline_metrics: list[str] | None = None,
-                 progress: bool = False) -> tuple[dict, str, bool]:
+                 threads: int = 2, baseline: str | None = None, baseline_entry: str | None = None,
+                 baseline_metrics: list[str] | None = None, progress: bool = False,
+                 **limits: float | None) -> tuple[dict, str, bool]:
     """`qeval check`: (JSON, text, passed). Inputs are checked before any long comparison starts."""
-    validate_limits(max_kld, max_kld_999, min_top1, max_ppl_ratio)
+    given = validate_limits(limits)
     base = baselines.load_baseline(baseline) if baseline else None
     if base is not None and baseline_entry:
         base.entry(baseline_entry)
     if base is None and (baseline_entry or baseline_metrics):
         raise QevalError("--baseline-entry and --baseline-metric need --baseline")
-    if not (base or any(v is not None for v in (max_kld, max_kld_999, min_top1, max_ppl_ratio))):
-        raise QevalError("nothing to check: give at least one of --max-kld, --max-kld-999, --min-top1, "
-                         "--max-ppl-ratio, --baseline")
+    if not (base or given):
+        raise _nothing_to_check()
     if base is not None and not baseline_entry and len(base.entries) > 1:
         _pick_early(base, ref, cand, runs_dir)
     measured: Measured = measure(ref, cand, chunks, runs_dir, threads, progress, need_per_token=False)
-    result = run_checks(measured.summary, max_kld, max_kld_999, min_top1, max_ppl_ratio, base, baseline_entry,
-                        baseline_metrics)
+    result = run_checks(measured.summary, base, baseline_entry, baseline_metrics, **limits)
     out = result.to_json()
     return out, gate_text(result), result.passed

@@ -5,8 +5,9 @@
     board = leaderboard.write(board, "leaderboard")     # leaderboard.{md,csv,json,html} + plots (PNG and SVG)
     board.paths                                         # what was written
 
-Every result on one board must come from the same reference over the same tokens (reference label, reference
-model fingerprint, corpus sha256, n_ctx, chunks, token ids); anything else is refused. Plots are drawn on
+Every result on one board must come from the same reference over the same tokens (reference label, and the
+reference's identity as qeval.identity defines it: model fingerprint, settings, token ids of the chunks
+compared) with this qeval's metrics version; anything else is refused. Plots are drawn on
 matplotlib Figures with the Agg canvas, without pyplot, so nothing global is switched.
 """
 
@@ -26,6 +27,8 @@ import numpy as np
 
 from . import __version__, report, results
 from .errors import QevalError
+from .identity import changes
+from .metric_registry import METRICS, Metric
 
 DEFAULT_OUT = "leaderboard"
 # KV cache types from most to least precise: the column order of the heatmaps.
@@ -33,9 +36,8 @@ KV_ORDER = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "iq4_nl", "q4_
 KV_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "h")
 KLD_FLOOR = 1e-9  # per-token KLDs are drawn on a log axis; exact zeros (and rounding below zero) sit here
 
-CSV_COLUMNS = ("rank", "label", "quant", "model_file", "type_k", "type_v", "size_gib", "bpw", "ppl", "ppl_se",
-               "delta_ppl_pct", "kld_mean", "kld_se", "kld_999", "kld_max", "top1_pct", "top1_se_pct",
-               "rms_dp_pct", "pareto", "result")
+CSV_COLUMNS = ("rank", "label", "quant", "model_file", "type_k", "type_v", "size_gib", "bpw", *report.BOARD_KEYS,
+               "pareto", "result")
 PLOTS = {
     "kld_vs_size": "Mean KLD vs model size, Pareto front marked",
     "heatmap_ppl": "PPL over model × KV cache type",
@@ -67,7 +69,7 @@ class Leaderboard:
     def figures(self) -> dict:
         """name -> matplotlib Figure for every plot (display them in a notebook, or savefig)."""
         return {"kld_vs_size": plot_kld_vs_size(self), "heatmap_ppl": plot_heatmap(self, "ppl"),
-                "heatmap_kld": plot_heatmap(self, "kld"), "kld_distribution": plot_kld_distribution(self)}
+                "heatmap_kld": plot_heatmap(self, "kld_mean"), "kld_distribution": plot_kld_distribution(self)}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -84,41 +86,23 @@ def load_results(runs: list[str | os.PathLike], with_per_token: bool = True) -> 
     return loaded
 
 
-def _identity(summary: dict) -> list[tuple[str, object]]:
-    ref = summary["reference"]
-    model, corpus = ref.get("model") or {}, ref.get("corpus") or {}
-    fields = [("reference label", ref.get("label")),
-              ("reference model", model.get("fingerprint") or model.get("file_name")),
-              ("corpus sha256", corpus.get("sha256")),
-              ("n_ctx", ref.get("n_ctx")),
-              ("chunks", summary.get("chunks")),
-              ("scored tokens", summary.get("scored_tokens"))]
-    if ref.get("tokens_sha256"):  # results saved before qeval recorded it lack it
-        fields.append(("token ids sha256", ref["tokens_sha256"]))
-    return fields
-
-
-def _short(v: object) -> str:
-    s = str(v)
-    return s[:16] + "…" if re.fullmatch(r"[0-9a-f]{40,}", s) else s
+def _board_identity(res: results.Result) -> dict:
+    """What every result on one board shares: the reference (the label the page names it by, and its identity
+    over the chunks compared: model, settings, token ids) and the chunk count. Each result must have been
+    computed with this qeval's formulas (results.require_current)."""
+    request = results.require_current(res)
+    return {"reference label": res.ref_label, "reference": request.reference, "chunks": request.chunks}
 
 
 def check_comparable(loaded: list[results.Result]) -> None:
-    """Refuse results computed against different references or token sets, and two results for one label."""
+    """Refuse stale results, results computed against different references or token sets, and two results
+    for one label."""
     if not loaded:
         raise QevalError("no results to put on a leaderboard")
     first = loaded[0]
-    base = dict(_identity(first.summary))
+    base = _board_identity(first)
     for other in loaded[1:]:
-        theirs = dict(_identity(other.summary))
-        diffs = [f"{name} {_short(base[name])} vs {_short(theirs[name])}"
-                 for name in base if name in theirs and base[name] != theirs[name]]
-        if not diffs and first.per_token is not None and other.per_token is not None:
-            for name in ("chunk", "position", "token"):
-                a, b = first.per_token.get(name), other.per_token.get(name)
-                if a is not None and b is not None and not np.array_equal(a, b):
-                    diffs.append(f"per-token {name} arrays differ")
-                    break
+        diffs = changes(base, _board_identity(other))
         if diffs:
             raise QevalError(
                 f"{first.path} (reference {first.ref_label}) and {other.path} (reference {other.ref_label}) were "
@@ -218,11 +202,13 @@ def settings_lines(board: Leaderboard) -> list[tuple[str, str]]:
     return lines
 
 
-NOTES = ("KLD is KL(reference ‖ candidate) per scored token, in nats; lower is better. "
-         "ΔPPL % is PPL(candidate)/PPL(reference) − 1 on the same tokens. "
-         "Same top-1 is how often both models rank the same token first. RMS Δp is the RMS change in the "
-         "probability of the correct token. ± is one standard error. "
-         "Pareto: no other row is both smaller (GiB) and lower in mean KLD.")
+def _note(m: Metric) -> str:
+    unit = "" if m.unit in ("%", m.title) else f", in {m.unit}"
+    return f"{m.heading}: {m.description}{unit}" + (f"; {m.better} is better." if m.better else ".")
+
+
+NOTES = " ".join([*map(_note, report.BOARD_METRICS), "± is one standard error.",
+                  "Pareto: no other row is both smaller (GiB) and lower in mean KLD."])
 
 
 def leaderboard_markdown(board: Leaderboard) -> str:
@@ -288,7 +274,8 @@ def plot_kld_vs_size(board: Leaderboard):
     markers = _kv_marker(board)
     sized = [(r, c) for r, c in zip(board.rows, colors) if r["size_gib"] is not None]
     for r, c in sized:
-        ax.errorbar(r["size_gib"], r["kld_mean"], yerr=r["kld_se"] if math.isfinite(r["kld_se"]) else None,
+        se = r["kld_mean_se"]
+        ax.errorbar(r["size_gib"], r["kld_mean"], yerr=se if math.isfinite(se) else None,
                     fmt=markers.get(r["type_k"] or "?", "o"), color=c, ms=8, mec="black", mew=0.6, capsize=3,
                     zorder=3)
     # labels of points sharing a size (KV variants of one file) are stacked downwards from the highest
@@ -349,8 +336,8 @@ def _ref_row_name(board: Leaderboard) -> str:
 
 
 def heatmap_grid(board: Leaderboard, metric: str) -> tuple[list[str], list[str], np.ndarray, dict]:
-    """(model names, KV types, values [models, kvs] with NaN where no result, {(i, j): note})."""
-    key = {"ppl": "ppl", "kld": "kld_mean"}[metric]
+    """(model names, KV types, values [models, kvs] with NaN where no result, {(i, j): note}) of metric
+    "ppl" or "kld_mean"."""
     models: dict[str, float] = {}
     for r in board.rows:
         models.setdefault(_model_name(r), r["size_gib"] if r["size_gib"] is not None else -1.0)
@@ -365,7 +352,7 @@ def heatmap_grid(board: Leaderboard, metric: str) -> tuple[list[str], list[str],
     values = np.full((len(names), len(kvs)), np.nan)
     notes = {}
     for r in reversed(board.rows):  # the lowest-KLD row wins a shared cell
-        values[names.index(_model_name(r)), kvs.index(r["type_k"] or "?")] = r[key]
+        values[names.index(_model_name(r)), kvs.index(r["type_k"] or "?")] = r[metric]
     if ref_name in names and ref_kv in kvs:
         i, j = names.index(ref_name), kvs.index(ref_kv)
         if np.isnan(values[i, j]):
@@ -376,22 +363,24 @@ def heatmap_grid(board: Leaderboard, metric: str) -> tuple[list[str], list[str],
 
 
 def plot_heatmap(board: Leaderboard, metric: str):
-    """PPL or mean KLD per model (rows, biggest first) and KV cache type (columns); cells without data blank."""
+    """PPL or mean KLD ("ppl", "kld_mean") per model (rows, biggest first) and KV cache type (columns); cells
+    without data blank."""
     from matplotlib import colormaps  # noqa: PLC0415
     from matplotlib.colors import LogNorm, Normalize  # noqa: PLC0415
 
     names, kvs, values, notes = heatmap_grid(board, metric)
+    m = METRICS[metric]
     fig = _figure(2.6 + 0.12 * max(map(len, names)) + 1.3 * len(kvs), 1.5 + 0.5 * len(names))
     ax = fig.add_subplot()
     finite = values[np.isfinite(values)]
     cmap = colormaps["YlOrRd"].with_extremes(bad="white")
-    if metric == "kld" and finite.size and finite.min() > 0:
+    if metric == "kld_mean" and finite.size and finite.min() > 0:
         norm = LogNorm(finite.min(), finite.max()) if finite.max() > finite.min() else None
     else:
         norm = Normalize(finite.min(), finite.max()) if finite.size and finite.max() > finite.min() else None
     im = ax.imshow(np.ma.masked_invalid(values), cmap=cmap, norm=norm, aspect="auto")
     if norm is not None:
-        fig.colorbar(im, ax=ax, label="PPL" if metric == "ppl" else "mean KLD (nats)")
+        fig.colorbar(im, ax=ax, label=m.title if m.unit == m.title else f"{m.title} ({m.unit})")
     for i in range(len(names)):
         for j in range(len(kvs)):
             v = values[i, j]
@@ -411,7 +400,7 @@ def plot_heatmap(board: Leaderboard, metric: str):
     ax.set_yticks(np.arange(-0.5, len(names)), minor=True)
     ax.grid(which="minor", color="#cccccc", lw=0.8)
     ax.tick_params(which="minor", length=0)
-    ax.set_title(("PPL" if metric == "ppl" else "Mean KLD") + " by model and KV cache type (K)")
+    ax.set_title(f"{m.title[0].upper()}{m.title[1:]} by model and KV cache type (K)")
     return fig
 
 
@@ -507,7 +496,8 @@ footer { color: var(--muted); font-size: 12px; margin-top: 36px; }
 
 def table_html(board: Leaderboard) -> str:
     """The leaderboard as an HTML <table> (also handy in a notebook: IPython.display.HTML)."""
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in ("#", "label", *report.LEADERBOARD_COLUMNS))
+    headings = ("#", "label", *(name for name, _ in report.LEADERBOARD_COLUMNS))
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in headings)
     klds = [r["kld_mean"] for r in board.rows if r["kld_mean"] > 0]
     lo, hi = (math.log10(min(klds)), math.log10(max(klds))) if klds else (0.0, 0.0)
     body = []
@@ -516,12 +506,12 @@ def table_html(board: Leaderboard) -> str:
         label = html.escape(cells[0]) + ('<span class="badge" title="on the size/KLD Pareto front">Pareto</span>'
                                          if r["pareto"] else "")
         tds = [f'<td class="num">{r["rank"]}</td>', f"<td>{label}</td>"]
-        for name, cell in zip(report.LEADERBOARD_COLUMNS, cells[1:]):
+        for (_, key), cell in zip(report.LEADERBOARD_COLUMNS, cells[1:]):
             style = ""
-            if name.startswith("mean KLD") and r["kld_mean"] > 0 and hi > lo:
+            if key == "kld_mean" and r["kld_mean"] > 0 and hi > lo:
                 t = (math.log10(r["kld_mean"]) - lo) / (hi - lo)  # green (best) to red (worst)
                 style = f' style="background: hsl({120 - 120 * t:.0f}, 70%, 88%)"'
-            cls = "" if name in ("quant", "KV") else ' class="num"'
+            cls = "" if key in ("quant", "kv") else ' class="num"'
             tds.append(f"<td{cls}{style}>{html.escape(cell)}</td>")
         attrs = f' class="pareto"' if r["pareto"] else ""
         body.append(f'<tr data-label="{html.escape(r["label"])}"{attrs}>' + "".join(tds) + "</tr>")

@@ -148,14 +148,16 @@ class LlamaCppBaseFile:
         self.close()
 
 
-def import_llamacpp(src: str | os.PathLike, out: str | os.PathLike, label: str = "", on_chunk=None) -> Path:
-    """Convert a `--kl-divergence-base` file into a qeval store (resumable, like a capture)."""
+def import_llamacpp(src: str | os.PathLike, out: str | os.PathLike, label: str = "", on_chunk=None,
+                    replace: bool = False) -> Path:
+    """Convert a `--kl-divergence-base` file into a qeval store (resumable, like a capture; a store at
+    `out` that holds another capture is refused, or replaced with `replace`)."""
     from .store import StoreComplete, StoreWriter
 
     out = Path(out)
     with LlamaCppBaseFile(src, label=label or out.name.split(".")[0]) as base:
         try:
-            writer = StoreWriter.open(out, base.header, base.tokens, base.lut)
+            writer = StoreWriter.open(out, base.header, base.tokens, base.lut, replace=replace)
         except StoreComplete:
             return out
         with writer:

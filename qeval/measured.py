@@ -6,6 +6,7 @@ Paired comparisons (`qeval compare`) and release gates (`qeval check`) both star
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import numpy as np
 
 from . import results, runs
 from .errors import MismatchError, QevalError
+from .identity import changes, reference_identity
 
 Measured = results.Result  # the name paired comparisons and gates use for a candidate's measurement
 
@@ -49,20 +51,12 @@ def _from_result(ref: str, path: Path, chunks: int | None, runs_dir, need_per_to
 
 
 def _check_reference(ref: str, res: results.Result, runs_dir) -> None:
-    """A saved result answers only for the reference it was measured against."""
-    rd = res.summary["reference"]
-    if ref == rd.get("label"):
-        return
-    saved = Path(rd.get("path") or "")
-    try:
-        named = runs.resolve_path(ref, runs.runs_dir(runs_dir))
-    except QevalError:
-        named = Path(ref)
-    for candidate in (saved, res.path.parent / saved, res.path.parent.parent / saved.name):
-        try:
-            if candidate.is_file() and named.is_file() and candidate.samefile(named):
-                return
-        except OSError:
-            pass
-    raise MismatchError(f"{res.path} was measured against reference {rd.get('label')!r} ({rd.get('path')}), "
-                        f"not {ref!r}")
+    """A saved result answers only for the reference it was measured against: the same model, settings
+    and tokens (not merely the same label), with this qeval's formulas."""
+    saved = results.require_current(res)
+    with contextlib.closing(runs.open_source(ref, runs.runs_dir(runs_dir))) as source:
+        differences = changes(saved.reference, reference_identity(source, saved.chunks), "reference")
+    if differences:
+        rd = res.summary["reference"]
+        raise MismatchError(f"{res.path} was measured against reference {rd.get('label')!r} ({rd.get('path')}), "
+                            f"not {ref!r}: {'; '.join(differences)} (saved vs named)")

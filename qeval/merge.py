@@ -23,11 +23,9 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .errors import QevalError, StoreFormatError
-from .store import StoreReader, StoreWriter, _short
+from .identity import capture_identity, short
+from .store import StoreReader, StoreWriter, sync_dir
 
-# What must agree between parts of one capture (chunk_start/chunk_stop are what differs).
-IDENTITY_FIELDS = ("n_vocab", "n_ctx", "n_chunks", "tokens_sha256", "tokenizer_sha256", "codec", "model", "kv",
-                   "top_k")
 TMP_SUFFIX = ".merging"
 
 
@@ -54,11 +52,12 @@ def check_parts(readers: Sequence[StoreReader]) -> list[StoreReader]:
                              f"{h.chunk_stop - h.chunk_start} chunks of its range {_range(h.chunk_start, h.chunk_stop)}"
                              "; re-run its capture to resume it, then merge)")
     first = readers[0]
+    ours = capture_identity(first.header)  # what parts of one capture share (their chunk ranges differ)
     for r in readers[1:]:
-        diffs = [name for name in IDENTITY_FIELDS if getattr(r.header, name) != getattr(first.header, name)]
+        theirs = capture_identity(r.header)
+        diffs = [name for name in ours if ours[name] != theirs[name]]
         if diffs:
-            detail = "; ".join(f"{name}: {_short(getattr(first.header, name))} vs {_short(getattr(r.header, name))}"
-                               for name in diffs)
+            detail = "; ".join(f"{name}: {short(ours[name])} vs {short(theirs[name])}" for name in diffs)
             raise QevalError(f"cannot merge: parts {first.path} and {r.path} come from different captures "
                              f"({', '.join(diffs)} differ: {detail})")
         if not np.array_equal(r.lut, first.lut):
@@ -124,7 +123,7 @@ def merge_stores(parts: Sequence[str | os.PathLike], out: str | os.PathLike, lab
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-    _sync_dir(out.parent)
+    sync_dir(out.parent)
     return MergeResult(out, first.n_chunks, [(r.path, r.header.chunk_start, r.header.chunk_stop) for r in ordered],
                        size)
 
@@ -140,19 +139,6 @@ def _copy(ordered: list[StoreReader], tmp: Path, header, on_chunk) -> None:
                 if on_chunk:
                     on_chunk(1)
         writer.finish()
-
-
-def _sync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def merge_report(parts: Sequence[str | os.PathLike], out: str | os.PathLike, label: str | None = None,

@@ -14,7 +14,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from . import stats
+from . import metric_registry, stats
 from .errors import MismatchError, QevalError
 from .kernels import N_SUMS, decode_tables, kld_from_sums, pair_sums
 from .pool import bounded_map
@@ -56,6 +56,8 @@ class Comparison:
         return len(self.per_token["kld"])
 
     def summary(self) -> dict:
+        """llama-perplexity's statistics blocks (what its text layout prints), and "metrics": every metric of
+        qeval.metric_registry under its one name."""
         t = self.per_token
         kld_mean, kld_se = stats.mean_se(t["kld"])
         rkld_mean, rkld_se = stats.mean_se(t["kld_reverse"])
@@ -77,6 +79,7 @@ class Comparison:
         for k in TOPK_AGREEMENT:
             m, se = stats.mean_se(t[f"top{k}_agreement"])
             out[f"top{k}_agreement"] = {"mean": m, "se": se}
+        out["metrics"] = metric_registry.compute(t)
         return out
 
 

@@ -2,10 +2,15 @@
 
 Parsing a 262K-token vocabulary takes the gguf reader several seconds, so facts are cached per
 (path, size, mtime) under ~/.cache/qeval (or $QEVAL_CACHE_DIR).
+
+A GGUF that is no language model qeval can run (a vision projector, an adapter, an encoder, an
+architecture llama.cpp does not know) is refused here with one clear message, before llama.cpp
+is asked to decode it: an encoder would decode without complaint and return meaningless logits.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -16,6 +21,26 @@ from .errors import QevalError
 
 FINGERPRINT_BLOCKS = 64
 FINGERPRINT_BLOCK_BYTES = 1 << 20
+FACTS_VERSION = 2  # part of the cache key: bump it when _read_facts changes what it returns
+
+# Why a GGUF cannot be evaluated, one sentence each ({name}: the file, {arch}: its architecture).
+REFUSALS = {
+    "projector": "{name} is a multimodal projector (mmproj: a vision or audio encoder), not a language "
+                 "model: pass the text model's GGUF instead",
+    "adapter": "{name} is a LoRA adapter, not a model: pass a whole GGUF model",
+    "unknown": "{name} has architecture {arch!r}, which the llama.cpp of llama-cpp-python {llama_cpp} "
+               "does not know (a newer llama-cpp-python may support it)",
+    "encoder-decoder": "{name} is an encoder-decoder model ({arch}): qeval measures decoder-only language "
+                       "models, whose logits predict the next token",
+    "encoder": "{name} is an encoder-only model ({arch}, e.g. an embedding model): it predicts no next "
+               "token, so it has no logits to compare",
+}
+NOT_MODEL_TYPES = {"mmproj": "projector", "adapter": "adapter"}  # general.type
+PROJECTOR_ARCH = "clip"  # what mmproj files declare as their architecture
+# Architectures llama.cpp runs only after llama_encode (llama_model_has_encoder / _has_decoder); other
+# encoders (BERT and kin, diffusion models) declare {arch}.attention.causal = false.
+ENCODER_DECODER_ARCHS = ("t5",)
+ENCODER_ONLY_ARCHS = ("t5encoder",)
 
 
 def cache_dir() -> Path:
@@ -36,9 +61,15 @@ def content_fingerprint(path: Path) -> str:
 
 
 def model_facts(path: str | os.PathLike) -> dict:
-    path = Path(path)
+    """Facts about GGUF model `path`; QevalError if it is no language model qeval can run."""
+    facts = _cached_facts(Path(path))
+    require_language_model(facts)
+    return facts
+
+
+def _cached_facts(path: Path) -> dict:
     st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:32]
+    key = hashlib.sha256(f"{FACTS_VERSION}:{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:32]
     cached = cache_dir() / "model-facts" / f"{key}.json"
     try:
         return json.loads(cached.read_text())
@@ -51,6 +82,52 @@ def model_facts(path: str | os.PathLike) -> dict:
     except OSError:
         pass  # a read-only home only costs the parse next time
     return facts
+
+
+def refusal_from_metadata(facts: dict) -> str | None:
+    """Why qeval cannot evaluate the GGUF with these facts (None: it can, as far as its metadata says)."""
+    import gguf  # noqa: PLC0415
+
+    arch = facts["architecture"]
+    if facts["gguf_type"] in NOT_MODEL_TYPES:
+        return NOT_MODEL_TYPES[facts["gguf_type"]]
+    if arch == PROJECTOR_ARCH:
+        return "projector"
+    if arch not in gguf.MODEL_ARCH_NAMES.values():
+        return "unknown"
+    if arch in ENCODER_DECODER_ARCHS:
+        return "encoder-decoder"
+    if arch in ENCODER_ONLY_ARCHS or not facts["causal_attention"]:
+        return "encoder"
+    return None
+
+
+def _refuse(reason: str, name: str, arch: str) -> None:
+    from importlib.metadata import version  # noqa: PLC0415
+
+    raise QevalError(REFUSALS[reason].format(name=name, arch=arch, llama_cpp=version("llama-cpp-python")))
+
+
+def require_language_model(facts: dict) -> None:
+    reason = refusal_from_metadata(facts)
+    if reason is not None:
+        _refuse(reason, facts["file_name"], facts["architecture"])
+
+
+def require_decoder_context(lc, model, ctx, path: Path) -> None:
+    """For Engine, right after llama_init_from_model: QevalError unless llama.cpp can decode this model
+    causally. The last word for an architecture the metadata rules do not name: a context without
+    memory (no KV cache, no recurrent state) belongs to a model that attends both ways, which llama.cpp
+    "decodes" without complaint, returning meaningless logits."""
+    if lc.llama_model_has_encoder(model):
+        reason = "encoder-decoder"
+    elif not lc.llama_model_has_decoder(model) or not lc.llama_get_memory(ctx):
+        reason = "encoder"
+    else:
+        return
+    arch = ctypes.create_string_buffer(128)
+    lc.llama_model_meta_val_str(model, b"general.architecture", arch, len(arch))
+    _refuse(reason, Path(path).name, arch.value.decode(errors="replace"))
 
 
 def _read_facts(path: Path) -> dict:
@@ -88,4 +165,6 @@ def _read_facts(path: Path) -> dict:
         "tensor_types": dict(sorted(Counter(t.tensor_type.name for t in reader.tensors).items())),
         "vocab_size": len(tokens.data) if tokens is not None else None,
         "context_length": field(f"{arch}.context_length"),
+        "gguf_type": field("general.type") or "model",
+        "causal_attention": field(f"{arch}.attention.causal") is not False,
     }

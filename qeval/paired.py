@@ -1,11 +1,11 @@
 """Is candidate A really better than candidate B? Paired differences on the same reference tokens.
 
 Both candidates are scored against one reference over the same tokens, so every token gives a
-paired difference d = x_A - x_B (KLD, NLL, same-top-1). The tokens of one window are not
-independent: they share a context, the model's state and often a topic, so their differences are
-correlated and a per-token standard error (sd/sqrt(n_tokens)) is too small. Windows (chunks) are
-evaluated with a cleared KV cache over disjoint text, so they are close to independent; qeval
-therefore treats each chunk as one observation.
+paired difference d = x_A - x_B of each metric qeval.metric_registry marks `paired` (KLD, NLL,
+same-top-1). The tokens of one window are not independent: they share a context, the model's state
+and often a topic, so their differences are correlated and a per-token standard error
+(sd/sqrt(n_tokens)) is too small. Windows (chunks) are evaluated with a cleared KV cache over
+disjoint text, so they are close to independent; qeval therefore treats each chunk as one observation.
 
 Primary method, `t`: the mean difference of every chunk (255 tokens at n_ctx 512) -> a one-sample
 t-interval and a two-sided t-test over the chunk means (scipy.stats.t, n_chunks - 1 degrees of
@@ -32,26 +32,22 @@ from scipy import stats as sps
 
 from .errors import MismatchError, QevalError
 from .measured import Measured, measure
+from .metric_registry import METRICS, Metric
 
 CONFIDENCE = 0.95
 N_BOOT = 10_000
 BOOT_SEED = 0
 METHODS = ("t", "bootstrap")
 
-# metric -> (per-token field, what it is, unit of the difference, scale for display, better direction)
-PAIRED_METRICS = {
-    "kld": ("kld", "KLD", "nats", 1.0, "lower"),
-    "nll": ("nll_cand", "NLL", "nats/token", 1.0, "lower"),
-    "same_top1": ("same_top1", "same top-1", "percentage points", 100.0, "higher"),
-}
+PAIRED_METRICS = {key: m for key, m in METRICS.items() if m.paired}
 
 
 @dataclass
 class PairedDifference:
-    metric: str
-    unit: str
+    metric: str  # its qeval.metric_registry key
+    unit: str  # of the difference
     better: str  # "lower" or "higher"
-    mean_a: float  # per-token means (times `scale` for same_top1: percent)
+    mean_a: float  # per-token means, in the metric's unit
     mean_b: float
     diff: float  # mean over chunks of the per-chunk mean difference A - B
     se: float  # of diff: sd(chunk differences) / sqrt(n_chunks) (t) or bootstrap sd
@@ -103,15 +99,23 @@ def interval_bootstrap(d: np.ndarray, confidence: float = CONFIDENCE, n_boot: in
     return mean, float(np.std(boot, ddof=1)), float(low), float(high), p
 
 
-def paired_difference(a: np.ndarray, b: np.ndarray, chunk: np.ndarray, metric: str = "kld",
+def difference_unit(m: Metric) -> str:
+    return "percentage points" if m.unit == "%" else m.unit
+
+
+def paired_difference(a: np.ndarray, b: np.ndarray, chunk: np.ndarray, metric: str = "kld_mean",
                       method: str = "t", confidence: float = CONFIDENCE, names: tuple[str, str] = ("A", "B"),
                       n_boot: int = N_BOOT, seed: int = BOOT_SEED) -> PairedDifference:
-    """Difference of the means of `a` and `b` (per-token values on the same tokens), chunk-blocked."""
+    """Difference of the means of `a` and `b` (per-token values of `metric` on the same tokens, before its
+    percent scale), chunk-blocked."""
     if method not in METHODS:
         raise QevalError(f"--method must be one of {', '.join(METHODS)}, not {method!r}")
     if not 0.0 < confidence < 1.0:
         raise QevalError(f"confidence must be between 0 and 1, not {confidence}")
-    _, _, unit, scale, better = PAIRED_METRICS[metric]
+    if metric not in PAIRED_METRICS:
+        raise QevalError(f"{metric!r} is not a metric paired comparisons apply to ({', '.join(PAIRED_METRICS)})")
+    m = PAIRED_METRICS[metric]
+    scale = m.scale
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     if a.shape != b.shape or a.shape != np.shape(chunk):
         raise MismatchError("A and B must have one value per token on the same tokens")
@@ -123,8 +127,8 @@ def paired_difference(a: np.ndarray, b: np.ndarray, chunk: np.ndarray, metric: s
     diff, se, low, high, p = fn(d, confidence)
     token_sd = float(np.std((a - b) * scale, ddof=1)) if len(a) > 1 else float("nan")
     significant = (low > 0.0 or high < 0.0) if se > 0 else diff != 0.0
-    out = PairedDifference(metric, unit, better, float(np.mean(a)) * scale, float(np.mean(b)) * scale, diff, se,
-                           low, high, p, len(d), len(a), method, confidence, token_sd / math.sqrt(len(a)),
+    out = PairedDifference(metric, difference_unit(m), m.better, float(np.mean(a)) * scale, float(np.mean(b)) * scale,
+                           diff, se, low, high, p, len(d), len(a), method, confidence, token_sd / math.sqrt(len(a)),
                            significant, "")
     out.verdict = verdict(out, *names)
     return out
@@ -150,19 +154,18 @@ def format_p(p: float) -> str:
 
 def verdict(r: PairedDifference, name_a: str = "A", name_b: str = "B") -> str:
     """One plain sentence: which candidate is better on this metric, or that the data can't tell."""
-    what = PAIRED_METRICS[r.metric][1]
+    what = METRICS[r.metric].title.removeprefix("mean ")  # the per-token values: "A has lower KLD than B"
     dec = _decimals((r.ci_high - r.ci_low) / 2.0 if r.ci_high > r.ci_low else abs(r.diff))
-    unit = {"nats": "nats", "nats/token": "nats/token", "percentage points": "percentage points"}[r.unit]
-    numbers = (f"difference {_signed(r.diff, dec)} {unit}, {100 * r.confidence:g} % CI "
+    numbers = (f"difference {_signed(r.diff, dec)} {r.unit}, {100 * r.confidence:g} % CI "
                f"[{_signed(r.ci_low, dec)}, {_signed(r.ci_high, dec)}], {format_p(r.p_value)} over {r.n_chunks} chunks")
-    if r.metric == "nll":
+    if r.metric == "nll_mean":
         numbers += f"; PPL ratio {name_a}/{name_b} {math.exp(r.diff):.4f}"
     if r.diff == 0.0 and r.se == 0.0:
         return f"no significant difference in {what} between {name_a} and {name_b}: identical on all " \
                f"{r.n_tokens} tokens"
     if not r.significant:
         return f"no significant difference in {what} between {name_a} and {name_b}: {numbers}"
-    if r.metric == "same_top1":
+    if r.metric == "same_top1_pct":
         claim = f"{name_a} keeps the reference's top-1 token {'more' if r.diff > 0 else 'less'} often than {name_b}"
     else:
         claim = f"{name_a} has {'lower' if r.diff < 0 else 'higher'} {what} than {name_b}"
@@ -194,9 +197,10 @@ def compare_measured(a: Measured, b: Measured, method: str = "t", confidence: fl
                                 f"(chunk {int(ta['chunk'][bad])}); they cannot be paired")
     names = _names(a.label, b.label)
     diffs = {}
-    for metric, (field, *_rest) in PAIRED_METRICS.items():
-        diffs[metric] = paired_difference(ta[field], tb[field], ta["chunk"], metric, method, confidence, names)
-    first = diffs["kld"]
+    for m in PAIRED_METRICS.values():
+        diffs[m.key] = paired_difference(m.column_values(ta), m.column_values(tb), ta["chunk"], m.key, method,
+                                         confidence, names)
+    first = next(iter(diffs.values()))
     return {
         "reference": a.summary["reference"],
         "a": a.summary["candidate"], "b": b.summary["candidate"],
@@ -243,10 +247,10 @@ def paired_text(result: dict) -> str:
              f"{'metric':<14} {'A':>12} {'B':>12} {'A − B':>12}   {'CI':<27} p"]
     for key, d in result["differences"].items():
         dec = _decimals((d["ci_high"] - d["ci_low"]) / 2.0 if d["ci_high"] > d["ci_low"] else abs(d["diff"]))
-        name = {"kld": "mean KLD", "nll": "mean NLL", "same_top1": "same top-1 %"}[key]
-        vd = {"kld": 6, "nll": 4, "same_top1": 2}[key]
+        m = METRICS[key]
         ci = f"[{_signed(d['ci_low'], dec)}, {_signed(d['ci_high'], dec)}]"
-        lines.append(f"{name:<14} {d['mean_a']:>12.{vd}f} {d['mean_b']:>12.{vd}f} {_signed(d['diff'], dec):>12}   "
+        means = f"{d['mean_a']:>12{m.fmt}} {d['mean_b']:>12{m.fmt}}"
+        lines.append(f"{m.heading:<14} {means} {_signed(d['diff'], dec):>12}   "
                      f"{ci:<27} {format_p(d['p_value'])[2:]}")
     lines += ["", *[f"- {v}" for v in result["verdicts"]]]
     return "\n".join(lines)

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
+from . import __version__
+from .identity import comparison_request
+from .metric_registry import KLD_BLOCK, METRICS, PPL_BLOCK, TOKEN_BLOCK, Metric, read
 from .metrics import PER_TOKEN_FIELDS, Comparison
 from .store import StoreHeader
 from .llamacpp import record_values
@@ -33,7 +36,11 @@ def describe(source) -> dict:
 
 
 def comparison_json(cmp: Comparison) -> dict:
-    return {"reference": describe(cmp.ref), "candidate": describe(cmp.cand), **cmp.summary()}
+    """The comparison, and what it measured: `request` (qeval.identity) decides whether a saved copy
+    may stand for a later request."""
+    return {"reference": describe(cmp.ref), "candidate": describe(cmp.cand), **cmp.summary(),
+            "request": comparison_request(cmp.ref, cmp.cand, len(cmp.chunks)).to_json(),
+            "qeval_version": __version__}
 
 
 def _pm(value: float, se: float, width: int = 10, prec: int = 6) -> str:
@@ -41,40 +48,49 @@ def _pm(value: float, se: float, width: int = 10, prec: int = 6) -> str:
 
 
 def comparison_text(result: dict) -> str:
+    """llama-perplexity's three blocks, line for line, each followed by the lines of the metrics that
+    qeval.metric_registry places in it."""
     ref, cand = result["reference"], result["candidate"]
     p, k, dp = result["perplexity"], result["kld"], result["delta_p"]
+    top1 = result["same_top1"]
     lines = [
         f"reference : {_who(ref)}",
         f"candidate : {_who(cand)}",
         f"chunks    : {result['chunks']} of n_ctx {ref['n_ctx']}, {result['scored_tokens']} scored tokens",
-        "",
-        "====== Perplexity statistics ======",
-        f"Mean PPL(Q)                   : {_pm(p['ppl_cand'], p['ppl_cand_se'])}",
-        f"Mean PPL(base)                : {_pm(p['ppl_ref'], p['ppl_ref_se'])}",
-        f"Cor(ln(PPL(Q)), ln(PPL(base))): {100 * p['cor_ln_ppl']:6.2f}%",
-        f"Mean ln(PPL(Q)/PPL(base))     : {_pm(p['ln_ratio'], p['ln_ratio_se'])}",
-        f"Mean PPL(Q)/PPL(base)         : {_pm(p['ratio'], p['ratio_se'])}",
-        f"Mean PPL(Q)-PPL(base)         : {_pm(p['diff'], p['diff_se'])}",
-        "",
-        "====== KL divergence statistics ======",
-        f"Mean    KLD: {_pm(k['mean'], k['se'])}",
+        *_block(PPL_BLOCK, result, [
+            f"Mean PPL(Q)                   : {_pm(p['ppl_cand'], p['ppl_cand_se'])}",
+            f"Mean PPL(base)                : {_pm(p['ppl_ref'], p['ppl_ref_se'])}",
+            f"Cor(ln(PPL(Q)), ln(PPL(base))): {100 * p['cor_ln_ppl']:6.2f}%",
+            f"Mean ln(PPL(Q)/PPL(base))     : {_pm(p['ln_ratio'], p['ln_ratio_se'])}",
+            f"Mean PPL(Q)/PPL(base)         : {_pm(p['ratio'], p['ratio_se'])}",
+            f"Mean PPL(Q)-PPL(base)         : {_pm(p['diff'], p['diff_se'])}"]),
+        *_block(KLD_BLOCK, result, [
+            f"Mean    KLD: {_pm(k['mean'], k['se'])}",
+            *(f"{name:<7} KLD: {v:10.6f}" for name, v in k["ladder"].items())]),
+        *_block(TOKEN_BLOCK, result, [
+            f"Mean    Δp: {100 * dp['mean']:6.3f} ± {100 * dp['se']:5.3f} %",
+            *(f"{name:<7} Δp: {100 * v:6.3f}%" for name, v in dp["ladder"].items()),
+            f"RMS Δp    : {100 * dp['rms']:6.3f} ± {100 * dp['rms_se']:5.3f} %",
+            f"Same top p: {100 * top1['fraction']:6.3f} ± {100 * top1['se']:5.3f} %"]),
     ]
-    for name, v in k["ladder"].items():
-        lines.append(f"{name:<7} KLD: {v:10.6f}")
-    r = result["kld_reverse"]
-    lines += [f"Mean reverse KLD(Q||base): {_pm(r['mean'], r['se'])}", "",
-              "====== Token probability statistics ======",
-              f"Mean    Δp: {100 * dp['mean']:6.3f} ± {100 * dp['se']:5.3f} %"]
-    for name, v in dp["ladder"].items():
-        lines.append(f"{name:<7} Δp: {100 * v:6.3f}%")
-    top1 = result["same_top1"]
-    lines += [f"RMS Δp    : {100 * dp['rms']:6.3f} ± {100 * dp['rms_se']:5.3f} %",
-              f"Same top p: {100 * top1['fraction']:6.3f} ± {100 * top1['se']:5.3f} %"]
-    for key in ("top5_agreement", "top10_agreement"):
-        if key in result:
-            kk = key[3:key.index("_")]
-            lines.append(f"Top-{kk:<2} agreement: {100 * result[key]['mean']:6.3f} ± {100 * result[key]['se']:5.3f} %")
     return "\n".join(lines)
+
+
+def _block(name: str, result: dict, llama_lines: list[str]) -> list[str]:
+    """A block: its heading, llama-perplexity's lines, then a line per registry metric placed in it (one the
+    result holds: a result saved before a metric existed lacks it)."""
+    held = result.get("metrics", {})
+    extra = [_metric_line(m, held[m.key]) for m in METRICS.values()
+             if m.report and m.report[0] == name and m.key in held]
+    return ["", f"====== {name} statistics ======", *llama_lines, *extra]
+
+
+def _metric_line(m: Metric, measured: dict) -> str:
+    """A metric's line in llama-perplexity's style: percentages as `Same top p`, anything else as `Mean KLD`."""
+    label, value, se = m.report[1], measured["value"], measured["se"]
+    if m.unit == "%":
+        return f"{label}: {value:6.3f}" + (f" ± {se:5.3f} %" if se is not None else " %")
+    return f"{label}: " + (_pm(value, se) if se is not None else f"{value:10.6f}")
 
 
 def _who(d: dict) -> str:
@@ -157,12 +173,17 @@ def write_per_token(cmp: Comparison, path: Path) -> None:
             w.writerow([int(v) if isinstance(v, (np.integer, np.bool_)) else f"{float(v):.9g}" for v in row])
 
 
+# The metrics on a leaderboard, in table order; each is a column `key` and, where it has an SE, `key_se`.
+BOARD_METRICS = tuple(m for m in METRICS.values() if m.board)
+BOARD_KEYS = tuple(k for m in BOARD_METRICS for k in ((m.key, m.se_key) if m.has_se else (m.key,)))
+
+
 def leaderboard_row(result: dict) -> dict:
-    """One row of the KLD/PPL leaderboard from a comparison's JSON."""
+    """One row of the KLD/PPL leaderboard from a comparison's JSON (None for a metric it does not hold)."""
     cand = result["candidate"]
     model, kv = cand.get("model") or {}, cand.get("kv") or {}
-    p, k, top1 = result["perplexity"], result["kld"], result["same_top1"]
-    return {
+    held = read(result)
+    row = {
         "label": cand["label"],
         "quant": model.get("quant", "?"),
         "kv": f"{kv.get('type_k', '?')}/{kv.get('type_v', '?')}",
@@ -170,25 +191,29 @@ def leaderboard_row(result: dict) -> dict:
         "type_k": kv.get("type_k"), "type_v": kv.get("type_v"),
         "size_gib": model.get("size_gib"),
         "bpw": model.get("bits_per_weight"),
-        "ppl": p["ppl_cand"], "ppl_se": p["ppl_cand_se"],
-        "delta_ppl_pct": 100.0 * (p["ratio"] - 1.0),
-        "kld_mean": k["mean"], "kld_se": k["se"],
-        "kld_999": k["ladder"]["99.9%"], "kld_max": k["ladder"]["Maximum"],
-        "top1_pct": 100.0 * top1["fraction"], "top1_se_pct": 100.0 * top1["se"],
-        "rms_dp_pct": 100.0 * result["delta_p"]["rms"],
     }
+    for m in BOARD_METRICS:
+        mv = held.get(m.key)
+        row[m.key] = None if mv is None else mv.value
+        if m.has_se:
+            row[m.se_key] = None if mv is None else mv.se
+    return row
 
 
-LEADERBOARD_COLUMNS = ("quant", "KV", "size GiB", "BPW", "PPL ± SE", "ΔPPL %", "mean KLD ± SE", "99.9% KLD",
-                       "max KLD", "same top-1 % ± SE", "RMS Δp %")
+# (heading, row key) of the table's columns after the label
+LEADERBOARD_COLUMNS = (("quant", "quant"), ("KV", "kv"), ("size GiB", "size_gib"), ("BPW", "bpw"),
+                       *((m.heading + (" ± SE" if m.has_se else ""), m.key) for m in BOARD_METRICS))
 
 
 def leaderboard_cells(r: dict) -> list[str]:
     """The formatted cells of one leaderboard row: label, then LEADERBOARD_COLUMNS."""
-    return [r["label"], r["quant"], r["kv"], _num(r["size_gib"], 3), _num(r["bpw"], 2),
-            f"{r['ppl']:.4f} ± {r['ppl_se']:.4f}", f"{r['delta_ppl_pct']:+.2f}",
-            f"{r['kld_mean']:.6f} ± {r['kld_se']:.6f}", f"{r['kld_999']:.4f}", f"{r['kld_max']:.4f}",
-            f"{r['top1_pct']:.2f} ± {r['top1_se_pct']:.2f}", f"{r['rms_dp_pct']:.3f}"]
+    return [r["label"], r["quant"], r["kv"], _num(r["size_gib"], ".3f"), _num(r["bpw"], ".2f"),
+            *(_metric_cell(m, r) for m in BOARD_METRICS)]
+
+
+def _metric_cell(m: Metric, r: dict) -> str:
+    cell = _num(r[m.key], m.fmt)
+    return f"{cell} ± {_num(r[m.se_key], m.fmt.lstrip('+'))}" if m.has_se and r[m.key] is not None else cell
 
 
 def leaderboard_sorted(rows: list[dict]) -> list[dict]:
@@ -197,7 +222,7 @@ def leaderboard_sorted(rows: list[dict]) -> list[dict]:
 
 def leaderboard_markdown(rows: list[dict], pareto=None) -> str:
     """A paste-ready markdown table, sorted by mean KLD; `pareto` (labels) adds a Pareto-front column."""
-    header = ["label", *LEADERBOARD_COLUMNS] + (["Pareto"] if pareto is not None else [])
+    header = ["label", *(name for name, _ in LEADERBOARD_COLUMNS)] + (["Pareto"] if pareto is not None else [])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in leaderboard_sorted(rows):
         cells = [_md_escape(c) for c in leaderboard_cells(r)]
@@ -211,8 +236,8 @@ def _md_escape(text: str) -> str:
     return str(text).replace("|", "\\|")
 
 
-def _num(v, prec: int) -> str:
-    return "?" if v is None else f"{v:.{prec}f}"
+def _num(v, fmt: str) -> str:
+    return "?" if v is None else f"{v:{fmt}}"
 
 
 def ppl_matrix_markdown(pairs: list[tuple[str, str, str]], summaries: list[dict]) -> str:

@@ -4,6 +4,10 @@ A result is two files in RUNS_DIR/results/: `<cand>.vs.<ref>.json` (the comparis
 `qeval kld --json` prints it, plus `"per_token_file"`) and `<cand>.vs.<ref>.npz` (the per-token
 arrays, one value per scored token: kld, kld_reverse, nll_ref, nll_cand, p_ref, p_cand, same_top1,
 top5_agreement, top10_agreement, chunk, position, token).
+
+The summary records the request it answers (qeval.identity.ComparisonRequest: reference and candidate
+identity, chunks, metrics version, and its key) and the qeval version. A saved result stands for a
+later request only when the keys are equal.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import QevalError
+from .identity import METRICS_VERSION, ComparisonRequest
 from .metrics import PER_TOKEN_FIELDS, Comparison
 from .report import comparison_json
 
@@ -66,16 +71,43 @@ def result_stem(cand_label: str, ref_label: str) -> str:
     return f"{cand_label}.vs.{ref_label}"
 
 
+def result_path(directory: Path, cand_label: str, ref_label: str) -> Path:
+    """Where the result of `cand_label` against `ref_label` is saved in a results directory."""
+    return directory / f"{result_stem(cand_label, ref_label)}.json"
+
+
+def saved_request(path: Path) -> ComparisonRequest | None:
+    """The request the result saved at `path` answers; None when there is none there or it records none."""
+    try:
+        return ComparisonRequest.from_summary(json.loads(path.read_text()))
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def require_current(res: Result) -> ComparisonRequest:
+    """The request a saved result answers; a result that records none (an older qeval) or was computed
+    with other formulas (METRICS_VERSION) is refused: its numbers may not be what this qeval computes."""
+    request = ComparisonRequest.from_summary(res.summary)
+    redo = (f"recompute it (qeval kld --ref {res.ref_label} --cand {res.label} --save-result, or re-run "
+            "qeval matrix)")
+    if request is None:
+        raise QevalError(f"{res.origin} was saved by an older qeval that did not record what it measured; {redo}")
+    if request.metrics_version != METRICS_VERSION:
+        raise QevalError(f"{res.origin} was computed with metrics version {request.metrics_version} (qeval "
+                         f"{res.summary.get('qeval_version', '?')}); this qeval computes version {METRICS_VERSION}: "
+                         f"{redo}")
+    return request
+
+
 def save_result(cmp: Comparison, directory: str | os.PathLike) -> Path:
     """Write the summary JSON and per-token npz; returns the JSON path."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     summary = comparison_json(cmp)
-    stem = result_stem(summary["candidate"]["label"], summary["reference"]["label"])
-    npz = directory / f"{stem}.npz"
+    path = result_path(directory, summary["candidate"]["label"], summary["reference"]["label"])
+    npz = path.with_suffix(".npz")
     np.savez_compressed(npz, **cmp.per_token)
     summary["per_token_file"] = npz.name
-    path = directory / f"{stem}.json"
     tmp = path.with_suffix(".json.part")
     tmp.write_text(json.dumps(summary, indent=2))
     tmp.replace(path)

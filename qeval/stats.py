@@ -28,9 +28,13 @@ def mean_se(x: np.ndarray) -> tuple[float, float]:
     return mean, math.sqrt(max(var, 0.0) / (n - 1))
 
 
+def percentile(x: np.ndarray, fraction: float) -> float:
+    return float(np.percentile(np.asarray(x, dtype=np.float64), 100.0 * fraction))
+
+
 def ladder(x: np.ndarray, rungs) -> dict[str, float]:
-    values = np.percentile(np.asarray(x, dtype=np.float64), [100.0 * f for _, f in rungs])
-    return {name: float(v) for (name, _), v in zip(rungs, values)}
+    x = np.asarray(x, dtype=np.float64)
+    return {name: percentile(x, f) for name, f in rungs}
 
 
 def proportion_se(hits: np.ndarray) -> tuple[float, float]:

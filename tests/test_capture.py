@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from qeval import api, demo
+from qeval import api
 from qeval.capture import CaptureSpec, capture
 from qeval.corpus import load_corpus
 from qeval.engine import Engine, EngineSettings
@@ -20,11 +20,6 @@ from qeval.errors import QevalError
 from qeval.store import StoreReader
 
 N_CTX = 64
-
-
-@pytest.fixture(scope="session")
-def models():
-    return demo.prepare_models(demo.models_dir())
 
 
 @pytest.fixture
@@ -188,17 +183,6 @@ def test_real_enospc_write_is_reported_and_store_stays_valid(models, runs, tmp_p
             assert 1 <= len(partial.chunk_indices) < 12 and not partial.complete
     finally:
         subprocess.run(["umount", str(mnt)])
-
-
-def test_crashing_llama_build_gives_a_clear_message(monkeypatch, tmp_path):
-    from qeval import probe
-
-    monkeypatch.setenv("QEVAL_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("QEVAL_SKIP_PROBE", raising=False)
-    monkeypatch.setattr(probe, "probe_command", lambda model: [
-        sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"])
-    with pytest.raises(QevalError, match="(?s)crashes on this CPU.*SIGSEGV.*GGML_NATIVE=OFF"):
-        probe.ensure_llama_runs("model.gguf")
 
 
 def test_candidate_with_another_vocab_is_refused(models, runs, tmp_path):

@@ -22,16 +22,18 @@ def runs(tmp_path_factory):
 
 
 def summary(kld=0.05, kld_se=0.002, top1=0.90, top1_se=0.005, ratio=1.02, ratio_se=0.004, k999=1.5):
-    """A comparison JSON with just the fields the gate reads."""
+    """A comparison JSON with just the fields the gate reads (its "metrics" block, qeval.metric_registry)."""
     return {
         "reference": {"label": "R", "n_ctx": 512, "corpus": {"name": "wikitext-2"}, "model": {}},
         "candidate": {"label": "C", "model": {"quant": "Q4_K_M"}, "kv": {"type_k": "f16", "type_v": "f16"}},
         "chunks": 80, "scored_tokens": 20400,
-        "perplexity": {"ppl_cand": 6.0 * ratio, "ppl_cand_se": 0.04, "ppl_ref": 6.0, "ppl_ref_se": 0.04,
-                       "ratio": ratio, "ratio_se": ratio_se},
-        "kld": {"mean": kld, "se": kld_se, "ladder": {"Maximum": 5.0, "99.9%": k999, "99.0%": 0.5, "Median": 0.01}},
-        "same_top1": {"fraction": top1, "se": top1_se},
-        "delta_p": {"rms": 0.05, "rms_se": 0.001},
+        "metrics": {"ppl": {"value": 6.0 * ratio, "se": 0.04}, "ppl_ref": {"value": 6.0, "se": 0.04},
+                    "ppl_ratio": {"value": ratio, "se": ratio_se},
+                    "kld_mean": {"value": kld, "se": kld_se}, "kld_max": {"value": 5.0, "se": None},
+                    "kld_999": {"value": k999, "se": None}, "kld_99": {"value": 0.5, "se": None},
+                    "kld_median": {"value": 0.01, "se": None},
+                    "same_top1_pct": {"value": 100 * top1, "se": 100 * top1_se},
+                    "rms_dp_pct": {"value": 5.0, "se": 0.1}},
     }
 
 
@@ -105,6 +107,15 @@ def test_converted_result_is_its_own_passing_baseline(runs):
     worse = results.load_result(runs / "results" / "B.vs.REF.json").summary
     r = gate.run_checks(worse, baseline=base)
     assert not r.passed and not by_name(r)["baseline:kld_mean"].passed
+
+
+def test_cli_max_abs_dp_p95(runs):
+    p95 = results.load_result(runs / "results" / "B.vs.REF.json").summary["metrics"]["abs_dp_p95_pct"]["value"]
+    ok = run_check(runs, "--cand", "B", "--max-abs-dp-p95", p95 * 1.01)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "PASS  max-abs-dp-p95" in ok.stdout and "compared directly" in ok.stdout
+    fail = run_check(runs, "--cand", "B", "--max-abs-dp-p95", p95 * 0.99)
+    assert fail.returncode == 1 and "FAIL  max-abs-dp-p95" in fail.stdout
 
 
 def run_check(runs, *args):

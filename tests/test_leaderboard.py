@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, assert_cli_error, make_tokens, perturb, run_cli, synth_logits, write_store
-from qeval import api, leaderboard
+from qeval import api, leaderboard, metric_registry
 from qeval.errors import QevalError
 from qeval.store import scored_positions
 
@@ -112,11 +112,11 @@ def test_csv_matches_results(board, summaries):
     for r in rows:
         s = summaries[r["label"]]
         assert float(r["kld_mean"]) == s["kld"]["mean"]
-        assert float(r["kld_se"]) == s["kld"]["se"]
+        assert float(r["kld_mean_se"]) == s["kld"]["se"]
         assert float(r["kld_999"]) == s["kld"]["ladder"]["99.9%"]
         assert float(r["kld_max"]) == s["kld"]["ladder"]["Maximum"]
         assert float(r["ppl"]) == s["perplexity"]["ppl_cand"]
-        assert float(r["top1_pct"]) == pytest.approx(100 * s["same_top1"]["fraction"], rel=1e-15)
+        assert float(r["same_top1_pct"]) == pytest.approx(100 * s["same_top1"]["fraction"], rel=1e-15)
         assert float(r["delta_ppl_pct"]) == pytest.approx(100 * (s["perplexity"]["ratio"] - 1), rel=1e-12)
         assert float(r["size_gib"]) == s["candidate"]["model"]["size_gib"]
         assert r["type_k"] == s["candidate"]["kv"]["type_k"]
@@ -130,10 +130,24 @@ def test_json_matches_results(board, summaries):
         s = summaries[r["label"]]
         assert r["kld_mean"] == s["kld"]["mean"]
         assert r["ppl"] == s["perplexity"]["ppl_cand"]
-        assert r["top1_pct"] == pytest.approx(100 * s["same_top1"]["fraction"], rel=1e-15)
+        assert r["same_top1_pct"] == pytest.approx(100 * s["same_top1"]["fraction"], rel=1e-15)
     assert doc["settings"]["n_ctx"] == N_CTX and doc["settings"]["chunks"] == N_CHUNKS
     assert doc["settings"]["tokens_sha256"] == next(iter(summaries.values()))["reference"]["tokens_sha256"]
     assert doc["pareto_front"] == board.pareto
+
+
+def test_every_board_metric_is_a_csv_and_json_column(board, summaries):
+    with open(board.paths["leaderboard.csv"], newline="") as fh:
+        csv_rows = {r["label"]: r for r in csv.DictReader(fh)}
+    json_rows = {r["label"]: r for r in json.loads(board.paths["leaderboard.json"].read_text())["rows"]}
+    for m in metric_registry.METRICS.values():
+        if not m.board:
+            continue
+        for label, s in summaries.items():
+            held = s["metrics"][m.key]
+            assert float(csv_rows[label][m.key]) == json_rows[label][m.key] == held["value"], m.key
+            if m.has_se:
+                assert float(csv_rows[label][m.se_key]) == json_rows[label][m.se_key] == held["se"], m.key
 
 
 def test_markdown_has_one_row_per_result_sorted_by_kld(board, summaries):
@@ -201,7 +215,7 @@ def test_results_against_another_reference_are_refused(runs, other_reference):
         leaderboard.build([runs, other_reference])
     msg = str(info.value)
     assert "different references or token sets" in msg
-    assert "REF2" in msg and "reference label REF vs REF2" in msg
+    assert "REF2" in msg and "reference label: REF vs REF2" in msg
     assert str(runs / "results") in msg and str(other_reference / "results") in msg
 
 

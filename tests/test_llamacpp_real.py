@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import zstandard
 
-from qeval import api, demo
+from qeval import api
 from qeval.corpus import load_corpus
 from qeval.engine import Engine
 from qeval.llamacpp import LlamaCppBaseFile
@@ -26,11 +26,6 @@ def base_file(tmp_path_factory):
     out = tmp_path_factory.mktemp("llamacpp") / "base.kld"
     out.write_bytes(zstandard.ZstdDecompressor().decompress(FIXTURE.read_bytes(), max_output_size=64 << 20))
     return out
-
-
-@pytest.fixture(scope="module")
-def models():
-    return demo.prepare_models(demo.models_dir())
 
 
 def test_layout_and_tokens_match_llama_perplexity(base_file, models):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import (SlowSeekFile, decoded_logprobs, kld64, log_softmax64, make_pair, run_cli, stable_topk)
-from qeval import api, metrics
+from qeval import api, metrics, report
 from qeval.store import StoreReader
 
 
@@ -97,6 +97,33 @@ def test_summary_uses_the_per_token_values(pair):
     assert s["delta_p"]["rms"] == pytest.approx(math.sqrt(np.mean(dp ** 2)), rel=1e-5)
     assert s["same_top1"]["fraction"] == pytest.approx(want["same_top1"].mean())
     assert s["top10_agreement"]["mean"] == pytest.approx(want["top10"].mean())
+
+
+def percentile64(x, fraction):
+    """Plain float64: sorted values, linear interpolation at fraction * (n - 1)."""
+    s = np.sort(np.asarray(x, np.float64))
+    pos = fraction * (len(s) - 1)
+    lo = int(math.floor(pos))
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (pos - lo) * (s[hi] - s[lo])
+
+
+def test_abs_dp_p95_in_json_and_text(pair):
+    with StoreReader(pair.ref.path) as ref, StoreReader(pair.cand.path) as cand:
+        cmp = metrics.compare(ref, cand, threads=1)
+        result = report.comparison_json(cmp)
+    got = result["metrics"]["abs_dp_p95_pct"]
+    t = cmp.per_token
+    abs_dp = np.abs(t["p_cand"].astype(np.float64) - t["p_ref"].astype(np.float64))
+    assert got["value"] == pytest.approx(100 * percentile64(abs_dp, 0.95), rel=1e-12)
+    assert got["se"] is None  # a percentile has none
+    # against the original logits: p is stored to within 1e-6, so |Δp| in % to within 2e-4
+    want = reference_per_token(pair)
+    exact = np.abs(np.exp(-want["nll_cand"]) - np.exp(-want["nll_ref"]))
+    assert got["value"] == pytest.approx(100 * percentile64(exact, 0.95), abs=2e-4)
+    text = report.comparison_text(result)
+    token_block = text[text.index("====== Token probability statistics ======"):]
+    assert f"95.0% |Δp|: {got['value']:6.3f} %" in token_block
 
 
 @pytest.mark.parametrize("n", [1, 2])

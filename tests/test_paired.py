@@ -37,7 +37,7 @@ def synthetic(seed=0, n_chunks=40, per_chunk=25, true_diff=0.05, chunk_sd=0.05, 
 
 def test_t_interval_equals_scipy_on_chunk_means():
     a, b, chunk = synthetic()
-    r = paired.paired_difference(a, b, chunk, "kld")
+    r = paired.paired_difference(a, b, chunk, "kld_mean")
     d = chunk_means_loop(a - b, chunk)
     test = sps.ttest_1samp(d, 0.0)
     low, high = sps.t.interval(0.95, len(d) - 1, loc=d.mean(), scale=sps.sem(d))
@@ -55,13 +55,13 @@ def test_t_interval_equals_scipy_on_chunk_means():
 
 def test_confidence_level_and_top1_scale():
     a, b, chunk = synthetic(seed=3, true_diff=0.0)
-    r = paired.paired_difference(a, b, chunk, "kld", confidence=0.9)
+    r = paired.paired_difference(a, b, chunk, "kld_mean", confidence=0.9)
     d = chunk_means_loop(a - b, chunk)
     low, high = sps.t.interval(0.9, len(d) - 1, loc=d.mean(), scale=sps.sem(d))
     assert (r.ci_low, r.ci_high) == (pytest.approx(low), pytest.approx(high))
     hits_a = np.random.default_rng(1).random(len(chunk)) < 0.9
     hits_b = np.random.default_rng(2).random(len(chunk)) < 0.8
-    t = paired.paired_difference(hits_a, hits_b, chunk, "same_top1")
+    t = paired.paired_difference(hits_a, hits_b, chunk, "same_top1_pct")
     assert t.diff == pytest.approx(100 * chunk_means_loop(hits_a.astype(float) - hits_b, chunk).mean())
     assert t.unit == "percentage points" and t.mean_a == pytest.approx(100 * hits_a.mean())
     assert t.verdict.startswith("A keeps the reference's top-1 token more often than B")
@@ -69,9 +69,9 @@ def test_confidence_level_and_top1_scale():
 
 def test_bootstrap_is_seeded_and_close_to_t():
     a, b, chunk = synthetic(seed=5)
-    r1 = paired.paired_difference(a, b, chunk, "kld", method="bootstrap")
-    r2 = paired.paired_difference(a, b, chunk, "kld", method="bootstrap")
-    t = paired.paired_difference(a, b, chunk, "kld")
+    r1 = paired.paired_difference(a, b, chunk, "kld_mean", method="bootstrap")
+    r2 = paired.paired_difference(a, b, chunk, "kld_mean", method="bootstrap")
+    t = paired.paired_difference(a, b, chunk, "kld_mean")
     assert (r1.ci_low, r1.ci_high, r1.p_value) == (r2.ci_low, r2.ci_high, r2.p_value)
     assert r1.diff == t.diff
     assert abs(r1.ci_low - t.ci_low) < 0.2 * (t.ci_high - t.ci_low)
@@ -81,10 +81,10 @@ def test_bootstrap_is_seeded_and_close_to_t():
 
 def test_no_difference_and_identical():
     a, b, chunk = synthetic(seed=11, true_diff=0.0, chunk_sd=0.0)
-    r = paired.paired_difference(a, b, chunk, "nll")
+    r = paired.paired_difference(a, b, chunk, "nll_mean")
     assert not r.significant and r.p_value > 0.05
     assert r.verdict.startswith("no significant difference in NLL between A and B: difference")
-    same = paired.paired_difference(b, b, chunk, "kld")
+    same = paired.paired_difference(b, b, chunk, "kld_mean")
     assert (same.diff, same.ci_low, same.ci_high, same.p_value) == (0.0, 0.0, 0.0, 1.0)
     assert same.verdict.startswith("no significant difference in KLD")
 
@@ -101,13 +101,14 @@ def test_stores_a_clearly_better_matches_independent_computation(runs):
     ca = api.compare("REF", "A", runs_dir=runs, threads=1)
     cb = api.compare("REF", "B", runs_dir=runs, threads=1)
     chunk = ca.per_token["chunk"]
-    for metric, field, scale in (("kld", "kld", 1.0), ("nll", "nll_cand", 1.0), ("same_top1", "same_top1", 100.0)):
+    for metric, field, scale in (("kld_mean", "kld", 1.0), ("nll_mean", "nll_cand", 1.0),
+                                 ("same_top1_pct", "same_top1", 100.0)):
         d = scale * chunk_means_loop(ca.per_token[field].astype(float) - cb.per_token[field], chunk)
         got = result["differences"][metric]
         assert got["diff"] == pytest.approx(d.mean(), rel=1e-9, abs=1e-12)
         if np.std(d) > 0:
             assert got["p_value"] == pytest.approx(sps.ttest_1samp(d, 0.0).pvalue, rel=1e-6)
-    kld = result["differences"]["kld"]
+    kld = result["differences"]["kld_mean"]
     assert result["chunks"] == N_CHUNKS and kld["n_chunks"] == N_CHUNKS and kld["ci_high"] < 0
     assert result["verdicts"][0].startswith("A has lower KLD than B: difference −")
     assert f"over {N_CHUNKS} chunks" in result["verdicts"][0]
@@ -117,7 +118,7 @@ def test_stores_a_clearly_better_matches_independent_computation(runs):
 def test_stores_identical_candidates(runs):
     result, _ = paired.paired_report("REF", "A", "A_COPY", runs_dir=runs, threads=1)
     assert all(v.startswith("no significant difference") for v in result["verdicts"])
-    assert result["differences"]["kld"]["diff"] == 0.0
+    assert result["differences"]["kld_mean"]["diff"] == 0.0
 
 
 def test_refuses_candidates_on_other_tokens(runs):
@@ -130,7 +131,7 @@ def test_shorter_candidate_is_paired_on_common_chunks(runs):
     assert result["chunks"] == SHORT_CHUNKS
     assert result["notes"] and f"{SHORT_CHUNKS} chunks both hold" in result["notes"][0]
     first, _ = paired.paired_report("REF", "A", "SHORT", chunks=SHORT_CHUNKS, runs_dir=runs, threads=1)
-    assert first["differences"]["kld"]["diff"] == pytest.approx(result["differences"]["kld"]["diff"])
+    assert first["differences"]["kld_mean"]["diff"] == pytest.approx(result["differences"]["kld_mean"]["diff"])
 
 
 def test_saved_results_give_the_same_answer(runs, tmp_path):
@@ -139,7 +140,7 @@ def test_saved_results_give_the_same_answer(runs, tmp_path):
     rdir = runs / results.RESULTS_SUBDIR
     from_results, _ = paired.paired_report("REF", str(rdir / "A.vs.REF.json"), str(rdir / "B.vs.REF.json"), runs_dir=runs)
     from_stores, _ = paired.paired_report("REF", "A", "B", runs_dir=runs, threads=1)
-    for k in ("kld", "nll", "same_top1"):
+    for k in ("kld_mean", "nll_mean", "same_top1_pct"):
         assert from_results["differences"][k]["diff"] == pytest.approx(from_stores["differences"][k]["diff"])
         assert from_results["differences"][k]["p_value"] == pytest.approx(from_stores["differences"][k]["p_value"])
     cut, _ = paired.paired_report("REF", str(rdir / "A.vs.REF.json"), str(rdir / "B.vs.REF.json"), chunks=5,
@@ -155,7 +156,7 @@ def test_cli_compare(runs):
     assert "Traceback" not in res.stderr
     out = json.loads(res.stdout)
     assert out["verdicts"][0].startswith("A has lower KLD than B")
-    assert math.isfinite(out["differences"]["nll"]["ci_low"])
+    assert math.isfinite(out["differences"]["nll_mean"]["ci_low"])
     assert_cli_error(run_cli("compare", "--ref", "REF", "--cand", "A", "--runs-dir", runs), "exactly two candidates")
     assert_cli_error(run_cli("compare", "--ref", "REF", "--cand", "A", "--cand", "OTHER_TOKENS", "--runs-dir", runs),
                      "candidate B", "token ids differ")

@@ -15,6 +15,8 @@ import pytest
 from qeval import buildflags, demo, probe
 from qeval.errors import QevalError
 
+from conftest import assert_cli_error, run_cli
+
 ZEN3_FLAGS = ("fpu sse sse2 ssse3 fma cx16 sse4_1 sse4_2 popcnt aes xsave avx f16c rdrand bmi1 avx2 bmi2 "
               "sha_ni vaes vpclmulqdq")
 SAPPHIRE_RAPIDS_FLAGS = ("fpu sse sse2 ssse3 fma sse4_1 sse4_2 avx f16c bmi1 avx2 bmi2 avx512f avx512dq "
@@ -78,7 +80,7 @@ CRASH_SIGNALS = [signal.SIGILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, si
 @pytest.fixture
 def crashing_child(monkeypatch, tmp_path):
     """Every guarded child prints a system-info line claiming AVX-512, then dies by `sig`."""
-    monkeypatch.setenv("QEVAL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(probe, "build_id", lambda: f"never-probed-{tmp_path.name}")  # no success marker
     monkeypatch.delenv("QEVAL_SKIP_PROBE", raising=False)
 
     def arm(sig: signal.Signals) -> None:
@@ -131,17 +133,12 @@ def test_sigill_before_the_system_info_still_says_why(monkeypatch, tmp_path):
         probe.ensure_llama_runs("model.gguf")
 
 
-def test_crash_reaches_the_cli_as_one_message(crashing_child, tmp_path, capsys):
-    from qeval.cli import main
-
+def test_crash_reaches_the_cli_as_one_message(crashing_child, models, tmp_path):
     crashing_child(signal.SIGILL)
-    model = tmp_path / "m.gguf"
-    model.write_bytes(b"GGUF" + bytes(64))
-    with pytest.raises(SystemExit) as exit_:
-        main(["capture", str(model), "--label", "x", "--runs-dir", str(tmp_path / "runs")])
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err
-    assert "SIGILL" in err and "Traceback" not in err
+    proc = run_cli("capture", models["Q8_0"], "--label", "x", "-c", "32", "--chunks", "1",
+                   "--runs-dir", tmp_path / "runs")
+    assert_cli_error(proc, "SIGILL", "Rebuild it for this machine")
+    assert not (tmp_path / "runs" / "x.qeval").exists()
 
 
 def test_libraries_loaded_from_llama_cpp_lib_path_are_a_new_build(monkeypatch, tmp_path):
@@ -150,3 +147,12 @@ def test_libraries_loaded_from_llama_cpp_lib_path_are_a_new_build(monkeypatch, t
     (tmp_path / "libggml-cpu.so").write_bytes(b"another build")
     monkeypatch.setenv("LLAMA_CPP_LIB_PATH", str(tmp_path))
     assert probe.build_id() != packaged  # so the probe runs again for them
+
+
+def test_every_command_has_working_help():
+    # typer renders help with rich markup: a bracket in a help text ([/CONFIG]) once crashed `--help`
+    commands = ["capture", "kld", "ppl", "info", "matrix", "demo", "compare", "check", "leaderboard", "merge",
+                "import-llamacpp", "baseline show", "baseline from-result"]
+    for command in commands:
+        proc = run_cli(*command.split(), "--help")
+        assert proc.returncode == 0 and "Usage" in proc.stdout and "Traceback" not in proc.stderr, command

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_cli_error, make_tokens, run_cli, synth_logits, write_store
-from qeval import api, demo, results
+from qeval import api, results
 from qeval.errors import QevalError
 from qeval.merge import merge_stores
 from qeval.store import StoreReader
@@ -190,11 +190,6 @@ def ray_session():
     ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def models():
-    return demo.prepare_models(demo.models_dir())
-
-
 def matrix(models, runs_dir, executor=None):
     return api.matrix_report(f"Q8_0={models['Q8_0']}", [f"Q2_K={models['Q2_K']}"], KV, chunks=CHUNKS, n_ctx=N_CTX,
                              runs_dir=runs_dir, progress=False, executor=executor)
@@ -299,7 +294,8 @@ def test_task_that_keeps_dying_is_reported_and_resumable(ray_session, models, lo
     shutil.copy(local_dir / "Q8_0.qeval", tmp_path / "Q8_0.qeval")  # reference done earlier
     args = (f"Q8_0={models['Q8_0']}", [f"Q2_K={models['Q2_K']}"], ["f16"])
     ex = RayExecutor(max_retries=0, log=lambda line: None, kill_after={"Q2_K": 1})
-    with pytest.raises(QevalError, match=r"2 of 2 tasks failed: .*resumable: .*Q2_K.qeval") as exc:
+    # 3 tasks: the reference store is checked by its capture task (it holds the request: nothing captured)
+    with pytest.raises(QevalError, match=r"2 of 3 tasks failed: .*resumable: .*Q2_K.qeval") as exc:
         api.matrix_report(args[0], [*args[1], f"BAD={tmp_path / 'missing.gguf'}"], args[2], chunks=CHUNKS,
                           n_ctx=N_CTX, runs_dir=tmp_path, progress=False, executor=ex)
     msg = str(exc.value)
@@ -314,6 +310,24 @@ def test_task_that_keeps_dying_is_reported_and_resumable(ray_session, models, lo
                                      executor=RayExecutor(log=lambda line: None))
     assert "already complete" in text and "Q2_K: resumed after a failed attempt" in text
     assert_same_results(local_dir, tmp_path, ["Q2_K"])
+
+
+def test_pair_whose_label_now_names_another_model_is_recomputed(ray_session, models, local_run, tmp_path):
+    """-m Q2_K=<Q4_0 file> after a run with the Q2_K file: its saved result and store answer another request,
+    so the pair is recomputed through Ray (the planning is the local matrix's) and the run says so."""
+    from qeval.distributed import RayExecutor
+
+    local_dir, _ = local_run
+    for name in ("Q8_0.qeval", "Q2_K.qeval"):
+        shutil.copy(local_dir / name, tmp_path / name)
+    shutil.copytree(local_dir / "results", tmp_path / "results")
+    result, text = api.matrix_report(f"Q8_0={models['Q8_0']}", [f"Q2_K={models['Q4_0']}"], ["f16"], chunks=CHUNKS,
+                                     n_ctx=N_CTX, runs_dir=tmp_path, progress=False,
+                                     executor=RayExecutor(log=lambda line: None))
+    assert "Q2_K: recomputed: its saved result answers another request (candidate model fingerprint" in text
+    assert result["results"][0]["candidate"]["model"]["file_name"] == models["Q4_0"].name
+    with StoreReader(tmp_path / "Q2_K.qeval") as store:
+        assert store.complete and store.header.model["file_name"] == models["Q4_0"].name
 
 
 def test_shard_planning_counts_windows_like_a_capture(models, local_run):

@@ -13,7 +13,7 @@ from conftest import (build_chunk, decoded_logprobs, kld64, log_softmax64, make_
                       realistic_logits, stable_topk, synth_logits, write_store)
 from qeval.codec import SqrtLogCode
 from qeval.errors import QevalError, StoreFormatError
-from qeval.store import (MAGIC, TRAILER_MAGIC, StoreComplete, StoreHeader, StoreReader, StoreWriter,
+from qeval.store import (MAGIC, TRAILER_MAGIC, StoreComplete, StoreConflict, StoreHeader, StoreReader, StoreWriter,
                          scored_positions, tokens_sha256)
 
 N_VOCAB, N_CTX, N_CHUNKS = 1200, 16, 4
@@ -183,10 +183,10 @@ def test_resume_with_another_capture_is_refused(tmp_path, inputs):
     path = tmp_path / "a.qeval"
     write_store(path, tokens, logits, N_VOCAB, finish=False, order=[0], model={"file_name": "a.gguf"})
     other = make_header(tokens, N_VOCAB, code, model={"file_name": "b.gguf"})
-    with pytest.raises(StoreFormatError, match="different capture.*model"):
+    with pytest.raises(StoreConflict, match="different capture.*model"):
         StoreWriter.open(path, other, tokens, code.lut())
     same = make_header(tokens, N_VOCAB, code, model={"file_name": "a.gguf"})
-    with pytest.raises(StoreFormatError, match="code table"):
+    with pytest.raises(StoreConflict, match="code table"):
         StoreWriter.open(path, same, tokens, SqrtLogCode(knee=-6.0).lut())
 
 

@@ -1,0 +1,188 @@
+"""What a store holds and what a result measured: the one definition of identity in qeval.
+
+Whatever qeval would reuse from disk (a store to resume or skip, shards to merge, a saved result that
+`matrix`, `compare`, `check` or a leaderboard would show) is reused only when its identity equals the
+request's; otherwise the caller refuses, naming what differs, or recomputes and says so. Names (labels,
+file names, paths) are not identities: a renamed model file is the same model, a model swapped in under
+an old label is not.
+
+  producer(header)          how a store's logits were made: the model (its content fingerprint), KV
+                            cache types and flash attention, n_ctx, the batch sizes (llama.cpp's
+                            batch shape can move logits) and the code. Not where it ran (-ngl,
+                            threads, decode-ahead): those do not choose what is computed.
+  capture_identity(header)  a store: its producer plus vocab, tokenizer, top-k and its token windows.
+  ComparisonRequest         a candidate measured against a reference: the reference's producer,
+                            vocab, tokenizer and the tokens of the chunks compared; the candidate's
+                            producer; the chunk count; METRICS_VERSION. Its key is a hash of all that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+# The formulas behind a saved result (metrics.py, kernels.py, stats.py, metric_registry.py). Bump it
+# whenever a change there moves a number: results of another version are then recomputed or refused,
+# never shown. 2: results hold the "metrics" block of qeval.metric_registry.
+METRICS_VERSION = 2
+
+# How identity fields read in messages (anything else reads as its own name).
+_NAMES = {"kv": "KV", "tokens_sha256": "token ids sha256", "tokenizer_sha256": "tokenizer",
+          "metrics_version": "metrics version"}
+
+
+def tokens_sha256(tokens: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(tokens, dtype="<i4").tobytes()).hexdigest()
+
+
+def digest(value: object) -> str:
+    """sha256 of canonical JSON: equal values, equal digests, whatever their key order."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def model_identity(facts: dict, source: str, label: str) -> dict:
+    """A model file is its content fingerprint, whatever its name. A store without one (imported from
+    llama.cpp, or built by hand) is known only by what its header says: origin, label and facts."""
+    if facts.get("fingerprint"):
+        return {"fingerprint": facts["fingerprint"]}
+    return {"source": source, "label": label, "facts": facts}
+
+
+def producer(header) -> dict:
+    """How the logits of a store (StoreHeader) were made."""
+    n_batch = header.capture.get("n_batch")
+    return {"model": model_identity(header.model, header.source, header.label), "kv": header.kv,
+            "n_ctx": header.n_ctx, "n_batch": n_batch,
+            # stores from before n_ubatch was recorded decoded one physical batch per call
+            "n_ubatch": header.capture.get("n_ubatch", n_batch), "codec": header.codec}
+
+
+def planned_producer(model: str, settings, n_ctx: int, codec: dict) -> dict:
+    """producer() of the store a run of GGUF `model` with EngineSettings `settings` would write."""
+    from .modelinfo import model_facts  # noqa: PLC0415 - the store layer does not need gguf
+
+    n_batch, n_ubatch = settings.batch_sizes(n_ctx)
+    planned = {"model": model_identity(model_facts(model), "qeval", ""), "kv": settings.as_json(), "n_ctx": n_ctx,
+               "n_batch": n_batch, "n_ubatch": n_ubatch, "codec": codec}
+    return json.loads(json.dumps(planned))  # as a header read back from its file holds it (no tuples)
+
+
+def capture_identity(header) -> dict:
+    """What a capture is, whichever chunk range of it a file holds (shards of one capture share it)."""
+    return {**producer(header), "n_vocab": header.n_vocab, "tokenizer_sha256": header.tokenizer_sha256,
+            "top_k": header.top_k, "n_chunks": header.n_chunks, "tokens_sha256": header.tokens_sha256}
+
+
+_WINDOW_FIELDS = ("n_chunks", "tokens_sha256")
+
+
+def holds_windows(header, tokens: np.ndarray, wanted: range, wanted_tokens: np.ndarray) -> bool:
+    """Whether a complete store holds the chunks `wanted` of the token windows `wanted_tokens`: the same
+    windows, though it may hold more of them (a reference of 80 chunks answers for 20)."""
+    n = len(wanted_tokens)
+    return (header.chunk_start <= wanted.start and wanted.stop <= header.chunk_stop and n <= header.n_chunks
+            and np.array_equal(tokens[:n], wanted_tokens))
+
+
+def capture_conflicts(old, old_tokens: np.ndarray, old_complete: bool, new, new_tokens: np.ndarray) -> list[str]:
+    """Why the store with header `old` cannot stand for the capture `new` ([] when it can).
+
+    A complete store can when it is of the same kind and holds every requested window; an incomplete
+    one only when it is the very same capture (same windows and chunk range), so that resuming it
+    finishes exactly what was asked for.
+    """
+    a, b = capture_identity(old), capture_identity(new)
+    out = [_conflict(name, old, new) for name in a if name not in _WINDOW_FIELDS and a[name] != b[name]]
+    if old_complete:
+        if not holds_windows(old, old_tokens, new.chunk_range, new_tokens):
+            out.append(f"token windows differ: it holds chunks {_span(old)} of {old.n_chunks} "
+                       f"(tokens {short(old.tokens_sha256)}), chunks {_span(new)} of {new.n_chunks} "
+                       f"(tokens {short(new.tokens_sha256)}) were asked for")
+        return out
+    out += [_conflict(name, old, new) for name in _WINDOW_FIELDS if a[name] != b[name]]
+    if old.chunk_range != new.chunk_range:
+        out.append(f"chunk range differs: stored {_span(old)}, requested {_span(new)}")
+    return out
+
+
+def _span(header) -> str:
+    return f"{header.chunk_start}:{header.chunk_stop}"
+
+
+def _conflict(name: str, old, new) -> str:
+    return f"{_NAMES.get(name, name)} differs: stored {_shown(name, old)}, requested {_shown(name, new)}"
+
+
+def _shown(name: str, header) -> str:
+    """A field of a store's identity for a message; a model as a person recognises it: its file name
+    and the start of its fingerprint."""
+    if name == "model" and header.model.get("fingerprint"):
+        return f"{header.model.get('file_name') or '?'} ({short(header.model['fingerprint'])})"
+    return short(capture_identity(header)[name])
+
+
+def short(value: object) -> str:
+    """A value for a message: long hashes cut to 12 digits, objects to 80 characters."""
+    if value is None:
+        return "none"
+    if isinstance(value, str) and len(value) >= 32 and all(c in "0123456789abcdef" for c in value):
+        return value[:12] + "…"
+    s = json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else str(value)
+    return s if len(s) <= 80 else s[:77] + "..."
+
+
+def changes(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Every leaf where two identity values differ, as 'what: old vs new'."""
+    out = []
+    for key in dict.fromkeys([*old, *new]):
+        a, b = old.get(key), new.get(key)
+        name = f"{prefix} {_NAMES.get(key, key)}".strip()
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += changes(a, b, name)
+        elif a != b:
+            out.append(f"{name}: {short(a)} vs {short(b)}")
+    return out
+
+
+def reference_identity(source, n_chunks: int) -> dict:
+    """The reference side of a comparison over its first n_chunks windows (a store or anything read like one)."""
+    h = source.header
+    return {**producer(h), "n_vocab": h.n_vocab, "tokenizer_sha256": h.tokenizer_sha256,
+            "tokens_sha256": tokens_sha256(source.tokens[:n_chunks])}
+
+
+@dataclass(frozen=True)
+class ComparisonRequest:
+    """One candidate measured against one reference, as one value; `key` is its hash."""
+
+    reference: dict  # reference_identity()
+    candidate: dict  # producer() of the candidate (its tokens are the reference's, its vocab too)
+    chunks: int  # the first `chunks` chunks of the reference
+    metrics_version: int = METRICS_VERSION
+
+    @property
+    def key(self) -> str:
+        return digest(asdict(self))
+
+    def to_json(self) -> dict:
+        return {"key": self.key, **asdict(self)}
+
+    @classmethod
+    def from_summary(cls, summary: dict) -> "ComparisonRequest | None":
+        """The request a comparison summary answers; None when it records none (an older qeval)."""
+        d = summary.get("request")
+        try:
+            return cls(d["reference"], d["candidate"], int(d["chunks"]), int(d["metrics_version"]))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def changes_from(self, old: "ComparisonRequest") -> list[str]:
+        return changes(asdict(old), asdict(self))
+
+
+def comparison_request(ref, cand, n_chunks: int) -> ComparisonRequest:
+    """What comparing `cand` with `ref` over their first n_chunks chunks measures (sources read like stores)."""
+    return ComparisonRequest(reference_identity(ref, n_chunks), producer(cand.header), n_chunks)

@@ -1,0 +1,237 @@
+"""qeval's metrics, each defined once: its name, unit, better direction, how it is computed from the per-token
+columns, how it prints, and whether `qeval check` and `qeval compare` use it.
+
+A metric's key is its one name in every output: the "metrics" block of a comparison's JSON (and so of saved
+results), leaderboard columns, baseline files (baselines/SCHEMA.md), `qeval check` lines and `qeval compare`
+differences. qeval.report, qeval.leaderboard, qeval.baselines, qeval.gate and qeval.paired iterate METRICS
+and spell no metric out. Beside "metrics", a comparison's JSON keeps llama-perplexity's statistics blocks
+(perplexity, kld, kld_reverse, delta_p, same_top1, topK_agreement: ladders, correlation) that its text
+layout prints.
+
+Adding a metric is one entry in METRICS (and a row in the table of baselines/SCHEMA.md). Results saved
+before it existed lack it: they show no value for it, and a check on it asks for a recomputation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Union
+
+import numpy as np
+
+from . import stats
+from .errors import QevalError
+
+PerToken = dict[str, np.ndarray]
+Column = Union[str, Callable[[PerToken], np.ndarray]]  # a per-token field (metrics.PER_TOKEN_FIELDS), or derived
+
+# The blocks of the text report (llama-perplexity's "====== <block> statistics ======").
+PPL_BLOCK, KLD_BLOCK, TOKEN_BLOCK = "Perplexity", "KL divergence", "Token probability"
+
+
+def delta_p(t: PerToken) -> np.ndarray:
+    """p_candidate(correct token) − p_reference(correct token), per scored token."""
+    return t["p_cand"] - t["p_ref"]
+
+
+def abs_delta_p(t: PerToken) -> np.ndarray:
+    return np.abs(delta_p(t))
+
+
+def values_of(t: PerToken, column: Column) -> np.ndarray:
+    return column(t) if callable(column) else t[column]
+
+
+# --------------------------------------------------------------------------------------------------
+# how a metric aggregates its per-token column(s): (value, SE or None), with llama-perplexity's formulas
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Mean:
+    """Mean ± SE of a column."""
+
+    column: Column
+    has_se: ClassVar[bool] = True
+
+    def __call__(self, t: PerToken) -> tuple[float, float]:
+        return stats.mean_se(values_of(t, self.column))
+
+
+@dataclass(frozen=True)
+class Proportion:
+    """Share of true values ± its binomial SE."""
+
+    column: Column
+    has_se: ClassVar[bool] = True
+
+    def __call__(self, t: PerToken) -> tuple[float, float]:
+        return stats.proportion_se(values_of(t, self.column))
+
+
+@dataclass(frozen=True)
+class Rms:
+    """Root mean square ± llama-perplexity's SE."""
+
+    column: Column
+    has_se: ClassVar[bool] = True
+
+    def __call__(self, t: PerToken) -> tuple[float, float]:
+        return stats.rms_se(values_of(t, self.column))
+
+
+@dataclass(frozen=True)
+class Percentile:
+    """A percentile (linear interpolation, as the ladders); it has no SE."""
+
+    column: Column
+    fraction: float
+    has_se: ClassVar[bool] = False
+
+    def __call__(self, t: PerToken) -> tuple[float, None]:
+        return stats.percentile(values_of(t, self.column), self.fraction), None
+
+
+@dataclass(frozen=True)
+class Perplexity:
+    """A number of the paired perplexity block (stats.paired_perplexity), plus `shift`, with its SE."""
+
+    field: str  # ppl_cand, ppl_ref, ratio, diff
+    shift: float = 0.0
+    has_se: ClassVar[bool] = True
+
+    def __call__(self, t: PerToken) -> tuple[float, float]:
+        p = stats.paired_perplexity(t["nll_cand"], t["nll_ref"])
+        return p[self.field] + self.shift, p[f"{self.field}_se"]
+
+
+Aggregate = Union[Mean, Proportion, Rms, Percentile, Perplexity]
+
+
+# --------------------------------------------------------------------------------------------------
+# the table
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Metric:
+    key: str  # the one name, in every output
+    title: str  # how tables and lines name it ("mean KLD")
+    unit: str  # nats, nats/token, PPL, ratio, % (a % value is 100 × the aggregated fraction)
+    better: str | None  # "lower", "higher", or None: shown, never judged
+    aggregate: Aggregate
+    description: str  # what it is, for readers of leaderboards and baselines/SCHEMA.md
+    fmt: str = ".4f"  # a value in a table (leaderboard, `qeval compare`); its SE prints without the sign
+    relative: bool = True  # measured against the reference: a baseline entry holding it must name one
+    board: bool = False  # a column of the leaderboard (md, csv, json, html)
+    report: tuple[str, str] | None = None  # (block, label) of its line in the text report
+    gate: str | None = None  # `qeval check --<gate> LIMIT`: max- for lower-is-better, min- for higher
+    paired: bool = False  # `qeval compare` pairs its per-token column chunk by chunk (Mean or Proportion)
+    restates: str | None = None  # the key of a metric it restates in other units: a baseline judges it once
+
+    @property
+    def has_se(self) -> bool:
+        return self.aggregate.has_se
+
+    @property
+    def se_key(self) -> str:
+        return f"{self.key}_se"
+
+    @property
+    def scale(self) -> float:
+        return 100.0 if self.unit == "%" else 1.0
+
+    @property
+    def heading(self) -> str:
+        """Its name with a percent sign where the numbers are percentages ("same top-1 %")."""
+        return f"{self.title} %" if self.unit == "%" else self.title
+
+    def column_values(self, t: PerToken) -> np.ndarray:
+        """The per-token values it aggregates (before `scale`): what `qeval compare` pairs."""
+        return values_of(t, self.aggregate.column)
+
+    def measure(self, t: PerToken) -> dict:
+        value, se = self.aggregate(t)
+        return {"value": self.scale * value, "se": None if se is None else self.scale * se}
+
+    def decimals(self, value: float) -> int:
+        """Decimals of a value in running text (gate lines, baseline tables): about three significant digits
+        in nats, fixed otherwise."""
+        if not self.unit.startswith("nats"):
+            return 2 if self.unit == "%" else 4
+        v = abs(value)
+        return 4 if v >= 0.1 else 6 if v >= 0.001 or v == 0 else 8
+
+    def number(self, value: float) -> str:
+        return f"{value:.{self.decimals(value)}f}"
+
+
+_METRICS = (
+    Metric("ppl", "PPL", "PPL", "lower", Perplexity("ppl_cand"), "perplexity of the candidate", relative=False,
+           board=True),
+    Metric("ppl_ref", "reference PPL", "PPL", None, Perplexity("ppl_ref"), "perplexity of the reference",
+           relative=False),
+    Metric("ppl_ratio", "PPL ratio", "ratio", "lower", Perplexity("ratio"), "PPL(candidate) / PPL(reference)",
+           gate="max-ppl-ratio"),
+    Metric("delta_ppl_pct", "ΔPPL", "%", "lower", Perplexity("ratio", shift=-1.0),
+           "PPL change against the reference on the same tokens, 100·(PPL ratio − 1)", fmt="+.2f", board=True,
+           restates="ppl_ratio"),
+    Metric("kld_mean", "mean KLD", "nats", "lower", Mean("kld"),
+           "mean KL divergence KL(reference ‖ candidate) per scored token, over the full vocabulary", fmt=".6f",
+           board=True, gate="max-kld", paired=True),
+    Metric("kld_median", "median KLD", "nats", "lower", Percentile("kld", 0.5), "median per-token KLD", fmt=".6f"),
+    Metric("kld_99", "99.0% KLD", "nats", "lower", Percentile("kld", 0.99), "99.0 % percentile of per-token KLD"),
+    Metric("kld_999", "99.9% KLD", "nats", "lower", Percentile("kld", 0.999), "99.9 % percentile of per-token KLD",
+           board=True, gate="max-kld-999"),
+    Metric("kld_max", "max KLD", "nats", "lower", Percentile("kld", 1.0), "maximum per-token KLD", board=True),
+    Metric("kld_reverse_mean", "mean reverse KLD", "nats", "lower", Mean("kld_reverse"),
+           "mean KL(candidate ‖ reference) per scored token", fmt=".6f",
+           report=(KLD_BLOCK, "Mean reverse KLD(Q||base)")),
+    # after the KLD metrics: `qeval compare` states its verdicts in this order, mean KLD's first
+    Metric("nll_mean", "mean NLL", "nats/token", "lower", Mean("nll_cand"),
+           "mean negative log-likelihood of the correct token under the candidate (ln PPL)", relative=False,
+           paired=True, restates="ppl"),
+    Metric("same_top1_pct", "same top-1", "%", "higher", Proportion("same_top1"),
+           "share of tokens where both models' most likely token is the same (not about the correct token)",
+           fmt=".2f", board=True, gate="min-top1", paired=True),
+    Metric("top5_agreement_pct", "top-5 agreement", "%", "higher", Mean("top5_agreement"),
+           "mean overlap of the two models' 5 most likely tokens", fmt=".2f",
+           report=(TOKEN_BLOCK, "Top-5  agreement")),
+    Metric("top10_agreement_pct", "top-10 agreement", "%", "higher", Mean("top10_agreement"),
+           "mean overlap of the two models' 10 most likely tokens", fmt=".2f",
+           report=(TOKEN_BLOCK, "Top-10 agreement")),
+    Metric("dp_mean_pct", "mean Δp", "%", None, Mean(delta_p),
+           "mean change in the correct token's probability, p(candidate) − p(reference)", fmt=".3f"),
+    Metric("rms_dp_pct", "RMS Δp", "%", "lower", Rms(delta_p),
+           "RMS of the change in the correct token's probability", fmt=".3f", board=True),
+    Metric("abs_dp_p95_pct", "95% |Δp|", "%", "lower", Percentile(abs_delta_p, 0.95),
+           "95th percentile of the absolute change in the correct token's probability", fmt=".3f", board=True,
+           report=(TOKEN_BLOCK, "95.0% |Δp|"), gate="max-abs-dp-p95"),
+)
+METRICS: dict[str, Metric] = {m.key: m for m in _METRICS}
+
+
+def compute(t: PerToken) -> dict[str, dict]:
+    """The "metrics" block of a comparison's JSON: {key: {"value", "se"}} for every metric (se None where a
+    metric has none)."""
+    return {m.key: m.measure(t) for m in METRICS.values()}
+
+
+@dataclass
+class MetricValue:
+    """A metric's value as measured (from a comparison) or published (in a baseline file)."""
+
+    value: float
+    se: float | None = None
+    approx: bool = False  # a published "~" value
+    note: str | None = None
+
+
+def read(summary: dict) -> dict[str, MetricValue]:
+    """The metrics a comparison's JSON holds, by key (a result saved before a metric existed lacks it)."""
+    block = summary.get("metrics")
+    if not isinstance(block, dict):
+        raise QevalError(f"the comparison of {summary.get('candidate', {}).get('label')!r} was saved by an older "
+                         "qeval and holds no \"metrics\" block: recompute it (qeval kld ... --save-result)")
+    return {key: MetricValue(v["value"], v.get("se")) for key, v in block.items() if key in METRICS}
+
+
+def gated() -> list[Metric]:
+    """The metrics `qeval check` can hold to a limit, in table order."""
+    return [m for m in METRICS.values() if m.gate]

@@ -1,0 +1,63 @@
+"""qeval.metric_registry: the table is consistent, computes every metric from the per-token columns, and the
+documentation lists every metric."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import REPO
+from qeval import metric_registry, metrics
+from qeval.errors import QevalError
+from qeval.metric_registry import KLD_BLOCK, METRICS, PPL_BLOCK, TOKEN_BLOCK, Mean, Proportion
+
+
+def per_token(n: int = 500, seed: int = 0) -> dict[str, np.ndarray]:
+    """Plausible values for every per-token column."""
+    rng = np.random.default_rng(seed)
+    nll_ref = rng.gamma(2.0, 1.0, n)
+    nll_cand = nll_ref + rng.normal(0.02, 0.2, n)
+    return {"chunk": np.repeat(np.arange(n // 50), 50), "position": np.arange(n), "token": np.arange(n),
+            "kld": rng.gamma(0.5, 0.05, n), "kld_reverse": rng.gamma(0.5, 0.05, n), "nll_ref": nll_ref,
+            "nll_cand": nll_cand, "p_ref": np.exp(-nll_ref), "p_cand": np.exp(-nll_cand),
+            "same_top1": rng.random(n) < 0.9, "top5_agreement": rng.integers(0, 6, n) / 5,
+            "top10_agreement": rng.integers(0, 11, n) / 10}
+
+
+def test_every_metric_computes_from_the_per_token_columns():
+    t = per_token()
+    assert set(t) == set(metrics.PER_TOKEN_FIELDS)
+    block = metric_registry.compute(t)
+    assert list(block) == list(METRICS)
+    for key, v in block.items():
+        assert np.isfinite(v["value"]), key
+        assert (v["se"] is not None) == METRICS[key].has_se, key
+
+
+def test_the_table_is_consistent():
+    for m in METRICS.values():
+        assert m.better in ("lower", "higher", None), m.key
+        assert m.unit in ("nats", "nats/token", "PPL", "ratio", "%"), m.key
+        if m.gate:
+            assert m.better is not None and m.gate.startswith("max-" if m.better == "lower" else "min-"), m.key
+        if m.paired:
+            assert isinstance(m.aggregate, (Mean, Proportion)), m.key
+        if m.restates:
+            assert m.restates in METRICS, m.key
+        if m.report:
+            assert m.report[0] in (PPL_BLOCK, KLD_BLOCK, TOKEN_BLOCK), m.key
+    gates = [m.gate for m in metric_registry.gated()]
+    assert len(set(gates)) == len(gates)
+
+
+def test_read_refuses_a_summary_without_metrics():
+    with pytest.raises(QevalError, match="older qeval"):
+        metric_registry.read({"candidate": {"label": "C"}, "kld": {"mean": 0.1}})
+    held = metric_registry.read({"metrics": {"kld_mean": {"value": 0.1, "se": 0.01}, "gone": {"value": 1}}})
+    assert list(held) == ["kld_mean"] and held["kld_mean"].se == 0.01
+
+
+def test_schema_lists_every_metric_with_its_unit_and_direction():
+    text = (REPO / "baselines" / "SCHEMA.md").read_text()
+    for m in METRICS.values():
+        assert f"| `{m.key}` | {m.unit} | {m.better or '—'} |" in text, m.key
