@@ -2,6 +2,7 @@
 
     LLAMA_PERPLEXITY=/path/to/llama-perplexity python bench/bench_vs_llamacpp.py [--chunks 16]
         [--batch 2048 --ubatch 512 --out bench/results/vs_llamacpp-b2048.json]
+        [--ngl 99 --out bench/results/vs_llamacpp-gpu.json]    # GPU builds of both tools
 
 Build llama-perplexity from the llama.cpp that llama-cpp-python 0.3.36 vendors (see README,
 "Checking against llama-perplexity"); this script only runs it. Reports wall time and peak RSS of
@@ -9,7 +10,9 @@ Build llama-perplexity from the llama.cpp that llama-cpp-python 0.3.36 vendors (
   2. a live candidate: llama-perplexity --kl-divergence vs `qeval kld --cand MODEL.gguf`,
 and the agreement of Final PPL, Mean KLD and Same top p, for Q8_0 vs Q2_K and Q8_0 vs Q8_0 with
 KV q4_0 (-fa on). Also the peak RSS of `qeval capture` at 4 and 80 chunks. --batch/--ubatch pass
--b/-ub to both tools (default: each tool's own; llama-perplexity's is -b 2048 -ub 512).
+-b/-ub to both tools (default: each tool's own; llama-perplexity's is -b 2048 -ub 512). --ngl N
+offloads N layers in both (then qeval's default is llama-perplexity's -b 2048 -ub 512); it measures
+only where both builds see a GPU, and says so and writes nothing otherwise.
 """
 
 from __future__ import annotations
@@ -34,21 +37,37 @@ def timed(cmd: list[str]) -> tuple[float, int, str]:
     return float(m.group(1)), int(m.group(2)) * 1024, proc.stdout + proc.stderr
 
 
+def missing_gpu(llama_perplexity: str) -> str | None:
+    """Why a GPU comparison cannot run here (None when both tools can offload)."""
+    import llama_cpp  # noqa: PLC0415
+
+    if not llama_cpp.llama_supports_gpu_offload():
+        return "qeval's llama-cpp-python is a CPU build (./install.sh --gpu cuda builds one that offloads)"
+    devices = subprocess.run([llama_perplexity, "--list-devices"], capture_output=True, text=True).stdout
+    if "(none)" in devices or "Available devices" not in devices:
+        return f"{llama_perplexity} sees no GPU (build it with -DGGML_CUDA=ON)"
+    return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--chunks", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, help="-b for both tools")
     ap.add_argument("--ubatch", type=int, help="-ub for both tools")
+    ap.add_argument("--ngl", type=int, default=0, help="-ngl for both tools (needs GPU builds of both)")
     ap.add_argument("--out", default="bench/results/vs_llamacpp.json")
     args = ap.parse_args()
     lp, paths, work, corpus = llamacpp_setup("qeval-bench-")
+    if args.ngl and (missing := missing_gpu(lp)):
+        sys.exit(f"--ngl {args.ngl}: {missing}; nothing measured")
     runs = work / "runs"
     batching = [*(["-b", str(args.batch)] if args.batch else []), *(["-ub", str(args.ubatch)] if args.ubatch else [])]
+    batching += ["-ngl", str(args.ngl)] if args.ngl else []
     common = ["-f", str(corpus), "-c", "512", "--chunks", str(args.chunks), "-t", str(args.threads), *batching]
     qeval = [sys.executable, "-m", "qeval"]
     out: dict = {"chunks": args.chunks, "threads": args.threads, "batch": args.batch, "ubatch": args.ubatch,
-                 "pairs": {}}
+                 "ngl": args.ngl, "pairs": {}}
 
     base = work / "q8.kld"
     w, r, text = timed([lp, "-m", str(paths["Q8_0"]), *common, "--kl-divergence-base", str(base)])

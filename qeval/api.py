@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from . import identity, metrics, report, results, runs
+from . import matrix, metrics, report, results, runs
 from .capture import CaptureSpec, capture, open_live
-from .codec import SqrtLogCode
+from .distributed import as_executor
 from .engine import EngineSettings, available_cores
 from .errors import QevalError
 from .llamacpp import import_llamacpp
+from .matrix import pair_label, pair_settings, parse_model_arg  # noqa: F401 - public here as before
 from .store import StoreReader
 
 
@@ -164,25 +164,8 @@ def capture_store(model: str, label: str, runs_dir=None, out: str | None = None,
             state["advance"](done)
 
         result = capture(spec, on_chunk=lambda n: state["advance"](n), on_plan=on_plan)
-    if result.status == "already complete":
-        text = f"{result.path} is already complete ({result.chunks_total} chunks): nothing to do"
-    else:
-        text = (f"wrote {result.path}: {result.chunks_total} chunks ({result.chunks_written} captured now) "
-                f"in {result.seconds:.1f} s")
     return {"path": str(result.path), "status": result.status, "chunks": result.chunks_total,
-            "chunks_written": result.chunks_written, "seconds": result.seconds}, text
-
-
-def parse_model_arg(arg: str) -> tuple[str, str]:
-    """`PATH` or `LABEL=PATH` -> (label, path); the default label is the file name without .gguf."""
-    label, sep, path = arg.partition("=")
-    if not sep:
-        path, label = arg, Path(arg).name.removesuffix(".gguf")
-    return runs.check_label(label), path
-
-
-def pair_label(model_label: str, kv: str) -> str:
-    return model_label if kv == "f16" else f"{model_label}+kv-{kv}"
+            "chunks_written": result.chunks_written, "seconds": result.seconds}, result.summary_line()
 
 
 def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int | None = None, n_ctx: int = 512,
@@ -212,122 +195,14 @@ def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int 
 def run_pairs(ref_label: str, ref_path: str, pairs: list[tuple[str, str, str]], chunks, n_ctx, corpus,
               directory: Path, threads, n_gpu_layers, progress, executor=None, n_batch: int | None = None,
               n_ubatch: int | None = None, force: bool = False) -> tuple[dict, str]:
-    for _, path, kv in pairs:  # every bad setting is reported before hours of work start
-        pair_settings(kv, n_gpu_layers, threads, n_batch, n_ubatch).validate()
-    labels = [p[0] for p in pairs]
-    if len(set(labels)) != len(labels) or ref_label in labels:
-        raise QevalError(f"labels must be unique (reference {ref_label}, candidates {', '.join(labels)}); "
-                         "name models with LABEL=PATH")
+    """The matrix of reference `ref_path` and (label, model, kv) `pairs` (see matrix_report)."""
+    plan = matrix.plan_matrix(ref_label, ref_path, pairs, chunks, n_ctx, corpus, directory, threads, n_gpu_layers,
+                              n_batch, n_ubatch, force)
     directory.mkdir(parents=True, exist_ok=True)
     if executor not in (None, "local"):
-        from .distributed import as_executor  # noqa: PLC0415 - Ray is optional
-
-        ref_text, done_lines, rows_json = as_executor(executor).run_pairs(
-            ref_label, ref_path, pairs, chunks, n_ctx, corpus, directory, threads, n_gpu_layers, progress,
-            pair_settings, n_batch, n_ubatch, force)
-        return _matrix_result(ref_label, pairs, n_ctx, ref_text, done_lines, rows_json)
-    result_dir = directory / results.RESULTS_SUBDIR
-    # The reference decides how many chunks every pair has.
-    ref_settings = pair_settings("f16", n_gpu_layers, threads, n_batch, n_ubatch)
-    total = chunks * (1 + len(pairs)) if chunks else None
-    with progress_bar(f"matrix: reference + {len(pairs)} pairs", total, progress) as advance:
-        _, ref_text = capture_store(ref_path, ref_label, runs_dir=directory, n_ctx=n_ctx, chunks=chunks,
-                                    corpus=corpus, settings=ref_settings, on_chunk=advance, force=force)
-        with StoreReader(runs.store_path(ref_label, directory)) as ref_store:
-            n_chunks = ref_store.header.n_chunks if chunks is None else chunks
-            plans = [plan_pair(ref_store, n_chunks, label, path, pair_settings(kv, n_gpu_layers, threads, n_batch,
-                                                                                n_ubatch), directory)
-                     for label, path, kv in pairs]
-        done_lines, rows_json = [], []
-        for plan in plans:
-            if plan.result_current:
-                done_lines.append(f"{plan.label}: done earlier, skipped")
-                advance(n_chunks)
-            else:
-                if plan.note:
-                    done_lines.append(plan.note)
-                cand, save = (plan.label, None) if plan.store_usable else (plan.model, plan.label)
-                kld_report(ref_label, cand, chunks=n_chunks, runs_dir=directory, settings=plan.settings, save=save,
-                           save_result=True, on_chunk=advance, force=True)
-            rows_json.append(results.load_result(results.result_path(result_dir, plan.label, ref_label),
-                                                 with_per_token=False).summary)
-    return _matrix_result(ref_label, pairs, n_ctx, ref_text, done_lines, rows_json)
-
-
-@dataclass(frozen=True)
-class PairPlan:
-    """What a matrix does with one model x KV pair: nothing (its saved result answers the request), compare
-    its stored candidate, or run the model live; `note` says why something saved is not reused."""
-
-    label: str
-    model: str
-    settings: EngineSettings
-    result_current: bool
-    store_usable: bool  # its store holds this candidate over the compared windows
-    note: str = ""
-
-
-def plan_pair(ref_store, n_chunks: int, label: str, model: str, settings: EngineSettings,
-              directory: Path) -> PairPlan:
-    """The plan for candidate `label` (GGUF `model` run with `settings`) against the open reference store
-    over its first n_chunks chunks, from what `directory` holds: its result, and its store."""
-    try:
-        planned = identity.planned_producer(model, settings, ref_store.header.n_ctx, SqrtLogCode().params())
-    except (QevalError, OSError):
-        return PairPlan(label, model, settings, False, False)  # running it says what is wrong with the model
-    request = identity.ComparisonRequest(identity.reference_identity(ref_store, n_chunks), planned, n_chunks)
-    result_path = results.result_path(directory / results.RESULTS_SUBDIR, label, ref_store.header.label)
-    saved = results.saved_request(result_path)
-    usable, store_changes = _stored_candidate(runs.store_path(label, directory), planned, ref_store, n_chunks)
-    if saved is not None and saved.key == request.key:
-        return PairPlan(label, model, settings, True, usable)
-    if saved is not None:
-        note = f"{label}: recomputed: its saved result answers another request ({_listed(request.changes_from(saved))})"
-    elif result_path.is_file():
-        note = f"{label}: recomputed: its saved result records no request (saved by an older qeval)"
-    elif store_changes:
-        note = f"{label}: its store held another capture ({_listed(store_changes)}): replaced"
-    else:
-        note = ""
-    return PairPlan(label, model, settings, False, usable, note)
-
-
-def _listed(changes: list[str]) -> str:
-    return "; ".join(changes) + ", saved vs now"
-
-
-def _stored_candidate(path: Path, planned: dict, ref_store, n_chunks: int) -> tuple[bool, list[str]]:
-    """(whether the store at `path` is a complete capture of the planned candidate over the reference's
-    first n_chunks windows, how its producer differs from the planned one)."""
-    if not path.is_file():
-        return False, []
-    try:
-        with StoreReader(path, tolerate_torn_tail=True) as store:
-            differences = identity.changes(identity.producer(store.header), planned)
-            holds = store.complete and identity.holds_windows(store.header, store.tokens, range(n_chunks),
-                                                              ref_store.tokens[:n_chunks])
-            return holds and not differences, differences
-    except QevalError:
-        return False, ["it is not a readable store"]
-
-
-def _matrix_result(ref_label, pairs, n_ctx, ref_text, done_lines, rows_json) -> tuple[dict, str]:
-    rows = [report.leaderboard_row(r) for r in rows_json]
-    text = "\n".join([ref_text, *done_lines, "", f"reference {ref_label}: {rows_json[0]['chunks']} chunks of {n_ctx}, "
-                      f"{rows_json[0]['scored_tokens']} scored tokens" if rows_json else "",
-                      "", "PPL matrix (rows: model, columns: KV cache)", report.ppl_matrix_markdown(pairs, rows_json),
-                      "", "Leaderboard (sorted by mean KLD)", report.leaderboard_markdown(rows)])
-    return {"reference": ref_label, "rows": rows, "results": rows_json}, text
-
-
-def _fa_for(kv: str) -> str:
-    return "on" if kv not in ("f16", "f32", "bf16") else "auto"
-
-
-def pair_settings(kv: str, n_gpu_layers: int, threads: int | None, n_batch: int | None = None,
-                  n_ubatch: int | None = None) -> EngineSettings:
-    """How a matrix runs a model with KV cache type `kv` (a quantized V cache needs flash attention)."""
-    return EngineSettings(kv, kv, _fa_for(kv), n_gpu_layers, threads, n_batch, n_ubatch)
+        return matrix.matrix_result(plan, as_executor(executor).run(plan, progress))
+    with progress_bar(f"matrix: reference + {len(pairs)} pairs", plan.total_chunks, progress) as advance:
+        return matrix.matrix_result(plan, matrix.run_local(plan, advance))
 
 
 def demo_report(chunks: int = 80, runs_dir=None, models_dir=None, n_ctx: int = 512, progress: bool = True,
@@ -340,13 +215,3 @@ def demo_report(chunks: int = 80, runs_dir=None, models_dir=None, n_ctx: int = 5
     result, text = run_pairs(demo.REFERENCE, str(paths[demo.REFERENCE]), pairs, chunks, n_ctx, None,
                              runs.runs_dir(runs_dir), threads, 0, progress)
     return result, demo.DERIVATION_NOTE + "\n" + text
-
-
-def _is_complete(path: Path) -> bool:
-    if not path.is_file():
-        return False
-    try:
-        with StoreReader(path) as store:
-            return store.complete
-    except QevalError:
-        return False

@@ -19,7 +19,7 @@ import zstandard
 from . import __version__
 from .codec import BadLogits, EncodedBlock, SqrtLogCode
 from .corpus import load_corpus, make_windows
-from .engine import Engine, EngineSettings, ScoredRows, available_cores, check_model_file
+from .engine import Backend, Engine, EngineSettings, ScoredRows, available_cores, check_model_file
 from .errors import MismatchError, QevalError
 from .modelinfo import model_facts
 from .probe import ensure_llama_runs
@@ -54,13 +54,19 @@ class CaptureResult:
     seconds: float
     header: StoreHeader | None = None
 
+    def summary_line(self) -> str:
+        if self.status == "already complete":
+            return f"{self.path} is already complete ({self.chunks_total} chunks): nothing to do"
+        return (f"wrote {self.path}: {self.chunks_total} chunks ({self.chunks_written} captured now) "
+                f"in {self.seconds:.1f} s")
+
 
 def encoder_threads(threads: int | None, settings: EngineSettings) -> int:
     """As asked, else -t, else every core: numpy, numba and zstd release the GIL, so coding scales."""
     return threads or settings.n_threads or available_cores()
 
 
-def iter_encoded_blocks(engine: Engine, windows: np.ndarray, indices: list[int], code: SqrtLogCode,
+def iter_encoded_blocks(engine: Backend, windows: np.ndarray, indices: list[int], code: SqrtLogCode,
                         pool: ThreadPoolExecutor) -> Iterator[tuple[int, int, EncodedBlock]]:
     """Decode windows[j] (chunk indices[j]); yield (chunk, first row, block) in order, ENCODE_BLOCK rows each.
 
@@ -85,20 +91,21 @@ def iter_encoded_blocks(engine: Engine, windows: np.ndarray, indices: list[int],
             yield indices[rows.window], rows.first_row + start, block
 
 
-def iter_chunks(engine: Engine, windows: np.ndarray, indices: list[int], code: SqrtLogCode,
+def iter_chunks(engine: Backend, windows: np.ndarray, indices: list[int], code: SqrtLogCode,
                 pool: ThreadPoolExecutor, compressor: zstandard.ZstdCompressor) -> Iterator[ChunkData]:
     """windows[j] decoded, coded and compressed into chunk indices[j], in order, one chunk held at a time."""
     builder = None
+    _, n_scored = scored_positions(windows.shape[1])  # a chunk is complete with its window's last scored row
     for index, row, block in iter_encoded_blocks(engine, windows, indices, code, pool):
         if builder is None:
             builder = ChunkBuilder(index, compressor=compressor)
         builder.add(block.planes, block.logprob_target, block.logprob_max, block.top_ids)
-        if row + len(block.planes) == engine.n_scored:
+        if row + len(block.planes) == n_scored:
             yield builder.finish()
             builder = None
 
 
-def encode_window(engine: Engine, index: int, window: np.ndarray, code: SqrtLogCode,
+def encode_window(engine: Backend, index: int, window: np.ndarray, code: SqrtLogCode,
                   pool: ThreadPoolExecutor, compressor: zstandard.ZstdCompressor | None = None) -> ChunkData:
     """One window decoded, coded and compressed into a chunk (pass one compressor for many chunks)."""
     chunk, = iter_chunks(engine, window[None], [index], code, pool,
@@ -112,7 +119,7 @@ def scored_targets(window: np.ndarray) -> np.ndarray:
     return window[first + 1:first + 1 + n_scored].astype(np.int64)
 
 
-def make_header(engine: Engine, spec_label: str, windows: np.ndarray, chunk_range: tuple[int, int], facts: dict,
+def make_header(engine: Backend, spec_label: str, windows: np.ndarray, chunk_range: tuple[int, int], facts: dict,
                 settings: EngineSettings, corpus_identity: dict, code: SqrtLogCode) -> StoreHeader:
     import llama_cpp  # noqa: PLC0415
 
@@ -222,7 +229,7 @@ class LiveSource:
     complete = True
     live = True
 
-    def __init__(self, engine: Engine, header: StoreHeader, tokens: np.ndarray, code: SqrtLogCode,
+    def __init__(self, engine: Backend, header: StoreHeader, tokens: np.ndarray, code: SqrtLogCode,
                  writer: StoreWriter | None = None, path: str = "(live)", threads: int | None = None):
         self.engine, self.header, self.tokens, self.code = engine, header, tokens, code
         threads = encoder_threads(threads, engine.settings)

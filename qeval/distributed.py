@@ -1,11 +1,13 @@
 """`qeval matrix --executor ray`: the same matrix, every capture and comparison a Ray task.
 
-Tasks are pure functions of serialisable specs: a reference capture (or each of its shards) is a
-CaptureSpec, a model x KV pair is a CompareSpec. Every task writes into the runs directory, which
-must be one shared filesystem path, mounted at the same place on every node (NFS, Lustre, ...):
-stores are resumable, so a task that dies (worker killed, node lost, OOM) is retried by Ray
-(`max_retries`) and continues from its last complete chunk. Shards of the reference are merged
-(qeval.merge) only once every shard is complete; a store is never made to look complete early.
+It executes the same qeval.matrix plan as a local run. Tasks are pure functions of serialisable
+specs: a reference capture (or each of its shards) is a CaptureSpec, a model x KV pair is a
+CompareSpec, run by the same function as locally (qeval.matrix.run_pair). Every task writes into
+the runs directory, which must be one shared filesystem path, mounted at the same place on every
+node (NFS, Lustre, ...): stores are resumable, so a task that dies (worker killed, node lost,
+OOM) is retried by Ray (`max_retries`) and continues from its last complete chunk. Shards of the
+reference are merged (qeval.merge) only once every shard is complete; a store is never made to
+look complete early.
 
 The driver (the `qeval matrix` process) only submits tasks, merges shards, and counts the CHNK
 records of the stores being written to report progress for the whole fleet.
@@ -19,14 +21,16 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from . import metrics, results, runs
-from .capture import CaptureSpec, capture, open_live
+from . import runs
+from .capture import CaptureSpec, capture
 from .engine import EngineSettings
 from .errors import QevalError
+from .matrix import SKIP, MatrixPlan, MatrixRun, PairPlan, plan_pairs, run_pair, saved_summaries
+from .merge import merge_stores
 from .store import StoreReader, replacement_path
 
 SHARDS_SUBDIR = "shards"
@@ -46,41 +50,22 @@ def import_ray():
 # ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class CompareSpec:
-    """A live comparison of one model x KV pair against a reference store, saved as a result."""
+    """One model x KV pair of a matrix plan (not skipped) against a reference store, saved as a result."""
 
     ref: str  # reference: label in runs_dir, or store path
-    model: str  # candidate GGUF
-    label: str  # the pair's label: its store RUNS/<label>.qeval and result <label>.vs.<ref>
+    pair: PairPlan  # its store RUNS/<label>.qeval and result <label>.vs.<ref>
     runs_dir: str
-    chunks: int | None = None
-    settings: EngineSettings = field(default_factory=EngineSettings)
+    chunks: int
     threads: int = 2  # metrics threads (as `qeval kld`)
 
 
 def run_compare(spec: CompareSpec, on_chunk: Callable[[int], None] | None = None) -> dict:
-    """What `qeval kld --ref REF --cand MODEL --save LABEL --save-result --force` does, resumable: the
-    pair's store is compared when it holds this candidate (api.plan_pair), else replaced by a live run."""
-    from .api import plan_pair  # noqa: PLC0415 - api imports this module lazily
-
+    """What `qeval kld --ref REF --cand MODEL --save LABEL --save-result --force` does, resumable: a
+    retried task's live run continues from the chunks its killed attempt saved."""
     directory = Path(spec.runs_dir)
-    store = runs.store_path(spec.label, directory)
-    resumed = 0
-    with contextlib.ExitStack() as stack:
-        ref = stack.enter_context(contextlib.closing(runs.open_source(spec.ref, directory)))
-        writer = None
-        plan = plan_pair(ref, spec.chunks or ref.header.chunk_stop, spec.label, spec.model, spec.settings, directory)
-        if plan.store_usable:  # captured earlier: compare the stored candidate
-            cand = stack.enter_context(contextlib.closing(StoreReader(store)))
-        else:
-            engine, cand = open_live(spec.model, ref, spec.chunks, spec.settings, spec.label, store, replace=True)
-            stack.callback(engine.close)
-            stack.callback(cand.close)
-            writer, resumed = cand.writer, len(cand.resumed)
-        cmp = metrics.compare(ref, cand, spec.chunks, threads=spec.threads, on_chunk=on_chunk)
-        if writer is not None:
-            writer.finish()
-        path = results.save_result(cmp, directory / results.RESULTS_SUBDIR)
-    return {"result": str(path), "chunks": len(cmp.chunks), "resumed_chunks": resumed}
+    with contextlib.closing(runs.open_source(spec.ref, directory)) as ref:
+        done = run_pair(spec.pair, ref, spec.chunks, directory, spec.threads, on_chunk)
+    return {"result": str(done.result), "chunks": done.chunks, "resumed_chunks": done.resumed_chunks}
 
 
 def _killer(kill_after: int | None, attempt: int) -> Callable[[int], None]:
@@ -182,6 +167,35 @@ def count_chunks(path: Path) -> int:
         return 0
 
 
+def on_cluster(plan: MatrixPlan, cpus_per_task: float) -> MatrixPlan:
+    """`plan` as Ray tasks run it: paths absolute (every node sees them on the shared filesystem), and
+    unless -t, the threads of a task's own CPUs, not those of the whole node."""
+    threads = max(1, int(cpus_per_task))
+    corpus = plan.reference.corpus
+    directory = Path(plan.directory).resolve()
+    reference = replace(plan.reference, model=os.path.abspath(plan.reference.model),
+                        out=str(runs.store_path(plan.reference.label, directory)),
+                        corpus=os.path.abspath(corpus) if corpus and Path(corpus).is_file() else corpus,
+                        settings=_with_threads(plan.reference.settings, threads), threads=threads)
+    pairs = tuple(replace(p, model=os.path.abspath(p.model), settings=_with_threads(p.settings, threads))
+                  for p in plan.pairs)
+    return MatrixPlan(reference, pairs, directory)
+
+
+def _with_threads(settings: EngineSettings, threads: int) -> EngineSettings:
+    return replace(settings, n_threads=settings.n_threads or threads)
+
+
+def _is_complete(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    try:
+        with StoreReader(path) as store:
+            return store.complete
+    except QevalError:
+        return False
+
+
 # ------------------------------------------------------------------------------------------------
 # the driver
 # ------------------------------------------------------------------------------------------------
@@ -211,7 +225,7 @@ def _describe_error(exc: BaseException) -> str:
 
 
 class RayExecutor:
-    """Runs a matrix (api.run_pairs) as Ray tasks. One task per reference capture or shard and per
+    """Runs a matrix plan (qeval.matrix) as Ray tasks. One task per reference capture or shard and per
     model x KV pair, each with `num_gpus=gpus_per_task, num_cpus=cpus_per_task`."""
 
     def __init__(self, address: str | None = None, gpus_per_task: float = 0, cpus_per_task: float = 1,
@@ -257,45 +271,32 @@ class RayExecutor:
             print(line, file=sys.stderr, flush=True)
 
     # -- the matrix ------------------------------------------------------------------------------
-    def run_pairs(self, ref_label: str, ref_path: str, pairs: list[tuple[str, str, str]], chunks, n_ctx, corpus,
-                  directory: Path, threads, n_gpu_layers, progress, pair_settings, n_batch=None,
-                  n_ubatch=None, force: bool = False) -> tuple[str, list[str], list[dict]]:
-        """Returns (reference line, per-pair lines, result summaries in `pairs` order), like the local loop."""
+    def run(self, plan: MatrixPlan, progress: bool) -> MatrixRun:
+        """Execute `plan` as Ray tasks; reports as qeval.matrix.run_local does, plus the fleet's lines."""
         ray, started = self._connect()
         try:
-            return self._run(ray, ref_label, ref_path, pairs, chunks, n_ctx, corpus, Path(directory).resolve(),
-                             threads, n_gpu_layers, progress, pair_settings, n_batch, n_ubatch, force)
+            return self._run(ray, on_cluster(plan, self.cpus), progress)
         finally:
             if started:
                 ray.shutdown()
 
-    def _run(self, ray, ref_label, ref_path, pairs, chunks, n_ctx, corpus, directory, threads, n_gpu_layers,
-             progress, pair_settings, n_batch, n_ubatch, force):
-        from .api import plan_pair  # noqa: PLC0415
-        from .merge import merge_stores  # noqa: PLC0415
-
+    def _run(self, ray, plan: MatrixPlan, progress: bool) -> MatrixRun:
         t0 = time.time()
-        threads = threads or max(1, int(self.cpus))  # a task uses its own CPUs, not the whole node's
-        corpus = os.path.abspath(corpus) if corpus and Path(corpus).is_file() else corpus
-        ref_path = os.path.abspath(ref_path)
         tracker = ray.remote(num_cpus=0)(Tracker).remote()
-        ref_store = runs.store_path(ref_label, directory)
-        base = CaptureSpec(model=ref_path, out=str(ref_store), label=ref_label, corpus=corpus, n_ctx=n_ctx,
-                           chunks=chunks, settings=pair_settings("f16", n_gpu_layers, threads, n_batch, n_ubatch),
-                           threads=max(1, int(self.cpus)), replace=force)
+        base, directory = plan.reference, plan.directory
+        ref_store = Path(base.out)
         self.tasks, self.notes = [], []
         fleet = _Fleet(self, ray, tracker, progress, t0)
-        result_dir = directory / results.RESULTS_SUBDIR
-        fleet.planned(len(pairs), chunks)  # at most; so that progress counts them before they are submitted
+        fleet.planned(len(plan.pairs), base.chunks)  # at most; so that progress counts them before they are submitted
 
         # 1. the reference: whole, or K shards then merged. A store (or shard) already there goes through a
         # capture task too: only a capture, which tokenizes the corpus, can tell whether it holds the request.
-        shard_specs = self._plan_shards(ray, base, ref_store, directory, n_ctx, corpus)
+        shard_specs = self._plan_shards(ray, base, ref_store, directory)
         if shard_specs is None:
-            fleet.submit_capture(f"{ref_label}", base, ref_store)
+            fleet.submit_capture(base.label, base, ref_store)
         else:
             for spec in shard_specs:
-                fleet.submit_capture(f"{ref_label}[{spec.chunk_range[0]}:{spec.chunk_range[1]}]", spec,
+                fleet.submit_capture(f"{base.label}[{spec.chunk_range[0]}:{spec.chunk_range[1]}]", spec,
                                      Path(spec.out))
         fleet.wait()
         if fleet.failed():
@@ -308,7 +309,7 @@ class RayExecutor:
                 parts = [spec.out for spec in shard_specs]
                 for p in parts:
                     self._check_visible(Path(p), fleet)
-                merge_stores(parts, ref_store, label=ref_label)
+                merge_stores(parts, ref_store, label=base.label)
                 for p in parts:
                     Path(p).unlink(missing_ok=True)
                 with contextlib.suppress(OSError):
@@ -320,21 +321,16 @@ class RayExecutor:
             written = sum(t.result["chunks_written"] for t in fleet.tasks if t.kind == "capture")
             ref_text = "\n".join([*self.notes, f"wrote {ref_store}: {self._chunks_of(ref_store)} chunks ({written} "
                                   f"captured now, {how}) in {time.time() - t0:.1f} s"])
-        n_chunks = self._chunks_of(ref_store) if chunks is None else chunks
 
         # 2. every model x KV pair whose saved result does not answer its request
-        with StoreReader(ref_store) as ref_reader:
-            plans = [plan_pair(ref_reader, n_chunks, label, os.path.abspath(path),
-                               pair_settings(kv, n_gpu_layers, threads, n_batch, n_ubatch), directory)
-                     for label, path, kv in pairs]
-        todo = [plan for plan in plans if not plan.result_current]
-        done_lines = [f"{plan.label}: done earlier, skipped" for plan in plans if plan.result_current]
-        done_lines += [plan.note for plan in todo if plan.note]
+        n_chunks, pairs = plan_pairs(plan)
+        todo = [pair for pair in pairs if pair.action != SKIP]
+        # skipped pairs are reported first: they are settled before any task is submitted
+        done_lines = [pair.note for pair in pairs if pair.action == SKIP] + [pair.note for pair in todo if pair.note]
         fleet.planned(len(todo), n_chunks)
-        for plan in todo:
-            spec = CompareSpec(ref=ref_label, model=plan.model, label=plan.label, runs_dir=str(directory),
-                               chunks=n_chunks, settings=plan.settings)
-            fleet.submit_compare(plan.label, spec, runs.store_path(plan.label, directory), n_chunks)
+        for pair in todo:
+            spec = CompareSpec(ref=base.label, pair=pair, runs_dir=str(directory), chunks=n_chunks)
+            fleet.submit_compare(pair.label, spec, runs.store_path(pair.label, directory), n_chunks)
         fleet.wait()
         for t in fleet.tasks:
             if t.kind == "compare" and t.state == "done" and t.result.get("resumed_chunks"):
@@ -344,14 +340,10 @@ class RayExecutor:
         self.report = fleet.summary_lines()
         if fleet.failed():
             raise QevalError(self._failure_text(fleet, f"{len(fleet.failed())} of {len(fleet.tasks)} tasks failed"))
-        rows_json = [results.load_result(results.result_path(result_dir, label, ref_label),
-                                         with_per_token=False).summary for label, _, _ in pairs]
         done_lines.append(fleet.final_line())
-        return ref_text, done_lines, rows_json
+        return MatrixRun(ref_text, done_lines, saved_summaries(plan))
 
-    def _plan_shards(self, ray, base: CaptureSpec, ref_store: Path, directory: Path, n_ctx, corpus):
-        from .api import _is_complete  # noqa: PLC0415 - api imports this module lazily
-
+    def _plan_shards(self, ray, base: CaptureSpec, ref_store: Path, directory: Path):
         if self.shards <= 1:
             return None
         if ref_store.exists():  # reused or resumed (or replaced) in one task: resuming beats starting over
@@ -363,7 +355,7 @@ class RayExecutor:
         if n is None:
             counter = ray.remote(count_windows_task).options(num_cpus=min(1, self.cpus), name="count-windows")
             try:
-                n = ray.get(counter.remote(base.model, corpus, n_ctx))
+                n = ray.get(counter.remote(base.model, base.corpus, base.n_ctx))
             except Exception as exc:  # noqa: BLE001 - Ray wraps the task's exception
                 raise QevalError(f"planning shards failed: {_describe_error(exc)}") from None
         ranges = shard_ranges(n, self.shards)

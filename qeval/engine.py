@@ -17,7 +17,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Protocol
 
 import numpy as np
 
@@ -161,6 +161,28 @@ class ScoredRows:
     window: int  # index into the windows being decoded
     first_row: int  # its first scored row held here (row r is position n_ctx/2 + r)
     logits: np.ndarray  # float32 [rows, n_vocab]
+
+
+class Backend(Protocol):
+    """What a capture needs of a loaded model (qeval.capture): Engine, on llama-cpp-python, is the one
+    implementation. The scored positions of a window are those of store.scored_positions(n_ctx)."""
+
+    settings: EngineSettings
+    n_ctx: int
+    n_vocab: int
+    n_batch: int  # tokens per decode call, recorded in the store
+    n_ubatch: int
+    add_bos: bool  # the first token of a window is replaced by BOS, recorded in the store
+
+    def tokenize(self, text: str) -> np.ndarray: ...
+
+    def tokenizer_fingerprint(self) -> str: ...
+
+    def iter_calls(self, windows: np.ndarray) -> Iterator[list[ScoredRows]]:
+        """Decode windows [n, n_ctx] in order: the scored rows of each decode call, valid until the next."""
+        ...
+
+    def close(self) -> None: ...
 
 
 Span = tuple[int, int, int]  # (window, first position, stop position) submitted in one call

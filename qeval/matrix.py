@@ -1,0 +1,236 @@
+"""The model x KV matrix: one plan, run by either executor.
+
+A MatrixPlan says what a matrix computes: the reference capture (a CaptureSpec) and every model x KV
+pair. Once the reference store exists, plan_pairs decides for each pair what to do (skip it, compare
+its stored candidate, or run its model live) and why; run_pair does it. The local executor
+(run_local, here) and the Ray executor (qeval.distributed) both execute that plan, so they reuse and
+recompute exactly the same pairs and write the same results.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from . import identity, metrics, report, results, runs
+from .capture import CaptureSpec, capture, open_live
+from .codec import SqrtLogCode
+from .engine import EngineSettings, available_cores
+from .errors import QevalError
+from .store import StoreReader
+
+# what a matrix does with a pair (PairPlan.action)
+SKIP = "skip"  # its saved result answers the request
+COMPARE_STORED = "compare stored"  # its store holds the candidate: compare it, no model run
+RUN_LIVE = "run live"  # run the model against the reference, saving (or resuming) its store
+
+
+def parse_model_arg(arg: str) -> tuple[str, str]:
+    """`PATH` or `LABEL=PATH` -> (label, path); the default label is the file name without .gguf."""
+    label, sep, path = arg.partition("=")
+    if not sep:
+        path, label = arg, Path(arg).name.removesuffix(".gguf")
+    return runs.check_label(label), path
+
+
+def pair_label(model_label: str, kv: str) -> str:
+    return model_label if kv == "f16" else f"{model_label}+kv-{kv}"
+
+
+def _fa_for(kv: str) -> str:
+    return "on" if kv not in ("f16", "f32", "bf16") else "auto"
+
+
+def pair_settings(kv: str, n_gpu_layers: int, threads: int | None, n_batch: int | None = None,
+                  n_ubatch: int | None = None) -> EngineSettings:
+    """How a matrix runs a model with KV cache type `kv` (a quantized V cache needs flash attention)."""
+    return EngineSettings(kv, kv, _fa_for(kv), n_gpu_layers, threads, n_batch, n_ubatch)
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One model x KV cell of the matrix, as asked for."""
+
+    label: str
+    model: str  # GGUF path
+    kv: str
+    settings: EngineSettings
+
+
+@dataclass(frozen=True)
+class MatrixPlan:
+    """What a matrix computes: `reference` is captured into its store (reused or resumed when it is
+    there), then every pair is compared against its first `reference.chunks` chunks (all when None)."""
+
+    reference: CaptureSpec
+    pairs: tuple[Pair, ...]
+    directory: Path  # the runs directory: every store and result
+
+    @property
+    def total_chunks(self) -> int | None:
+        """Chunks the whole matrix goes through (for progress), when known before the reference is."""
+        n = self.reference.chunks
+        return n * (1 + len(self.pairs)) if n else None
+
+    def cells(self) -> list[tuple[str, str, str]]:
+        """(label, model, kv) of every pair, as the PPL matrix lays them out."""
+        return [(p.label, p.model, p.kv) for p in self.pairs]
+
+
+def plan_matrix(ref_label: str, ref_path: str, pairs: list[tuple[str, str, str]], chunks: int | None, n_ctx: int,
+                corpus: str | None, directory: Path, threads: int | None, n_gpu_layers: int,
+                n_batch: int | None = None, n_ubatch: int | None = None, force: bool = False) -> MatrixPlan:
+    """The plan for reference `ref_path` and (label, model, kv) `pairs`. Every bad setting or label is
+    refused here, before hours of work start. force: a reference store of another capture is replaced."""
+    planned = tuple(Pair(label, path, kv, pair_settings(kv, n_gpu_layers, threads, n_batch, n_ubatch).validate())
+                    for label, path, kv in pairs)
+    labels = [p.label for p in planned]
+    if len(set(labels)) != len(labels) or ref_label in labels:
+        raise QevalError(f"labels must be unique (reference {ref_label}, candidates {', '.join(labels)}); "
+                         "name models with LABEL=PATH")
+    reference = CaptureSpec(model=ref_path, out=str(runs.store_path(runs.check_label(ref_label), directory)),
+                            label=ref_label, corpus=corpus, n_ctx=n_ctx, chunks=chunks,
+                            settings=pair_settings("f16", n_gpu_layers, threads, n_batch, n_ubatch), replace=force)
+    return MatrixPlan(reference, planned, directory)
+
+
+@dataclass(frozen=True)
+class PairPlan:
+    """What a matrix does with one pair (`action`: SKIP, COMPARE_STORED or RUN_LIVE); `note`, the line
+    the matrix prints for it: why it is skipped, or why something saved is not reused."""
+
+    label: str
+    model: str
+    settings: EngineSettings
+    action: str
+    note: str = ""
+
+
+def plan_pairs(plan: MatrixPlan) -> tuple[int, list[PairPlan]]:
+    """(chunks compared, the plan of every pair), from the reference store, which must exist: the
+    reference decides how many chunks every pair has."""
+    with StoreReader(plan.reference.out) as ref_store:
+        n_chunks = ref_store.header.n_chunks if plan.reference.chunks is None else plan.reference.chunks
+        return n_chunks, [plan_pair(ref_store, n_chunks, p.label, p.model, p.settings, plan.directory)
+                          for p in plan.pairs]
+
+
+def plan_pair(ref_store, n_chunks: int, label: str, model: str, settings: EngineSettings,
+              directory: Path) -> PairPlan:
+    """The plan for candidate `label` (GGUF `model` run with `settings`) against the open reference store
+    over its first n_chunks chunks, from what `directory` holds: its result, and its store."""
+    try:
+        planned = identity.planned_producer(model, settings, ref_store.header.n_ctx, SqrtLogCode().params())
+    except (QevalError, OSError):
+        return PairPlan(label, model, settings, RUN_LIVE)  # running it says what is wrong with the model
+    request = identity.ComparisonRequest(identity.reference_identity(ref_store, n_chunks), planned, n_chunks)
+    result_path = results.result_path(directory / results.RESULTS_SUBDIR, label, ref_store.header.label)
+    saved = results.saved_request(result_path)
+    usable, store_changes = _stored_candidate(runs.store_path(label, directory), planned, ref_store, n_chunks)
+    if saved is not None and saved.key == request.key:
+        return PairPlan(label, model, settings, SKIP, f"{label}: done earlier, skipped")
+    action = COMPARE_STORED if usable else RUN_LIVE
+    if saved is not None:
+        note = f"{label}: recomputed: its saved result answers another request ({_listed(request.changes_from(saved))})"
+    elif result_path.is_file():
+        note = f"{label}: recomputed: its saved result records no request (saved by an older qeval)"
+    elif store_changes:
+        note = f"{label}: its store held another capture ({_listed(store_changes)}): replaced"
+    else:
+        note = ""
+    return PairPlan(label, model, settings, action, note)
+
+
+def _listed(changes: list[str]) -> str:
+    return "; ".join(changes) + ", saved vs now"
+
+
+def _stored_candidate(path: Path, planned: dict, ref_store, n_chunks: int) -> tuple[bool, list[str]]:
+    """(whether the store at `path` is a complete capture of the planned candidate over the reference's
+    first n_chunks windows, how its producer differs from the planned one)."""
+    if not path.is_file():
+        return False, []
+    try:
+        with StoreReader(path, tolerate_torn_tail=True) as store:
+            differences = identity.changes(identity.producer(store.header), planned)
+            holds = store.complete and identity.holds_windows(store.header, store.tokens, range(n_chunks),
+                                                              ref_store.tokens[:n_chunks])
+            return holds and not differences, differences
+    except QevalError:
+        return False, ["it is not a readable store"]
+
+
+@dataclass(frozen=True)
+class PairRun:
+    """What run_pair did: where it saved the result, over how many chunks."""
+
+    result: Path  # the saved result
+    chunks: int
+    resumed_chunks: int  # read back from the store an earlier, interrupted run left
+
+
+def run_pair(pair: PairPlan, ref, n_chunks: int, directory: Path, threads: int,
+             on_chunk: Callable[[int], None] | None = None) -> PairRun:
+    """Compare a pair that is not skipped against the open reference `ref` over n_chunks chunks and save
+    its result (`qeval kld --save LABEL --save-result --force`): its stored candidate, or its model run
+    live into its store, which continues where an interrupted run (a killed Ray task) left it."""
+    store = runs.store_path(pair.label, directory)
+    resumed = 0
+    with contextlib.ExitStack() as stack:
+        writer = None
+        if pair.action == COMPARE_STORED:
+            cand = stack.enter_context(contextlib.closing(StoreReader(store)))
+        else:
+            engine, cand = open_live(pair.model, ref, n_chunks, pair.settings, pair.label, store, replace=True)
+            stack.callback(engine.close)
+            stack.callback(cand.close)
+            writer, resumed = cand.writer, len(cand.resumed)
+        cmp = metrics.compare(ref, cand, n_chunks, threads=threads, on_chunk=on_chunk)
+        if writer is not None:
+            writer.finish()
+        path = results.save_result(cmp, directory / results.RESULTS_SUBDIR)
+    return PairRun(path, len(cmp.chunks), resumed)
+
+
+@dataclass(frozen=True)
+class MatrixRun:
+    """What an executor reports: the reference's line, one line per pair worth a mention, and every
+    pair's result summary in plan order."""
+
+    reference_text: str
+    lines: list[str]
+    summaries: list[dict]
+
+
+def saved_summaries(plan: MatrixPlan) -> list[dict]:
+    result_dir = plan.directory / results.RESULTS_SUBDIR
+    return [results.load_result(results.result_path(result_dir, p.label, plan.reference.label),
+                                with_per_token=False).summary for p in plan.pairs]
+
+
+def run_local(plan: MatrixPlan, advance: Callable[[int], None]) -> MatrixRun:
+    """Execute the plan here, one capture or pair after another; advance(n) counts chunks gone through."""
+    captured = capture(plan.reference, on_chunk=advance, on_plan=lambda total, done: advance(done))
+    n_chunks, pairs = plan_pairs(plan)
+    with StoreReader(plan.reference.out) as ref:
+        for pair in pairs:
+            if pair.action == SKIP:
+                advance(n_chunks)
+            else:
+                run_pair(pair, ref, n_chunks, plan.directory, available_cores(), advance)
+    return MatrixRun(captured.summary_line(), [p.note for p in pairs if p.note], saved_summaries(plan))
+
+
+def matrix_result(plan: MatrixPlan, run: MatrixRun) -> tuple[dict, str]:
+    rows_json = run.summaries
+    rows = [report.leaderboard_row(r) for r in rows_json]
+    ref_label = plan.reference.label
+    text = "\n".join([run.reference_text, *run.lines, "",
+                      f"reference {ref_label}: {rows_json[0]['chunks']} chunks of {plan.reference.n_ctx}, "
+                      f"{rows_json[0]['scored_tokens']} scored tokens" if rows_json else "",
+                      "", "PPL matrix (rows: model, columns: KV cache)",
+                      report.ppl_matrix_markdown(plan.cells(), rows_json),
+                      "", "Leaderboard (sorted by mean KLD)", report.leaderboard_markdown(rows)])
+    return {"reference": ref_label, "rows": rows, "results": rows_json}, text
