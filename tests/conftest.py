@@ -68,6 +68,15 @@ def decoded_logprobs(codes: np.ndarray, lut: np.ndarray) -> np.ndarray:
     return log_softmax64(np.asarray(lut, np.float64)[np.asarray(codes)])
 
 
+def percentile64(x, fraction: float) -> float:
+    """Plain float64: sorted values, linear interpolation at fraction * (n - 1) (llama-perplexity's rule)."""
+    s = np.sort(np.asarray(x, np.float64))
+    pos = fraction * (len(s) - 1)
+    lo = int(np.floor(pos))
+    hi = min(lo + 1, len(s) - 1)
+    return float(s[lo] + (pos - lo) * (s[hi] - s[lo]))
+
+
 def stable_topk(logits: np.ndarray, k: int) -> np.ndarray:
     """Top-k ids best first, ties to the lower id (stable argsort of -x)."""
     return np.argsort(-np.asarray(logits, np.float64), axis=-1, kind="stable")[:, :k]

@@ -13,7 +13,8 @@ import re
 import numpy as np
 import pytest
 
-from conftest import (SlowSeekFile, decoded_logprobs, kld64, log_softmax64, make_pair, run_cli, stable_topk)
+from conftest import (SlowSeekFile, decoded_logprobs, kld64, log_softmax64, make_pair, percentile64, run_cli,
+                      stable_topk)
 from qeval import api, metrics, report
 from qeval.store import StoreReader
 
@@ -97,15 +98,6 @@ def test_summary_uses_the_per_token_values(pair):
     assert s["delta_p"]["rms"] == pytest.approx(math.sqrt(np.mean(dp ** 2)), rel=1e-5)
     assert s["same_top1"]["fraction"] == pytest.approx(want["same_top1"].mean())
     assert s["top10_agreement"]["mean"] == pytest.approx(want["top10"].mean())
-
-
-def percentile64(x, fraction):
-    """Plain float64: sorted values, linear interpolation at fraction * (n - 1)."""
-    s = np.sort(np.asarray(x, np.float64))
-    pos = fraction * (len(s) - 1)
-    lo = int(math.floor(pos))
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (pos - lo) * (s[hi] - s[lo])
 
 
 def test_abs_dp_p95_in_json_and_text(pair):

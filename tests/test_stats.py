@@ -10,20 +10,13 @@ import pytest
 
 from qeval import stats
 
+from conftest import percentile64
+
 
 def se_doc(x):
     """SE = sqrt((mean(x^2) - mean(x)^2) / (n - 1))."""
     x = np.asarray(x, np.float64)
     return math.sqrt((np.mean(x ** 2) - np.mean(x) ** 2) / (len(x) - 1))
-
-
-def percentile_doc(x, f):
-    """Sorted values, linear interpolation at fraction * (n - 1)."""
-    s = np.sort(np.asarray(x, np.float64))
-    pos = f * (len(s) - 1)
-    lo = int(math.floor(pos))
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (pos - lo) * (s[hi] - s[lo])
 
 
 @pytest.fixture
@@ -77,7 +70,7 @@ def test_ladder_is_linear_interpolation(n):
         got = stats.ladder(x, rungs)
         assert list(got) == [name for name, _ in rungs]
         for name, f in rungs:
-            assert got[name] == pytest.approx(percentile_doc(x, f), rel=1e-12, abs=1e-15)
+            assert got[name] == pytest.approx(percentile64(x, f), rel=1e-12, abs=1e-15)
         assert got["Maximum"] == x.max() and got["Minimum"] == x.min()
 
 
