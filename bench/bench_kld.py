@@ -16,7 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from qeval import api, demo
+from qeval import api
+from qeval.orchestrate import demo
 
 
 def run_child(args: list[str]) -> tuple[float, int, str]:

@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 from common import llama_numbers, llamacpp_setup
-from qeval import baselines
+
+from qeval.orchestrate import baselines
 
 QUANTS = ("Q8_0", "Q4_K_M", "Q4_0", "Q3_K_M", "Q2_K")
 KV_TYPES = ("f16", "q8_0", "q4_0")

@@ -20,7 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from qeval import api, demo
+from qeval import api
+from qeval.orchestrate import demo
 
 
 def main() -> None:
@@ -32,7 +33,7 @@ def main() -> None:
 
     import ray
 
-    from qeval.distributed import RayExecutor
+    from qeval.orchestrate.distributed import RayExecutor
 
     m = demo.prepare_models(demo.models_dir())
     ref = f"Q8_0={m['Q8_0']}"

@@ -21,14 +21,15 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
-from qeval import demo, stats
-from qeval.capture import encode_window, scored_targets
-from qeval.codec import SqrtLogCode
-from qeval.corpus import load_corpus, make_windows
-from qeval.engine import Engine, EngineSettings
-from qeval.kernels import decode_tables
-from qeval.metrics import compare_chunk
-from qeval.store import ZSTD_LEVEL, ChunkBuilder, zstd_compressor
+from qeval.capture.capture import encode_window, scored_targets
+from qeval.capture.corpus import load_corpus, make_windows
+from qeval.capture.engine import Engine, EngineSettings
+from qeval.compare import stats
+from qeval.compare.kernels import decode_tables
+from qeval.compare.metrics import compare_chunk
+from qeval.orchestrate import demo
+from qeval.storage.codec import SqrtLogCode
+from qeval.storage.store import ZSTD_LEVEL, ChunkBuilder, zstd_compressor
 
 CANDIDATES = ("Q4_0", "Q3_K_M", "Q2_K")
 KNEES = (0.0, -1.0, -2.0, -3.0, -4.0, -5.0, -6.0)

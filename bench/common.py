@@ -8,8 +8,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from qeval import demo
-from qeval.corpus import load_corpus
+from qeval.capture.corpus import load_corpus
+from qeval.orchestrate import demo
 
 
 def llamacpp_setup(prefix: str) -> tuple[str, dict[str, Path], Path, Path]:

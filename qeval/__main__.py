@@ -1,3 +1,3 @@
-from .cli import main
+from qeval.cli import main
 
 main()

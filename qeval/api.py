@@ -10,14 +10,17 @@ import os
 from pathlib import Path
 from typing import Iterator
 
-from . import matrix, metrics, report, results, runs
-from .capture import CaptureSpec, capture, open_live
-from .distributed import as_executor
-from .engine import EngineSettings, available_cores
-from .errors import QevalError
-from .llamacpp import import_llamacpp
-from .matrix import pair_label, pair_settings, parse_model_arg  # noqa: F401 - public here as before
-from .store import StoreReader
+from qeval.capture.capture import CaptureSpec, capture, open_live
+from qeval.capture.engine import EngineSettings, available_cores
+from qeval.compare import metrics
+from qeval.errors import QevalError
+from qeval.orchestrate import matrix
+from qeval.orchestrate.distributed import as_executor
+from qeval.orchestrate.matrix import pair_label, pair_settings, parse_model_arg  # noqa: F401 - public here as before
+from qeval.present import report, results
+from qeval.storage import runs
+from qeval.storage.llamacpp import import_llamacpp
+from qeval.storage.store import StoreReader
 
 
 @contextlib.contextmanager
@@ -27,8 +30,14 @@ def progress_bar(description: str, total: int | None, enabled: bool = True) -> I
         yield lambda n=1: None
         return
     from rich.console import Console  # noqa: PLC0415
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
-        TimeRemainingColumn  # noqa: PLC0415
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,  # noqa: PLC0415
+    )
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("eta"), TimeRemainingColumn())
@@ -103,7 +112,7 @@ def kld_report(ref: str, cand: str, chunks: int | None = None, runs_dir=None, th
 def ppl_report(spec: str, chunks: int | None = None, runs_dir=None) -> tuple[dict, str]:
     import numpy as np  # noqa: PLC0415
 
-    from . import stats  # noqa: PLC0415
+    from qeval.compare import stats  # noqa: PLC0415
 
     with contextlib.closing(open_source(spec, runs_dir)) as src:
         available = metrics.usable_chunks(src, "the")
@@ -127,7 +136,7 @@ def info_report(spec: str, runs_dir=None) -> tuple[dict, str]:
 
 
 def import_llamacpp_report(file: Path, out: Path, force: bool = False) -> str:
-    from .llamacpp import LlamaCppBaseFile  # noqa: PLC0415
+    from qeval.storage.llamacpp import LlamaCppBaseFile  # noqa: PLC0415
 
     with LlamaCppBaseFile(file) as base:
         total = base.header.n_chunks
@@ -178,7 +187,7 @@ def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int 
     the pair is recomputed and its result and store overwritten, and the text says so. A reference store
     that holds another capture is refused, or replaced with `force`.
 
-    executor: None or "local" runs here; "ray" or a qeval.distributed.RayExecutor runs every capture
+    executor: None or "local" runs here; "ray" or a qeval.orchestrate.distributed.RayExecutor runs every capture
     and pair as a Ray task (the runs directory must then be on a shared filesystem)."""
     directory = runs.runs_dir(runs_dir)
     ref_label, ref_path = parse_model_arg(ref)
@@ -208,7 +217,7 @@ def run_pairs(ref_label: str, ref_path: str, pairs: list[tuple[str, str, str]], 
 def demo_report(chunks: int = 80, runs_dir=None, models_dir=None, n_ctx: int = 512, progress: bool = True,
                 threads: int | None = None) -> tuple[dict, str]:
     """Gemma-3-270M end to end: derive quants, capture the Q8_0 reference, compare every candidate."""
-    from . import demo  # noqa: PLC0415
+    from qeval.orchestrate import demo  # noqa: PLC0415
 
     paths = demo.prepare_models(demo.models_dir(models_dir))
     pairs = [(run.label, str(paths[run.quant]), run.type_k) for run in demo.demo_runs()]

@@ -10,9 +10,11 @@ from typing import Optional
 
 import typer
 
-from . import __version__, api, gate, metric_registry
-from .engine import EngineSettings, fixed_mmap_threshold
-from .errors import QevalError
+from qeval import __version__, api
+from qeval.capture.engine import EngineSettings, fixed_mmap_threshold
+from qeval.compare import metric_registry
+from qeval.errors import QevalError
+from qeval.orchestrate import gate
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Measure how much quantization hurts a GGUF model: PPL, KL divergence, same-top-1.")
@@ -171,7 +173,7 @@ def matrix(
     kv_types = [k.strip() for k in kv.split(",") if k.strip()]
     run_on = None
     if executor == "ray":
-        from .distributed import RayExecutor  # noqa: PLC0415 - Ray is optional
+        from qeval.orchestrate.distributed import RayExecutor  # noqa: PLC0415 - Ray is optional
 
         run_on = RayExecutor(address=address, gpus_per_task=gpus_per_task, cpus_per_task=cpus_per_task,
                              shard_chunks=shard_chunks)
@@ -192,7 +194,7 @@ def merge_cmd(
     as_json: bool = Json,
 ):
     """Assemble one complete store from shards of a capture (chunks copied as they are, never re-encoded)."""
-    from .merge import merge_report  # noqa: PLC0415
+    from qeval.orchestrate.merge import merge_report  # noqa: PLC0415
 
     if len(paths) < 2:
         raise QevalError("give the parts and then the output: qeval merge PART... OUT")
@@ -220,7 +222,7 @@ def leaderboard_cmd(
     title: Optional[str] = typer.Option(None, "--title", help="Page and markdown heading."),
 ):
     """Leaderboard of saved results: markdown for a model card, CSV, JSON, HTML page and plots (PNG + SVG)."""
-    from . import leaderboard  # noqa: PLC0415 - matplotlib loads only for this command
+    from qeval.present import leaderboard  # noqa: PLC0415 - matplotlib loads only for this command
 
     board = leaderboard.leaderboard(run, out=out, title=title)
     typer.echo(board.markdown())
@@ -233,7 +235,7 @@ def version():
     typer.echo(__version__)
 
 
-# --- paired comparison, release gate, baselines (qeval.paired, qeval.gate, qeval.baselines) ----------
+# --- paired comparison, release gate, baselines (qeval.orchestrate.paired, qeval.orchestrate.gate, qeval.orchestrate.baselines) ----------
 @app.command("compare")
 def compare_cmd(
     ref: str = typer.Option(..., "--ref", help="Reference: store path or label."),
@@ -244,7 +246,7 @@ def compare_cmd(
     runs_dir: Optional[Path] = RunsDir,
 ):
     """Is A really better than B? Paired KLD/NLL/top-1 differences on the same reference tokens, with CIs."""
-    from . import paired  # noqa: PLC0415
+    from qeval.orchestrate import paired  # noqa: PLC0415
 
     if len(cand) != 2:
         raise QevalError(f"give exactly two candidates: --cand A --cand B (got {len(cand)})")
@@ -254,7 +256,7 @@ def compare_cmd(
 
 
 def _with_thresholds(command):
-    """Give `command` a --max-…/--min-… option per metric `qeval check` can threshold (qeval.metric_registry),
+    """Give `command` a --max-…/--min-… option per metric `qeval check` can threshold (qeval.compare.metric_registry),
     after --cand; their values reach it as keyword arguments (**limits)."""
     declared = inspect.signature(command, eval_str=True).parameters.values()
     params = [p for p in declared if p.kind != p.VAR_KEYWORD]
@@ -300,7 +302,7 @@ def baseline_show(
     as_json: bool = Json,
 ):
     """Print a baseline's table (or list the baselines), optionally with a qeval result beside it."""
-    from . import baselines  # noqa: PLC0415
+    from qeval.orchestrate import baselines  # noqa: PLC0415
 
     result, text = baselines.show_report(name, str(run) if run else None, entry)
     _emit(result, text, as_json)
@@ -314,14 +316,14 @@ def baseline_from_result_cmd(
     entry: Optional[str] = typer.Option(None, "--entry", help="Entry id (default: the candidate's label)."),
 ):
     """Turn a qeval result into a baseline file (for `qeval check --baseline`)."""
-    from . import baselines  # noqa: PLC0415
+    from qeval.orchestrate import baselines  # noqa: PLC0415
 
     typer.echo(baselines.result_to_baseline_file(result, out, title, entry))
 
 
 def main(argv: list[str] | None = None) -> None:
     """The `qeval` command; `argv` (default sys.argv[1:]) lets tests run it in-process."""
-    fixed_mmap_threshold()  # flat peak RSS over long runs (see qeval.engine)
+    fixed_mmap_threshold()  # flat peak RSS over long runs (see qeval.capture.engine)
     try:
         app(args=argv)
     except QevalError as exc:

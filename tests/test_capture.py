@@ -13,11 +13,10 @@ import numpy as np
 import pytest
 
 from qeval import api
-from qeval.capture import CaptureSpec, capture
-from qeval.corpus import load_corpus
-from qeval.engine import Engine, EngineSettings
+from qeval.capture.corpus import load_corpus
+from qeval.capture.engine import Engine, EngineSettings
 from qeval.errors import QevalError
-from qeval.store import StoreReader
+from qeval.storage.store import StoreReader
 
 N_CTX = 64
 
@@ -143,7 +142,7 @@ def test_capture_bad_input(models, runs, tmp_path, args, message):
 
 
 def test_disk_full_keeps_store_valid_up_to_last_chunk(models, runs, monkeypatch):
-    from qeval import store as store_mod
+    from qeval.storage import store as store_mod
 
     real = store_mod.StoreWriter.write_chunk
     calls = {"n": 0}

@@ -6,10 +6,10 @@ import math
 
 import numpy as np
 import pytest
-
 from conftest import decoded_logprobs, kld64, log_softmax64, realistic_logits, stable_topk
-from qeval.codec import BadLogits, SqrtLogCode
-from qeval.store import N_CODES, TOP_K
+
+from qeval.storage.codec import BadLogits, SqrtLogCode
+from qeval.storage.store import N_CODES, TOP_K
 
 CODE = SqrtLogCode()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qeval.corpus import HF_ALIASES, load_corpus, make_windows, parse_hf_spec, shipped_names
+from qeval.capture.corpus import HF_ALIASES, load_corpus, make_windows, parse_hf_spec, shipped_names
 from qeval.errors import QevalError
 
 WIKI_ROWS = ["", " = Robert Boulter = \n", "", " Robert Boulter is an English film , television and theatre actor .\n",

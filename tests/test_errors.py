@@ -7,11 +7,12 @@ import struct
 
 import numpy as np
 import pytest
+from conftest import assert_cli_error, make_pair, make_tokens, run_cli, synth_logits, write_store
 
-from conftest import (assert_cli_error, make_pair, make_tokens, run_cli, synth_logits, write_store)
-from qeval import api, metrics
+from qeval import api
+from qeval.compare import metrics
 from qeval.errors import MismatchError, QevalError, StoreFormatError
-from qeval.store import StoreReader
+from qeval.storage.store import StoreReader
 
 
 @pytest.fixture
@@ -208,8 +209,8 @@ def test_vocab_mismatch(tmp_path):
 
 
 def test_n_ctx_mismatch(tmp_path):
-    a = _pair_with(tmp_path, "A", n_ctx=16)
-    b = _pair_with(tmp_path, "B", n_ctx=32)
+    _pair_with(tmp_path, "A", n_ctx=16)
+    _pair_with(tmp_path, "B", n_ctx=32)
     with pytest.raises(MismatchError, match="n_ctx 16.*n_ctx 32"):
         api_kld("A", "B", tmp_path)
     assert_cli_error(kld_cli("A", "B", tmp_path), "context size differs", "16", "32")

@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import numpy as np
+from conftest import (
+    decoded_logprobs,
+    kld64,
+    log_softmax64,
+    make_tokens,
+    perturb,
+    realistic_logits,
+    stable_topk,
+    write_store,
+)
 
-from conftest import (decoded_logprobs, kld64, log_softmax64, make_tokens, perturb, realistic_logits,
-                      stable_topk, write_store)
-from qeval import metrics
-from qeval.codec import SqrtLogCode
-from qeval.kernels import N_SUMS, decode_tables, kld_from_sums, pair_sums
-from qeval.store import StoreReader, codes_to_planes
+from qeval.compare import metrics
+from qeval.compare.kernels import N_SUMS, decode_tables, kld_from_sums, pair_sums
+from qeval.storage.codec import SqrtLogCode
+from qeval.storage.store import StoreReader, codes_to_planes
 
 V = 262_144
 

@@ -1,4 +1,4 @@
-"""qeval.gate and `qeval check`: thresholds judged beyond their error bars; exit codes 0 / 1 / 2."""
+"""qeval.orchestrate.gate and `qeval check`: thresholds judged beyond their error bars; exit codes 0 / 1 / 2."""
 
 from __future__ import annotations
 
@@ -6,11 +6,13 @@ import json
 import math
 
 import pytest
-
 from conftest import assert_cli_error, run_cli
-from qeval import api, baselines, gate, results
-from qeval.errors import QevalError
 from synth_runs import make_runs
+
+from qeval import api
+from qeval.errors import QevalError
+from qeval.orchestrate import baselines, gate
+from qeval.present import results
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +24,7 @@ def runs(tmp_path_factory):
 
 
 def summary(kld=0.05, kld_se=0.002, top1=0.90, top1_se=0.005, ratio=1.02, ratio_se=0.004, k999=1.5):
-    """A comparison JSON with just the fields the gate reads (its "metrics" block, qeval.metric_registry)."""
+    """A comparison JSON with just the fields the gate reads (its "metrics" block, qeval.compare.metric_registry)."""
     return {
         "reference": {"label": "R", "n_ctx": 512, "corpus": {"name": "wikitext-2"}, "model": {}},
         "candidate": {"label": "C", "model": {"quant": "Q4_K_M"}, "kv": {"type_k": "f16", "type_v": "f16"}},

@@ -16,12 +16,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import build_chunk, make_header, make_tokens, perturb, synth_logits, write_store
-from qeval import api, cli, gate, identity, leaderboard, paired
-from qeval.codec import SqrtLogCode
+
+from qeval import api, cli, identity
 from qeval.errors import MismatchError, QevalError
-from qeval.store import StoreComplete, StoreConflict, StoreReader, StoreWriter, replacement_path
+from qeval.orchestrate import gate, paired
+from qeval.present import leaderboard
+from qeval.storage.codec import SqrtLogCode
+from qeval.storage.store import StoreComplete, StoreConflict, StoreReader, StoreWriter, replacement_path
 
 V, CTX, N = 300, 16, 4
 

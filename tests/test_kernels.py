@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import decoded_logprobs, kld64, log_softmax64, perturb, realistic_logits
-from qeval.codec import SqrtLogCode
-from qeval.kernels import N_SUMS, decode_tables, kld_from_sums, pair_sums
-from qeval.store import codes_to_planes, planes_to_codes
+
+from qeval.compare.kernels import N_SUMS, decode_tables, kld_from_sums, pair_sums
+from qeval.storage.codec import SqrtLogCode
+from qeval.storage.store import codes_to_planes, planes_to_codes
 
 
 def kernel_kld(codes_p, codes_q, lut_p, lut_q):

@@ -1,4 +1,4 @@
-"""Leaderboards (qeval.leaderboard, `qeval leaderboard`, notebooks/leaderboard.ipynb) from real saved results.
+"""Leaderboards (qeval.present.leaderboard, `qeval leaderboard`, notebooks/leaderboard.ipynb) from real saved results.
 
 The results come from the real pipeline: synthetic stores (conftest.write_store) compared with
 api.kld_report(..., save_result=True). Every expected number is read back from those result files, never
@@ -18,11 +18,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import REPO, assert_cli_error, make_tokens, perturb, run_cli, synth_logits, write_store
-from qeval import api, leaderboard, metric_registry
+
+from qeval import api
+from qeval.compare import metric_registry
 from qeval.errors import QevalError
-from qeval.store import scored_positions
+from qeval.present import leaderboard
+from qeval.storage.store import scored_positions
 
 N_CHUNKS, N_CTX, N_VOCAB = 6, 64, 512
 CORPUS = {"name": "synthetic-corpus", "source": "tests", "sha256": "ab" * 32}
@@ -73,7 +75,7 @@ def board(runs, tmp_path_factory) -> leaderboard.Leaderboard:
 
 @pytest.fixture(scope="module")
 def summaries(runs) -> dict[str, dict]:
-    """label -> the saved comparison JSON, read independently of qeval.leaderboard."""
+    """label -> the saved comparison JSON, read independently of qeval.present.leaderboard."""
     out = {}
     for path in sorted((runs / "results").glob("*.vs.*.json")):
         s = json.loads(path.read_text())

@@ -8,13 +8,24 @@ import math
 
 import numpy as np
 import pytest
+from conftest import (
+    SlowSeekFile,
+    assert_cli_error,
+    decoded_logprobs,
+    kld64,
+    log_softmax64,
+    make_tokens,
+    run_cli,
+    stable_topk,
+    synth_logits,
+    write_llamacpp_file,
+)
 
-from conftest import (SlowSeekFile, assert_cli_error, decoded_logprobs, kld64, log_softmax64, make_tokens, run_cli,
-                      stable_topk, synth_logits, write_llamacpp_file)
-from qeval import api, metrics
+from qeval import api
+from qeval.compare import metrics
 from qeval.errors import StoreFormatError
-from qeval.llamacpp import LlamaCppBaseFile, import_llamacpp, is_llamacpp_file, record_values
-from qeval.store import StoreReader
+from qeval.storage.llamacpp import LlamaCppBaseFile, import_llamacpp, is_llamacpp_file, record_values
+from qeval.storage.store import StoreReader
 
 N_CTX, N_CHUNKS = 16, 2
 N_SCORED = N_CTX - 1 - N_CTX // 2

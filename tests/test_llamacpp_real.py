@@ -14,9 +14,9 @@ import pytest
 import zstandard
 
 from qeval import api
-from qeval.corpus import load_corpus
-from qeval.engine import Engine
-from qeval.llamacpp import LlamaCppBaseFile
+from qeval.capture.corpus import load_corpus
+from qeval.capture.engine import Engine
+from qeval.storage.llamacpp import LlamaCppBaseFile
 
 FIXTURE = Path(__file__).parent / "data" / "llamacpp-gemma3-270m-q8_0-c16.kld.zst"
 

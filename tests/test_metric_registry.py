@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import REPO
-from qeval import metric_registry, metrics
+
+from qeval.compare import metric_registry, metrics
+from qeval.compare.metric_registry import KLD_BLOCK, METRICS, PPL_BLOCK, TOKEN_BLOCK, Mean, Proportion
 from qeval.errors import QevalError
-from qeval.metric_registry import KLD_BLOCK, METRICS, PPL_BLOCK, TOKEN_BLOCK, Mean, Proportion
 
 
 def per_token(n: int = 500, seed: int = 0) -> dict[str, np.ndarray]:

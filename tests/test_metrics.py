@@ -12,11 +12,12 @@ import re
 
 import numpy as np
 import pytest
+from conftest import SlowSeekFile, decoded_logprobs, kld64, log_softmax64, make_pair, percentile64, run_cli, stable_topk
 
-from conftest import (SlowSeekFile, decoded_logprobs, kld64, log_softmax64, make_pair, percentile64, run_cli,
-                      stable_topk)
-from qeval import api, metrics, report
-from qeval.store import StoreReader
+from qeval import api
+from qeval.compare import metrics
+from qeval.present import report
+from qeval.storage.store import StoreReader
 
 
 def reference_per_token(pair, chunks=None):

@@ -7,12 +7,14 @@ import math
 
 import numpy as np
 import pytest
-from scipy import stats as sps
-
 from conftest import assert_cli_error, run_cli
-from qeval import api, paired, results
-from qeval.errors import QevalError
+from scipy import stats as sps
 from synth_runs import N_CHUNKS, SHORT_CHUNKS, make_runs
+
+from qeval import api
+from qeval.errors import QevalError
+from qeval.orchestrate import paired
+from qeval.present import results
 
 
 @pytest.fixture(scope="module")

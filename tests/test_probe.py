@@ -11,11 +11,11 @@ import signal
 import sys
 
 import pytest
-
-from qeval import buildflags, demo, probe
-from qeval.errors import QevalError
-
 from conftest import assert_cli_error, run_cli
+
+from qeval.capture import buildflags, probe
+from qeval.errors import QevalError
+from qeval.orchestrate import demo
 
 ZEN3_FLAGS = ("fpu sse sse2 ssse3 fma cx16 sse4_1 sse4_2 popcnt aes xsave avx f16c rdrand bmi1 avx2 bmi2 "
               "sha_ni vaes vpclmulqdq")

@@ -17,12 +17,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import assert_cli_error, make_tokens, run_cli, synth_logits, write_store
-from qeval import api, results
+
+from qeval import api
 from qeval.errors import QevalError
-from qeval.merge import merge_stores
-from qeval.store import StoreReader
+from qeval.orchestrate.merge import merge_stores
+from qeval.present import results
+from qeval.storage.store import StoreReader
 
 N_CTX, CHUNKS = 64, 4
 KV = ["f16", "q8_0"]
@@ -111,7 +112,7 @@ def test_merge_refuses_parts_of_different_captures(synth, field, extra):
 
 
 def test_merge_refuses_other_tokens_code_or_existing_output(synth, tmp_path):
-    from qeval.codec import SqrtLogCode
+    from qeval.storage.codec import SqrtLogCode
 
     d, whole, part = synth
     rng = np.random.default_rng(8)
@@ -141,7 +142,7 @@ def test_failed_merge_leaves_nothing_that_looks_complete(synth):
 
 
 def test_shard_ranges_cover_every_chunk_once():
-    from qeval.distributed import shard_ranges
+    from qeval.orchestrate.distributed import shard_ranges
 
     assert shard_ranges(10, 4) == [(0, 2), (2, 5), (5, 8), (8, 10)]
     assert shard_ranges(3, 8) == [(0, 1), (1, 2), (2, 3)]
@@ -204,7 +205,7 @@ def local_run(models, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ray_run(ray_session, models, local_run, tmp_path_factory):
-    from qeval.distributed import RayExecutor
+    from qeval.orchestrate.distributed import RayExecutor
 
     d = tmp_path_factory.mktemp("ray")
     lines: list[str] = []
@@ -271,7 +272,7 @@ def test_shards_merge_to_the_unsharded_store(local_run, ray_run):
 def test_killed_tasks_are_retried_and_resume(ray_session, models, local_run, tmp_path):
     """SIGKILL the reference capture's worker after 2 chunks and the pair's after 1: Ray retries
     both, the capture resumes at chunk 2, the comparison reads its saved chunks back."""
-    from qeval.distributed import RayExecutor
+    from qeval.orchestrate.distributed import RayExecutor
 
     local_dir, local = local_run
     ex = RayExecutor(progress_interval=0.5, log=lambda line: None, kill_after={"Q8_0": 2, "Q2_K": 1})
@@ -288,7 +289,7 @@ def test_killed_tasks_are_retried_and_resume(ray_session, models, local_run, tmp
 
 
 def test_task_that_keeps_dying_is_reported_and_resumable(ray_session, models, local_run, tmp_path):
-    from qeval.distributed import RayExecutor
+    from qeval.orchestrate.distributed import RayExecutor
 
     local_dir, _ = local_run
     shutil.copy(local_dir / "Q8_0.qeval", tmp_path / "Q8_0.qeval")  # reference done earlier
@@ -315,7 +316,7 @@ def test_task_that_keeps_dying_is_reported_and_resumable(ray_session, models, lo
 def test_pair_whose_label_now_names_another_model_is_recomputed(ray_session, models, local_run, tmp_path):
     """-m Q2_K=<Q4_0 file> after a run with the Q2_K file: its saved result and store answer another request,
     so the pair is recomputed through Ray (the planning is the local matrix's) and the run says so."""
-    from qeval.distributed import RayExecutor
+    from qeval.orchestrate.distributed import RayExecutor
 
     local_dir, _ = local_run
     for name in ("Q8_0.qeval", "Q2_K.qeval"):
@@ -331,7 +332,7 @@ def test_pair_whose_label_now_names_another_model_is_recomputed(ray_session, mod
 
 
 def test_shard_planning_counts_windows_like_a_capture(models, local_run):
-    from qeval.distributed import count_windows_task
+    from qeval.orchestrate.distributed import count_windows_task
 
     with StoreReader(local_run[0] / "Q8_0.qeval") as r:
         assert count_windows_task(str(models["Q8_0"]), None, N_CTX) == r.header.corpus["chunks_available"]

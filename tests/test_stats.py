@@ -7,10 +7,9 @@ import math
 
 import numpy as np
 import pytest
-
-from qeval import stats
-
 from conftest import percentile64
+
+from qeval.compare import stats
 
 
 def se_doc(x):

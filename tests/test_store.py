@@ -6,15 +6,34 @@ import json
 import struct
 
 import numpy as np
-import xxhash
 import pytest
+import xxhash
+from conftest import (
+    build_chunk,
+    decoded_logprobs,
+    kld64,
+    log_softmax64,
+    make_header,
+    make_tokens,
+    realistic_logits,
+    stable_topk,
+    synth_logits,
+    write_store,
+)
 
-from conftest import (build_chunk, decoded_logprobs, kld64, log_softmax64, make_header, make_tokens,
-                      realistic_logits, stable_topk, synth_logits, write_store)
-from qeval.codec import SqrtLogCode
 from qeval.errors import QevalError, StoreFormatError
-from qeval.store import (MAGIC, TRAILER_MAGIC, StoreComplete, StoreConflict, StoreHeader, StoreReader, StoreWriter,
-                         scored_positions, tokens_sha256)
+from qeval.storage.codec import SqrtLogCode
+from qeval.storage.store import (
+    MAGIC,
+    TRAILER_MAGIC,
+    StoreComplete,
+    StoreConflict,
+    StoreHeader,
+    StoreReader,
+    StoreWriter,
+    scored_positions,
+    tokens_sha256,
+)
 
 N_VOCAB, N_CTX, N_CHUNKS = 1200, 16, 4
 
@@ -332,7 +351,7 @@ def test_builder_or_writer_rejects_codes_passed_instead_of_planes(tmp_path, inpu
     enc = code.encode_block(logits[0], tokens[0, N_CTX // 2 + 1:])
     with StoreWriter.open(tmp_path / "a.qeval", header, tokens, code.lut()) as w:
         with pytest.raises((ValueError, QevalError)):
-            from qeval.store import ChunkBuilder
+            from qeval.storage.store import ChunkBuilder
 
             b = ChunkBuilder(0)
             b.add(enc.codes, enc.logprob_target, enc.logprob_max, enc.top_ids)  # codes, not planes
@@ -432,7 +451,7 @@ def test_chunk_with_top_ids_outside_the_vocab(small_store):
 def test_corrupt_or_oversized_code_frame():
     import zstandard
 
-    from qeval.store import ChunkData
+    from qeval.storage.store import ChunkData
 
     n, v = 3, 50
     scalars = (np.zeros(n), np.zeros(n), np.zeros((n, 10), np.int32))

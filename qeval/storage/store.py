@@ -29,9 +29,9 @@ import numpy as np
 import xxhash
 import zstandard
 
-from . import __version__
-from .errors import MismatchError, QevalError, StoreFormatError
-from .identity import capture_conflicts, tokens_sha256
+from qeval import __version__
+from qeval.errors import MismatchError, QevalError, StoreFormatError
+from qeval.identity import capture_conflicts, tokens_sha256
 
 MAGIC = b"QEVALLOG"
 TRAILER_MAGIC = b"QEVALEND"

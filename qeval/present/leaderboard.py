@@ -25,10 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
-from . import __version__, report, results
-from .errors import QevalError
-from .identity import changes
-from .metric_registry import METRICS, Metric
+from qeval import __version__
+from qeval.compare.metric_registry import METRICS, Metric
+from qeval.errors import QevalError
+from qeval.identity import changes
+from qeval.present import report, results
 
 DEFAULT_OUT = "leaderboard"
 # KV cache types from most to least precise: the column order of the heatmaps.
@@ -513,7 +514,7 @@ def table_html(board: Leaderboard) -> str:
                 style = f' style="background: hsl({120 - 120 * t:.0f}, 70%, 88%)"'
             cls = "" if key in ("quant", "kv") else ' class="num"'
             tds.append(f"<td{cls}{style}>{html.escape(cell)}</td>")
-        attrs = f' class="pareto"' if r["pareto"] else ""
+        attrs = ' class="pareto"' if r["pareto"] else ""
         body.append(f'<tr data-label="{html.escape(r["label"])}"{attrs}>' + "".join(tds) + "</tr>")
     return (f'<div class="table-wrap"><table id="leaderboard"><thead><tr>{head}</tr></thead>'
             f"<tbody>{''.join(body)}</tbody></table></div>")

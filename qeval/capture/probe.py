@@ -22,9 +22,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .buildflags import X86_OPTIONS, cpu_flags, is_x86_64, reinstall_command
-from .errors import QevalError
-from .modelinfo import cache_dir
+from qeval.capture.buildflags import X86_OPTIONS, cpu_flags, is_x86_64, reinstall_command
+from qeval.capture.modelinfo import cache_dir
+from qeval.errors import QevalError
 
 SYSTEM_INFO_PREFIX = "qeval-llama-system-info: "
 
@@ -44,7 +44,7 @@ def build_id() -> str:
 
 def child_command(args: list[str]) -> list[str]:
     """The argv of a guarded child; the one seam tests replace with a child that crashes."""
-    return [sys.executable, "-m", "qeval.probe", *args]
+    return [sys.executable, "-m", "qeval.capture.probe", *args]
 
 
 def missing_instructions(system_info: str, flags: set[str]) -> list[str]:
@@ -83,7 +83,7 @@ def crash_message(returncode: int, stdout: str, what: str) -> str:
 
 
 def run_guarded(args: list[str], what: str, timeout: float = 3600) -> subprocess.CompletedProcess:
-    """Run `python -m qeval.probe ARGS` in a child; a crash by signal raises one clear QevalError."""
+    """Run `python -m qeval.capture.probe ARGS` in a child; a crash by signal raises one clear QevalError."""
     proc = subprocess.run(child_command(args), capture_output=True, text=True, timeout=timeout)
     if proc.returncode < 0:
         raise QevalError(crash_message(proc.returncode, proc.stdout, what))
@@ -127,7 +127,7 @@ def _print_system_info() -> None:
 def _decode(model: str) -> None:
     import numpy as np  # noqa: PLC0415
 
-    from .engine import Engine  # noqa: PLC0415
+    from qeval.capture.engine import Engine  # noqa: PLC0415
 
     with Engine(model, 16) as engine:
         for _ in engine.iter_scored_logits(np.full(16, engine.bos, dtype=np.int32)):
@@ -137,7 +137,7 @@ def _decode(model: str) -> None:
 def _quantize(src: str, dst: str, ftype: str) -> None:
     import llama_cpp  # noqa: PLC0415
 
-    from .engine import quiet_llama  # noqa: PLC0415
+    from qeval.capture.engine import quiet_llama  # noqa: PLC0415
 
     quiet_llama()
     params = llama_cpp.llama_model_quantize_default_params()

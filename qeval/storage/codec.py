@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from .store import N_CODES, TOP_K, planes_to_codes
+from qeval.storage.store import N_CODES, TOP_K, planes_to_codes
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,9 @@ from typing import Iterator, Protocol
 
 import numpy as np
 
-from .errors import QevalError
-from .modelinfo import require_decoder_context
-from .store import scored_positions
+from qeval.capture.modelinfo import require_decoder_context
+from qeval.errors import QevalError
+from qeval.storage.store import scored_positions
 
 # GGML type ids accepted for the KV cache (llama.cpp ggml.h).
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20, "bf16": 30}
@@ -164,7 +164,7 @@ class ScoredRows:
 
 
 class Backend(Protocol):
-    """What a capture needs of a loaded model (qeval.capture): Engine, on llama-cpp-python, is the one
+    """What a capture needs of a loaded model (qeval.capture.capture): Engine, on llama-cpp-python, is the one
     implementation. The scored positions of a window are those of store.scored_positions(n_ctx)."""
 
     settings: EngineSettings

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
-from . import results, runs
-from .errors import MismatchError, QevalError
-from .identity import changes, reference_identity
+from qeval.errors import MismatchError, QevalError
+from qeval.identity import changes, reference_identity
+from qeval.present import results
+from qeval.storage import runs
 
 Measured = results.Result  # the name paired comparisons and gates use for a candidate's measurement
 
@@ -28,7 +29,8 @@ def measure(ref: str, cand: str, chunks: int | None = None, runs_dir: str | os.P
     """`cand` against `ref`: a saved result file (`*.json`) is read, anything else compared now."""
     if is_result_spec(cand):
         return _from_result(ref, Path(cand), chunks, runs_dir, need_per_token or chunks is not None)
-    from . import api, report  # noqa: PLC0415 - api imports the capture engine
+    from qeval import api  # noqa: PLC0415 - api imports the capture engine
+    from qeval.present import report  # noqa: PLC0415 - api imports the capture engine
 
     cmp = api.compare(ref, cand, chunks, runs_dir, threads=threads, progress=progress)
     return Measured(report.comparison_json(cmp), cmp.per_token, None)

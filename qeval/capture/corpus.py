@@ -15,7 +15,7 @@ from typing import Callable
 
 import numpy as np
 
-from .errors import QevalError
+from qeval.errors import QevalError
 
 DEFAULT_CORPUS = "austen-northanger-abbey"
 # Short names for hub datasets: (dataset, config, split, text column).

@@ -17,7 +17,7 @@ import os
 from collections import Counter
 from pathlib import Path
 
-from .errors import QevalError
+from qeval.errors import QevalError
 
 FINGERPRINT_BLOCKS = 64
 FINGERPRINT_BLOCK_BYTES = 1 << 20

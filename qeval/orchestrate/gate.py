@@ -1,6 +1,6 @@
 """Release gate: `qeval check` passes (exit 0) or fails (exit 1) a candidate on thresholds and baselines.
 
-Every metric of qeval.metric_registry with a `gate` option is a threshold: `--max-…` for lower-is-better
+Every metric of qeval.compare.metric_registry with a `gate` option is a threshold: `--max-…` for lower-is-better
 metrics, `--min-…` for higher-is-better ones (keyword `max_kld` etc. in Python).
 A check fails only when the candidate is worse than the limit *beyond its error bars*: the mean must
 be over the limit even at the favourable end of its 95 % interval (mean − 1.96·SE for lower-is-better
@@ -19,10 +19,11 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 
-from . import baselines, metric_registry
-from .errors import QevalError
-from .measured import Measured, is_result_spec, measure
-from .metric_registry import METRICS, Metric, MetricValue
+from qeval.compare import metric_registry
+from qeval.compare.metric_registry import METRICS, Metric, MetricValue
+from qeval.errors import QevalError
+from qeval.orchestrate import baselines
+from qeval.orchestrate.measured import Measured, is_result_spec, measure
 
 Z = 1.96  # two-sided 95 %; each check is one-sided at 97.5 %
 
@@ -229,7 +230,8 @@ def _setting_notes(entry: baselines.Entry, summary: dict) -> list[str]:
 
 def _pick_early(base: baselines.Baseline, ref: str, cand: str, runs_dir) -> None:
     """Refuse an ambiguous or unmatched baseline from the stores' headers, before a long comparison."""
-    from . import api, report  # noqa: PLC0415
+    from qeval import api  # noqa: PLC0415
+    from qeval.present import report  # noqa: PLC0415
 
     if is_result_spec(cand) or api.is_model_file(cand):
         return  # a saved result is read at once; a live model's quant is known only once loaded

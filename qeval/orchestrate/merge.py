@@ -22,9 +22,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .errors import QevalError, StoreFormatError
-from .identity import capture_identity, short
-from .store import StoreReader, StoreWriter, sync_dir
+from qeval.errors import QevalError, StoreFormatError
+from qeval.identity import capture_identity, short
+from qeval.storage.store import StoreReader, StoreWriter, sync_dir
 
 TMP_SUFFIX = ".merging"
 
@@ -143,7 +143,7 @@ def _copy(ordered: list[StoreReader], tmp: Path, header, on_chunk) -> None:
 
 def merge_report(parts: Sequence[str | os.PathLike], out: str | os.PathLike, label: str | None = None,
                  progress: bool = False) -> tuple[dict, str]:
-    from .api import progress_bar  # noqa: PLC0415
+    from qeval.api import progress_bar  # noqa: PLC0415
 
     total = 0
     for p in parts:

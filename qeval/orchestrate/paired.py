@@ -1,7 +1,7 @@
 """Is candidate A really better than candidate B? Paired differences on the same reference tokens.
 
 Both candidates are scored against one reference over the same tokens, so every token gives a
-paired difference d = x_A - x_B of each metric qeval.metric_registry marks `paired` (KLD, NLL,
+paired difference d = x_A - x_B of each metric qeval.compare.metric_registry marks `paired` (KLD, NLL,
 same-top-1). The tokens of one window are not independent: they share a context, the model's state
 and often a topic, so their differences are correlated and a per-token standard error
 (sd/sqrt(n_tokens)) is too small. Windows (chunks) are evaluated with a cleared KV cache over
@@ -30,9 +30,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from scipy import stats as sps
 
-from .errors import MismatchError, QevalError
-from .measured import Measured, measure
-from .metric_registry import METRICS, Metric
+from qeval.compare.metric_registry import METRICS, Metric
+from qeval.errors import MismatchError, QevalError
+from qeval.orchestrate.measured import Measured, measure
 
 CONFIDENCE = 0.95
 N_BOOT = 10_000
@@ -44,7 +44,7 @@ PAIRED_METRICS = {key: m for key, m in METRICS.items() if m.paired}
 
 @dataclass
 class PairedDifference:
-    metric: str  # its qeval.metric_registry key
+    metric: str  # its qeval.compare.metric_registry key
     unit: str  # of the difference
     better: str  # "lower" or "higher"
     mean_a: float  # per-token means, in the metric's unit

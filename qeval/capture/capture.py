@@ -16,16 +16,26 @@ from typing import Callable, Iterator
 import numpy as np
 import zstandard
 
-from . import __version__
-from .codec import BadLogits, EncodedBlock, SqrtLogCode
-from .corpus import load_corpus, make_windows
-from .engine import Backend, Engine, EngineSettings, ScoredRows, available_cores, check_model_file
-from .errors import MismatchError, QevalError
-from .modelinfo import model_facts
-from .probe import ensure_llama_runs
-from .pool import bounded_map
-from .store import (ChunkBuilder, ChunkData, StoreComplete, StoreHeader, StoreReader, StoreWriter, reblock,
-                    scored_positions, tokens_sha256, zstd_compressor)
+from qeval import __version__
+from qeval.capture.corpus import load_corpus, make_windows
+from qeval.capture.engine import Backend, Engine, EngineSettings, ScoredRows, available_cores, check_model_file
+from qeval.capture.modelinfo import model_facts
+from qeval.capture.probe import ensure_llama_runs
+from qeval.errors import MismatchError, QevalError
+from qeval.pool import bounded_map
+from qeval.storage.codec import BadLogits, EncodedBlock, SqrtLogCode
+from qeval.storage.store import (
+    ChunkBuilder,
+    ChunkData,
+    StoreComplete,
+    StoreHeader,
+    StoreReader,
+    StoreWriter,
+    reblock,
+    scored_positions,
+    tokens_sha256,
+    zstd_compressor,
+)
 
 ENCODE_BLOCK = 16
 

@@ -3,7 +3,7 @@ columns, how it prints, and whether `qeval check` and `qeval compare` use it.
 
 A metric's key is its one name in every output: the "metrics" block of a comparison's JSON (and so of saved
 results), leaderboard columns, baseline files (baselines/SCHEMA.md), `qeval check` lines and `qeval compare`
-differences. qeval.report, qeval.leaderboard, qeval.baselines, qeval.gate and qeval.paired iterate METRICS
+differences. qeval.present.report, qeval.present.leaderboard, qeval.orchestrate.baselines, qeval.orchestrate.gate and qeval.orchestrate.paired iterate METRICS
 and spell no metric out. Beside "metrics", a comparison's JSON keeps llama-perplexity's statistics blocks
 (perplexity, kld, kld_reverse, delta_p, same_top1, topK_agreement: ladders, correlation) that its text
 layout prints.
@@ -19,8 +19,8 @@ from typing import Callable, ClassVar, Union
 
 import numpy as np
 
-from . import stats
-from .errors import QevalError
+from qeval.compare import stats
+from qeval.errors import QevalError
 
 PerToken = dict[str, np.ndarray]
 Column = Union[str, Callable[[PerToken], np.ndarray]]  # a per-token field (metrics.PER_TOKEN_FIELDS), or derived

@@ -2,7 +2,7 @@
 
 A baseline file is JSON: the source of its numbers, default settings and model, and entries; each
 entry is one candidate (optionally measured against a reference) with metric values under the names
-and in the units of qeval.metric_registry. `load_baseline` validates a file and raises QevalError naming
+and in the units of qeval.compare.metric_registry. `load_baseline` validates a file and raises QevalError naming
 the bad field; `baseline_from_result` turns a qeval result (the JSON of `qeval kld --json`) into a baseline.
 """
 
@@ -15,9 +15,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import __version__, metric_registry
-from .errors import QevalError
-from .metric_registry import METRICS, MetricValue
+from qeval import __version__
+from qeval.compare import metric_registry
+from qeval.compare.metric_registry import METRICS, MetricValue
+from qeval.errors import QevalError
 
 SCHEMA = "qeval-baseline/1"
 BASELINES_ENV = "QEVAL_BASELINES_DIR"
@@ -74,7 +75,7 @@ def baseline_dirs() -> list[Path]:
     dirs = []
     if os.environ.get(BASELINES_ENV):
         dirs.append(Path(os.environ[BASELINES_ENV]))
-    dirs.append(Path(__file__).resolve().parents[1] / "baselines")
+    dirs.append(Path(__file__).resolve().parents[2] / "baselines")
     return dirs
 
 
@@ -285,7 +286,7 @@ def baseline_from_results(summaries: list[dict], title: str | None = None, sourc
         "schema": SCHEMA,
         "title": title or f"qeval result: {what} against {ref.get('label')}",
         "source": {"title": f"qeval {__version__} comparison {what} vs {ref.get('label')}",
-                   "file": source_file, "note": "converted from qeval results by qeval.baselines.baseline_from_results"},
+                   "file": source_file, "note": "converted from qeval results by qeval.orchestrate.baselines.baseline_from_results"},
         "entries": [entry_from_result(s, entry_id if len(summaries) == 1 else None) for s in summaries],
     }
     doc["source"] = {k: v for k, v in doc["source"].items() if v}
@@ -295,7 +296,7 @@ def baseline_from_results(summaries: list[dict], title: str | None = None, sourc
 
 def result_to_baseline_file(result_path: str | os.PathLike, out: str | os.PathLike, title: str | None = None,
                             entry_id: str | None = None) -> str:
-    from .results import load_result  # noqa: PLC0415
+    from qeval.present.results import load_result  # noqa: PLC0415
 
     res = load_result(result_path, with_per_token=False)
     doc = baseline_from_result(res.summary, title, Path(result_path).name, entry_id)
@@ -429,7 +430,7 @@ def show_report(spec: str | None = None, run: str | None = None, entry_id: str |
     result = baseline_json(b)
     run_summary, matched = None, set()
     if run:
-        from .results import load_result  # noqa: PLC0415
+        from qeval.present.results import load_result  # noqa: PLC0415
 
         run_summary = load_result(run, with_per_token=False).summary
         if entry_id:

@@ -11,9 +11,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import QevalError
-from .modelinfo import cache_dir
-from .probe import quantize_guarded
+from qeval.capture.modelinfo import cache_dir
+from qeval.capture.probe import quantize_guarded
+from qeval.errors import QevalError
 
 SOURCE_QUANT = "Q4_K_M"
 # llama.cpp LLAMA_FTYPE_MOSTLY_* values

@@ -1,12 +1,12 @@
 """`qeval matrix --executor ray`: the same matrix, every capture and comparison a Ray task.
 
-It executes the same qeval.matrix plan as a local run. Tasks are pure functions of serialisable
+It executes the same qeval.orchestrate.matrix plan as a local run. Tasks are pure functions of serialisable
 specs: a reference capture (or each of its shards) is a CaptureSpec, a model x KV pair is a
-CompareSpec, run by the same function as locally (qeval.matrix.run_pair). Every task writes into
+CompareSpec, run by the same function as locally (qeval.orchestrate.matrix.run_pair). Every task writes into
 the runs directory, which must be one shared filesystem path, mounted at the same place on every
 node (NFS, Lustre, ...): stores are resumable, so a task that dies (worker killed, node lost,
 OOM) is retried by Ray (`max_retries`) and continues from its last complete chunk. Shards of the
-reference are merged (qeval.merge) only once every shard is complete; a store is never made to
+reference are merged (qeval.orchestrate.merge) only once every shard is complete; a store is never made to
 look complete early.
 
 The driver (the `qeval matrix` process) only submits tasks, merges shards, and counts the CHNK
@@ -25,13 +25,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from . import runs
-from .capture import CaptureSpec, capture
-from .engine import EngineSettings
-from .errors import QevalError
-from .matrix import SKIP, MatrixPlan, MatrixRun, PairPlan, plan_pairs, run_pair, saved_summaries
-from .merge import merge_stores
-from .store import StoreReader, replacement_path
+from qeval.capture.capture import CaptureSpec, capture
+from qeval.capture.engine import EngineSettings
+from qeval.errors import QevalError
+from qeval.orchestrate.matrix import SKIP, MatrixPlan, MatrixRun, PairPlan, plan_pairs, run_pair, saved_summaries
+from qeval.orchestrate.merge import merge_stores
+from qeval.storage import runs
+from qeval.storage.store import StoreReader, replacement_path
 
 SHARDS_SUBDIR = "shards"
 INSTALL_HINT = "pip install 'qeval[ray]'"
@@ -111,8 +111,8 @@ def count_windows_task(model: str, corpus: str | None, n_ctx: int) -> int:
     import llama_cpp  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
 
-    from .corpus import load_corpus, make_windows  # noqa: PLC0415
-    from .engine import check_model_file, quiet_llama  # noqa: PLC0415
+    from qeval.capture.corpus import load_corpus, make_windows  # noqa: PLC0415
+    from qeval.capture.engine import check_model_file, quiet_llama  # noqa: PLC0415
 
     check_model_file(model)
     quiet_llama()
@@ -225,7 +225,7 @@ def _describe_error(exc: BaseException) -> str:
 
 
 class RayExecutor:
-    """Runs a matrix plan (qeval.matrix) as Ray tasks. One task per reference capture or shard and per
+    """Runs a matrix plan (qeval.orchestrate.matrix) as Ray tasks. One task per reference capture or shard and per
     model x KV pair, each with `num_gpus=gpus_per_task, num_cpus=cpus_per_task`."""
 
     def __init__(self, address: str | None = None, gpus_per_task: float = 0, cpus_per_task: float = 1,
@@ -272,7 +272,7 @@ class RayExecutor:
 
     # -- the matrix ------------------------------------------------------------------------------
     def run(self, plan: MatrixPlan, progress: bool) -> MatrixRun:
-        """Execute `plan` as Ray tasks; reports as qeval.matrix.run_local does, plus the fleet's lines."""
+        """Execute `plan` as Ray tasks; reports as qeval.orchestrate.matrix.run_local does, plus the fleet's lines."""
         ray, started = self._connect()
         try:
             return self._run(ray, on_cluster(plan, self.cpus), progress)

@@ -14,11 +14,11 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from . import metric_registry, stats
-from .errors import MismatchError, QevalError
-from .kernels import N_SUMS, decode_tables, kld_from_sums, pair_sums
-from .pool import bounded_map
-from .store import ChunkData, StoreHeader, StoreReader
+from qeval.compare import metric_registry, stats
+from qeval.compare.kernels import N_SUMS, decode_tables, kld_from_sums, pair_sums
+from qeval.errors import MismatchError, QevalError
+from qeval.pool import bounded_map
+from qeval.storage.store import ChunkData, StoreHeader, StoreReader
 
 TOPK_AGREEMENT = (5, 10)
 # Tokens per decompressed block: 2 rows are 1 MB per store, so the kernel reads planes still in cache
@@ -57,7 +57,7 @@ class Comparison:
 
     def summary(self) -> dict:
         """llama-perplexity's statistics blocks (what its text layout prints), and "metrics": every metric of
-        qeval.metric_registry under its one name."""
+        qeval.compare.metric_registry under its one name."""
         t = self.per_token
         kld_mean, kld_se = stats.mean_se(t["kld"])
         rkld_mean, rkld_se = stats.mean_se(t["kld_reverse"])

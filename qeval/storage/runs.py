@@ -6,9 +6,9 @@ import os
 import re
 from pathlib import Path
 
-from .errors import QevalError
-from .llamacpp import LlamaCppBaseFile, is_llamacpp_file
-from .store import MAGIC, StoreReader
+from qeval.errors import QevalError
+from qeval.storage.llamacpp import LlamaCppBaseFile, is_llamacpp_file
+from qeval.storage.store import MAGIC, StoreReader
 
 STORE_SUFFIX = ".qeval"
 DEFAULT_RUNS_DIR = "qeval-runs"

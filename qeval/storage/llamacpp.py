@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .codec import SqrtLogCode
-from .errors import StoreFormatError
-from .store import ChunkBuilder, ChunkData, StoreHeader, scored_positions, tokens_sha256
+from qeval.errors import StoreFormatError
+from qeval.storage.codec import SqrtLogCode
+from qeval.storage.store import ChunkBuilder, ChunkData, StoreHeader, scored_positions, tokens_sha256
 
 MAGIC = b"_logits_"
 _HEAD = np.dtype([("magic", "S8"), ("n_ctx", "<i4"), ("n_vocab", "<i4"), ("n_chunk", "<i4")])
@@ -152,7 +152,7 @@ def import_llamacpp(src: str | os.PathLike, out: str | os.PathLike, label: str =
                     replace: bool = False) -> Path:
     """Convert a `--kl-divergence-base` file into a qeval store (resumable, like a capture; a store at
     `out` that holds another capture is refused, or replaced with `replace`)."""
-    from .store import StoreComplete, StoreWriter
+    from qeval.storage.store import StoreComplete, StoreWriter
 
     out = Path(out)
     with LlamaCppBaseFile(src, label=label or out.name.split(".")[0]) as base:

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import QevalError
-from .identity import METRICS_VERSION, ComparisonRequest
-from .metrics import PER_TOKEN_FIELDS, Comparison
-from .report import comparison_json
+from qeval.compare.metrics import PER_TOKEN_FIELDS, Comparison
+from qeval.errors import QevalError
+from qeval.identity import METRICS_VERSION, ComparisonRequest
+from qeval.present.report import comparison_json
 
 RESULTS_SUBDIR = "results"
 

@@ -3,7 +3,7 @@
 A MatrixPlan says what a matrix computes: the reference capture (a CaptureSpec) and every model x KV
 pair. Once the reference store exists, plan_pairs decides for each pair what to do (skip it, compare
 its stored candidate, or run its model live) and why; run_pair does it. The local executor
-(run_local, here) and the Ray executor (qeval.distributed) both execute that plan, so they reuse and
+(run_local, here) and the Ray executor (qeval.orchestrate.distributed) both execute that plan, so they reuse and
 recompute exactly the same pairs and write the same results.
 """
 
@@ -14,12 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from . import identity, metrics, report, results, runs
-from .capture import CaptureSpec, capture, open_live
-from .codec import SqrtLogCode
-from .engine import EngineSettings, available_cores
-from .errors import QevalError
-from .store import StoreReader
+from qeval import identity
+from qeval.capture.capture import CaptureSpec, capture, open_live
+from qeval.capture.engine import EngineSettings, available_cores
+from qeval.compare import metrics
+from qeval.errors import QevalError
+from qeval.present import report, results
+from qeval.storage import runs
+from qeval.storage.codec import SqrtLogCode
+from qeval.storage.store import StoreReader
 
 # what a matrix does with a pair (PairPlan.action)
 SKIP = "skip"  # its saved result answers the request

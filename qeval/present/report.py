@@ -9,12 +9,12 @@ from pathlib import Path
 
 import numpy as np
 
-from . import __version__
-from .identity import comparison_request
-from .metric_registry import KLD_BLOCK, METRICS, PPL_BLOCK, TOKEN_BLOCK, Metric, read
-from .metrics import PER_TOKEN_FIELDS, Comparison
-from .store import StoreHeader
-from .llamacpp import record_values
+from qeval import __version__
+from qeval.compare.metric_registry import KLD_BLOCK, METRICS, PPL_BLOCK, TOKEN_BLOCK, Metric, read
+from qeval.compare.metrics import PER_TOKEN_FIELDS, Comparison
+from qeval.identity import comparison_request
+from qeval.storage.llamacpp import record_values
+from qeval.storage.store import StoreHeader
 
 
 def describe(source) -> dict:
@@ -49,7 +49,7 @@ def _pm(value: float, se: float, width: int = 10, prec: int = 6) -> str:
 
 def comparison_text(result: dict) -> str:
     """llama-perplexity's three blocks, line for line, each followed by the lines of the metrics that
-    qeval.metric_registry places in it."""
+    qeval.compare.metric_registry places in it."""
     ref, cand = result["reference"], result["candidate"]
     p, k, dp = result["perplexity"], result["kld"], result["delta_p"]
     top1 = result["same_top1"]

@@ -1,0 +1,1 @@
+"""Presentation: llama-perplexity-style text and JSON reports, leaderboards (Markdown, HTML, plots)."""
