@@ -29,6 +29,7 @@ from qeval.compare.kernels import decode_tables
 from qeval.compare.metrics import compare_chunk
 from qeval.orchestrate import demo
 from qeval.storage.codec import SqrtLogCode
+from qeval.storage.scoring import HALF
 from qeval.storage.store import ZSTD_LEVEL, ChunkBuilder, zstd_compressor
 
 CANDIDATES = ("Q4_0", "Q3_K_M", "Q2_K")
@@ -72,7 +73,7 @@ def main() -> None:
     # --- noise floor, size, encode speed ----------------------------------------------------------
     floors, sizes = [], []
     for c, logits in enumerate(ref_logits):
-        targets = scored_targets(windows[c])
+        targets = scored_targets(windows[c], HALF.positions(windows.shape[1]))
         block = code.encode_block(logits, targets)
         floors.append(exact_kld(log_softmax64(logits), decoded_logprobs(block.codes, code.lut())))
         builder = ChunkBuilder(c)
@@ -87,7 +88,7 @@ def main() -> None:
     out["bytes_per_scored_token"] = sum(sizes) / out["scored_tokens"]
     out["llamacpp_bytes_per_scored_token"] = 2 * (2 * ((out["n_vocab"] + 1) // 2) + 4)
     out["ratio_vs_llamacpp"] = out["llamacpp_bytes_per_scored_token"] / out["bytes_per_scored_token"]
-    out["encode_tokens_per_s"] = encode_speed(ref_logits[0], scored_targets(windows[0]), code)
+    out["encode_tokens_per_s"] = encode_speed(ref_logits[0], scored_targets(windows[0], HALF.positions(windows.shape[1])), code)
 
     # --- size / noise-floor frontier over the knee ------------------------------------------------
     frontier = []
@@ -95,7 +96,7 @@ def main() -> None:
     exact = log_softmax64(sample)
     for knee in KNEES:
         k_code = SqrtLogCode(knee=knee)
-        blk = k_code.encode_block(sample, scored_targets(windows[0]))
+        blk = k_code.encode_block(sample, scored_targets(windows[0], HALF.positions(windows.shape[1])))
         size = len(zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(blk.planes.tobytes())) / len(sample)
         f = exact_kld(exact, decoded_logprobs(blk.codes, k_code.lut()))
         frontier.append({"knee": knee, "noise_floor_mean": float(f.mean()), "bytes_per_token": size})
@@ -112,7 +113,7 @@ def main() -> None:
                 exact_vals.append(exact_kld(log_softmax64(ref_logits[c]), log_softmax64(cand_logits)))
                 ref_chunk = _chunk(c, ref_logits[c], window, code)
                 cand_chunk = encode_window(engine, c, window, code, pool)
-                ours.append(compare_chunk(ref_chunk, cand_chunk, window, tables, tables, out["n_vocab"])["kld"])
+                ours.append(compare_chunk(ref_chunk, cand_chunk, window, HALF.positions(len(window)), tables, tables, out["n_vocab"])["kld"])
         ours_all, exact_all = np.concatenate(ours), np.concatenate(exact_vals)
         lad_ours = stats.ladder(ours_all, stats.KLD_LADDER)
         lad_exact = stats.ladder(exact_all, stats.KLD_LADDER)
@@ -128,7 +129,7 @@ def main() -> None:
 
 
 def _chunk(index: int, logits: np.ndarray, window: np.ndarray, code: SqrtLogCode):
-    targets = scored_targets(window)
+    targets = scored_targets(window, HALF.positions(len(window)))
     builder = ChunkBuilder(index)
     for s in range(0, len(logits), 16):
         b = code.encode_block(logits[s:s + 16], targets[s:s + 16])

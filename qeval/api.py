@@ -12,7 +12,7 @@ from typing import Iterator
 
 from qeval.capture.capture import CaptureSpec, capture, open_live
 from qeval.capture.engine import EngineSettings, available_cores
-from qeval.compare import metrics
+from qeval.compare import depth, metrics, sampler
 from qeval.errors import QevalError
 from qeval.orchestrate import matrix
 from qeval.orchestrate.distributed import as_executor
@@ -20,6 +20,7 @@ from qeval.orchestrate.matrix import pair_label, pair_settings, parse_model_arg 
 from qeval.present import report, results
 from qeval.storage import runs
 from qeval.storage.llamacpp import import_llamacpp
+from qeval.storage.scoring import Scoring
 from qeval.storage.store import StoreReader
 
 
@@ -63,11 +64,13 @@ def is_model_file(spec: str) -> bool:
 
 def compare(ref: str, cand: str, chunks: int | None = None, runs_dir=None, threads: int | None = None,
             settings: EngineSettings = EngineSettings(), save: str | None = None,
-            progress: bool = False, on_chunk=None, force: bool = False) -> metrics.Comparison:
+            progress: bool = False, on_chunk=None, force: bool = False, samplers=()) -> metrics.Comparison:
     """Compare a candidate (store, label, llama.cpp file, or a GGUF model run live) with a reference.
 
     save: keep a live candidate's store under this label; a store there that holds another capture is
-    refused, or replaced with `force`."""
+    refused, or replaced with `force`. samplers: presets or settings strings (qeval.compare.sampler, e.g.
+    "qwen3.5-thinking", "temp=0.6,top_k=20,top_p=0.95,min_p=0"): divergence after each sampler, same pass."""
+    samplers = sampler.parse_all(samplers)  # a bad sampler is refused before any work
     directory = runs.runs_dir(runs_dir)
     with contextlib.ExitStack() as stack:
         ref_src = stack.enter_context(contextlib.closing(runs.open_source(ref, directory)))
@@ -87,7 +90,7 @@ def compare(ref: str, cand: str, chunks: int | None = None, runs_dir=None, threa
         n = len(metrics.select_chunks(ref_src, cand_src, chunks))
         with progress_bar("comparing chunks", n, progress and on_chunk is None) as advance:
             result = metrics.compare(ref_src, cand_src, chunks, threads=threads or available_cores(),
-                                     on_chunk=on_chunk or advance)
+                                     on_chunk=on_chunk or advance, samplers=samplers)
         if getattr(cand_src, "writer", None) is not None:
             cand_src.writer.finish()
         return result
@@ -96,8 +99,12 @@ def compare(ref: str, cand: str, chunks: int | None = None, runs_dir=None, threa
 def kld_report(ref: str, cand: str, chunks: int | None = None, runs_dir=None, threads: int | None = None,
                per_token: Path | None = None, progress: bool = False,
                settings: EngineSettings = EngineSettings(), save: str | None = None,
-               save_result: bool = False, on_chunk=None, force: bool = False) -> tuple[dict, str]:
-    cmp = compare(ref, cand, chunks, runs_dir, threads, settings, save, progress, on_chunk, force)
+               save_result: bool = False, on_chunk=None, force: bool = False,
+               bands: str | None = None, samplers=()) -> tuple[dict, str]:
+    """bands: inner edges of the by-depth block, e.g. "512,2048,8192" (default: powers of 4 from 512).
+    samplers: see compare(); their figures are the result's "samplers" block (and sampler metrics)."""
+    depth.parse_bands(bands, 1 << 40)  # a bad --bands is refused before any work
+    cmp = compare(ref, cand, chunks, runs_dir, threads, settings, save, progress, on_chunk, force, samplers)
     if save_result:
         results.save_result(cmp, runs.runs_dir(runs_dir) / results.RESULTS_SUBDIR)
     if per_token is not None:
@@ -105,7 +112,7 @@ def kld_report(ref: str, cand: str, chunks: int | None = None, runs_dir=None, th
             report.write_per_token(cmp, Path(per_token))
         except OSError as exc:
             raise QevalError(f"cannot write --per-token file {per_token}: {exc.strerror}") from None
-    result = report.comparison_json(cmp)
+    result = report.comparison_json(cmp, depth.parse_bands(bands, cmp.ref.header.n_ctx))
     return result, report.comparison_text(result)
 
 
@@ -152,7 +159,8 @@ def import_llamacpp_report(file: Path, out: Path, force: bool = False) -> str:
 def capture_store(model: str, label: str, runs_dir=None, out: str | None = None, corpus: str | None = None,
                   n_ctx: int = 512, chunks: int | None = None, settings: EngineSettings = EngineSettings(),
                   chunk_range: tuple[int, int] | None = None,
-                  progress: bool = False, on_chunk=None, force: bool = False) -> tuple[dict, str]:
+                  progress: bool = False, on_chunk=None, force: bool = False, scoring: str = "half",
+                  concat: bool = False) -> tuple[dict, str]:
     """Capture `model` into a store, resume an interrupted capture, or reuse one that holds it already.
     A store there that holds another capture is refused (naming what differs), or replaced with `force`."""
     directory = runs.runs_dir(runs_dir)
@@ -161,7 +169,8 @@ def capture_store(model: str, label: str, runs_dir=None, out: str | None = None,
         directory.mkdir(parents=True, exist_ok=True)
         out = str(runs.store_path(label, directory))
     spec = CaptureSpec(model=model, out=out, label=label, corpus=corpus, n_ctx=n_ctx, chunks=chunks,
-                       chunk_range=chunk_range, settings=settings, replace=force)
+                       chunk_range=chunk_range, settings=settings, replace=force, scoring=Scoring.parse(scoring).rule,
+                       concat=concat)
     with contextlib.ExitStack() as stack:
         state = {}
 
@@ -180,7 +189,8 @@ def capture_store(model: str, label: str, runs_dir=None, out: str | None = None,
 def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int | None = None, n_ctx: int = 512,
                   corpus: str | None = None, runs_dir=None, threads: int | None = None, n_gpu_layers: int = 0,
                   progress: bool = True, executor=None, n_batch: int | None = None,
-                  n_ubatch: int | None = None, force: bool = False) -> tuple[dict, str]:
+                  n_ubatch: int | None = None, force: bool = False, scoring: str = "half",
+                  concat: bool = False) -> tuple[dict, str]:
     """Capture `ref` once, then every model x KV pair (live, or reusing finished stores and results).
 
     A saved result or store is reused only when it answers the pair's request (qeval.identity); else
@@ -198,15 +208,16 @@ def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int 
             if not (path == ref_path and kv == "f16"):
                 pairs.append((pair_label(label, kv), path, kv))
     return run_pairs(ref_label, ref_path, pairs, chunks, n_ctx, corpus, directory, threads, n_gpu_layers, progress,
-                     executor, n_batch, n_ubatch, force)
+                     executor, n_batch, n_ubatch, force, scoring, concat)
 
 
 def run_pairs(ref_label: str, ref_path: str, pairs: list[tuple[str, str, str]], chunks, n_ctx, corpus,
               directory: Path, threads, n_gpu_layers, progress, executor=None, n_batch: int | None = None,
-              n_ubatch: int | None = None, force: bool = False) -> tuple[dict, str]:
+              n_ubatch: int | None = None, force: bool = False, scoring: str = "half",
+              concat: bool = False) -> tuple[dict, str]:
     """The matrix of reference `ref_path` and (label, model, kv) `pairs` (see matrix_report)."""
     plan = matrix.plan_matrix(ref_label, ref_path, pairs, chunks, n_ctx, corpus, directory, threads, n_gpu_layers,
-                              n_batch, n_ubatch, force)
+                              n_batch, n_ubatch, force, scoring, concat)
     directory.mkdir(parents=True, exist_ok=True)
     if executor not in (None, "local"):
         return matrix.matrix_result(plan, as_executor(executor).run(plan, progress))

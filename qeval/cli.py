@@ -37,6 +37,12 @@ Batch = typer.Option(None, "-b", "--batch-size", help=(
     "tokens of each window (-ub a multiple of 64 x b/c): its kernel gives other numbers below."))
 UBatch = typer.Option(None, "-ub", "--ubatch-size", help="Tokens per physical batch (default: min(-b, 512), as llama.cpp); "
                       "on a GPU it sets prompt-processing speed.")
+RopeScaling = typer.Option(None, "--rope-scaling", help="RoPE scaling beyond the trained context, as llama.cpp: linear or yarn.")
+RopeScale = typer.Option(None, "--rope-scale", help="With --rope-scaling: the context scale factor (default: n_ctx / the trained context).")
+Concat = typer.Option(False, "--concat", help="Join the corpus's documents into one token stream, as llama-perplexity does (by default a window never spans two documents).")
+Score = typer.Option("half", "--score", help=(
+    "Which logit positions of each window are scored: half (llama-perplexity's second half, the default), all, or "
+    "every:S (every S-th position: a sparse sample over the whole depth, for long contexts)."))
 DecodeAhead = typer.Option(None, "--decode-ahead/--no-decode-ahead", help=(
     "Decode the next call while the last one is coded, on a copy of its logits (one more call's worth of host "
     "memory). Default: on with -ngl, so the GPU never waits for the CPU; off on CPU, where decoding and coding "
@@ -54,6 +60,12 @@ def kld(
     chunks: Optional[int] = Chunks,
     as_json: bool = Json,
     per_token: Optional[Path] = typer.Option(None, "--per-token", help="Write per-token values (.csv, or .npz)."),
+    bands: Optional[str] = typer.Option(None, "--bands", help="Inner edges of the by-depth bands, in logit positions, e.g. 512,2048,8192 (default: powers of 4 from 512 up to n_ctx)."),
+    sampler: Optional[list[str]] = typer.Option(None, "--sampler", help=(
+        "Also compare the two distributions after llama.cpp's sampler chain (top-k, top-p, min-p, temperature): "
+        "TVD, agreement (speculative-decoding acceptance), support differs, greedy agreement. A preset (greedy, "
+        "qwen3.5-thinking, qwen3.5-instruct, llama.cpp-default) or settings like temp=0.6,top_k=20,top_p=0.95,min_p=0 "
+        "(keys left out are off); repeat for several, computed in the same pass.")),
     save: Optional[str] = typer.Option(None, "--save", help="With a live GGUF candidate: also keep its store under this label."),
     save_result: bool = typer.Option(False, "--save-result", help="Keep the result (JSON + per-token npz) in RUNS_DIR/results for leaderboards, compare and check."),
     force: bool = typer.Option(False, "--force", help="With --save: replace a store under that label that holds another capture (the old one is kept until the new one is complete)."),
@@ -65,15 +77,19 @@ def kld(
     ubatch: Optional[int] = UBatch,
     decode_ahead: Optional[bool] = DecodeAhead,
     threads: Optional[int] = Threads,
+    rope_scaling: Optional[str] = RopeScaling,
+    rope_scale: Optional[float] = RopeScale,
     runs_dir: Optional[Path] = RunsDir,
 ):
     """KL divergence, PPL ratio, Δp and same-top-1 of a candidate against a reference.
 
     The candidate may be a GGUF model: it then runs live over exactly the reference's tokens.
     """
-    settings = EngineSettings(type_k, type_v, flash_attn, n_gpu_layers, threads, batch, ubatch, decode_ahead)
+    settings = EngineSettings(type_k, type_v, flash_attn, n_gpu_layers, threads, batch, ubatch, decode_ahead,
+                              rope_scaling, rope_scale)
     result, text = api.kld_report(ref, cand, chunks=chunks, runs_dir=runs_dir, per_token=per_token,
-                                  progress=True, settings=settings, save=save, save_result=save_result, force=force)
+                                  progress=True, settings=settings, save=save, save_result=save_result, force=force,
+                                  bands=bands, samplers=sampler or ())
     _emit(result, text, as_json)
 
 
@@ -83,9 +99,11 @@ def capture(
     label: str = typer.Option(..., "--label", "-l", help="Name of the store in the runs directory, e.g. Q8_0."),
     ctx: int = typer.Option(512, "-c", "--ctx", "--ctx-size", help="Tokens per window (n_ctx)."),
     chunks: Optional[int] = Chunks,
-    corpus: Optional[str] = typer.Option(None, "--corpus", "-f", help="Text file, shipped corpus name, wikitext-2, or hf:DATASET[/CONFIG][:SPLIT][#COLUMN]."),
+    corpus: Optional[str] = typer.Option(None, "--corpus", "-f", help="Text file, folder of *.txt documents, shipped corpus name (or 'shipped': all), wikitext-2, or hf:DATASET[/CONFIG][:SPLIT][#COLUMN]."),
     chunk_range: Optional[str] = typer.Option(None, "--chunk-range", help="Capture only windows A:B (a shard)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Store path (default RUNS_DIR/LABEL.qeval)."),
+    score: str = Score,
+    concat: bool = Concat,
     type_k: str = TypeK,
     type_v: str = TypeV,
     flash_attn: str = FlashAttn,
@@ -95,12 +113,15 @@ def capture(
     decode_ahead: Optional[bool] = DecodeAhead,
     threads: Optional[int] = Threads,
     force: bool = typer.Option(False, "--force", help="Replace a store at the output that holds another capture (the old one is kept until the new one is complete)."),
+    rope_scaling: Optional[str] = RopeScaling,
+    rope_scale: Optional[float] = RopeScale,
     runs_dir: Optional[Path] = RunsDir,
 ):
     """Run a model over the corpus and store its scored logits (resumes an interrupted capture)."""
-    settings = EngineSettings(type_k, type_v, flash_attn, n_gpu_layers, threads, batch, ubatch, decode_ahead)
+    settings = EngineSettings(type_k, type_v, flash_attn, n_gpu_layers, threads, batch, ubatch, decode_ahead,
+                              rope_scaling, rope_scale)
     _, text = api.capture_store(model, label, runs_dir=runs_dir, out=str(out) if out else None, corpus=corpus,
-                                n_ctx=ctx, chunks=chunks, settings=settings,
+                                n_ctx=ctx, chunks=chunks, settings=settings, scoring=score, concat=concat,
                                 chunk_range=_parse_range(chunk_range), progress=True, force=force)
     typer.echo(text)
 
@@ -156,6 +177,8 @@ def matrix(
     chunks: Optional[int] = Chunks,
     ctx: int = typer.Option(512, "-c", "--ctx", help="Tokens per window (n_ctx)."),
     corpus: Optional[str] = typer.Option(None, "--corpus", "-f", help="Corpus for the reference capture."),
+    score: str = Score,
+    concat: bool = Concat,
     n_gpu_layers: int = GpuLayers,
     batch: Optional[int] = Batch,
     ubatch: Optional[int] = UBatch,
@@ -183,7 +206,7 @@ def matrix(
         raise QevalError("--address, --gpus-per-task, --cpus-per-task and --shard-chunks need --executor ray")
     result, text = api.matrix_report(ref, model, kv_types, chunks=chunks, n_ctx=ctx, corpus=corpus, runs_dir=runs_dir,
                                      threads=threads, n_gpu_layers=n_gpu_layers, executor=run_on, n_batch=batch,
-                                     n_ubatch=ubatch, force=force)
+                                     n_ubatch=ubatch, force=force, scoring=score, concat=concat)
     _emit(result, text, as_json)
 
 
@@ -242,6 +265,7 @@ def compare_cmd(
     cand: list[str] = typer.Option(..., "--cand", help="Candidate A, then candidate B: store path, label, or saved result .json."),
     chunks: Optional[int] = Chunks,
     method: str = typer.Option("t", "--method", help="t (t-interval over per-chunk differences) or bootstrap (over chunks, seed 0)."),
+    depth: Optional[str] = typer.Option(None, "--depth", help="Only scored tokens at logit positions LO:HI (either side may be empty), e.g. 8192: for beyond 8K."),
     as_json: bool = Json,
     runs_dir: Optional[Path] = RunsDir,
 ):
@@ -251,7 +275,7 @@ def compare_cmd(
     if len(cand) != 2:
         raise QevalError(f"give exactly two candidates: --cand A --cand B (got {len(cand)})")
     result, text = paired.paired_report(ref, cand[0], cand[1], chunks=chunks, runs_dir=runs_dir, method=method,
-                                        progress=True)
+                                        progress=True, depth=depth)
     _emit(result, text, as_json)
 
 
@@ -278,6 +302,7 @@ def check_cmd(
     baseline_entry: Optional[str] = typer.Option(None, "--baseline-entry", help="Which entry of the baseline (default: the one matching the candidate)."),
     baseline_metric: Optional[list[str]] = typer.Option(None, "--baseline-metric", help="Judge only these baseline metrics (repeat)."),
     chunks: Optional[int] = Chunks,
+    depth: Optional[str] = typer.Option(None, "--depth", help="Gate only scored tokens at logit positions LO:HI (either side may be empty), e.g. 8192: for beyond 8K."),
     as_json: bool = Json,
     runs_dir: Optional[Path] = RunsDir,
     **limits: Optional[float],
@@ -285,7 +310,7 @@ def check_cmd(
     """Release gate: exit 0 if every check passes, 1 if one fails beyond its error bars, 2 on bad input."""
     result, text, passed = gate.check_report(ref, cand, chunks=chunks, runs_dir=runs_dir, baseline=baseline,
                                              baseline_entry=baseline_entry, baseline_metrics=baseline_metric,
-                                             progress=True, **limits)
+                                             progress=True, depth=depth, **limits)
     _emit(result, text, as_json)
     raise typer.Exit(0 if passed else 1)
 

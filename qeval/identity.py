@@ -27,7 +27,8 @@ import numpy as np
 # The formulas behind a saved result (metrics.py, kernels.py, stats.py, metric_registry.py). Bump it
 # whenever a change there moves a number: results of another version are then recomputed or refused,
 # never shown. 2: results hold the "metrics" block of qeval.compare.metric_registry.
-METRICS_VERSION = 2
+# 3: per-token "position" is the logit position; summaries hold "by_depth".
+METRICS_VERSION = 3
 
 # How identity fields read in messages (anything else reads as its own name).
 _NAMES = {"kv": "KV", "tokens_sha256": "token ids sha256", "tokenizer_sha256": "tokenizer",
@@ -57,16 +58,16 @@ def producer(header) -> dict:
     return {"model": model_identity(header.model, header.source, header.label), "kv": header.kv,
             "n_ctx": header.n_ctx, "n_batch": n_batch,
             # stores from before n_ubatch was recorded decoded one physical batch per call
-            "n_ubatch": header.capture.get("n_ubatch", n_batch), "codec": header.codec}
+            "n_ubatch": header.capture.get("n_ubatch", n_batch), "codec": header.codec, "scoring": header.scoring}
 
 
-def planned_producer(model: str, settings, n_ctx: int, codec: dict) -> dict:
+def planned_producer(model: str, settings, n_ctx: int, codec: dict, scoring: str = "half") -> dict:
     """producer() of the store a run of GGUF `model` with EngineSettings `settings` would write."""
     from qeval.capture.modelinfo import model_facts  # noqa: PLC0415 - the store layer does not need gguf
 
     n_batch, n_ubatch = settings.batch_sizes(n_ctx)
     planned = {"model": model_identity(model_facts(model), "qeval", ""), "kv": settings.as_json(), "n_ctx": n_ctx,
-               "n_batch": n_batch, "n_ubatch": n_ubatch, "codec": codec}
+               "n_batch": n_batch, "n_ubatch": n_ubatch, "codec": codec, "scoring": scoring}
     return json.loads(json.dumps(planned))  # as a header read back from its file holds it (no tuples)
 
 

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from qeval.storage.codec import SqrtLogCode
-from qeval.storage.store import ChunkBuilder, StoreHeader, StoreWriter, scored_positions, tokens_sha256
+from qeval.storage.scoring import Scoring
+from qeval.storage.store import ChunkBuilder, StoreHeader, StoreWriter, tokens_sha256
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -95,8 +96,7 @@ class SynthStore:
     chunks: dict = field(default_factory=dict)  # chunk -> ChunkData as written
 
     def targets(self, c: int) -> np.ndarray:
-        first, n = scored_positions(self.header.n_ctx)
-        return self.tokens[c, first + 1:first + 1 + n]
+        return self.tokens[c, self.header.positions + 1]
 
 
 def make_tokens(rng: np.random.Generator, n_chunks: int, n_ctx: int, n_vocab: int) -> np.ndarray:
@@ -140,9 +140,9 @@ def write_store(path: Path, tokens: np.ndarray, logits: dict[int, np.ndarray], n
 
 
 def synth_logits(rng: np.random.Generator, tokens: np.ndarray, n_vocab: int,
-                 chunk_range: tuple[int, int] | None = None) -> dict[int, np.ndarray]:
+                 chunk_range: tuple[int, int] | None = None, scoring: str = "half") -> dict[int, np.ndarray]:
     n_chunks, n_ctx = tokens.shape
-    _, n_scored = scored_positions(n_ctx)
+    n_scored = len(Scoring.parse(scoring).positions(n_ctx))
     start, stop = chunk_range or (0, n_chunks)
     return {c: realistic_logits(rng, n_scored, n_vocab) for c in range(start, stop)}
 
@@ -156,16 +156,16 @@ class StorePair:
 
 def make_pair(directory: Path, seed: int = 0, n_chunks: int = 3, n_ctx: int = 16, n_vocab: int = 2000,
               sigma: float = 0.5, ref_label: str = "REF", cand_label: str = "CAND",
-              cand_code: SqrtLogCode | None = None) -> StorePair:
+              cand_code: SqrtLogCode | None = None, scoring: str = "half") -> StorePair:
     """A reference store and a noisier candidate store over the same tokens, in `directory`."""
     rng = np.random.default_rng(seed)
     tokens = make_tokens(rng, n_chunks, n_ctx, n_vocab)
-    ref_logits = synth_logits(rng, tokens, n_vocab)
+    ref_logits = synth_logits(rng, tokens, n_vocab, scoring=scoring)
     cand_logits = {c: perturb(rng, x, sigma) for c, x in ref_logits.items()}
     directory.mkdir(parents=True, exist_ok=True)
-    ref = write_store(directory / f"{ref_label}.qeval", tokens, ref_logits, n_vocab, label=ref_label)
+    ref = write_store(directory / f"{ref_label}.qeval", tokens, ref_logits, n_vocab, label=ref_label, scoring=scoring)
     cand = write_store(directory / f"{cand_label}.qeval", tokens, cand_logits, n_vocab, label=cand_label,
-                       code=cand_code)
+                       code=cand_code, scoring=scoring)
     return StorePair(ref, cand, directory)
 
 

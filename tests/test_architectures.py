@@ -22,11 +22,12 @@ from qeval.capture.engine import Engine, EngineSettings
 from qeval.capture.modelinfo import require_decoder_context
 from qeval.errors import QevalError
 from qeval.orchestrate import demo
-from qeval.storage.store import StoreReader, scored_positions
+from qeval.storage.scoring import half_span
+from qeval.storage.store import StoreReader
 
 N_CTX = 64
 N_CHUNKS = 4
-FIRST, N_SCORED = scored_positions(N_CTX)
+FIRST, N_SCORED = half_span(N_CTX)
 # flash attention on CPU depends on how tokens are batched: off on both sides where logits must be equal
 NO_FA = EngineSettings(flash_attn="off")
 BUILDERS = {"qwen35moe": tinymodels.build_qwen35moe, "mamba": tinymodels.build_mamba}

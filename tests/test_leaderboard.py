@@ -24,7 +24,7 @@ from qeval import api
 from qeval.compare import metric_registry
 from qeval.errors import QevalError
 from qeval.present import leaderboard
-from qeval.storage.store import scored_positions
+from qeval.storage.scoring import half_span
 
 N_CHUNKS, N_CTX, N_VOCAB = 6, 64, 512
 CORPUS = {"name": "synthetic-corpus", "source": "tests", "sha256": "ab" * 32}
@@ -48,7 +48,7 @@ def build_results(runs: Path, candidates=CANDIDATES, seed: int = 0, ref_label: s
     rng = np.random.default_rng(seed)
     tokens = make_tokens(rng, N_CHUNKS, N_CTX, N_VOCAB)
     ref = synth_logits(rng, tokens, N_VOCAB)
-    first, n = scored_positions(N_CTX)
+    first, n = half_span(N_CTX)
     for c, x in ref.items():  # make the right next token likely, so PPL looks like a language model's
         x[np.arange(n), tokens[c, first + 1:first + 1 + n]] += rng.uniform(12.0, 24.0, size=n).astype(np.float32)
     runs.mkdir(parents=True, exist_ok=True)
@@ -102,7 +102,7 @@ def test_api_returns_rows_and_paths(board, summaries):
         assert board.paths[f"{name}.png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert "<svg" in board.paths[f"{name}.svg"].read_text()
     s = board.settings
-    assert (s["n_ctx"], s["chunks"], s["scored_tokens"]) == (N_CTX, N_CHUNKS, N_CHUNKS * scored_positions(N_CTX)[1])
+    assert (s["n_ctx"], s["chunks"], s["scored_tokens"]) == (N_CTX, N_CHUNKS, N_CHUNKS * half_span(N_CTX)[1])
     assert s["corpus"]["name"] == CORPUS["name"] and s["reference"]["label"] == "REF"
     assert s["reference"]["model_file"] == "m-BF16.gguf"
 
@@ -164,7 +164,7 @@ def test_markdown_has_one_row_per_result_sorted_by_kld(board, summaries):
         assert f"{s['kld']['mean']:.6f} ± {s['kld']['se']:.6f}" in line
         assert f"{s['perplexity']['ppl_cand']:.4f}" in line
     # the settings a reader needs, stated above the table
-    scored = N_CHUNKS * scored_positions(N_CTX)[1]
+    scored = N_CHUNKS * half_span(N_CTX)[1]
     for fact in (CORPUS["name"], f"n_ctx {N_CTX}", f"{N_CHUNKS} chunks", f"{scored:,} scored tokens", "REF",
                  "m-BF16.gguf"):
         assert fact in md, fact

@@ -45,7 +45,7 @@ def reference_per_token(pair, chunks=None):
             out[f"top{k}"].append(np.array([len(set(a[:k]) & set(b[:k])) / k for a, b in zip(tr, tc)]))
         n_ctx = pair.ref.header.n_ctx
         out["chunk"].append(np.full(len(tgt), c))
-        out["position"].append(np.arange(n_ctx // 2 + 1, n_ctx))
+        out["position"].append(np.arange(n_ctx // 2, n_ctx - 1))  # logit positions
         out["token"].append(tgt)
     return {k: np.concatenate(v) for k, v in out.items()}
 

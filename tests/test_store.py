@@ -23,6 +23,7 @@ from conftest import (
 
 from qeval.errors import QevalError, StoreFormatError
 from qeval.storage.codec import SqrtLogCode
+from qeval.storage.scoring import half_span
 from qeval.storage.store import (
     MAGIC,
     TRAILER_MAGIC,
@@ -31,7 +32,6 @@ from qeval.storage.store import (
     StoreHeader,
     StoreReader,
     StoreWriter,
-    scored_positions,
     tokens_sha256,
 )
 
@@ -89,7 +89,7 @@ def test_header_json_and_file_layout(tmp_path, inputs):
     store = write_store(tmp_path / "a.qeval", tokens, logits, N_VOCAB)
     data = store.path.read_bytes()
     magic, version, zero = struct.unpack_from("<8sII", data, 0)
-    assert (magic, version, zero) == (MAGIC, 1, 0)
+    assert (magic, version, zero) == (MAGIC, 2, 0)
     pos, records = 16, []
     end_magic, index_offset = struct.unpack_from("<8sQ", data, len(data) - 16)
     assert end_magic == TRAILER_MAGIC
@@ -105,7 +105,7 @@ def test_header_json_and_file_layout(tmp_path, inputs):
     assert tags == [b"HEAD", b"TOKS", b"LUT_"] + [b"CHNK"] * N_CHUNKS + [b"INDX"]
     assert records[-1][1] == index_offset
     head = json.loads(records[0][2])
-    assert head["n_scored"] == 7 and head["first_scored"] == 8 and head["format_version"] == 1
+    assert head["n_scored"] == 7 and head["first_scored"] == 8 and head["format_version"] == 2 and head["scoring"] == "half"
     assert head["tokens_sha256"] == tokens_sha256(tokens)
     np.testing.assert_array_equal(np.frombuffer(records[1][2], "<i4").reshape(N_CHUNKS, N_CTX), tokens)
     index = np.frombuffer(records[-1][2], dtype=[("c", "<u4"), ("z", "<u4"), ("off", "<u8")])
@@ -321,7 +321,7 @@ def test_vocab_smaller_than_top_k_round_trips(tmp_path):
     rng = np.random.default_rng(22)
     n_vocab = 5
     tokens = make_tokens(rng, 2, 8, n_vocab)
-    logits = {c: realistic_logits(rng, scored_positions(8)[1], n_vocab) for c in range(2)}
+    logits = {c: realistic_logits(rng, half_span(8)[1], n_vocab) for c in range(2)}
     store = write_store(tmp_path / "v.qeval", tokens, logits, n_vocab)
     with StoreReader(store.path) as r:
         got = r.read_chunk(0)
@@ -334,7 +334,7 @@ def test_header_rejects_bad_fields():
     good = make_header(tokens, 100, SqrtLogCode()).to_json()
     assert StoreHeader.from_json(good, "x").n_vocab == 100
     for key, value, pattern in [("n_vocab", 1, "n_vocab"), ("n_ctx", "16", "n_ctx"), ("chunk_stop", 3, "range"),
-                                ("format_version", 2, "version 2"), ("n_scored", 8, "n_scored"),
+                                ("format_version", 3, "version 3"), ("scoring", "every:0", "scoring"), ("n_scored", 8, "n_scored"),
                                 ("label", 5, "label"), ("model", [], "model"), ("n_chunks", True, "n_chunks")]:
         bad = dict(good, **{key: value})
         with pytest.raises(StoreFormatError, match=pattern):

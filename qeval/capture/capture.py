@@ -17,13 +17,14 @@ import numpy as np
 import zstandard
 
 from qeval import __version__
-from qeval.capture.corpus import load_corpus, make_windows
+from qeval.capture.corpus import load_corpus, make_windows, tokenize_documents
 from qeval.capture.engine import Backend, Engine, EngineSettings, ScoredRows, available_cores, check_model_file
 from qeval.capture.modelinfo import model_facts
 from qeval.capture.probe import ensure_llama_runs
 from qeval.errors import MismatchError, QevalError
 from qeval.pool import bounded_map
 from qeval.storage.codec import BadLogits, EncodedBlock, SqrtLogCode
+from qeval.storage.scoring import Scoring
 from qeval.storage.store import (
     ChunkBuilder,
     ChunkData,
@@ -32,7 +33,6 @@ from qeval.storage.store import (
     StoreReader,
     StoreWriter,
     reblock,
-    scored_positions,
     tokens_sha256,
     zstd_compressor,
 )
@@ -49,6 +49,8 @@ class CaptureSpec:
     n_ctx: int = 512
     chunks: int | None = None
     chunk_range: tuple[int, int] | None = None  # windows [start, stop) of the corpus, for shards
+    scoring: str = "half"  # which logit positions are scored (qeval.storage.scoring)
+    concat: bool = False  # join the corpus's documents into one token stream (windows may span two)
     settings: EngineSettings = field(default_factory=EngineSettings)  # batch sizes included
     threads: int | None = None  # encoder threads (see encoder_threads)
     code: SqrtLogCode = field(default_factory=SqrtLogCode)
@@ -90,7 +92,7 @@ def iter_encoded_blocks(engine: Backend, windows: np.ndarray, indices: list[int]
         logits = rows.logits[start:start + ENCODE_BLOCK]
         row0 = rows.first_row + start
         try:
-            return code.encode_block(logits, scored_targets(windows[rows.window])[row0:row0 + len(logits)])
+            return code.encode_block(logits, scored_targets(windows[rows.window], engine.positions[row0:row0 + len(logits)]))
         except BadLogits as exc:
             raise QevalError(f"chunk {indices[rows.window]}: the model produced invalid logits ({exc}); the model "
                              "file or this llama.cpp build is broken for these settings") from None
@@ -105,7 +107,7 @@ def iter_chunks(engine: Backend, windows: np.ndarray, indices: list[int], code: 
                 pool: ThreadPoolExecutor, compressor: zstandard.ZstdCompressor) -> Iterator[ChunkData]:
     """windows[j] decoded, coded and compressed into chunk indices[j], in order, one chunk held at a time."""
     builder = None
-    _, n_scored = scored_positions(windows.shape[1])  # a chunk is complete with its window's last scored row
+    n_scored = engine.n_scored  # a chunk is complete with its window's last scored row
     for index, row, block in iter_encoded_blocks(engine, windows, indices, code, pool):
         if builder is None:
             builder = ChunkBuilder(index, compressor=compressor)
@@ -123,10 +125,9 @@ def encode_window(engine: Backend, index: int, window: np.ndarray, code: SqrtLog
     return chunk
 
 
-def scored_targets(window: np.ndarray) -> np.ndarray:
-    """The correct next token of every scored position."""
-    first, n_scored = scored_positions(len(window))
-    return window[first + 1:first + 1 + n_scored].astype(np.int64)
+def scored_targets(window: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """The correct next token of every scored logit position."""
+    return window[positions + 1].astype(np.int64)
 
 
 def make_header(engine: Backend, spec_label: str, windows: np.ndarray, chunk_range: tuple[int, int], facts: dict,
@@ -137,7 +138,7 @@ def make_header(engine: Backend, spec_label: str, windows: np.ndarray, chunk_ran
         n_vocab=engine.n_vocab, n_ctx=engine.n_ctx, n_chunks=len(windows), chunk_start=chunk_range[0],
         chunk_stop=chunk_range[1], tokens_sha256=tokens_sha256(windows), label=spec_label, codec=code.params(),
         tokenizer_sha256=engine.tokenizer_fingerprint(), model=facts, kv=settings.as_json(),
-        corpus=corpus_identity,
+        corpus=corpus_identity, scoring=engine.scoring.rule,
         capture={"n_batch": engine.n_batch, "n_ubatch": engine.n_ubatch, "n_gpu_layers": settings.n_gpu_layers,
                  "llama_cpp_python": llama_cpp.__version__, "bos_substituted": engine.add_bos,
                  "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "qeval": __version__})
@@ -161,11 +162,14 @@ def capture(spec: CaptureSpec, on_chunk: Callable[[int], None] | None = None,
     corpus = load_corpus(spec.corpus)
     facts = model_facts(spec.model)  # refuses what qeval cannot evaluate before a child loads it
     ensure_llama_runs(spec.model)
-    with Engine(spec.model, spec.n_ctx, settings) as engine:
-        tokens = engine.tokenize(corpus.text)
-        windows = make_windows(tokens, spec.n_ctx, spec.chunks, f"corpus {corpus.name!r}")
+    with Engine(spec.model, spec.n_ctx, settings, Scoring.parse(spec.scoring)) as engine:
+        documents = tokenize_documents(corpus, engine.tokenize, spec.concat)
+        windows = make_windows(documents, spec.n_ctx, spec.chunks, f"corpus {corpus.name!r}")
         chunk_range = resolve_range(spec.chunk_range, len(windows))
-        identity = {**corpus.identity(), "n_tokens": int(len(tokens)), "chunks_available": int(len(tokens) // spec.n_ctx)}
+        identity = {**corpus.identity(), "n_tokens": int(sum(map(len, documents))),
+                    "chunks_available": int(sum(len(d) // spec.n_ctx for d in documents))}
+        if len(corpus.documents) > 1:
+            identity["concatenated"] = spec.concat
         header = make_header(engine, spec.label, windows, chunk_range, facts, settings, identity, spec.code)
         out = Path(spec.out)
         try:
@@ -291,7 +295,7 @@ def open_live(model: str, ref, n_chunks: int | None, settings: EngineSettings, l
         raise QevalError("the reference is a shard (it does not start at chunk 0); merge it first")
     facts = model_facts(model)  # refuses what qeval cannot evaluate before a child loads it
     ensure_llama_runs(model)
-    engine = Engine(model, rh.n_ctx, settings)
+    engine = Engine(model, rh.n_ctx, settings, Scoring.parse(rh.scoring))
     try:
         if engine.n_vocab != rh.n_vocab:
             raise MismatchError(f"vocab size differs: reference {rh.n_vocab}, candidate model {engine.n_vocab} "
@@ -304,7 +308,7 @@ def open_live(model: str, ref, n_chunks: int | None, settings: EngineSettings, l
         header = StoreHeader(
             n_vocab=rh.n_vocab, n_ctx=rh.n_ctx, n_chunks=stop, chunk_start=0, chunk_stop=stop,
             tokens_sha256=tokens_sha256(windows), label=label, codec=code.params(), tokenizer_sha256=fingerprint,
-            model=facts, kv=settings.as_json(), corpus=rh.corpus,
+            model=facts, kv=settings.as_json(), corpus=rh.corpus, scoring=rh.scoring,
             capture={"live_against": rh.label, "n_batch": engine.n_batch, "n_ubatch": engine.n_ubatch,
                      "n_gpu_layers": settings.n_gpu_layers, "qeval": __version__, "bos_substituted": engine.add_bos})
         writer = None

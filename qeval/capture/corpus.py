@@ -1,8 +1,12 @@
-"""Evaluation text: a local file, a corpus shipped in corpora/, or a Hugging Face dataset.
+"""Evaluation text: a list of documents from a local file or folder, the shipped corpora, or a Hugging Face dataset.
 
-Chunking follows llama-perplexity: the text is tokenized once (BOS at the start only), cut into
-non-overlapping windows of n_ctx tokens, the tail that does not fill a window is dropped, and at
-least 2 * n_ctx tokens are required.
+Chunking follows llama-perplexity within each document: a document is tokenized once (BOS at its
+start only), cut into non-overlapping windows of n_ctx tokens, and the tail that does not fill a
+window is dropped. A window never spans two documents (unrelated texts) unless they are
+concatenated on request (`concat`), which is llama-perplexity's behaviour for a multi-text file. A
+file or a hub dataset is one document (wikitext's rows are lines of articles, joined as
+llama-perplexity joins them); a folder is one document per *.txt file, in name order; `shipped`
+is every shipped corpus.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import numpy as np
 from qeval.errors import QevalError
 
 DEFAULT_CORPUS = "austen-northanger-abbey"
+SHIPPED_SET = "shipped"  # every shipped corpus, one document each
 # Short names for hub datasets: (dataset, config, split, text column).
 HF_ALIASES = {"wikitext-2": ("wikitext", "wikitext-2-raw-v1", "test", "text"),
               "wikitext-103": ("wikitext", "wikitext-103-raw-v1", "test", "text")}
@@ -27,12 +32,28 @@ HF_ALIASES = {"wikitext-2": ("wikitext", "wikitext-2-raw-v1", "test", "text"),
 class Corpus:
     name: str
     source: str
-    text: str
+    documents: tuple[str, ...]
+
+    @property
+    def text(self) -> str:
+        """The documents as one text (what `concat` tokenizes)."""
+        return "".join(self.documents)
 
     def identity(self) -> dict:
-        data = self.text.encode("utf-8")
-        return {"name": self.name, "source": self.source, "bytes": len(data),
-                "sha256": hashlib.sha256(data).hexdigest()}
+        if len(self.documents) == 1:  # as before documents existed, so earlier stores keep their identity
+            data = self.documents[0].encode("utf-8")
+            return {"name": self.name, "source": self.source, "bytes": len(data),
+                    "sha256": hashlib.sha256(data).hexdigest()}
+        h = hashlib.sha256()
+        for doc in self.documents:
+            data = doc.encode("utf-8")
+            h.update(len(data).to_bytes(8, "little") + data)
+        return {"name": self.name, "source": self.source, "documents": len(self.documents),
+                "bytes": sum(len(d.encode("utf-8")) for d in self.documents), "sha256": h.hexdigest()}
+
+
+def one(name: str, source: str, text: str) -> Corpus:
+    return Corpus(name, source, (text,))
 
 
 def shipped_dir():
@@ -46,22 +67,33 @@ def shipped_names() -> list[str]:
 
 
 def load_corpus(spec: str | None = None, hf_loader: Callable | None = None) -> Corpus:
-    """`spec`: a text file path, a shipped corpus name, `wikitext-2`, or hf:DATASET[/CONFIG][:SPLIT][#COLUMN]."""
+    """`spec`: a text file, a folder of *.txt documents, a shipped corpus name (or `shipped`: all of them),
+    `wikitext-2`, or hf:DATASET[/CONFIG][:SPLIT][#COLUMN]."""
     spec = spec or DEFAULT_CORPUS
     path = Path(spec)
     if path.is_file():
-        return Corpus(path.stem, str(path), _read_text(path))
+        return one(path.stem, str(path), _read_text(path))
+    if path.is_dir():
+        files = sorted(path.glob("*.txt"))
+        if not files:
+            raise QevalError(f"corpus folder {path} holds no *.txt document")
+        return Corpus(path.name, str(path), tuple(_read_text(f) for f in files))
     if spec in HF_ALIASES:
-        return Corpus(spec, f"hf:{'/'.join(HF_ALIASES[spec][:2])}", load_hf_text(*HF_ALIASES[spec], loader=hf_loader))
+        return one(spec, f"hf:{'/'.join(HF_ALIASES[spec][:2])}", load_hf_text(*HF_ALIASES[spec], loader=hf_loader))
     if spec.startswith("hf:"):
         dataset, config, split, column = parse_hf_spec(spec)
-        return Corpus(spec, spec, load_hf_text(dataset, config, split, column, loader=hf_loader))
+        return one(spec, spec, load_hf_text(dataset, config, split, column, loader=hf_loader))
+    if spec == SHIPPED_SET:
+        names = shipped_names()
+        return Corpus(SHIPPED_SET, "corpora/*.txt",
+                      tuple((shipped_dir() / f"{n}.txt").read_text(encoding="utf-8") for n in names))
     name = spec[:-4] if spec.endswith(".txt") else spec
     shipped = shipped_dir() / f"{name}.txt"
     if shipped.is_file():
-        return Corpus(name, f"corpora/{name}.txt", shipped.read_text(encoding="utf-8"))
-    raise QevalError(f"corpus {spec!r} is not a file, a shipped corpus ({', '.join(shipped_names()) or 'none'}), "
-                     f"a hub alias ({', '.join(HF_ALIASES)}) or an hf:DATASET[/CONFIG][:SPLIT][#COLUMN] spec")
+        return one(name, f"corpora/{name}.txt", shipped.read_text(encoding="utf-8"))
+    raise QevalError(f"corpus {spec!r} is not a file, a folder, a shipped corpus ({', '.join(shipped_names()) or 'none'}"
+                     f", or {SHIPPED_SET}), a hub alias ({', '.join(HF_ALIASES)}) or an "
+                     "hf:DATASET[/CONFIG][:SPLIT][#COLUMN] spec")
 
 
 def _read_text(path: Path) -> str:
@@ -101,20 +133,35 @@ def load_hf_text(dataset: str, config: str | None, split: str, column: str, load
     return "".join(rows[column])
 
 
-def make_windows(tokens: np.ndarray, n_ctx: int, max_chunks: int | None, corpus_name: str = "corpus") -> np.ndarray:
-    """[n_chunks, n_ctx] token windows, as tokenized (the BOS substitution happens at decode time)."""
+def tokenize_documents(corpus: Corpus, tokenize: Callable[[str], np.ndarray], concat: bool = False) -> list[np.ndarray]:
+    """Each document's tokens (BOS at its start), or with `concat` the documents joined as one text."""
+    if concat or len(corpus.documents) == 1:
+        return [tokenize(corpus.text)]
+    return [tokenize(doc) for doc in corpus.documents]
+
+
+def make_windows(tokens: np.ndarray | list[np.ndarray], n_ctx: int, max_chunks: int | None,
+                 corpus_name: str = "corpus") -> np.ndarray:
+    """[n_chunks, n_ctx] token windows, as tokenized (the BOS substitution happens at decode time):
+    the windows of each document (an array, or a list of them) in order; no window spans two."""
     if n_ctx < 4 or n_ctx % 2:
         raise QevalError(f"-c/--ctx must be an even number of at least 4, not {n_ctx}")
-    n = len(tokens)
-    available = n // n_ctx
-    if n < 2 * n_ctx:
-        raise QevalError(f"{corpus_name} tokenizes to only {n} tokens; n_ctx {n_ctx} needs at least "
-                         f"{2 * n_ctx} (two windows, llama-perplexity's rule)")
+    documents = [tokens] if isinstance(tokens, np.ndarray) else list(tokens)
+    per_doc = [len(d) // n_ctx for d in documents]
+    available = sum(per_doc)
+    if available == 0:
+        longest = max(len(d) for d in documents)
+        what = (f"{corpus_name} tokenizes to only {longest} tokens" if len(documents) == 1 else
+                f"no document of {corpus_name} fills a window: the longest tokenizes to {longest} tokens")
+        raise QevalError(f"{what}; a window of n_ctx {n_ctx} needs {n_ctx} tokens of one document "
+                         "(use a smaller -c, a longer corpus, or --concat to join documents)")
     if max_chunks is not None:
         if max_chunks < 1:
             raise QevalError("--chunks must be at least 1")
         if max_chunks > available:
-            raise QevalError(f"{corpus_name} tokenizes to {n} tokens = {available} chunks of {n_ctx}; "
+            raise QevalError(f"{corpus_name} gives {available} chunks of {n_ctx} tokens "
+                             f"({sum(map(len, documents))} tokens in {len(documents)} document(s)); "
                              f"--chunks {max_chunks} asks for more (use a longer corpus or fewer chunks)")
+    windows = [d[:k * n_ctx].reshape(k, n_ctx) for d, k in zip(documents, per_doc) if k]
     count = available if max_chunks is None else max_chunks
-    return np.ascontiguousarray(tokens[:count * n_ctx].reshape(count, n_ctx), dtype=np.int32)
+    return np.ascontiguousarray(np.concatenate(windows)[:count], dtype=np.int32)

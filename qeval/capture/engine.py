@@ -21,13 +21,14 @@ from typing import Iterator, Protocol
 
 import numpy as np
 
-from qeval.capture.modelinfo import require_decoder_context
+from qeval.capture.modelinfo import model_facts, require_decoder_context
 from qeval.errors import QevalError
-from qeval.storage.store import scored_positions
+from qeval.storage.scoring import HALF, Scoring
 
 # GGML type ids accepted for the KV cache (llama.cpp ggml.h).
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20, "bf16": 30}
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
+ROPE_SCALING = {"linear": 1, "yarn": 2}  # llama_rope_scaling_type
 UNQUANTIZED_KV = ("f32", "f16", "bf16")
 
 # Default batch sizes. On CPU, windows go in 128-token pieces: llama.cpp's output buffers then hold
@@ -99,8 +100,15 @@ class EngineSettings:
     # Decode the next call while the last one is coded; None: when offloaded. On CPU both compete for
     # the cores: 5 % slower with 128-token pieces, 23 % with -b 2048 (2 cores, 8 chunks of 512).
     decode_ahead: bool | None = None
+    # RoPE scaling, opted into as with llama.cpp's --rope-scaling/--rope-scale: needed beyond the trained context
+    rope_scaling: str | None = None  # "linear" or "yarn"
+    rope_scale: float | None = None  # context scale factor (rope_freq_scale = 1/rope_scale); None: n_ctx/trained
 
     def validate(self) -> "EngineSettings":
+        if self.rope_scaling not in (None, *ROPE_SCALING):
+            raise QevalError(f"--rope-scaling must be {' or '.join(ROPE_SCALING)}, not {self.rope_scaling!r}")
+        if self.rope_scale is not None and (self.rope_scaling is None or not self.rope_scale > 0):
+            raise QevalError("--rope-scale needs --rope-scaling and a positive factor")
         for name, value in (("-ctk", self.type_k), ("-ctv", self.type_v)):
             if value not in KV_TYPES:
                 raise QevalError(f"unknown KV cache type {value!r} for {name}; choose one of: "
@@ -137,7 +145,23 @@ class EngineSettings:
         return self.offloaded if self.decode_ahead is None else self.decode_ahead
 
     def as_json(self) -> dict:
-        return {"type_k": self.type_k, "type_v": self.type_v, "flash_attn": self.flash_attn}
+        out = {"type_k": self.type_k, "type_v": self.type_v, "flash_attn": self.flash_attn}
+        if self.rope_scaling:
+            out.update(rope_scaling=self.rope_scaling, rope_scale=self.rope_scale)
+        return out
+
+
+def check_context(facts: dict, n_ctx: int, settings: EngineSettings) -> float | None:
+    """Refuse a window longer than the model's trained context unless RoPE scaling is opted into;
+    the scale factor used (None without scaling)."""
+    trained = facts.get("context_length")
+    if settings.rope_scaling:
+        return settings.rope_scale or (n_ctx / trained if trained else 1.0)
+    if isinstance(trained, int) and n_ctx > trained:
+        raise QevalError(f"-c {n_ctx} is beyond {facts.get('file_name') or 'the model'}'s trained context of "
+                         f"{trained} tokens: use -c {trained} or less, or opt into RoPE scaling as llama.cpp does "
+                         f"(--rope-scaling yarn|linear [--rope-scale {n_ctx / trained:g}])")
+    return None
 
 
 def check_model_file(path: str | os.PathLike) -> Path:
@@ -159,13 +183,13 @@ class ScoredRows:
     """Logits of scored positions of one window, as produced by one llama_decode call."""
 
     window: int  # index into the windows being decoded
-    first_row: int  # its first scored row held here (row r is position n_ctx/2 + r)
+    first_row: int  # its first scored row held here (row r is logit position Engine.positions[r])
     logits: np.ndarray  # float32 [rows, n_vocab]
 
 
 class Backend(Protocol):
     """What a capture needs of a loaded model (qeval.capture.capture): Engine, on llama-cpp-python, is the one
-    implementation. The scored positions of a window are those of store.scored_positions(n_ctx)."""
+    implementation. The scored positions of a window are `positions` (a store's header.positions)."""
 
     settings: EngineSettings
     n_ctx: int
@@ -173,6 +197,7 @@ class Backend(Protocol):
     n_batch: int  # tokens per decode call, recorded in the store
     n_ubatch: int
     add_bos: bool  # the first token of a window is replaced by BOS, recorded in the store
+    positions: np.ndarray  # the scored logit positions of a window, ascending
 
     def tokenize(self, text: str) -> np.ndarray: ...
 
@@ -191,12 +216,19 @@ Span = tuple[int, int, int]  # (window, first position, stop position) submitted
 class Engine:
     """One loaded model and context for windows of `n_ctx` tokens, decoded as `settings` says."""
 
-    def __init__(self, model_path: str | os.PathLike, n_ctx: int, settings: EngineSettings = EngineSettings()):
+    def __init__(self, model_path: str | os.PathLike, n_ctx: int, settings: EngineSettings = EngineSettings(),
+                 scoring: Scoring = HALF):
         self.settings = settings.validate()
         self.model_path = check_model_file(model_path)
+        self.rope_scale = check_context(model_facts(self.model_path), n_ctx, self.settings)
         fixed_mmap_threshold()
         self.n_ctx = n_ctx
-        self.first, self.n_scored = scored_positions(n_ctx)
+        scoring.check(n_ctx)
+        self.scoring = scoring
+        self.positions = scoring.positions(n_ctx)
+        self.n_scored = len(self.positions)
+        self._scored_mask = np.zeros(n_ctx, dtype=np.int8)  # llama_batch.logits: 1 where logits are wanted
+        self._scored_mask[self.positions] = 1
         self.n_batch, self.n_ubatch = settings.batch_sizes(n_ctx)
         self.whole_windows = self.n_batch >= n_ctx  # else each window in pieces of n_batch tokens
         self.windows_per_call = max(1, self.n_batch // n_ctx)
@@ -243,6 +275,9 @@ class Engine:
         cparams.type_v = KV_TYPES[s.type_v]
         cparams.flash_attn_type = FLASH_ATTN[s.flash_attn]
         cparams.n_threads = cparams.n_threads_batch = s.n_threads or available_cores()
+        if s.rope_scaling:
+            cparams.rope_scaling_type = ROPE_SCALING[s.rope_scaling]
+            cparams.rope_freq_scale = 1.0 / self.rope_scale
         return cparams
 
     @property
@@ -279,15 +314,14 @@ class Engine:
             for g in range(0, n_windows, w):
                 yield [(k, 0, self.n_ctx) for k in range(g, min(g + w, n_windows))]
             return
-        for k in range(n_windows):  # the unscored half, then the scored half, n_batch at a time
-            for lo, hi in ((0, self.first), (self.first, self.n_ctx)):
-                for start in range(lo, hi, self.n_batch):
-                    yield [(k, start, min(start + self.n_batch, hi))]
+        for k in range(n_windows):  # n_batch tokens at a time, as llama-perplexity
+            for start in range(0, self.n_ctx, self.n_batch):
+                yield [(k, start, min(start + self.n_batch, self.n_ctx))]
 
-    def _scored_span(self, start: int, stop: int) -> tuple[int, int]:
-        """The scored positions [lo, hi) among positions [start, stop) (lo == hi: none)."""
-        lo = max(start, self.first)
-        return lo, max(lo, min(stop, self.first + self.n_scored))
+    def _scored_rows(self, start: int, stop: int) -> tuple[int, int]:
+        """The rows [lo, hi) of the scored positions among positions [start, stop) (lo == hi: none)."""
+        lo, hi = np.searchsorted(self.positions, (start, stop))
+        return int(lo), int(hi)
 
     def _fill_batch(self, windows: np.ndarray, spans: list[Span]) -> None:
         """Span i becomes sequence i; logits are asked for scored positions only."""
@@ -299,9 +333,7 @@ class Engine:
                 self._tokens_view[at] = self.bos
             self._pos_view[at:at + n] = np.arange(start, stop, dtype=np.int32)
             self._nseq_view[at:at + n] = 1
-            lo, hi = self._scored_span(start, stop)
-            self._logits_view[at:at + n] = 0
-            self._logits_view[at + lo - start:at + hi - start] = 1
+            self._logits_view[at:at + n] = self._scored_mask[start:stop]
             for j in range(at, at + n):
                 self._seq_slots[j][0] = seq
             at += n
@@ -315,7 +347,7 @@ class Engine:
         rc = lc.llama_decode(self.ctx, self._batch)
         if rc != 0:
             raise QevalError(f"llama_decode failed with code {rc} (out of memory or KV cache too small)")
-        parts = [(k, *self._scored_span(start, stop)) for k, start, stop in spans]
+        parts = [(k, *self._scored_rows(start, stop)) for k, start, stop in spans]
         total = sum(hi - lo for _, lo, hi in parts)
         if not total:
             return []
@@ -324,7 +356,7 @@ class Engine:
         out, at = [], 0
         for k, lo, hi in parts:
             if hi > lo:
-                out.append(ScoredRows(k, lo - self.first, logits[at:at + hi - lo]))
+                out.append(ScoredRows(k, lo, logits[at:at + hi - lo]))
                 at += hi - lo
         return out
 

@@ -19,7 +19,7 @@ from typing import Callable, ClassVar, Union
 
 import numpy as np
 
-from qeval.compare import stats
+from qeval.compare import sampler, stats
 from qeval.errors import QevalError
 
 PerToken = dict[str, np.ndarray]
@@ -207,10 +207,57 @@ _METRICS = (
 METRICS: dict[str, Metric] = {m.key: m for m in _METRICS}
 
 
+# --------------------------------------------------------------------------------------------------
+# sampler metrics: one family per sampler (qeval.compare.sampler), keyed "<metric>@<sampler name>"
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _OneMinus:
+    """1 − a per-token column (agreement = 1 − TVD)."""
+
+    column: str
+
+    def __call__(self, t: PerToken) -> np.ndarray:
+        return 1.0 - np.asarray(t[self.column], dtype=np.float64)
+
+
+def sampler_metrics(name: str) -> tuple[Metric, ...]:
+    """The metrics of one sampler, present in a comparison computed with it (`qeval kld --sampler NAME`):
+    tvd_pct@NAME, agreement_pct@NAME, support_differs_pct@NAME."""
+    tvd, differs = sampler.column("tvd", name), sampler.column("support_differs", name)
+    return (
+        Metric(f"tvd_pct@{name}", f"mean TVD @{name}", "%", "lower", Mean(tvd),
+               f"mean total variation distance between the two distributions after the sampler {name} "
+               "(llama.cpp's chain: top-k, top-p, min-p, temperature): the probability mass that moves", fmt=".3f"),
+        Metric(f"agreement_pct@{name}", f"agreement @{name}", "%", "higher", Mean(_OneMinus(tvd)),
+               f"mean 1 − TVD after the sampler {name}: the chance a maximal coupling draws the same token from both "
+               "(speculative-decoding acceptance with the candidate as draft)", fmt=".3f", restates=f"tvd_pct@{name}"),
+        Metric(f"support_differs_pct@{name}", f"support differs @{name}", "%", "lower", Proportion(differs),
+               f"share of tokens whose candidate sets after the sampler {name}'s truncation differ", fmt=".2f"),
+    )
+
+
+def lookup(key: str) -> Metric | None:
+    """The metric under `key`: one of METRICS, or a sampler metric ("tvd_pct@qwen3.5-thinking"); None if
+    neither."""
+    if key in METRICS:
+        return METRICS[key]
+    _, sep, name = key.partition("@")
+    if not sep:
+        return None
+    try:
+        family = sampler_metrics(sampler.parse(name).name)
+    except QevalError:
+        return None
+    return next((m for m in family if m.key == key), None)
+
+
 def compute(t: PerToken) -> dict[str, dict]:
     """The "metrics" block of a comparison's JSON: {key: {"value", "se"}} for every metric (se None where a
-    metric has none)."""
-    return {m.key: m.measure(t) for m in METRICS.values()}
+    metric has none), then the metrics of every sampler whose per-token columns `t` holds."""
+    out = {m.key: m.measure(t) for m in METRICS.values()}
+    for name in sampler.names_in(t):
+        out.update({m.key: m.measure(t) for m in sampler_metrics(name)})
+    return out
 
 
 @dataclass
@@ -229,7 +276,7 @@ def read(summary: dict) -> dict[str, MetricValue]:
     if not isinstance(block, dict):
         raise QevalError(f"the comparison of {summary.get('candidate', {}).get('label')!r} was saved by an older "
                          "qeval and holds no \"metrics\" block: recompute it (qeval kld ... --save-result)")
-    return {key: MetricValue(v["value"], v.get("se")) for key, v in block.items() if key in METRICS}
+    return {key: MetricValue(v["value"], v.get("se")) for key, v in block.items() if lookup(key) is not None}
 
 
 def gated() -> list[Metric]:

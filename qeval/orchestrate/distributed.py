@@ -25,6 +25,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 from qeval.capture.capture import CaptureSpec, capture
 from qeval.capture.engine import EngineSettings
 from qeval.errors import QevalError
@@ -106,12 +108,11 @@ def compare_task(spec: CompareSpec, name: str, tracker=None, kill_after: int | N
             "host": socket.gethostname()}
 
 
-def count_windows_task(model: str, corpus: str | None, n_ctx: int) -> int:
+def count_windows_task(model: str, corpus: str | None, n_ctx: int, concat: bool = False) -> int:
     """Chunks the corpus gives at n_ctx (to plan shards when --chunks is not given): vocab only."""
     import llama_cpp  # noqa: PLC0415
-    import numpy as np  # noqa: PLC0415
 
-    from qeval.capture.corpus import load_corpus, make_windows  # noqa: PLC0415
+    from qeval.capture.corpus import load_corpus, make_windows, tokenize_documents  # noqa: PLC0415
     from qeval.capture.engine import check_model_file, quiet_llama  # noqa: PLC0415
 
     check_model_file(model)
@@ -121,15 +122,19 @@ def count_windows_task(model: str, corpus: str | None, n_ctx: int) -> int:
     m = llama_cpp.llama_model_load_from_file(str(model).encode(), params)
     if not m:
         raise QevalError(f"llama.cpp could not load the vocabulary of {model}")
-    try:
-        c = load_corpus(corpus)
-        data = c.text.encode("utf-8")
+
+    def tokenize(text: str) -> np.ndarray:
+        data = text.encode("utf-8")
         buf = (llama_cpp.llama_token * (len(data) + 16))()
         n = llama_cpp.llama_tokenize(llama_cpp.llama_model_get_vocab(m), data, len(data), buf, len(data) + 16,
                                      True, False)
         if n < 0:
             raise QevalError("tokenization failed (text too long for one call)")
-        return len(make_windows(np.zeros(n, dtype=np.int32), n_ctx, None, f"corpus {c.name!r}"))
+        return np.zeros(n, dtype=np.int32)  # only the count matters here
+
+    try:
+        c = load_corpus(corpus)
+        return len(make_windows(tokenize_documents(c, tokenize, concat), n_ctx, None, f"corpus {c.name!r}"))
     finally:
         llama_cpp.llama_model_free(m)
 
@@ -355,7 +360,7 @@ class RayExecutor:
         if n is None:
             counter = ray.remote(count_windows_task).options(num_cpus=min(1, self.cpus), name="count-windows")
             try:
-                n = ray.get(counter.remote(base.model, base.corpus, base.n_ctx))
+                n = ray.get(counter.remote(base.model, base.corpus, base.n_ctx, base.concat))
             except Exception as exc:  # noqa: BLE001 - Ray wraps the task's exception
                 raise QevalError(f"planning shards failed: {_describe_error(exc)}") from None
         ranges = shard_ranges(n, self.shards)

@@ -20,6 +20,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from qeval.compare import metric_registry
+from qeval.compare.depth import parse_depth
 from qeval.compare.metric_registry import METRICS, Metric, MetricValue
 from qeval.errors import QevalError
 from qeval.orchestrate import baselines
@@ -261,10 +262,12 @@ def gate_text(r: GateResult) -> str:
 
 def check_report(ref: str, cand: str, chunks: int | None = None, runs_dir: str | os.PathLike | None = None,
                  threads: int = 2, baseline: str | None = None, baseline_entry: str | None = None,
-                 baseline_metrics: list[str] | None = None, progress: bool = False,
+                 baseline_metrics: list[str] | None = None, progress: bool = False, depth: str | None = None,
                  **limits: float | None) -> tuple[dict, str, bool]:
-    """`qeval check`: (JSON, text, passed). Inputs are checked before any long comparison starts."""
+    """`qeval check`: (JSON, text, passed). Inputs are checked before any long comparison starts.
+    depth: "LO:HI", gate only the scored tokens at those logit positions (e.g. "8192:" for beyond 8K)."""
     given = validate_limits(limits)
+    band = parse_depth(depth)
     base = baselines.load_baseline(baseline) if baseline else None
     if base is not None and baseline_entry:
         base.entry(baseline_entry)
@@ -274,7 +277,11 @@ def check_report(ref: str, cand: str, chunks: int | None = None, runs_dir: str |
         raise _nothing_to_check()
     if base is not None and not baseline_entry and len(base.entries) > 1:
         _pick_early(base, ref, cand, runs_dir)
-    measured: Measured = measure(ref, cand, chunks, runs_dir, threads, progress, need_per_token=False)
+    measured: Measured = measure(ref, cand, chunks, runs_dir, threads, progress, need_per_token=False, depth=band)
     result = run_checks(measured.summary, base, baseline_entry, baseline_metrics, **limits)
     out = result.to_json()
-    return out, gate_text(result), result.passed
+    text = gate_text(result)
+    if band is not None:
+        out["depth"] = {"lo": band[0], "hi": band[1]}
+        text = f"depth: only scored tokens at logit positions {band[0]}:{band[1]}\n{text}"
+    return out, text, result.passed

@@ -22,6 +22,7 @@ from qeval.errors import QevalError
 from qeval.present import report, results
 from qeval.storage import runs
 from qeval.storage.codec import SqrtLogCode
+from qeval.storage.scoring import Scoring
 from qeval.storage.store import StoreReader
 
 # what a matrix does with a pair (PairPlan.action)
@@ -84,7 +85,8 @@ class MatrixPlan:
 
 def plan_matrix(ref_label: str, ref_path: str, pairs: list[tuple[str, str, str]], chunks: int | None, n_ctx: int,
                 corpus: str | None, directory: Path, threads: int | None, n_gpu_layers: int,
-                n_batch: int | None = None, n_ubatch: int | None = None, force: bool = False) -> MatrixPlan:
+                n_batch: int | None = None, n_ubatch: int | None = None, force: bool = False,
+                scoring: str = "half", concat: bool = False) -> MatrixPlan:
     """The plan for reference `ref_path` and (label, model, kv) `pairs`. Every bad setting or label is
     refused here, before hours of work start. force: a reference store of another capture is replaced."""
     planned = tuple(Pair(label, path, kv, pair_settings(kv, n_gpu_layers, threads, n_batch, n_ubatch).validate())
@@ -95,7 +97,8 @@ def plan_matrix(ref_label: str, ref_path: str, pairs: list[tuple[str, str, str]]
                          "name models with LABEL=PATH")
     reference = CaptureSpec(model=ref_path, out=str(runs.store_path(runs.check_label(ref_label), directory)),
                             label=ref_label, corpus=corpus, n_ctx=n_ctx, chunks=chunks,
-                            settings=pair_settings("f16", n_gpu_layers, threads, n_batch, n_ubatch), replace=force)
+                            settings=pair_settings("f16", n_gpu_layers, threads, n_batch, n_ubatch), replace=force,
+                            scoring=Scoring.parse(scoring).rule, concat=concat)
     return MatrixPlan(reference, planned, directory)
 
 
@@ -125,7 +128,8 @@ def plan_pair(ref_store, n_chunks: int, label: str, model: str, settings: Engine
     """The plan for candidate `label` (GGUF `model` run with `settings`) against the open reference store
     over its first n_chunks chunks, from what `directory` holds: its result, and its store."""
     try:
-        planned = identity.planned_producer(model, settings, ref_store.header.n_ctx, SqrtLogCode().params())
+        planned = identity.planned_producer(model, settings, ref_store.header.n_ctx, SqrtLogCode().params(),
+                                                   ref_store.header.scoring)
     except (QevalError, OSError):
         return PairPlan(label, model, settings, RUN_LIVE)  # running it says what is wrong with the model
     request = identity.ComparisonRequest(identity.reference_identity(ref_store, n_chunks), planned, n_chunks)

@@ -25,15 +25,18 @@ def is_result_spec(spec: str) -> bool:
 
 
 def measure(ref: str, cand: str, chunks: int | None = None, runs_dir: str | os.PathLike | None = None,
-            threads: int = 2, progress: bool = False, need_per_token: bool = True) -> Measured:
-    """`cand` against `ref`: a saved result file (`*.json`) is read, anything else compared now."""
+            threads: int = 2, progress: bool = False, need_per_token: bool = True,
+            depth: tuple[int, int] | None = None) -> Measured:
+    """`cand` against `ref`: a saved result file (`*.json`) is read, anything else compared now.
+    depth: only the scored tokens at logit positions [lo, hi) count (qeval.compare.depth)."""
     if is_result_spec(cand):
-        return _from_result(ref, Path(cand), chunks, runs_dir, need_per_token or chunks is not None)
+        need = need_per_token or chunks is not None or depth is not None
+        return _from_result(ref, Path(cand), chunks, runs_dir, need).at_depth(depth)
     from qeval import api  # noqa: PLC0415 - api imports the capture engine
     from qeval.present import report  # noqa: PLC0415 - api imports the capture engine
 
     cmp = api.compare(ref, cand, chunks, runs_dir, threads=threads, progress=progress)
-    return Measured(report.comparison_json(cmp), cmp.per_token, None)
+    return Measured(report.comparison_json(cmp), cmp.per_token, None).at_depth(depth)
 
 
 def _from_result(ref: str, path: Path, chunks: int | None, runs_dir, need_per_token: bool) -> Measured:

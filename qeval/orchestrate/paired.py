@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from scipy import stats as sps
 
+from qeval.compare.depth import parse_depth
 from qeval.compare.metric_registry import METRICS, Metric
 from qeval.errors import MismatchError, QevalError
 from qeval.orchestrate.measured import Measured, measure
@@ -219,17 +220,22 @@ def _names(a: str, b: str) -> tuple[str, str]:
 
 def paired_report(ref: str, cand_a: str, cand_b: str, chunks: int | None = None,
                   runs_dir: str | os.PathLike | None = None, threads: int = 2, method: str = "t",
-                  confidence: float = CONFIDENCE, progress: bool = False) -> tuple[dict, str]:
-    """`qeval compare`: measure A and B against `ref` (or read saved results) and pair them."""
+                  confidence: float = CONFIDENCE, progress: bool = False,
+                  depth: str | None = None) -> tuple[dict, str]:
+    """`qeval compare`: measure A and B against `ref` (or read saved results) and pair them.
+    depth: "LO:HI", only scored tokens at those logit positions (is A worse than B beyond 8K? "8192:")."""
     if method not in METHODS:
         raise QevalError(f"--method must be one of {', '.join(METHODS)}, not {method!r}")
+    band = parse_depth(depth)
     measured = []
     for role, cand in (("A", cand_a), ("B", cand_b)):
         try:
-            measured.append(measure(ref, cand, chunks, runs_dir, threads, progress))
+            measured.append(measure(ref, cand, chunks, runs_dir, threads, progress, depth=band))
         except QevalError as exc:
             raise type(exc)(f"candidate {role} ({cand}): {exc}") from None
     result = compare_measured(*measured, method=method, confidence=confidence)
+    if band is not None:
+        result["depth"] = {"lo": band[0], "hi": band[1]}
     return result, paired_text(result)
 
 
@@ -242,6 +248,8 @@ def paired_text(result: dict) -> str:
              f"B         : {b['label']} ({b['path']})",
              f"paired    : {result['chunks']} chunks of n_ctx {ref['n_ctx']}, {result['scored_tokens']} scored tokens, "
              f"the same tokens for A and B",
+             *([f"depth     : only scored tokens at logit positions {result['depth']['lo']}:{result['depth']['hi']}"]
+               if "depth" in result else []),
              f"intervals : {100 * result['confidence']:g} % from {how}", *[f"note      : {n}" for n in result["notes"]],
              "",
              f"{'metric':<14} {'A':>12} {'B':>12} {'A − B':>12}   {'CI':<27} p"]

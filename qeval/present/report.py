@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from qeval import __version__
+from qeval.compare import sampler
 from qeval.compare.metric_registry import KLD_BLOCK, METRICS, PPL_BLOCK, TOKEN_BLOCK, Metric, read
 from qeval.compare.metrics import PER_TOKEN_FIELDS, Comparison
 from qeval.identity import comparison_request
@@ -35,10 +36,10 @@ def describe(source) -> dict:
     }
 
 
-def comparison_json(cmp: Comparison) -> dict:
+def comparison_json(cmp: Comparison, bands: list[tuple[int, int]] | None = None) -> dict:
     """The comparison, and what it measured: `request` (qeval.identity) decides whether a saved copy
-    may stand for a later request."""
-    return {"reference": describe(cmp.ref), "candidate": describe(cmp.cand), **cmp.summary(),
+    may stand for a later request. bands: of the by-depth block (default: powers of 4 from 512)."""
+    return {"reference": describe(cmp.ref), "candidate": describe(cmp.cand), **cmp.summary(bands),
             "request": comparison_request(cmp.ref, cmp.cand, len(cmp.chunks)).to_json(),
             "qeval_version": __version__}
 
@@ -72,8 +73,47 @@ def comparison_text(result: dict) -> str:
             *(f"{name:<7} Δp: {100 * v:6.3f}%" for name, v in dp["ladder"].items()),
             f"RMS Δp    : {100 * dp['rms']:6.3f} ± {100 * dp['rms_se']:5.3f} %",
             f"Same top p: {100 * top1['fraction']:6.3f} ± {100 * top1['se']:5.3f} %"]),
+        *depth_lines(result.get("by_depth", [])),
+        *sampler_lines(result.get("samplers", {})),
     ]
     return "\n".join(lines)
+
+
+def sampler_lines(samplers: dict) -> list[str]:
+    """A short block per sampler (qeval.compare.sampler): the two distributions after its truncation and
+    temperature, compared token by token."""
+    rows = []
+    for name, b in samplers.items():
+        tvd, ladder = b["tvd"], b["tvd"]["ladder"]
+        rows += ["", f"====== Sampler {name}: {sampler.parse(name).describe()} ======",
+                 f"Mean    TVD     : {100 * tvd['mean']:7.3f} ± {100 * tvd['se']:6.3f} %   (mass that moves; "
+                 f"median {100 * ladder['Median']:.3f}, 99% {100 * ladder['99.0%']:.3f}, "
+                 f"max {100 * ladder['Maximum']:.3f} %)",
+                 f"Agreement       : {100 * b['agreement']['mean']:7.3f} ± {100 * b['agreement']['se']:6.3f} %   "
+                 "(coupled draws pick the same token: speculative-decoding acceptance)",
+                 f"Support differs : {100 * b['support_differs']['fraction']:7.3f} ± "
+                 f"{100 * b['support_differs']['se']:6.3f} %   (mean size: reference "
+                 f"{b['support']['ref_mean']:.2f}, candidate {b['support']['cand_mean']:.2f} tokens)"]
+        if "greedy_agreement" in b:
+            g = b["greedy_agreement"]
+            rows.append(f"Greedy agreement: {100 * g['fraction']:7.3f} ± {100 * g['se']:6.3f} %   (same argmax)")
+    return rows
+
+
+def depth_lines(bands: list[dict]) -> list[str]:
+    """The by-depth block: one row per band of logit positions [lo, hi) (qeval.compare.depth)."""
+    if not bands:
+        return []
+    rows = ["", "====== By depth (logit position; SE cluster-robust over 256-position blocks) ======",
+            f"{'depth':>15} {'n':>7}  {'mean KLD':>21}  {'99% KLD':>9} {'99.9% KLD':>9}  {'same top %':>16}  "
+            f"{'PPL(base)':>10} {'PPL(Q)':>10}  {'mean Δp %':>15}"]
+    for b in bands:
+        k, top1, p, dp = b["kld"], b["same_top1"], b["perplexity"], b["delta_p"]
+        rows.append(f"{b['lo']:>7}-{b['hi']:<7} {b['n']:>7}  {k['mean']:9.6f} ± {k['se']:9.6f}  "
+                    f"{k['ladder']['99.0%']:9.6f} {k['ladder']['99.9%']:9.6f}  "
+                    f"{100 * top1['fraction']:7.3f} ± {100 * top1['se']:6.3f}  "
+                    f"{p['ppl_ref']:10.4f} {p['ppl_cand']:10.4f}  {100 * dp['mean']:6.3f} ± {100 * dp['se']:5.3f}")
+    return rows
 
 
 def _block(name: str, result: dict, llama_lines: list[str]) -> list[str]:
@@ -167,8 +207,9 @@ def write_per_token(cmp: Comparison, path: Path) -> None:
         return
     with open(path, "w", newline="") as fh:
         w = csv.writer(fh)
-        w.writerow(PER_TOKEN_FIELDS)
-        cols = [t[k] for k in PER_TOKEN_FIELDS]
+        fields = (*PER_TOKEN_FIELDS, *filter(sampler.is_column, t))  # then the samplers' columns, if any
+        w.writerow(fields)
+        cols = [t[k] for k in fields]
         for row in zip(*cols):
             w.writerow([int(v) if isinstance(v, (np.integer, np.bool_)) else f"{float(v):.9g}" for v in row])
 

@@ -3,7 +3,8 @@
 A result is two files in RUNS_DIR/results/: `<cand>.vs.<ref>.json` (the comparison summary, as
 `qeval kld --json` prints it, plus `"per_token_file"`) and `<cand>.vs.<ref>.npz` (the per-token
 arrays, one value per scored token: kld, kld_reverse, nll_ref, nll_cand, p_ref, p_cand, same_top1,
-top5_agreement, top10_agreement, chunk, position, token).
+top5_agreement, top10_agreement, chunk, position, token; with `qeval kld --sampler`, the samplers'
+columns tvd@NAME ... of qeval.compare.sampler).
 
 The summary records the request it answers (qeval.identity.ComparisonRequest: reference and candidate
 identity, chunks, metrics version, and its key) and the qeval version. A saved result stands for a
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from qeval.compare import depth, sampler
 from qeval.compare.metrics import PER_TOKEN_FIELDS, Comparison
 from qeval.errors import QevalError
 from qeval.identity import METRICS_VERSION, ComparisonRequest
@@ -60,10 +62,23 @@ class Result:
         return Result(summarize(self.summary, per_token), per_token, self.path)
 
 
+    def at_depth(self, band: tuple[int, int] | None) -> "Result":
+        """The same measurement over only the scored tokens at logit positions [lo, hi) (None: all)."""
+        if band is None:
+            return self
+        if self.per_token is None:
+            raise QevalError(f"{self.origin} has no per-token values: it cannot be cut to a depth band")
+        per_token = depth.select_depth(self.per_token, band, f"{self.label} vs {self.ref_label}")
+        summary = summarize(self.summary, per_token)
+        summary["depth"] = {"lo": band[0], "hi": band[1]}
+        return Result(summary, per_token, self.path)
+
+
 def summarize(head: dict, per_token: dict[str, np.ndarray]) -> dict:
     """Comparison JSON (reference/candidate descriptions from `head`) recomputed from per-token values."""
     chunks = [int(c) for c in np.unique(per_token["chunk"])]
-    body = Comparison(None, None, chunks, per_token).summary()  # summary() reads only per_token and chunks
+    bands = depth.parse_bands(None, head["reference"]["n_ctx"])
+    body = Comparison(None, None, chunks, per_token).summary(bands)  # reads only per_token and chunks then
     return {"reference": head["reference"], "candidate": head["candidate"], **body}
 
 
@@ -129,7 +144,8 @@ def load_result(path: str | os.PathLike, with_per_token: bool = True) -> Result:
         npz = path.parent / summary["per_token_file"]
         try:
             with np.load(npz) as data:
-                per_token = {k: data[k] for k in PER_TOKEN_FIELDS if k in data.files}
+                fields = (*PER_TOKEN_FIELDS, *filter(sampler.is_column, data.files))  # samplers' columns too
+                per_token = {k: data[k] for k in fields if k in data.files}
         except (OSError, ValueError) as exc:
             raise QevalError(f"cannot read per-token file {npz} of {path}: {exc}") from None
     return Result(summary, per_token, path)

@@ -20,7 +20,8 @@ import numpy as np
 
 from qeval.errors import StoreFormatError
 from qeval.storage.codec import SqrtLogCode
-from qeval.storage.store import ChunkBuilder, ChunkData, StoreHeader, scored_positions, tokens_sha256
+from qeval.storage.scoring import half_span
+from qeval.storage.store import ChunkBuilder, ChunkData, StoreHeader, tokens_sha256
 
 MAGIC = b"_logits_"
 _HEAD = np.dtype([("magic", "S8"), ("n_ctx", "<i4"), ("n_vocab", "<i4"), ("n_chunk", "<i4")])
@@ -68,7 +69,7 @@ class LlamaCppBaseFile:
         if not (4 <= n_ctx <= 1 << 22 and 2 <= n_vocab <= 1 << 24 and 1 <= n_chunk <= 1 << 24):
             raise StoreFormatError(f"{self.path}: implausible header (n_ctx {n_ctx}, n_vocab {n_vocab}, "
                                    f"n_chunk {n_chunk})")
-        first, n_scored = scored_positions(n_ctx)
+        first, n_scored = half_span(n_ctx)
         self._record_bytes = 2 * record_values(n_vocab)
         self._data_offset = _HEAD.itemsize + 4 * n_chunk * n_ctx
         expected = self._data_offset + n_chunk * n_scored * self._record_bytes
@@ -123,7 +124,7 @@ class LlamaCppBaseFile:
     def read_chunk(self, index: int) -> ChunkData:
         if index not in range(self.header.n_chunks):
             raise StoreFormatError(f"{self.path}: chunk {index} is not in this file ({self.header.n_chunks} chunks)")
-        first, n_scored = scored_positions(self.header.n_ctx)
+        first, n_scored = half_span(self.header.n_ctx)
         targets = self.tokens[index, first + 1:first + 1 + n_scored]
         builder = ChunkBuilder(index)
         for start in range(0, n_scored, BLOCK_TOKENS):

@@ -22,6 +22,7 @@ import json
 import os
 import struct
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -32,10 +33,12 @@ import zstandard
 from qeval import __version__
 from qeval.errors import MismatchError, QevalError, StoreFormatError
 from qeval.identity import capture_conflicts, tokens_sha256
+from qeval.storage.scoring import HALF, Scoring
 
 MAGIC = b"QEVALLOG"
 TRAILER_MAGIC = b"QEVALEND"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the header records its scoring rule (version 1: always half)
+READABLE_VERSIONS = (1, 2)
 N_CODES = 65536
 TOP_K = 10
 
@@ -59,12 +62,6 @@ def checksum(payload: bytes) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
-def scored_positions(n_ctx: int) -> tuple[int, int]:
-    """(first, count): llama-perplexity scores logits at positions n_ctx/2 .. n_ctx-2."""
-    first = n_ctx // 2
-    return first, n_ctx - 1 - first
-
-
 @dataclass(frozen=True)
 class StoreHeader:
     """What a store must say about itself so that a wrong comparison can be refused."""
@@ -86,19 +83,25 @@ class StoreHeader:
     source: str = "qeval"
     qeval_version: str = __version__
     format_version: int = FORMAT_VERSION
+    scoring: str = HALF.rule  # which logit positions are scored (qeval.storage.scoring)
 
     def __post_init__(self):
         if self.top_k == 0:
             object.__setattr__(self, "top_k", min(TOP_K, self.n_vocab))
 
+    @cached_property
+    def positions(self) -> np.ndarray:
+        """The scored logit positions of every window (one definition: qeval.storage.scoring)."""
+        return Scoring.parse(self.scoring).positions(self.n_ctx)
+
     @property
     def first_scored(self) -> int:
-        return scored_positions(self.n_ctx)[0]
+        return int(self.positions[0])
 
     @property
     def n_scored(self) -> int:
-        """Scored tokens per chunk (255 at n_ctx 512)."""
-        return scored_positions(self.n_ctx)[1]
+        """Scored tokens per chunk (255 at n_ctx 512, half)."""
+        return len(self.positions)
 
     @property
     def chunk_range(self) -> range:
@@ -106,6 +109,8 @@ class StoreHeader:
 
     def to_json(self) -> dict:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        if self.format_version == 1:
+            del d["scoring"]  # version 1 has no such field: it is half
         d["n_scored"] = self.n_scored
         d["first_scored"] = self.first_scored
         return d
@@ -123,8 +128,8 @@ class StoreHeader:
             if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
                 raise StoreFormatError(f"{where}: header field {name!r} is missing or out of range ({v!r})")
             kwargs[name] = v
-        for name in ("tokens_sha256", "label", "tokenizer_sha256", "source", "qeval_version"):
-            v = d.get(name, "")
+        for name in ("tokens_sha256", "label", "tokenizer_sha256", "source", "qeval_version", "scoring"):
+            v = d.get(name, HALF.rule if name == "scoring" else "")
             if not isinstance(v, str):
                 raise StoreFormatError(f"{where}: header field {name!r} must be a string")
             kwargs[name] = v
@@ -133,10 +138,16 @@ class StoreHeader:
             if not isinstance(v, dict):
                 raise StoreFormatError(f"{where}: header field {name!r} must be an object")
             kwargs[name] = v
+        if kwargs["format_version"] not in READABLE_VERSIONS:
+            raise StoreFormatError(f"{where}: store format version {kwargs['format_version']} is not supported "
+                                   f"(this qeval reads versions {', '.join(map(str, READABLE_VERSIONS))})")
+        if kwargs["format_version"] == 1 and "scoring" in d:
+            raise StoreFormatError(f"{where}: a version-1 header has no scoring field")
+        try:
+            Scoring.parse(kwargs["scoring"]).check(kwargs["n_ctx"])
+        except QevalError as exc:
+            raise StoreFormatError(f"{where}: header field 'scoring': {exc}") from None
         h = cls(**kwargs)
-        if h.format_version != FORMAT_VERSION:
-            raise StoreFormatError(f"{where}: store format version {h.format_version} is not supported "
-                                   f"(this qeval reads version {FORMAT_VERSION})")
         if h.top_k > h.n_vocab:
             raise StoreFormatError(f"{where}: top_k {h.top_k} exceeds the vocab of {h.n_vocab}")
         if not h.chunk_start < h.chunk_stop <= h.n_chunks:
@@ -321,7 +332,7 @@ class StoreWriter:
             fh = open(path, "wb")
         except OSError as exc:
             raise QevalError(f"cannot create store {path}: {exc.strerror}") from None
-        fh.write(_PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0))
+        fh.write(_PREAMBLE.pack(MAGIC, header.format_version, 0))
         fh.write(_encode_record(b"HEAD", json.dumps(header.to_json(), sort_keys=True).encode()))
         fh.write(_encode_record(b"TOKS", tokens.tobytes()))
         fh.write(_encode_record(b"LUT_", np.ascontiguousarray(lut, "<f4").tobytes()))
@@ -537,9 +548,9 @@ class StoreReader:
         magic, version, _ = _PREAMBLE.unpack(self._read_at(0, _PREAMBLE.size))
         if magic != MAGIC:
             raise StoreFormatError(f"{self.path} is not a qeval store (bad magic {magic[:8]!r})")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise StoreFormatError(f"{self.path}: store format version {version} is not supported "
-                                   f"(this qeval reads version {FORMAT_VERSION})")
+                                   f"(this qeval reads versions {', '.join(map(str, READABLE_VERSIONS))})")
         payload, pos = self._record_at(_PREAMBLE.size, b"HEAD", _MAX_HEADER_BYTES)
         try:
             raw = json.loads(payload)
@@ -547,6 +558,8 @@ class StoreReader:
             raise StoreFormatError(f"{self.path}: header is not valid JSON ({exc})") from None
         self.header = StoreHeader.from_json(raw, str(self.path))
         h = self.header
+        if h.format_version != version:
+            raise StoreFormatError(f"{self.path}: preamble says format version {version}, header {h.format_version}")
         payload, pos = self._record_at(pos, b"TOKS", 4 * h.n_chunks * h.n_ctx)
         if len(payload) != 4 * h.n_chunks * h.n_ctx:
             raise StoreFormatError(f"{self.path}: token block has {len(payload)} bytes, expected "

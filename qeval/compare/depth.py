@@ -1,0 +1,126 @@
+"""Divergence by context depth: the per-token figures of a comparison, grouped into bands of logit position.
+
+A band [lo, hi) holds the scored tokens whose logit position p satisfies lo <= p < hi (the model had
+seen p + 1 tokens of its window). Each band is summarised by the same function as the whole
+comparison, so its figures sit under the same keys; only the standard errors differ:
+
+Standard errors within a band respect the correlation of neighbouring tokens of one window. Tokens
+are grouped into blocks of BLOCK_POSITIONS consecutive positions of one window, and the SE of a mean
+is the cluster-robust (sandwich) SE over those blocks:
+    SE^2 = G/(G-1) * sum_g (S_g - mean * n_g)^2 / N^2
+(G blocks, S_g and n_g the sum and count of block g, N tokens). llama-perplexity's i.i.d. formula,
+kept for the top-level figures (parity), understates the SE of a band by the square root of the
+design effect: at 32K, where a few long windows carry a band, that matters.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import numpy as np
+
+from qeval.errors import QevalError
+
+BLOCK_POSITIONS = 256
+FIRST_EDGE, EDGE_FACTOR = 512, 4
+SE_METHOD = f"cluster-robust over blocks of {BLOCK_POSITIONS} positions of one window"
+# summary blocks whose "se" is the SE of a per-token mean, and the per-token column it is the mean of
+_MEAN_BLOCKS = {"kld": "kld", "kld_reverse": "kld_reverse", "same_top1": "same_top1",
+                "top5_agreement": "top5_agreement", "top10_agreement": "top10_agreement"}
+
+
+def default_edges(n_ctx: int) -> list[int]:
+    """0, 512, 2048, 8192, ... (powers of 4 from 512), then n_ctx."""
+    edges, edge = [0], FIRST_EDGE
+    while edge < n_ctx:
+        edges.append(edge)
+        edge *= EDGE_FACTOR
+    return edges + [n_ctx]
+
+
+def parse_bands(spec: str | None, n_ctx: int) -> list[tuple[int, int]]:
+    """`--bands 512,2048,8192` (inner edges, ascending) or None for the default; bands [lo, hi) covering
+    0..n_ctx (edges at or beyond n_ctx are dropped, so one band list serves every context size)."""
+    if spec is None:
+        edges = default_edges(n_ctx)
+    else:
+        try:
+            inner = [int(x) for x in spec.split(",") if x.strip()]
+        except ValueError:
+            raise QevalError(f"--bands {spec!r}: expected ascending integer positions, e.g. 512,2048,8192") from None
+        if not inner or any(b <= a for a, b in zip(inner, inner[1:])) or inner[0] <= 0:
+            raise QevalError(f"--bands {spec!r}: expected ascending positive positions, e.g. 512,2048,8192")
+        edges = [0, *(e for e in inner if e < n_ctx), n_ctx]  # edges beyond this context are not needed
+    return list(zip(edges, edges[1:]))
+
+
+def parse_depth(spec: str | None, n_ctx: int | None = None) -> tuple[int, int] | None:
+    """`--depth LO:HI` (either side may be empty): the logit positions a comparison or gate is restricted to."""
+    if spec is None:
+        return None
+    lo, sep, hi = spec.partition(":")
+    try:
+        band = (int(lo) if lo.strip() else 0, int(hi) if hi.strip() else (n_ctx or 1 << 40))
+    except ValueError:
+        band = None
+    if not sep or band is None or band[0] < 0 or band[1] <= band[0]:
+        raise QevalError(f"--depth {spec!r}: expected LO:HI logit positions with LO < HI, e.g. 8192: or 512:2048")
+    return band
+
+
+def select_depth(per_token: dict[str, np.ndarray], band: tuple[int, int] | None, what: str = "") -> dict:
+    """The per-token rows whose logit position lies in band [lo, hi) (all rows for None)."""
+    if band is None:
+        return per_token
+    pos = per_token["position"]
+    keep = (pos >= band[0]) & (pos < band[1])
+    if not keep.any():
+        raise QevalError(f"{what or 'the comparison'} has no scored token at depth {band[0]}:{band[1]} "
+                         f"(its scored positions run {int(pos.min())}..{int(pos.max())})")
+    return {k: v[keep] for k, v in per_token.items()}
+
+
+def cluster_se(values: np.ndarray, clusters: np.ndarray) -> float:
+    """Cluster-robust SE of the mean of `values` (see the module docstring); NaN with fewer than 2 clusters."""
+    values = np.asarray(values, dtype=np.float64)
+    ids, inverse = np.unique(clusters, return_inverse=True)
+    g = len(ids)
+    if g < 2:
+        return float("nan")
+    n_total = len(values)
+    mean = values.sum() / n_total
+    sums = np.bincount(inverse, weights=values, minlength=g)
+    counts = np.bincount(inverse, minlength=g)
+    resid = sums - mean * counts
+    return math.sqrt(g / (g - 1) * float(np.sum(resid * resid)) / (n_total * n_total))
+
+
+def block_ids(per_token: dict[str, np.ndarray]) -> np.ndarray:
+    """The block of each token: (window, position // BLOCK_POSITIONS)."""
+    return per_token["chunk"].astype(np.int64) * (1 << 32) + per_token["position"].astype(np.int64) // BLOCK_POSITIONS
+
+
+def band_summary(per_token: dict[str, np.ndarray], summarize: Callable[[dict], dict]) -> dict:
+    """summarize(rows) with the SEs of means made cluster-robust."""
+    out = summarize(per_token)
+    blocks = block_ids(per_token)
+    for block, column in _MEAN_BLOCKS.items():
+        if block in out:
+            out[block]["se"] = cluster_se(np.asarray(per_token[column], dtype=np.float64), blocks)
+    out["delta_p"]["se"] = cluster_se(per_token["p_cand"] - per_token["p_ref"], blocks)
+    out["se_method"] = SE_METHOD
+    return out
+
+
+def by_depth(per_token: dict[str, np.ndarray], bands: list[tuple[int, int]],
+             summarize: Callable[[dict], dict]) -> list[dict]:
+    """One object per band that holds scored tokens: lo, hi, n and the band's figures."""
+    out = []
+    pos = per_token["position"]
+    for lo, hi in bands:
+        keep = (pos >= lo) & (pos < hi)
+        if keep.any():
+            rows = {k: v[keep] for k, v in per_token.items()}
+            out.append({"lo": lo, "hi": hi, "n": int(keep.sum()), **band_summary(rows, summarize)})
+    return out
