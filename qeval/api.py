@@ -235,3 +235,41 @@ def demo_report(chunks: int = 80, runs_dir=None, models_dir=None, n_ctx: int = 5
     result, text = run_pairs(demo.REFERENCE, str(paths[demo.REFERENCE]), pairs, chunks, n_ctx, None,
                              runs.runs_dir(runs_dir), threads, 0, progress)
     return result, demo.DERIVATION_NOTE + "\n" + text
+
+
+# --- task accuracy and answer flips (qeval.orchestrate.tasks) -------------------------------------------------
+def task_capture_report(model: str, task: str, kind: str | None = None, limit: int | None = None,
+                        label: str | None = None, runs_dir=None, out: str | None = None, settings=None,
+                        force: bool = False, progress: bool = False, hf_loader=None) -> tuple[dict, str]:
+    """Score every choice of a task set (HellaSwag, Winogrande, multiple-choice file or hf: dataset) with a GGUF
+    model as llama-perplexity does, into RUNS_DIR/tasks/<task>/<label>.tasks.jsonl; resumes, reuses, or refuses
+    a store of another capture (`force` replaces it)."""
+    from qeval.capture.taskscore import TaskSettings  # noqa: PLC0415
+    from qeval.orchestrate import tasks  # noqa: PLC0415
+
+    with contextlib.ExitStack() as stack:
+        state = {}
+
+        def on_plan(total: int, done: int) -> None:
+            state["advance"] = stack.enter_context(progress_bar(f"scoring tasks ({label or Path(model).stem})",
+                                                                total, progress))
+            state["advance"](done)
+
+        return tasks.capture_tasks(model, task, kind=kind, limit=limit, label=label, runs_dir=runs_dir, out=out,
+                                   settings=settings or TaskSettings(), force=force, on_plan=on_plan,
+                                   on_tasks=lambda n: state["advance"](n), hf_loader=hf_loader)
+
+
+def task_show_report(store: str, runs_dir=None, task: str | None = None) -> tuple[dict, str]:
+    """Accuracy of one task store (path or label)."""
+    from qeval.orchestrate import tasks  # noqa: PLC0415
+
+    return tasks.show_tasks(store, runs_dir, task)
+
+
+def flips_report(ref: str, cand: str, runs_dir=None, task: str | None = None, bins: int = 4,
+                 max_listed: int = 20) -> tuple[dict, str]:
+    """Accuracy of both, answer flips, exact McNemar p and flips by the reference's margin, from two task stores."""
+    from qeval.orchestrate import tasks  # noqa: PLC0415
+
+    return tasks.flips_report(ref, cand, runs_dir, task, bins, max_listed)

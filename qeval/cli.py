@@ -303,6 +303,7 @@ def check_cmd(
     baseline_metric: Optional[list[str]] = typer.Option(None, "--baseline-metric", help="Judge only these baseline metrics (repeat)."),
     chunks: Optional[int] = Chunks,
     depth: Optional[str] = typer.Option(None, "--depth", help="Gate only scored tokens at logit positions LO:HI (either side may be empty), e.g. 8192: for beyond 8K."),
+    sampler: Optional[list[str]] = typer.Option(None, "--sampler", help="A sampler (preset or settings, as qeval kld --sampler) whose figures --max-tvd judges; repeat for several (default with a saved result: every sampler it holds)."),
     as_json: bool = Json,
     runs_dir: Optional[Path] = RunsDir,
     **limits: Optional[float],
@@ -310,7 +311,7 @@ def check_cmd(
     """Release gate: exit 0 if every check passes, 1 if one fails beyond its error bars, 2 on bad input."""
     result, text, passed = gate.check_report(ref, cand, chunks=chunks, runs_dir=runs_dir, baseline=baseline,
                                              baseline_entry=baseline_entry, baseline_metrics=baseline_metric,
-                                             progress=True, depth=depth, **limits)
+                                             progress=True, depth=depth, samplers=sampler or (), **limits)
     _emit(result, text, as_json)
     raise typer.Exit(0 if passed else 1)
 
@@ -344,6 +345,73 @@ def baseline_from_result_cmd(
     from qeval.orchestrate import baselines  # noqa: PLC0415
 
     typer.echo(baselines.result_to_baseline_file(result, out, title, entry))
+
+
+# --- task accuracy and answer flips (qeval.orchestrate.tasks) ---------------------------------------------------
+tasks_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help=(
+    "Task accuracy as llama-perplexity computes it (--hellaswag, --winogrande, --multiple-choice), stored per "
+    "choice so that `qeval flips` compares models without running them again."))
+app.add_typer(tasks_app, name="tasks")
+TaskName = typer.Option(None, "--task", help="Task set name (its folder in RUNS_DIR/tasks), when a label has stores for several.")
+
+
+@tasks_app.command("capture")
+def tasks_capture(
+    model: str = typer.Option(..., "--model", "-m", help="GGUF model file."),
+    task: str = typer.Option(..., "--task", "-f", help="Task file (HellaSwag text, Winogrande CSV, llama.cpp multiple-choice binary) or hf:DATASET[/CONFIG][:SPLIT]."),
+    kind: Optional[str] = typer.Option(None, "--format", help="hellaswag, winogrande or mc (default: .csv is winogrande, a binary file mc, else hellaswag)."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Score N tasks, the ones llama-perplexity's --hellaswag-tasks / --winogrande-tasks / --multiple-choice-tasks N picks (default: all; llama-perplexity's HellaSwag default is 400)."),
+    label: Optional[str] = typer.Option(None, "--label", "-l", help="Name of the store (default: the model file's stem)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Store path (default RUNS_DIR/tasks/TASK/LABEL.tasks.jsonl)."),
+    ctx: int = typer.Option(512, "-c", "--ctx", "--ctx-size", help="Context per sequence, as llama-perplexity's -c (the context holds -np x -c tokens)."),
+    parallel: int = typer.Option(4, "-np", "--parallel", help="Sequences per batch, as llama-perplexity (at least 4)."),
+    batch: int = typer.Option(2048, "-b", "--batch-size", help="Tokens per llama_decode call (llama-perplexity's default 2048)."),
+    ubatch: int = typer.Option(512, "-ub", "--ubatch-size", help="Tokens per physical batch."),
+    type_k: str = TypeK,
+    type_v: str = TypeV,
+    flash_attn: str = FlashAttn,
+    n_gpu_layers: int = GpuLayers,
+    threads: Optional[int] = Threads,
+    force: bool = typer.Option(False, "--force", help="Replace a store there that holds another capture (the old one is kept until the new one is complete)."),
+    as_json: bool = Json,
+    runs_dir: Optional[Path] = RunsDir,
+):
+    """Score every choice of a task set with a model, as llama-perplexity does; resumable."""
+    from qeval.capture.taskscore import TaskSettings  # noqa: PLC0415
+
+    settings = TaskSettings(EngineSettings(type_k, type_v, flash_attn, n_gpu_layers, threads), ctx, parallel, batch,
+                            ubatch)
+    result, text = api.task_capture_report(model, task, kind=kind, limit=limit, label=label, runs_dir=runs_dir,
+                                           out=str(out) if out else None, settings=settings, force=force,
+                                           progress=True)
+    _emit(result, text, as_json)
+
+
+@tasks_app.command("show")
+def tasks_show(
+    store: str = typer.Argument(..., help="Task store: path or label."),
+    task: Optional[str] = TaskName,
+    as_json: bool = Json,
+    runs_dir: Optional[Path] = RunsDir,
+):
+    """Accuracy of one task store."""
+    result, text = api.task_show_report(store, runs_dir=runs_dir, task=task)
+    _emit(result, text, as_json)
+
+
+@app.command("flips")
+def flips_cmd(
+    ref: str = typer.Option(..., "--ref", help="Reference task store: path or label."),
+    cand: str = typer.Option(..., "--cand", help="Candidate task store: path or label."),
+    task: Optional[str] = TaskName,
+    bins: int = typer.Option(4, "--bins", help="Equal-count bins of the reference's answer margin."),
+    max_listed: int = typer.Option(20, "--list", help="Flipped tasks to list in the text (--json lists all)."),
+    as_json: bool = Json,
+    runs_dir: Optional[Path] = RunsDir,
+):
+    """Answer flips between two task stores: accuracies, correct→wrong / wrong→correct, exact McNemar p, flips by margin."""
+    result, text = api.flips_report(ref, cand, runs_dir=runs_dir, task=task, bins=bins, max_listed=max_listed)
+    _emit(result, text, as_json)
 
 
 def main(argv: list[str] | None = None) -> None:

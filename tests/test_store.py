@@ -21,12 +21,16 @@ from conftest import (
     write_store,
 )
 
+from qeval import api
 from qeval.errors import QevalError, StoreFormatError
 from qeval.storage.codec import SqrtLogCode
 from qeval.storage.scoring import half_span
 from qeval.storage.store import (
     MAGIC,
+    PIECE_ROWS,
     TRAILER_MAGIC,
+    ChunkBuilder,
+    ChunkData,
     StoreComplete,
     StoreConflict,
     StoreHeader,
@@ -280,7 +284,7 @@ def test_writer_refuses_inconsistent_chunks(tmp_path, inputs):
         w.write_chunk(c0)
         with pytest.raises(ValueError, match="already stored"):
             w.write_chunk(c0)
-        with pytest.raises(ValueError, match="tokens"):
+        with pytest.raises(ValueError, match="does not fit 7 scored rows"):
             w.write_chunk(build_chunk(1, logits[1][:5], tokens[1, N_CTX // 2 + 1:][:5], code))
         with pytest.raises(ValueError, match="missing"):
             w.finish()
@@ -426,7 +430,7 @@ def test_index_missing_a_chunk(small_store):
         p[16:20] = struct.pack("<I", 0)  # entry for chunk 1 now says chunk 0
         return p
     _rewrite_payload(small_store.path, b"INDX", edit)
-    with pytest.raises(StoreFormatError, match="does not cover"):
+    with pytest.raises(StoreFormatError, match="does not cover|out of order"):
         StoreReader(small_store.path)
 
 
@@ -478,3 +482,77 @@ def test_info_on_a_torn_capture_reports_it_incomplete(tmp_path):
     res = run_cli("info", store.path)
     assert res.returncode == 0, res.stderr
     assert "INCOMPLETE" in res.stdout and "1 of 3 chunks" in res.stdout
+
+
+# --------------------------------------------------------------------------------------------------
+# long windows: a chunk in pieces of PIECE_ROWS rows (one record each), never held whole
+# --------------------------------------------------------------------------------------------------
+def _pieces(index: int, logits: np.ndarray, targets: np.ndarray, code: SqrtLogCode, rows: int = PIECE_ROWS):
+    out = []
+    for first in range(0, len(logits), rows):
+        builder = ChunkBuilder(index, first_row=first)
+        enc = code.encode_block(logits[first:first + rows], targets[first:first + rows])
+        builder.add(enc.planes, enc.logprob_target, enc.logprob_max, enc.top_ids)
+        out.append(builder.finish())
+    return out
+
+
+@pytest.fixture
+def long_inputs():
+    rng = np.random.default_rng(11)
+    n_ctx, n_vocab = 600, 300  # 299 scored rows: pieces of 256 and 43
+    tokens = rng.integers(0, n_vocab, size=(3, n_ctx)).astype(np.int32)
+    logits = {c: realistic_logits(rng, n_ctx - 1 - n_ctx // 2, n_vocab) for c in range(3)}
+    return tokens, logits, n_vocab
+
+
+def test_pieced_chunks_read_back_like_whole_ones(tmp_path, long_inputs):
+    tokens, logits, n_vocab = long_inputs
+    code = SqrtLogCode()
+    header = make_header(tokens, n_vocab, code)
+    targets = {c: tokens[c, header.positions + 1] for c in range(3)}
+    with StoreWriter.open(tmp_path / "p.qeval", header, tokens, code.lut()) as w:
+        for c in range(3):
+            for piece in _pieces(c, logits[c], targets[c], code):
+                w.write_chunk(piece)
+        w.finish()
+    whole = write_store(tmp_path / "w.qeval", tokens, logits, n_vocab, code=code)
+    with StoreReader(tmp_path / "p.qeval", verify_chunks=True) as r:
+        assert [len(r.chunk_pieces[c]) for c in range(3)] == [2, 2, 2]
+        for c in range(3):
+            chunk = r.read_chunk(c)
+            np.testing.assert_array_equal(chunk.codes(n_vocab), whole.chunks[c].codes(n_vocab))
+            np.testing.assert_array_equal(chunk.logprob_target, whole.chunks[c].logprob_target)
+            np.testing.assert_array_equal(chunk.top_ids, whole.chunks[c].top_ids)
+    # a store in pieces against the same capture in one record: token blocks stay aligned, KLD exactly 0
+    result, _ = api.kld_report(str(tmp_path / "p.qeval"), str(whole.path), threads=2)
+    assert result["scored_tokens"] == 3 * 299 and result["kld"]["mean"] == 0.0
+
+
+def test_resume_drops_the_pieces_of_an_unfinished_window(tmp_path, long_inputs):
+    tokens, logits, n_vocab = long_inputs
+    code = SqrtLogCode()
+    header = make_header(tokens, n_vocab, code)
+    targets = {c: tokens[c, header.positions + 1] for c in range(3)}
+    path = tmp_path / "r.qeval"
+    with StoreWriter.open(path, header, tokens, code.lut()) as w:
+        for piece in _pieces(0, logits[0], targets[0], code):
+            w.write_chunk(piece)
+        first_of_1 = _pieces(1, logits[1], targets[1], code)[0]
+        w.write_chunk(first_of_1)  # then the process dies inside window 1
+        with pytest.raises(ValueError, match="chunk 1 is unfinished"):
+            w.write_chunk(ChunkData(2, first_of_1.logprob_target, first_of_1.logprob_max, first_of_1.top_ids,
+                                    first_of_1.codes_zst, 0))
+    size_before = path.stat().st_size
+    with StoreReader(path, tolerate_torn_tail=True) as r:
+        assert r.chunk_indices == [0] and not r.complete
+    with StoreWriter.open(path, header, tokens, code.lut()) as w:
+        assert w.done_chunks == {0} and path.stat().st_size < size_before  # window 1's piece is gone
+        with pytest.raises(ValueError, match="at row 256, expected row 0"):
+            w.write_chunk(_pieces(1, logits[1], targets[1], code)[1])
+        for c in (1, 2):
+            for piece in _pieces(c, logits[c], targets[c], code):
+                w.write_chunk(piece)
+        w.finish()
+    with StoreReader(path, verify_chunks=True) as r:
+        assert r.complete and r.chunk_indices == [0, 1, 2]

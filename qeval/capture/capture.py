@@ -26,6 +26,7 @@ from qeval.pool import bounded_map
 from qeval.storage.codec import BadLogits, EncodedBlock, SqrtLogCode
 from qeval.storage.scoring import Scoring
 from qeval.storage.store import (
+    PIECE_ROWS,
     ChunkBuilder,
     ChunkData,
     StoreComplete,
@@ -87,9 +88,9 @@ def iter_encoded_blocks(engine: Backend, windows: np.ndarray, indices: list[int]
     engine's next iteration, so all its blocks are coded before it. The blocks of all windows of a
     call share the pool, so it stays busy across window borders.
     """
-    def encode(job: tuple[ScoredRows, int]) -> EncodedBlock:
-        rows, start = job
-        logits = rows.logits[start:start + ENCODE_BLOCK]
+    def encode(job: tuple[ScoredRows, int, int]) -> EncodedBlock:
+        rows, start, stop = job
+        logits = rows.logits[start:stop]
         row0 = rows.first_row + start
         try:
             return code.encode_block(logits, scored_targets(windows[rows.window], engine.positions[row0:row0 + len(logits)]))
@@ -98,30 +99,46 @@ def iter_encoded_blocks(engine: Backend, windows: np.ndarray, indices: list[int]
                              "file or this llama.cpp build is broken for these settings") from None
 
     for call in engine.iter_calls(windows):
-        jobs = [(rows, start) for rows in call for start in range(0, len(rows.logits), ENCODE_BLOCK)]
-        for (rows, start), block in zip(jobs, bounded_map(pool, encode, jobs, pool._max_workers)):
+        jobs = [(rows, start, stop) for rows in call for start, stop in block_spans(rows.first_row, len(rows.logits))]
+        for (rows, start, _), block in zip(jobs, bounded_map(pool, encode, jobs, pool._max_workers)):
             yield indices[rows.window], rows.first_row + start, block
 
 
-def iter_chunks(engine: Backend, windows: np.ndarray, indices: list[int], code: SqrtLogCode,
+def block_spans(first_row: int, n_rows: int) -> Iterator[tuple[int, int]]:
+    """(start, stop) of the coding blocks of rows first_row.. first_row+n_rows-1: ENCODE_BLOCK rows at most,
+    never across a piece border (a multiple of PIECE_ROWS), so every piece is made of whole blocks."""
+    start = 0
+    while start < n_rows:
+        row = first_row + start
+        stop = min(n_rows, start + ENCODE_BLOCK, start + PIECE_ROWS - row % PIECE_ROWS)
+        yield start, stop
+        start = stop
+
+
+def ends_piece(row_end: int, n_scored: int) -> bool:
+    """Whether a piece of a chunk ends after row_end - 1: at the chunk's end or at a piece border."""
+    return row_end == n_scored or row_end % PIECE_ROWS == 0
+
+
+def iter_pieces(engine: Backend, windows: np.ndarray, indices: list[int], code: SqrtLogCode,
                 pool: ThreadPoolExecutor, compressor: zstandard.ZstdCompressor) -> Iterator[ChunkData]:
-    """windows[j] decoded, coded and compressed into chunk indices[j], in order, one chunk held at a time."""
+    """windows[j] decoded, coded and compressed into chunk indices[j], in order, piece by piece (a window
+    of more than PIECE_ROWS scored rows is never held whole); a chunk's last piece has first_row +
+    n_tokens == n_scored."""
     builder = None
-    n_scored = engine.n_scored  # a chunk is complete with its window's last scored row
     for index, row, block in iter_encoded_blocks(engine, windows, indices, code, pool):
         if builder is None:
-            builder = ChunkBuilder(index, compressor=compressor)
+            builder = ChunkBuilder(index, compressor=compressor, first_row=row)
         builder.add(block.planes, block.logprob_target, block.logprob_max, block.top_ids)
-        if row + len(block.planes) == n_scored:
+        if ends_piece(row + len(block.planes), engine.n_scored):
             yield builder.finish()
             builder = None
 
 
 def encode_window(engine: Backend, index: int, window: np.ndarray, code: SqrtLogCode,
                   pool: ThreadPoolExecutor, compressor: zstandard.ZstdCompressor | None = None) -> ChunkData:
-    """One window decoded, coded and compressed into a chunk (pass one compressor for many chunks)."""
-    chunk, = iter_chunks(engine, window[None], [index], code, pool,
-                         compressor or zstd_compressor(pool._max_workers))
+    """One window of at most PIECE_ROWS scored rows decoded, coded and compressed into a chunk (benchmarks)."""
+    chunk, = iter_pieces(engine, window[None], [index], code, pool, compressor or zstd_compressor(pool._max_workers))
     return chunk
 
 
@@ -183,11 +200,11 @@ def capture(spec: CaptureSpec, on_chunk: Callable[[int], None] | None = None,
                 on_plan(chunk_range[1] - chunk_range[0], chunk_range[1] - chunk_range[0] - len(todo))
             threads = encoder_threads(spec.threads, settings)
             with ThreadPoolExecutor(max_workers=threads) as pool, contextlib.closing(
-                    iter_chunks(engine, windows[todo], todo, spec.code, pool, zstd_compressor(threads))) as chunks:
-                for chunk in chunks:
-                    writer.write_chunk(chunk)
-                    if on_chunk:
-                        on_chunk(1)
+                    iter_pieces(engine, windows[todo], todo, spec.code, pool, zstd_compressor(threads))) as pieces:
+                for piece in pieces:
+                    writer.write_chunk(piece)  # a crash loses at most the window being captured
+                    if on_chunk:  # progress inside a long window: a piece is its share of the window
+                        on_chunk(piece.n_tokens / header.n_scored)
             writer.finish()
     return CaptureResult(out, "complete", chunk_range[1] - chunk_range[0], len(todo), time.perf_counter() - t0,
                          header)
@@ -213,13 +230,20 @@ class LiveChunk:
         """Blocks are fresh arrays here, so `buffers` (a ring size for stored chunks) is not needed."""
         src = self.source
         save = src.writer is not None and self.index not in src.writer.done_chunks
-        builder = ChunkBuilder(self.index, compressor=src.compressor) if save else None
+        builder = None
         blocks: list[EncodedBlock] = []
 
         def planes() -> Iterator[np.ndarray]:
+            nonlocal builder
+            row = 0
             for block in src.blocks_of(self.index):
-                if builder is not None:
+                if save:  # saved piece by piece, as a capture writes it
+                    builder = builder or ChunkBuilder(self.index, compressor=src.compressor, first_row=row)
                     builder.add(block.planes, block.logprob_target, block.logprob_max, block.top_ids)
+                row += len(block.planes)
+                if builder is not None and ends_piece(row, self.n_tokens):
+                    src.writer.write_chunk(builder.finish())
+                    builder = None
                 blocks.append(EncodedBlock(None, block.logprob_target, block.logprob_max, block.top_ids))
                 yield block.planes
 
@@ -227,8 +251,6 @@ class LiveChunk:
         self.logprob_target = np.concatenate([b.logprob_target for b in blocks])
         self.logprob_max = np.concatenate([b.logprob_max for b in blocks])
         self.top_ids = np.concatenate([b.top_ids for b in blocks])
-        if builder is not None:
-            src.writer.write_chunk(builder.finish())
 
 
 class LiveSource:

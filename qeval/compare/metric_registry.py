@@ -14,7 +14,7 @@ before it existed lack it: they show no value for it, and a check on it asks for
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, ClassVar, Union
 
 import numpy as np
@@ -236,6 +236,26 @@ def sampler_metrics(name: str) -> tuple[Metric, ...]:
     )
 
 
+# `qeval check` thresholds that apply to every sampler of a comparison: the template's key holds "*" where a
+# sampler's name goes, its gate is the option (--max-tvd 5: mean TVD at most 5 % under each --sampler).
+SAMPLER_GATES = (
+    Metric("tvd_pct@*", "mean TVD (each sampler)", "%", "lower", Mean("tvd@*"),
+           "mean TVD after each sampler of the comparison (qeval kld/check --sampler)", fmt=".3f", gate="max-tvd"),
+)
+
+
+def is_sampler_template(key: str) -> bool:
+    return key.endswith("@*")
+
+
+def for_sampler(template: Metric, name: str) -> Metric:
+    """A SAMPLER_GATES template made concrete for one sampler; its gate (the check's name) says which."""
+    m = lookup(template.key.replace("*", name))
+    if m is None:
+        raise QevalError(f"{name!r} is not a sampler name (a preset or a canonical settings string)")
+    return replace(m, gate=f"{template.gate}@{name}")
+
+
 def lookup(key: str) -> Metric | None:
     """The metric under `key`: one of METRICS, or a sampler metric ("tvd_pct@qwen3.5-thinking"); None if
     neither."""
@@ -280,5 +300,5 @@ def read(summary: dict) -> dict[str, MetricValue]:
 
 
 def gated() -> list[Metric]:
-    """The metrics `qeval check` can hold to a limit, in table order."""
-    return [m for m in METRICS.values() if m.gate]
+    """The metrics `qeval check` can hold to a limit, in table order, then the sampler templates (SAMPLER_GATES)."""
+    return [m for m in METRICS.values() if m.gate] + list(SAMPLER_GATES)

@@ -45,17 +45,21 @@ What is exact and what is not. Everything runs on the stored rows: log p_i = lut
 works in float32, so a row whose cumulative mass lands within ~1e-7 of top_p may cut one token
 differently there). For temperature 0 the argmax is the store's exact one (top_ids[:, 0], taken from
 the float32 logits, ties to the lower id), so greedy agreement equals same-top-1 and greedy TVD is
-1 − same-top-1; the stored codes cannot separate logits closer than one code step (~1e-4 nats). For
-t > 0 the ranking is by code (the code is a non-decreasing function of log p, so code order is
-logit order) with ties by token id.
+1 − same-top-1. For t > 0 the ranking is by code (lut is non-decreasing, so code order is the order of
+the decoded log-probs) with ties by token id; the code ties logits closer than one code step
+(9.2e-5 nats within 4 nats of the top, coarser below), which a top-k or top-p boundary may fall
+between.
 
 Speed. Truncation needs only the top of each row, and the code is monotone in log p, so the kernel
-selects the top candidates by code in one pass per row that serves every sampler: a vectorised pass
-takes the maximum high byte of each 64-entry block, then a heap of the N best (code, id) pairs skips
-every block whose maximum is below the heap's current threshold. N is the largest top_k asked for; a
-sampler without top_k (top-p or min-p alone) starts at OPEN_START candidates and grows the set
-(x8, rescanning) until its cut is inside it, which is exact whatever the row. A sampler that
-truncates nothing (only a temperature) is computed over the full row in two passes.
+selects the top candidates by code, once per row for every sampler: a vectorised pass ORs the high
+bytes of each 64-entry block (at least the block's largest high byte), a
+counting sort orders the blocks by that bound, and a heap of the N best (code, id) pairs reads blocks
+in that order until a block's bound is below the heap's worst code: on real rows a few dozen of
+4,096 blocks. N is the largest top_k asked for; a sampler without top_k (top-p or min-p alone)
+starts at OPEN_START candidates and grows the set (x8, selecting again) until its cut lies inside
+it, exact whatever the row but slower (bench/bench_sampler.py). A sampler that truncates nothing
+(only a temperature) is computed over the full row in two passes. Greedy samplers need no kernel.
+Measured on Gemma-3-270M rows (262,144 vocab): see bench/results/sampler-amd-epyc.json.
 """
 
 from __future__ import annotations
@@ -70,7 +74,7 @@ from qeval.compare import stats
 from qeval.errors import QevalError
 
 N_CODES = 65536
-BLOCK = 64  # entries per block whose maximum high byte decides whether the selection reads it
+BLOCK = 64  # entries per block whose OR of high bytes decides whether the selection reads it
 OPEN_START = 256  # first candidate count of a sampler without top_k (grown x8 until its cut is inside)
 
 
@@ -111,7 +115,8 @@ class Sampler:
 
 
 def _num(x: float) -> str:
-    return f"{x:g}" if x != int(x) else str(int(x))
+    """The shortest text that reads back as x (0.95, 1, 0.123456789)."""
+    return str(int(x)) if x == int(x) else repr(float(x))
 
 
 PRESETS: dict[str, Sampler] = {s.name: s for s in (
@@ -171,15 +176,29 @@ def parse(text: str) -> Sampler:
         if not 0.0 <= s[key] <= 1.0:
             raise _usage(text, f"{key} must be between 0 and 1, not {s[key]:g}")
     top_k = int(s["top_k"])
-    name = f"temp={_num(s['temp'])},top_k={top_k},top_p={_num(s['top_p'])},min_p={_num(s['min_p'])}"
+    name = settings_text(s["temp"], top_k, s["top_p"], s["min_p"])
     return Sampler(name, float(s["temp"]), top_k, float(s["top_p"]), float(s["min_p"]))
 
 
+def settings_text(temp: float, top_k: int, top_p: float, min_p: float) -> str:
+    """The canonical settings string (a sampler's name unless it is a preset)."""
+    return f"temp={_num(temp)},top_k={int(top_k)},top_p={_num(top_p)},min_p={_num(min_p)}"
+
+
 def parse_all(specs) -> tuple[Sampler, ...]:
-    """Samplers from strings or Sampler values, in the order given, each name once."""
+    """Samplers from strings or Sampler values, in the order given, each name once. A Sampler value whose
+    name does not parse back to its settings is validated and renamed by its settings string, so every
+    name in an output says what was computed."""
     out: dict[str, Sampler] = {}
     for spec in specs or ():
-        s = spec if isinstance(spec, Sampler) else parse(spec)
+        if isinstance(spec, Sampler):
+            try:
+                same = parse(spec.name) == spec
+            except QevalError:
+                same = False
+            s = spec if same else parse(settings_text(spec.temperature, spec.top_k, spec.top_p, spec.min_p))
+        else:
+            s = parse(spec)
         out.setdefault(s.name, s)
     return tuple(out.values())
 

@@ -19,7 +19,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 
-from qeval.compare import metric_registry
+from qeval.compare import metric_registry, sampler
 from qeval.compare.depth import parse_depth
 from qeval.compare.metric_registry import METRICS, Metric, MetricValue
 from qeval.errors import QevalError
@@ -172,11 +172,25 @@ def _nothing_to_check() -> QevalError:
 
 
 def run_checks(summary: dict, baseline: baselines.Baseline | None = None, baseline_entry: str | None = None,
-               baseline_metrics: list[str] | None = None, **limits: float | None) -> GateResult:
-    """Judge one comparison summary (the JSON of `qeval kld --json`); `limits` by keyword (max_kld=0.05)."""
+               baseline_metrics: list[str] | None = None, samplers: list[str] | None = None,
+               **limits: float | None) -> GateResult:
+    """Judge one comparison summary (the JSON of `qeval kld --json`); `limits` by keyword (max_kld=0.05).
+    A sampler threshold (max_tvd) applies to each of `samplers` (names; default: every sampler the summary holds)."""
     given = validate_limits(limits)
     measured = metric_registry.read(summary)
-    checks = [limit_check(METRICS[key], _held(measured, key, summary), limit) for key, limit in given.items()]
+    checks = []
+    for key, limit in given.items():
+        if not metric_registry.is_sampler_template(key):
+            checks.append(limit_check(METRICS[key], _held(measured, key, summary), limit))
+            continue
+        template = next(m for m in metric_registry.SAMPLER_GATES if m.key == key)
+        names = list(samplers) if samplers else list(summary.get("samplers") or {})
+        if not names:
+            raise QevalError(f"{option(template)} needs sampler figures: give --sampler NAME (or check a result "
+                             "saved by `qeval kld --sampler NAME --save-result`)")
+        for name in names:
+            m = metric_registry.for_sampler(template, name)
+            checks.append(limit_check(m, _held(measured, m.key, summary), limit))
     notes, base_info = [], None
     if baseline is not None:
         entry = baselines.pick_entry(baseline, summary, baseline_entry)
@@ -263,10 +277,12 @@ def gate_text(r: GateResult) -> str:
 def check_report(ref: str, cand: str, chunks: int | None = None, runs_dir: str | os.PathLike | None = None,
                  threads: int = 2, baseline: str | None = None, baseline_entry: str | None = None,
                  baseline_metrics: list[str] | None = None, progress: bool = False, depth: str | None = None,
-                 **limits: float | None) -> tuple[dict, str, bool]:
+                 samplers=(), **limits: float | None) -> tuple[dict, str, bool]:
     """`qeval check`: (JSON, text, passed). Inputs are checked before any long comparison starts.
-    depth: "LO:HI", gate only the scored tokens at those logit positions (e.g. "8192:" for beyond 8K)."""
+    depth: "LO:HI", gate only the scored tokens at those logit positions (e.g. "8192:" for beyond 8K).
+    samplers: presets or settings strings (qeval.compare.sampler) whose figures --max-tvd judges."""
     given = validate_limits(limits)
+    chosen = [s.name for s in sampler.parse_all(samplers)]
     band = parse_depth(depth)
     base = baselines.load_baseline(baseline) if baseline else None
     if base is not None and baseline_entry:
@@ -277,8 +293,9 @@ def check_report(ref: str, cand: str, chunks: int | None = None, runs_dir: str |
         raise _nothing_to_check()
     if base is not None and not baseline_entry and len(base.entries) > 1:
         _pick_early(base, ref, cand, runs_dir)
-    measured: Measured = measure(ref, cand, chunks, runs_dir, threads, progress, need_per_token=False, depth=band)
-    result = run_checks(measured.summary, base, baseline_entry, baseline_metrics, **limits)
+    measured: Measured = measure(ref, cand, chunks, runs_dir, threads, progress, need_per_token=False, depth=band,
+                                 samplers=chosen)
+    result = run_checks(measured.summary, base, baseline_entry, baseline_metrics, chosen, **limits)
     out = result.to_json()
     text = gate_text(result)
     if band is not None:

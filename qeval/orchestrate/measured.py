@@ -26,16 +26,23 @@ def is_result_spec(spec: str) -> bool:
 
 def measure(ref: str, cand: str, chunks: int | None = None, runs_dir: str | os.PathLike | None = None,
             threads: int = 2, progress: bool = False, need_per_token: bool = True,
-            depth: tuple[int, int] | None = None) -> Measured:
+            depth: tuple[int, int] | None = None, samplers=()) -> Measured:
     """`cand` against `ref`: a saved result file (`*.json`) is read, anything else compared now.
-    depth: only the scored tokens at logit positions [lo, hi) count (qeval.compare.depth)."""
+    depth: only the scored tokens at logit positions [lo, hi) count (qeval.compare.depth).
+    samplers: sampler names (qeval.compare.sampler) computed too; a saved result must hold them."""
     if is_result_spec(cand):
         need = need_per_token or chunks is not None or depth is not None
-        return _from_result(ref, Path(cand), chunks, runs_dir, need).at_depth(depth)
+        res = _from_result(ref, Path(cand), chunks, runs_dir, need).at_depth(depth)
+        missing = [s for s in samplers if s not in (res.summary.get("samplers") or {})]
+        if missing:
+            raise QevalError(f"{cand} holds no figures for sampler {', '.join(missing)}: recompute it (qeval kld "
+                             f"--ref {res.ref_label} --cand {res.label} "
+                             f"{' '.join('--sampler ' + s for s in samplers)} --save-result)")
+        return res
     from qeval import api  # noqa: PLC0415 - api imports the capture engine
     from qeval.present import report  # noqa: PLC0415 - api imports the capture engine
 
-    cmp = api.compare(ref, cand, chunks, runs_dir, threads=threads, progress=progress)
+    cmp = api.compare(ref, cand, chunks, runs_dir, threads=threads, progress=progress, samplers=samplers)
     return Measured(report.comparison_json(cmp), cmp.per_token, None).at_depth(depth)
 
 

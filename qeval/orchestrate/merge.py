@@ -133,9 +133,10 @@ def _copy(ordered: list[StoreReader], tmp: Path, header, on_chunk) -> None:
     with StoreWriter.open(tmp, header, first.tokens, first.lut) as writer:
         for r in ordered:
             for index in r.chunk_indices:
-                # read_chunk checks the record's CRC and fields; write_chunk writes back the same
+                # iter_pieces checks each record's checksum and fields; write_chunk writes back the same
                 # payload bytes (scalars, ids and the zstd frame untouched), i.e. a verbatim copy.
-                writer.write_chunk(r.read_chunk(index))
+                for piece in r.iter_pieces(index):
+                    writer.write_chunk(piece)
                 if on_chunk:
                     on_chunk(1)
         writer.finish()

@@ -41,13 +41,17 @@ FORMAT_VERSION = 2  # 2: the header records its scoring rule (version 1: always 
 READABLE_VERSIONS = (1, 2)
 N_CODES = 65536
 TOP_K = 10
+# A chunk (window) of more scored rows is written as pieces of this many rows (one CHNK record each), so
+# writer and reader hold one piece, not a window: a 32K window scored everywhere is ~4 GB compressed.
+# Piece borders sit at multiples of PIECE_ROWS in every store, so two stores' token blocks stay aligned.
+PIECE_ROWS = 256
 
 _PREAMBLE = struct.Struct("<8sII")
 _RECORD = struct.Struct("<4sIQ")
 _CHECKSUM = struct.Struct("<Q")  # XXH3-64: 16 GB/s here, CRC-32 (zlib) only 1.8 GB/s
 _TRAILER = struct.Struct("<8sQ")
 _CHUNK_HEAD = struct.Struct("<IIII")
-_INDEX_ENTRY = np.dtype([("chunk", "<u4"), ("zero", "<u4"), ("offset", "<u8")])
+_INDEX_ENTRY = np.dtype([("chunk", "<u4"), ("first_row", "<u4"), ("offset", "<u8")])  # one per CHNK record
 
 # Sanity bounds for values read from a file, so a corrupt header cannot make us allocate wildly.
 _MAX_VOCAB = 1 << 24
@@ -167,6 +171,7 @@ class ChunkData:
     logprob_max: np.ndarray  # float64 [n]: log p of the argmax token
     top_ids: np.ndarray  # int32 [n, top_k]: most probable ids, best first (top_ids[:, 0] = argmax)
     codes_zst: bytes | memoryview  # one zstd frame: per token, the high-byte plane then the low-byte plane
+    first_row: int = 0  # a piece of its chunk: rows first_row .. first_row + n_tokens - 1
 
     @property
     def n_tokens(self) -> int:
@@ -246,8 +251,8 @@ class ChunkBuilder:
 
     A compressor may be shared by consecutive chunks (not by concurrent ones)."""
 
-    def __init__(self, index: int, compressor: zstandard.ZstdCompressor | None = None):
-        self.index = index
+    def __init__(self, index: int, compressor: zstandard.ZstdCompressor | None = None, first_row: int = 0):
+        self.index, self.first_row = index, first_row
         self._z = (compressor or zstd_compressor()).compressobj()
         self._parts: list = []
         self._scalars: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
@@ -265,7 +270,11 @@ class ChunkBuilder:
     def finish(self) -> ChunkData:
         lt, lm, top = (np.concatenate(cols) for cols in zip(*self._scalars))
         self._parts.append(self._z.flush())
-        return ChunkData(self.index, lt, lm, top, b"".join(self._parts))
+        return ChunkData(self.index, lt, lm, top, b"".join(self._parts), self.first_row)
+
+    @property
+    def n_rows(self) -> int:
+        return sum(len(cols[0]) for cols in self._scalars)
 
 
 def _encode_record(tag: bytes, payload: bytes) -> bytes:
@@ -277,7 +286,7 @@ def _chunk_payload(chunk: ChunkData, top_k: int) -> bytes:
     if chunk.top_ids.shape != (n, top_k):
         raise ValueError(f"top_ids must be [{n}, {top_k}], got {chunk.top_ids.shape}")
     return b"".join([
-        _CHUNK_HEAD.pack(chunk.index, n, top_k, 0),
+        _CHUNK_HEAD.pack(chunk.index, n, top_k, chunk.first_row),
         np.ascontiguousarray(chunk.logprob_target, "<f8").tobytes(),
         np.ascontiguousarray(chunk.logprob_max, "<f8").tobytes(),
         np.ascontiguousarray(chunk.top_ids, "<i4").tobytes(),
@@ -288,8 +297,11 @@ def _chunk_payload(chunk: ChunkData, top_k: int) -> bytes:
 class StoreWriter:
     """Appends chunks to a store; `open()` creates a new file or resumes an interrupted one."""
 
-    def __init__(self, path: Path, header: StoreHeader, fh, done: dict[int, int], replaces: Path | None = None):
-        self.path, self.header, self._fh, self._offsets = path, header, fh, done
+    def __init__(self, path: Path, header: StoreHeader, fh, pieces: dict[int, list[tuple[int, int]]],
+                 replaces: Path | None = None):
+        self.path, self.header, self._fh = path, header, fh
+        self._pieces = pieces  # chunk -> [(first_row, offset)] of its CHNK records, in row order
+        self._rows = {c: header.n_scored for c in pieces}  # rows written per chunk (resumed chunks are complete)
         self.replaces = replaces  # the store finish() renames this one over
         self.finished = False
 
@@ -342,11 +354,11 @@ class StoreWriter:
     @classmethod
     def _resume(cls, path: Path) -> "StoreWriter":
         with StoreReader(path, verify_chunks=True, tolerate_torn_tail=True) as old:
-            good_end, offsets, header = old.end_of_valid_data, dict(old.chunk_offsets), old.header
+            good_end, pieces, header = old.end_of_valid_data, dict(old.chunk_pieces), old.header
         fh = open(path, "r+b")
-        fh.truncate(good_end)  # drop a torn last record, never a whole one
+        fh.truncate(good_end)  # drop a torn last record and the pieces of an unfinished chunk after it
         fh.seek(good_end)
-        return cls(path, header, fh, offsets)
+        return cls(path, header, fh, pieces)
 
     @classmethod
     def _replacement(cls, path: Path, header: StoreHeader, tokens: np.ndarray, lut: np.ndarray) -> "StoreWriter":
@@ -359,18 +371,30 @@ class StoreWriter:
 
     @property
     def done_chunks(self) -> set[int]:
-        return set(self._offsets)
+        """Chunks with every scored row written."""
+        return {c for c, rows in self._rows.items() if rows == self.header.n_scored}
 
     def write_chunk(self, chunk: ChunkData) -> None:
+        """Append a chunk, or the next piece of one: pieces of a chunk come in row order, one chunk at a time."""
         if chunk.index not in self.header.chunk_range:
             raise ValueError(f"chunk {chunk.index} is outside {self.header.chunk_start}:{self.header.chunk_stop}")
-        if chunk.index in self._offsets:
+        rows = self._rows.get(chunk.index, 0)
+        if rows == self.header.n_scored:
             raise ValueError(f"chunk {chunk.index} is already stored")
-        if chunk.n_tokens != self.header.n_scored:
-            raise ValueError(f"chunk has {chunk.n_tokens} tokens, expected {self.header.n_scored}")
+        open_chunks = [c for c, r in self._rows.items() if r != self.header.n_scored and c != chunk.index]
+        if open_chunks:
+            raise ValueError(f"chunk {open_chunks[0]} is unfinished: its pieces must all come before chunk {chunk.index}")
+        if chunk.first_row != rows or chunk.first_row % PIECE_ROWS:
+            raise ValueError(f"chunk {chunk.index}: a piece at row {chunk.first_row}, expected row {rows} "
+                             f"(pieces start at multiples of {PIECE_ROWS})")
+        end = rows + chunk.n_tokens
+        if chunk.n_tokens < 1 or end > self.header.n_scored or (end < self.header.n_scored and end % PIECE_ROWS):
+            raise ValueError(f"chunk {chunk.index}: a piece of rows {rows}:{end} does not fit {self.header.n_scored} "
+                             f"scored rows in pieces of {PIECE_ROWS}")
         record = _encode_record(b"CHNK", _chunk_payload(chunk, self.header.top_k))
         self._append(record)
-        self._offsets[chunk.index] = self._fh.tell() - len(record)
+        self._pieces.setdefault(chunk.index, []).append((chunk.first_row, self._fh.tell() - len(record)))
+        self._rows[chunk.index] = end
 
     def _append(self, record: bytes) -> None:
         start = self._fh.tell()
@@ -391,12 +415,14 @@ class StoreWriter:
         """Write the chunk index and the trailer: from now on the store reads as complete."""
         if self.finished:
             return
-        missing = set(self.header.chunk_range) - set(self._offsets)
+        missing = set(self.header.chunk_range) - self.done_chunks
         if missing:
             raise ValueError(f"cannot finish: {len(missing)} chunks missing (first {min(missing)})")
-        entries = np.zeros(len(self._offsets), dtype=_INDEX_ENTRY)
-        for row, (chunk, offset) in enumerate(sorted(self._offsets.items())):
-            entries[row] = (chunk, 0, offset)
+        pieces = [(chunk, first_row, offset) for chunk in sorted(self._pieces)
+                  for first_row, offset in self._pieces[chunk]]
+        entries = np.zeros(len(pieces), dtype=_INDEX_ENTRY)
+        for row, piece in enumerate(pieces):
+            entries[row] = piece
         index_offset = self._fh.tell()
         self._append(_encode_record(b"INDX", entries.tobytes()) + _TRAILER.pack(TRAILER_MAGIC, index_offset))
         if self.replaces is not None:
@@ -492,13 +518,14 @@ class StoreReader:
         try:
             self.size_bytes = os.fstat(self._fh.fileno()).st_size
             self._read_prologue()
-            self.chunk_offsets: dict[int, int] = {}
+            self.chunk_pieces: dict[int, list[tuple[int, int]]] = {}  # complete chunks: [(first_row, offset)]
             self.complete = self._read_index()
             if not self.complete:
                 self._scan_chunks(verify_chunks, tolerate_torn_tail)
             elif verify_chunks:
-                for i in self.chunk_offsets:
-                    self.read_chunk(i)
+                for i in self.chunk_pieces:
+                    for _ in self.iter_pieces(i):
+                        pass
         except BaseException:
             self._fh.close()
             raise
@@ -588,33 +615,48 @@ class StoreReader:
         payload, end = self._record_at(index_offset, b"INDX")
         if end != self.size_bytes - _TRAILER.size or len(payload) % _INDEX_ENTRY.itemsize:
             raise StoreFormatError(f"{self.path}: chunk index is malformed")
-        entries = np.frombuffer(payload, dtype=_INDEX_ENTRY)
-        for chunk, _, offset in entries:
+        for chunk, first_row, offset in np.frombuffer(payload, dtype=_INDEX_ENTRY):
             if not self.first_chunk_offset <= int(offset) < index_offset:
                 raise StoreFormatError(f"{self.path}: chunk index entry points outside the file")
-            self.chunk_offsets[int(chunk)] = int(offset)
-        if sorted(self.chunk_offsets) != list(self.header.chunk_range):
+            pieces = self.chunk_pieces.setdefault(int(chunk), [])
+            follows = int(first_row) > pieces[-1][0] if pieces else first_row == 0
+            if not follows or first_row % PIECE_ROWS or first_row >= self.header.n_scored:
+                raise StoreFormatError(f"{self.path}: chunk index lists chunk {int(chunk)} at row {int(first_row)}, "
+                                       "out of order")
+            pieces.append((int(first_row), int(offset)))
+        if sorted(self.chunk_pieces) != list(self.header.chunk_range):
             raise StoreFormatError(f"{self.path}: chunk index does not cover chunks "
                                    f"{self.header.chunk_start}:{self.header.chunk_stop}")
         self.end_of_valid_data = index_offset
         return True
 
     def _scan_chunks(self, verify: bool, tolerate_torn_tail: bool) -> None:
-        """Walk CHNK records of a store without a trailer (being written, or interrupted)."""
-        pos = self.first_chunk_offset
+        """Walk CHNK records of a store without a trailer (being written, or interrupted). Only chunks with
+        every piece count; data after the last complete chunk (an unfinished window) is not valid data."""
+        pos = self.end_of_valid_data = self.first_chunk_offset
+        open_chunk, open_pieces, rows = None, [], 0
         while pos < self.size_bytes:
             try:
-                chunk = self._chunk_at(pos, verify)
+                index, n, first_row, end = self._chunk_at(pos, verify)
+                if open_chunk is not None and (index != open_chunk or first_row != rows):
+                    raise StoreFormatError(f"{self._where(pos)}: chunk {open_chunk} is unfinished where chunk "
+                                           f"{index} row {first_row} starts")
+                if open_chunk is None and first_row != 0:
+                    raise StoreFormatError(f"{self._where(pos)}: chunk {index} starts at row {first_row}")
             except StoreFormatError:
                 if tolerate_torn_tail:
                     break
                 raise
-            self.chunk_offsets[chunk[0]] = pos
-            pos = chunk[1]
-        self.end_of_valid_data = pos
+            open_chunk, rows = index, first_row + n
+            open_pieces.append((first_row, pos))
+            pos = end
+            if rows == self.header.n_scored:
+                self.chunk_pieces[index] = open_pieces
+                open_chunk, open_pieces, rows = None, [], 0
+                self.end_of_valid_data = pos
 
-    def _chunk_at(self, offset: int, verify: bool) -> tuple[int, int]:
-        """(chunk index, end offset) of the CHNK record at offset; full checksum check only if verify."""
+    def _chunk_at(self, offset: int, verify: bool) -> tuple[int, int, int, int]:
+        """(chunk index, rows, first row, end offset) of the CHNK record at offset; full checksum check only if verify."""
         head = self._read_at(offset, _RECORD.size + _CHUNK_HEAD.size)
         tag, zero, n = _RECORD.unpack(head[:_RECORD.size])
         if tag != b"CHNK" or zero != 0:
@@ -622,33 +664,65 @@ class StoreReader:
         end = offset + _RECORD.size + n + _CHECKSUM.size
         if end > self.size_bytes:
             raise StoreFormatError(f"{self.path}: truncated file (last chunk record is incomplete)")
-        index = _CHUNK_HEAD.unpack(head[_RECORD.size:])[0]
-        if index not in self.header.chunk_range or index in self.chunk_offsets:
+        index, rows, _, first_row = _CHUNK_HEAD.unpack(head[_RECORD.size:])
+        if index not in self.header.chunk_range or index in self.chunk_pieces:
             raise StoreFormatError(f"{self._where(offset)}: unexpected chunk number {index}")
+        if first_row % PIECE_ROWS or not 0 < rows <= self.header.n_scored - first_row:
+            raise StoreFormatError(f"{self._where(offset)}: chunk {index} piece of rows {first_row}:{first_row + rows} "
+                                   f"does not fit {self.header.n_scored} scored rows")
         if verify:
             self._record_at(offset, b"CHNK")
-        return index, end
+        return index, rows, first_row, end
 
     # -- chunks ----------------------------------------------------------------------------------
     @property
     def chunk_indices(self) -> list[int]:
-        return sorted(self.chunk_offsets)
+        return sorted(self.chunk_pieces)
+
+    @property
+    def chunk_offsets(self) -> dict[int, int]:
+        """Chunk -> offset of its first CHNK record."""
+        return {c: pieces[0][1] for c, pieces in self.chunk_pieces.items()}
+
+    def _pieces_of(self, index: int) -> list[tuple[int, int]]:
+        if index not in self.chunk_pieces:
+            state = "complete" if self.complete else "still being written or interrupted"
+            raise StoreFormatError(f"{self.path}: chunk {index} is not in this store ({state}; it holds "
+                                   f"{len(self.chunk_pieces)} chunks)")
+        return self.chunk_pieces[index]
 
     def read_chunk(self, index: int, buffer: bytearray | None = None) -> ChunkData:
         """Chunk `index`, checksummed. With `buffer` (one per thread), the chunk's bytes live in it and
-        stay valid only until the next read into the same buffer: no fresh 35 MB per chunk."""
-        if index not in self.chunk_offsets:
-            state = "complete" if self.complete else "still being written or interrupted"
-            raise StoreFormatError(f"{self.path}: chunk {index} is not in this store ({state}; it holds "
-                                   f"{len(self.chunk_offsets)} chunks)")
-        payload, _ = self._record_at(self.chunk_offsets[index], b"CHNK", into=buffer)
+        stay valid only until the next read into the same buffer: no fresh 35 MB per chunk. A chunk
+        stored in pieces is read piece by piece as its planes are iterated (PiecedChunk)."""
+        pieces = self._pieces_of(index)
+        if len(pieces) > 1:
+            return PiecedChunk(self, index, buffer)
+        return self._read_piece(index, *pieces[0], buffer, whole=True)
+
+    def iter_pieces(self, index: int, buffer: bytearray | None = None) -> Iterator[ChunkData]:
+        """The pieces of chunk `index` in row order, each checksummed (each valid until the next, with `buffer`)."""
+        pieces, row = self._pieces_of(index), 0
+        for k, (first_row, offset) in enumerate(pieces):
+            piece = self._read_piece(index, first_row, offset, buffer)
+            row, last = first_row + piece.n_tokens, k == len(pieces) - 1
+            next_row = self.header.n_scored if last else pieces[k + 1][0]
+            if row != next_row:
+                raise StoreFormatError(f"{self.path}: chunk {index} pieces do not cover its {self.header.n_scored} rows")
+            yield piece
+            del piece  # its bytes live in `buffer`, which the next read may have to grow
+
+    def _read_piece(self, index: int, first_row: int, offset: int, buffer: bytearray | None,
+                    whole: bool = False) -> ChunkData:
+        payload, _ = self._record_at(offset, b"CHNK", into=buffer)
         h = self.header
         if len(payload) < _CHUNK_HEAD.size:
             raise StoreFormatError(f"{self.path}: chunk {index} record is too short")
-        got_index, n, top_k, _ = _CHUNK_HEAD.unpack_from(payload)
-        if got_index != index or n != h.n_scored or top_k != h.top_k:
+        got_index, n, top_k, got_first = _CHUNK_HEAD.unpack_from(payload)
+        expected_n = h.n_scored if whole else min(h.n_scored - first_row, n)
+        if got_index != index or got_first != first_row or n != expected_n or n < 1 or top_k != h.top_k:
             raise StoreFormatError(f"{self.path}: chunk {index} record disagrees with the header "
-                                   f"(index {got_index}, {n} tokens, top_k {top_k})")
+                                   f"(index {got_index}, rows {got_first}:{got_first + n}, top_k {top_k})")
         pos = _CHUNK_HEAD.size
         sizes = (8 * n, 8 * n, 4 * n * top_k)
         if len(payload) < pos + sum(sizes):
@@ -660,7 +734,7 @@ class StoreReader:
         top_ids = cols[2].reshape(n, top_k)
         if top_ids.min() < 0 or top_ids.max() >= h.n_vocab:
             raise StoreFormatError(f"{self.path}: chunk {index} holds token ids outside the vocab")
-        return ChunkData(index, cols[0], cols[1], top_ids, memoryview(payload)[pos:])  # no 35 MB copy
+        return ChunkData(index, cols[0], cols[1], top_ids, memoryview(payload)[pos:], first_row)  # no 35 MB copy
 
     def close(self) -> None:
         self._fh.close()
@@ -670,3 +744,37 @@ class StoreReader:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class PiecedChunk(ChunkData):
+    """A chunk stored in pieces, read like a ChunkData: iter_planes() reads one piece at a time, so a
+    long window is never held whole; the scalars are read (all pieces, checksummed) on first use."""
+
+    def __init__(self, reader: StoreReader, index: int, buffer: bytearray | None = None):
+        self._reader, self.index, self.first_row = reader, index, 0
+        self._buffer = buffer if buffer is not None else bytearray()
+        self._scalars: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    @property
+    def n_tokens(self) -> int:
+        return self._reader.header.n_scored
+
+    def iter_planes(self, n_vocab: int, block_tokens: int = 16, buffers: int = 1) -> Iterator[tuple[int, np.ndarray]]:
+        scalars = []
+        for piece in self._reader.iter_pieces(self.index, self._buffer):
+            for start, planes in piece.iter_planes(n_vocab, block_tokens, buffers):
+                yield piece.first_row + start, planes
+            scalars.append((piece.logprob_target, piece.logprob_max, piece.top_ids))
+            del piece  # (see iter_pieces)
+        self._scalars = tuple(np.concatenate(cols) for cols in zip(*scalars))
+
+    def _scalar(self, k: int) -> np.ndarray:
+        if self._scalars is None:
+            pieces = [(p.logprob_target, p.logprob_max, p.top_ids) for p in self._reader.iter_pieces(self.index)]
+            self._scalars = tuple(np.concatenate(cols) for cols in zip(*pieces))
+        return self._scalars[k]
+
+    logprob_target = property(lambda self: self._scalar(0))
+    logprob_max = property(lambda self: self._scalar(1))
+    top_ids = property(lambda self: self._scalar(2))
+    codes_zst = property(lambda self: b"")
