@@ -266,6 +266,7 @@ def compare_cmd(
     chunks: Optional[int] = Chunks,
     method: str = typer.Option("t", "--method", help="t (t-interval over per-chunk differences) or bootstrap (over chunks, seed 0)."),
     depth: Optional[str] = typer.Option(None, "--depth", help="Only scored tokens at logit positions LO:HI (either side may be empty), e.g. 8192: for beyond 8K."),
+    sampler: Optional[list[str]] = typer.Option(None, "--sampler", help="Also pair the TVD after this sampler (preset or settings, as qeval kld --sampler); repeat for several (default with saved results: every sampler both hold)."),
     as_json: bool = Json,
     runs_dir: Optional[Path] = RunsDir,
 ):
@@ -275,7 +276,7 @@ def compare_cmd(
     if len(cand) != 2:
         raise QevalError(f"give exactly two candidates: --cand A --cand B (got {len(cand)})")
     result, text = paired.paired_report(ref, cand[0], cand[1], chunks=chunks, runs_dir=runs_dir, method=method,
-                                        progress=True, depth=depth)
+                                        progress=True, depth=depth, samplers=sampler or ())
     _emit(result, text, as_json)
 
 

@@ -141,3 +141,17 @@ def test_format_version_1_reads_as_half(tmp_path):
         assert (r.header.format_version, r.header.scoring, r.header.first_scored) == (1, "half", 8)
     result, _ = api.kld_report(str(old.path), str(tmp_path / "NEW.qeval"), threads=1)
     assert result["kld"]["mean"] == 0.0 and result["same_top1"]["fraction"] == 1.0
+
+
+def test_leaderboard_shows_the_deepest_band_and_draws_kld_by_depth(tmp_path):
+    from qeval.present import leaderboard  # noqa: PLC0415 - matplotlib
+
+    pair = make_pair(tmp_path / "runs", n_chunks=3, n_ctx=N_CTX, scoring="every:3")
+    result, _ = api.kld_report("REF", "CAND", runs_dir=pair.directory, threads=1, save_result=True)
+    board = leaderboard.leaderboard([str(pair.directory / "results")], out=tmp_path / "board")
+    row = board.rows[0]
+    deepest = result["by_depth"][-1]
+    assert (row["deepest_band"], row["kld_deepest"]) == (f"{deepest['lo']}-{deepest['hi']}", deepest["kld"]["mean"])
+    assert "KLD deepest band" in board.markdown()
+    assert (tmp_path / "board" / "kld_by_depth.png").stat().st_size > 0
+    assert "<svg" in (tmp_path / "board" / "kld_by_depth.svg").read_text()

@@ -10,6 +10,12 @@ layout prints.
 
 Adding a metric is one entry in METRICS (and a row in the table of baselines/SCHEMA.md). Results saved
 before it existed lack it: they show no value for it, and a check on it asks for a recomputation.
+
+Sampler metrics (qeval.compare.sampler) are a family per sampler, made by sampler_metrics(NAME) and keyed
+"<metric>@<sampler name>" (tvd_pct@qwen3.5-thinking): a comparison computed with `--sampler` holds them in
+its "metrics" block, lookup() finds them, `qeval compare` pairs the TVD, and SAMPLER_GATES holds the `qeval check`
+thresholds that apply to every sampler (--max-tvd). They are not in METRICS: leaderboards and baseline files
+do not know them.
 """
 
 from __future__ import annotations
@@ -227,7 +233,8 @@ def sampler_metrics(name: str) -> tuple[Metric, ...]:
     return (
         Metric(f"tvd_pct@{name}", f"mean TVD @{name}", "%", "lower", Mean(tvd),
                f"mean total variation distance between the two distributions after the sampler {name} "
-               "(llama.cpp's chain: top-k, top-p, min-p, temperature): the probability mass that moves", fmt=".3f"),
+               "(llama.cpp's chain: top-k, top-p, min-p, temperature): the probability mass that moves", fmt=".3f",
+               paired=True),
         Metric(f"agreement_pct@{name}", f"agreement @{name}", "%", "higher", Mean(_OneMinus(tvd)),
                f"mean 1 − TVD after the sampler {name}: the chance a maximal coupling draws the same token from both "
                "(speculative-decoding acceptance with the candidate as draft)", fmt=".3f", restates=f"tvd_pct@{name}"),

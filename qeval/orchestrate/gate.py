@@ -1,7 +1,9 @@
 """Release gate: `qeval check` passes (exit 0) or fails (exit 1) a candidate on thresholds and baselines.
 
 Every metric of qeval.compare.metric_registry with a `gate` option is a threshold: `--max-…` for lower-is-better
-metrics, `--min-…` for higher-is-better ones (keyword `max_kld` etc. in Python).
+metrics, `--min-…` for higher-is-better ones (keyword `max_kld` etc. in Python). A sampler threshold
+(`--max-tvd`, metric_registry.SAMPLER_GATES) gives one check per `--sampler` (for a saved result without
+--sampler: per sampler it holds).
 A check fails only when the candidate is worse than the limit *beyond its error bars*: the mean must
 be over the limit even at the favourable end of its 95 % interval (mean − 1.96·SE for lower-is-better
 metrics, value + 1.96·SE for same-top-1). A measurement that is over the limit but within noise of
@@ -283,6 +285,9 @@ def check_report(ref: str, cand: str, chunks: int | None = None, runs_dir: str |
     samplers: presets or settings strings (qeval.compare.sampler) whose figures --max-tvd judges."""
     given = validate_limits(limits)
     chosen = [s.name for s in sampler.parse_all(samplers)]
+    per_sampler = [option(m) for m in metric_registry.SAMPLER_GATES if m.key in given]
+    if per_sampler and not chosen and not is_result_spec(cand):
+        raise QevalError(f"{', '.join(per_sampler)} needs --sampler NAME (the samplers whose figures it judges)")
     band = parse_depth(depth)
     base = baselines.load_baseline(baseline) if baseline else None
     if base is not None and baseline_entry:

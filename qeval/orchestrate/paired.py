@@ -31,6 +31,7 @@ import numpy as np
 from scipy import stats as sps
 
 from qeval.compare.depth import parse_depth
+from qeval.compare import metric_registry, sampler
 from qeval.compare.metric_registry import METRICS, Metric
 from qeval.errors import MismatchError, QevalError
 from qeval.orchestrate.measured import Measured, measure
@@ -113,9 +114,10 @@ def paired_difference(a: np.ndarray, b: np.ndarray, chunk: np.ndarray, metric: s
         raise QevalError(f"--method must be one of {', '.join(METHODS)}, not {method!r}")
     if not 0.0 < confidence < 1.0:
         raise QevalError(f"confidence must be between 0 and 1, not {confidence}")
-    if metric not in PAIRED_METRICS:
-        raise QevalError(f"{metric!r} is not a metric paired comparisons apply to ({', '.join(PAIRED_METRICS)})")
-    m = PAIRED_METRICS[metric]
+    m = metric_registry.lookup(metric)  # a sampler's TVD (tvd_pct@NAME) pairs too
+    if m is None or not m.paired:
+        raise QevalError(f"{metric!r} is not a metric paired comparisons apply to ({', '.join(PAIRED_METRICS)}, "
+                         "tvd_pct@SAMPLER)")
     scale = m.scale
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     if a.shape != b.shape or a.shape != np.shape(chunk):
@@ -155,7 +157,7 @@ def format_p(p: float) -> str:
 
 def verdict(r: PairedDifference, name_a: str = "A", name_b: str = "B") -> str:
     """One plain sentence: which candidate is better on this metric, or that the data can't tell."""
-    what = METRICS[r.metric].title.removeprefix("mean ")  # the per-token values: "A has lower KLD than B"
+    what = metric_registry.lookup(r.metric).title.removeprefix("mean ")  # the per-token values: "A has lower KLD than B"
     dec = _decimals((r.ci_high - r.ci_low) / 2.0 if r.ci_high > r.ci_low else abs(r.diff))
     numbers = (f"difference {_signed(r.diff, dec)} {r.unit}, {100 * r.confidence:g} % CI "
                f"[{_signed(r.ci_low, dec)}, {_signed(r.ci_high, dec)}], {format_p(r.p_value)} over {r.n_chunks} chunks")
@@ -173,8 +175,10 @@ def verdict(r: PairedDifference, name_a: str = "A", name_b: str = "B") -> str:
     return f"{claim}: {numbers}"
 
 
-def compare_measured(a: Measured, b: Measured, method: str = "t", confidence: float = CONFIDENCE) -> dict:
-    """Paired differences of two measurements of the same reference tokens (A - B, per metric)."""
+def compare_measured(a: Measured, b: Measured, method: str = "t", confidence: float = CONFIDENCE,
+                     samplers: list[str] | None = None) -> dict:
+    """Paired differences of two measurements of the same reference tokens (A - B, per metric), then the TVD of
+    each of `samplers` (names; default: every sampler both measurements hold)."""
     for m in (a, b):
         if m.per_token is None:
             raise QevalError(f"{m.origin}: a paired comparison needs per-token values")
@@ -201,6 +205,10 @@ def compare_measured(a: Measured, b: Measured, method: str = "t", confidence: fl
     for m in PAIRED_METRICS.values():
         diffs[m.key] = paired_difference(m.column_values(ta), m.column_values(tb), ta["chunk"], m.key, method,
                                          confidence, names)
+    for name in samplers or [n for n in sampler.names_in(ta) if n in sampler.names_in(tb)]:
+        m = metric_registry.lookup(f"tvd_pct@{name}")
+        diffs[m.key] = paired_difference(m.column_values(ta), m.column_values(tb), ta["chunk"], m.key, method,
+                                         confidence, names)
     first = next(iter(diffs.values()))
     return {
         "reference": a.summary["reference"],
@@ -221,19 +229,21 @@ def _names(a: str, b: str) -> tuple[str, str]:
 def paired_report(ref: str, cand_a: str, cand_b: str, chunks: int | None = None,
                   runs_dir: str | os.PathLike | None = None, threads: int = 2, method: str = "t",
                   confidence: float = CONFIDENCE, progress: bool = False,
-                  depth: str | None = None) -> tuple[dict, str]:
+                  depth: str | None = None, samplers=()) -> tuple[dict, str]:
     """`qeval compare`: measure A and B against `ref` (or read saved results) and pair them.
-    depth: "LO:HI", only scored tokens at those logit positions (is A worse than B beyond 8K? "8192:")."""
+    depth: "LO:HI", only scored tokens at those logit positions (is A worse than B beyond 8K? "8192:").
+    samplers: presets or settings strings (qeval.compare.sampler): their TVDs are paired too."""
+    chosen = [s.name for s in sampler.parse_all(samplers)]
     if method not in METHODS:
         raise QevalError(f"--method must be one of {', '.join(METHODS)}, not {method!r}")
     band = parse_depth(depth)
     measured = []
     for role, cand in (("A", cand_a), ("B", cand_b)):
         try:
-            measured.append(measure(ref, cand, chunks, runs_dir, threads, progress, depth=band))
+            measured.append(measure(ref, cand, chunks, runs_dir, threads, progress, depth=band, samplers=chosen))
         except QevalError as exc:
             raise type(exc)(f"candidate {role} ({cand}): {exc}") from None
-    result = compare_measured(*measured, method=method, confidence=confidence)
+    result = compare_measured(*measured, method=method, confidence=confidence, samplers=chosen)
     if band is not None:
         result["depth"] = {"lo": band[0], "hi": band[1]}
     return result, paired_text(result)
@@ -255,7 +265,7 @@ def paired_text(result: dict) -> str:
              f"{'metric':<14} {'A':>12} {'B':>12} {'A − B':>12}   {'CI':<27} p"]
     for key, d in result["differences"].items():
         dec = _decimals((d["ci_high"] - d["ci_low"]) / 2.0 if d["ci_high"] > d["ci_low"] else abs(d["diff"]))
-        m = METRICS[key]
+        m = metric_registry.lookup(key)
         ci = f"[{_signed(d['ci_low'], dec)}, {_signed(d['ci_high'], dec)}]"
         means = f"{d['mean_a']:>12{m.fmt}} {d['mean_b']:>12{m.fmt}}"
         lines.append(f"{m.heading:<14} {means} {_signed(d['diff'], dec):>12}   "

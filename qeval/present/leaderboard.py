@@ -38,12 +38,13 @@ KV_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "h")
 KLD_FLOOR = 1e-9  # per-token KLDs are drawn on a log axis; exact zeros (and rounding below zero) sit here
 
 CSV_COLUMNS = ("rank", "label", "quant", "model_file", "type_k", "type_v", "size_gib", "bpw", *report.BOARD_KEYS,
-               "pareto", "result")
+               *report.DEEPEST_KEYS, "pareto", "result")
 PLOTS = {
     "kld_vs_size": "Mean KLD vs model size, Pareto front marked",
     "heatmap_ppl": "PPL over model × KV cache type",
     "heatmap_kld": "Mean KLD over model × KV cache type",
     "kld_distribution": "Per-token KLD distributions",
+    "kld_by_depth": "Mean and 99 % KLD by context depth (bands of logit position), ±1.96 SE",
 }
 
 
@@ -70,7 +71,8 @@ class Leaderboard:
     def figures(self) -> dict:
         """name -> matplotlib Figure for every plot (display them in a notebook, or savefig)."""
         return {"kld_vs_size": plot_kld_vs_size(self), "heatmap_ppl": plot_heatmap(self, "ppl"),
-                "heatmap_kld": plot_heatmap(self, "kld_mean"), "kld_distribution": plot_kld_distribution(self)}
+                "heatmap_kld": plot_heatmap(self, "kld_mean"), "kld_distribution": plot_kld_distribution(self),
+                "kld_by_depth": plot_kld_by_depth(self)}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -442,6 +444,40 @@ def plot_kld_distribution(board: Leaderboard):
     for ax in (ax_hist, ax_tail):
         ax.grid(True, which="major", alpha=0.3)
     ax_hist.legend(fontsize=7, loc="upper left")
+    return fig
+
+
+def plot_kld_by_depth(board: Leaderboard):
+    """Per candidate, one line through its by-depth bands (x: band middle, log scale): mean KLD with a
+    ±1.96 SE band (cluster-robust SEs, qeval.compare.depth) and the 99th percentile."""
+    fig = _figure(13.0, 5.2)
+    ax_mean, ax_p99 = fig.subplots(1, 2)
+    series = [(r, res.summary.get("by_depth") or [], c)
+              for r, res, c in zip(board.rows, board.results, _colors(len(board.rows)))]
+    series = [(r, bands, c) for r, bands, c in series if bands]
+    if not series:
+        for ax in (ax_mean, ax_p99):
+            ax.text(0.5, 0.5, "no result holds by-depth figures", ha="center", va="center", transform=ax.transAxes)
+        return fig
+    for r, bands, c in series:
+        x = np.array([(b["lo"] + b["hi"]) / 2 for b in bands])
+        mean = np.array([b["kld"]["mean"] for b in bands])
+        se = np.array([b["kld"]["se"] for b in bands], dtype=np.float64)
+        ax_mean.plot(x, mean, "o-", color=c, lw=1.6, label=r["label"])
+        ax_mean.fill_between(x, np.maximum(mean - 1.96 * se, KLD_FLOOR), mean + 1.96 * se, color=c, alpha=0.15)
+        ax_p99.plot(x, [b["kld"]["ladder"]["99.0%"] for b in bands], "s-", color=c, lw=1.6, label=r["label"])
+    edges = sorted({e for _, bands, _ in series for b in bands for e in (b["lo"], b["hi"])})
+    for ax, what in ((ax_mean, "mean KLD (nats)"), (ax_p99, "99th percentile KLD (nats)")):
+        ax.set_xscale("symlog", linthresh=max(edges[1] if len(edges) > 1 else 1, 1))
+        ax.set_yscale("log")
+        ax.set_xlabel("context depth: logit position (band middle)")
+        ax.set_ylabel(what)
+        ax.set_xticks(edges)
+        ax.set_xticklabels([f"{e // 1024}K" if e >= 1024 and e % 1024 == 0 else str(e) for e in edges], fontsize=7)
+        ax.grid(True, which="major", alpha=0.3)
+    ax_mean.set_title("Mean KLD by depth")
+    ax_p99.set_title("99 % KLD by depth")
+    ax_mean.legend(fontsize=7, loc="best")
     return fig
 
 

@@ -238,18 +238,26 @@ def leaderboard_row(result: dict) -> dict:
         row[m.key] = None if mv is None else mv.value
         if m.has_se:
             row[m.se_key] = None if mv is None else mv.se
+    deepest = (result.get("by_depth") or [None])[-1]  # the band of the deepest scored positions
+    row.update(deepest_band=f"{deepest['lo']}-{deepest['hi']}" if deepest else None,
+               kld_deepest=deepest["kld"]["mean"] if deepest else None,
+               kld_deepest_se=deepest["kld"]["se"] if deepest else None)
     return row
 
 
+DEEPEST_KEYS = ("deepest_band", "kld_deepest", "kld_deepest_se")
 # (heading, row key) of the table's columns after the label
 LEADERBOARD_COLUMNS = (("quant", "quant"), ("KV", "kv"), ("size GiB", "size_gib"), ("BPW", "bpw"),
-                       *((m.heading + (" ± SE" if m.has_se else ""), m.key) for m in BOARD_METRICS))
+                       *((m.heading + (" ± SE" if m.has_se else ""), m.key) for m in BOARD_METRICS),
+                       ("KLD deepest band ± SE", "kld_deepest"))
 
 
 def leaderboard_cells(r: dict) -> list[str]:
     """The formatted cells of one leaderboard row: label, then LEADERBOARD_COLUMNS."""
+    deepest = "" if r.get("kld_deepest") is None else (
+        f"{_num(r['kld_deepest'], '.6f')} ± {_num(r['kld_deepest_se'], '.6f')} ({r['deepest_band']})")
     return [r["label"], r["quant"], r["kv"], _num(r["size_gib"], ".3f"), _num(r["bpw"], ".2f"),
-            *(_metric_cell(m, r) for m in BOARD_METRICS)]
+            *(_metric_cell(m, r) for m in BOARD_METRICS), deepest]
 
 
 def _metric_cell(m: Metric, r: dict) -> str:
