@@ -180,7 +180,8 @@ def info_text(d: dict) -> str:
         f"state      : {state}: {d['chunks_present']} of {d['chunks_expected']} chunks "
         f"(chunk range {h['chunk_start']}:{h['chunk_stop']} of {h['n_chunks']})",
         f"layout     : n_vocab {h['n_vocab']}, n_ctx {h['n_ctx']}, {h['n_scored']} scored tokens per chunk "
-        f"(positions {h['first_scored']}..{h['n_ctx'] - 2}), top-{h['top_k']} ids kept",
+        f"(--score {h.get('scoring', 'half')}: positions {h['first_scored']}..{h['n_ctx'] - 2}), "
+        f"top-{h['top_k']} ids kept",
         f"code       : {json.dumps(h['codec'], sort_keys=True)}",
     ]
     if model:
