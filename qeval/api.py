@@ -190,8 +190,10 @@ def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int 
                   corpus: str | None = None, runs_dir=None, threads: int | None = None, n_gpu_layers: int = 0,
                   progress: bool = True, executor=None, n_batch: int | None = None,
                   n_ubatch: int | None = None, force: bool = False, scoring: str = "half",
-                  concat: bool = False) -> tuple[dict, str]:
+                  concat: bool = False, samplers=()) -> tuple[dict, str]:
     """Capture `ref` once, then every model x KV pair (live, or reusing finished stores and results).
+    samplers: presets or settings strings (qeval.compare.sampler) every pair is measured with too; a TVD
+    column each in the matrix's leaderboard.
 
     A saved result or store is reused only when it answers the pair's request (qeval.identity); else
     the pair is recomputed and its result and store overwritten, and the text says so. A reference store
@@ -208,16 +210,16 @@ def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int 
             if not (path == ref_path and kv == "f16"):
                 pairs.append((pair_label(label, kv), path, kv))
     return run_pairs(ref_label, ref_path, pairs, chunks, n_ctx, corpus, directory, threads, n_gpu_layers, progress,
-                     executor, n_batch, n_ubatch, force, scoring, concat)
+                     executor, n_batch, n_ubatch, force, scoring, concat, samplers)
 
 
 def run_pairs(ref_label: str, ref_path: str, pairs: list[tuple[str, str, str]], chunks, n_ctx, corpus,
               directory: Path, threads, n_gpu_layers, progress, executor=None, n_batch: int | None = None,
               n_ubatch: int | None = None, force: bool = False, scoring: str = "half",
-              concat: bool = False) -> tuple[dict, str]:
+              concat: bool = False, samplers=()) -> tuple[dict, str]:
     """The matrix of reference `ref_path` and (label, model, kv) `pairs` (see matrix_report)."""
     plan = matrix.plan_matrix(ref_label, ref_path, pairs, chunks, n_ctx, corpus, directory, threads, n_gpu_layers,
-                              n_batch, n_ubatch, force, scoring, concat)
+                              n_batch, n_ubatch, force, scoring, concat, samplers)
     directory.mkdir(parents=True, exist_ok=True)
     if executor not in (None, "local"):
         return matrix.matrix_result(plan, as_executor(executor).run(plan, progress))

@@ -191,6 +191,7 @@ def matrix(
     cpus_per_task: float = typer.Option(1, "--cpus-per-task", help="With --executor ray: CPUs per task (also the task's model and encoder threads unless -t)."),
     shard_chunks: int = typer.Option(1, "--shard-chunks", help="With --executor ray: split the reference capture into K tasks over chunk ranges, then merge."),
     force: bool = typer.Option(False, "--force", help="Replace a reference store that holds another capture (pairs whose saved result or store answers another request are always recomputed)."),
+    sampler: Optional[list[str]] = typer.Option(None, "--sampler", help="Also measure every pair after this sampler (preset or settings, as qeval kld --sampler): a mean TVD column each; repeat for several. A saved result without them is recomputed."),
 ):
     """Every model x KV type against one reference: resumable, skips finished pairs."""
     kv_types = [k.strip() for k in kv.split(",") if k.strip()]
@@ -206,7 +207,8 @@ def matrix(
         raise QevalError("--address, --gpus-per-task, --cpus-per-task and --shard-chunks need --executor ray")
     result, text = api.matrix_report(ref, model, kv_types, chunks=chunks, n_ctx=ctx, corpus=corpus, runs_dir=runs_dir,
                                      threads=threads, n_gpu_layers=n_gpu_layers, executor=run_on, n_batch=batch,
-                                     n_ubatch=ubatch, force=force, scoring=score, concat=concat)
+                                     n_ubatch=ubatch, force=force, scoring=score, concat=concat,
+                                     samplers=sampler or ())
     _emit(result, text, as_json)
 
 

@@ -13,7 +13,9 @@ an old label is not.
   capture_identity(header)  a store: its producer plus vocab, tokenizer, top-k and its token windows.
   ComparisonRequest         a candidate measured against a reference: the reference's producer,
                             vocab, tokenizer and the tokens of the chunks compared; the candidate's
-                            producer; the chunk count; METRICS_VERSION. Its key is a hash of all that.
+                            producer; the chunk count; METRICS_VERSION; the samplers computed too
+                            (their canonical settings, in any order: a preset and its settings string
+                            are one sampler). Its key is a hash of all that.
 """
 
 from __future__ import annotations
@@ -129,6 +131,8 @@ def short(value: object) -> str:
     """A value for a message: long hashes cut to 12 digits, objects to 80 characters."""
     if value is None:
         return "none"
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
+        return "{" + "; ".join(value) + "}"  # a set of names (samplers), each whole
     if isinstance(value, str) and len(value) >= 32 and all(c in "0123456789abcdef" for c in value):
         return value[:12] + "…"
     s = json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else str(value)
@@ -163,27 +167,43 @@ class ComparisonRequest:
     candidate: dict  # producer() of the candidate (its tokens are the reference's, its vocab too)
     chunks: int  # the first `chunks` chunks of the reference
     metrics_version: int = METRICS_VERSION
+    samplers: tuple[str, ...] = ()  # canonical settings strings (qeval.compare.sampler.settings_names), a set
+
+    def __post_init__(self):
+        object.__setattr__(self, "samplers", tuple(sorted(set(self.samplers))))
+
+    def identity(self) -> dict:
+        """What the key hashes. Without samplers the field is left out, so a request that asks for none is
+        the request of a result saved before samplers were part of it."""
+        d = asdict(self)
+        d["samplers"] = list(self.samplers)
+        if not self.samplers:
+            del d["samplers"]
+        return d
 
     @property
     def key(self) -> str:
-        return digest(asdict(self))
+        return digest(self.identity())
 
     def to_json(self) -> dict:
-        return {"key": self.key, **asdict(self)}
+        return {"key": self.key, **self.identity()}
 
     @classmethod
     def from_summary(cls, summary: dict) -> "ComparisonRequest | None":
         """The request a comparison summary answers; None when it records none (an older qeval)."""
         d = summary.get("request")
         try:
-            return cls(d["reference"], d["candidate"], int(d["chunks"]), int(d["metrics_version"]))
+            return cls(d["reference"], d["candidate"], int(d["chunks"]), int(d["metrics_version"]),
+                       tuple(d.get("samplers") or ()))
         except (KeyError, TypeError, ValueError):
             return None
 
     def changes_from(self, old: "ComparisonRequest") -> list[str]:
-        return changes(asdict(old), asdict(self))
+        return changes(old.identity(), self.identity())
 
 
-def comparison_request(ref, cand, n_chunks: int) -> ComparisonRequest:
-    """What comparing `cand` with `ref` over their first n_chunks chunks measures (sources read like stores)."""
-    return ComparisonRequest(reference_identity(ref, n_chunks), producer(cand.header), n_chunks)
+def comparison_request(ref, cand, n_chunks: int, samplers=()) -> ComparisonRequest:
+    """What comparing `cand` with `ref` over their first n_chunks chunks measures (sources read like stores),
+    with the samplers of canonical settings strings `samplers` computed too."""
+    return ComparisonRequest(reference_identity(ref, n_chunks), producer(cand.header), n_chunks,
+                             samplers=tuple(samplers))

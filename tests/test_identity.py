@@ -19,6 +19,7 @@ import pytest
 from conftest import build_chunk, make_header, make_tokens, perturb, synth_logits, write_store
 
 from qeval import api, cli, identity
+from qeval.compare import sampler
 from qeval.errors import MismatchError, QevalError
 from qeval.orchestrate import gate, paired
 from qeval.present import leaderboard
@@ -65,6 +66,27 @@ def test_request_key_changes_with_every_field_and_only_with_them():
     assert variants[1].changes_from(base) == ["candidate KV type_k: f16 vs q8_0"]
     assert identity.ComparisonRequest.from_summary({"request": base.to_json()}) == base
     assert identity.ComparisonRequest.from_summary({}) is None
+
+
+def test_samplers_are_part_of_the_request_as_a_set_of_settings():
+    ref, cand = {"model": {"fingerprint": "ab" * 32}, "n_ctx": 512}, {"model": {"fingerprint": "ef" * 32}}
+    base = identity.ComparisonRequest(ref, cand, 80)
+    # asking for no sampler is the request of a result saved before samplers were part of requests
+    assert base.key == identity.digest({"reference": ref, "candidate": cand, "chunks": 80,
+                                        "metrics_version": identity.METRICS_VERSION})
+    assert "samplers" not in base.to_json()
+    both = identity.ComparisonRequest(ref, cand, 80, samplers=tuple(sampler.settings_names(
+        ["qwen3.5-thinking", "greedy"])))
+    # the same samplers in another order, named by their settings: the same request
+    same = identity.ComparisonRequest(ref, cand, 80, samplers=tuple(sampler.settings_names(
+        ["temp=0", "top_p=0.95,top_k=20,temp=0.6"])))
+    one = identity.ComparisonRequest(ref, cand, 80, samplers=tuple(sampler.settings_names(["greedy"])))
+    assert both.key == same.key and len({base.key, both.key, one.key}) == 3
+    assert identity.ComparisonRequest.from_summary({"request": both.to_json()}) == both
+    assert both.changes_from(base) == ["samplers: none vs {temp=0,top_k=0,top_p=1,min_p=0; "
+                                       "temp=0.6,top_k=20,top_p=0.95,min_p=0}"]
+    assert one.changes_from(both) == ["samplers: {temp=0,top_k=0,top_p=1,min_p=0; temp=0.6,top_k=20,top_p=0.95,"
+                                      "min_p=0} vs {temp=0,top_k=0,top_p=1,min_p=0}"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -307,3 +329,24 @@ def test_matrix_recomputes_a_pair_whose_label_now_names_another_model(models, ru
             f"{identity.METRICS_VERSION}") in text
     assert saved_summary()["candidate"]["path"] == str(runs / "Q4.qeval")
     assert fourth["results"][0]["kld"] == second["results"][0]["kld"]
+
+
+def test_matrix_recomputes_a_pair_saved_without_the_samplers_asked_for(models, runs):
+    def matrix(*samplers) -> tuple[dict, str]:
+        return api.matrix_report(f"R={models['Q8_0']}", [f"Q4={models['Q4_0']}"], ["f16"], chunks=1, n_ctx=REAL_CTX,
+                                 runs_dir=runs, progress=False, samplers=samplers)
+
+    plain, _ = matrix()
+    result, text = matrix("qwen3.5-thinking", "greedy")
+    assert ("Q4: recomputed: its saved result answers another request (samplers: none vs {temp=0,top_k=0,top_p=1,"
+            "min_p=0; temp=0.6,top_k=20,top_p=0.95,min_p=0}, saved vs now)") in text
+    saved = json.loads((runs / "results" / "Q4.vs.R.json").read_text())
+    assert saved["candidate"]["path"] == str(runs / "Q4.qeval")  # from its stored candidate, no model run
+    assert list(saved["samplers"]) == ["qwen3.5-thinking", "greedy"]
+    assert result["results"][0]["kld"] == plain["results"][0]["kld"]
+    row = result["rows"][0]
+    for name in ("qwen3.5-thinking", "greedy"):
+        assert row[f"tvd_pct@{name}"] == saved["metrics"][f"tvd_pct@{name}"]["value"]
+        assert f"mean TVD % @{name} ± SE" in text
+    _, text = matrix("greedy", "qwen3.5-thinking")  # the same set: reused
+    assert "Q4: done earlier, skipped" in text

@@ -170,6 +170,48 @@ def test_markdown_has_one_row_per_result_sorted_by_kld(board, summaries):
         assert fact in md, fact
 
 
+def test_a_tvd_column_per_sampler_every_result_holds(tmp_path):
+    from synth_runs import make_runs  # noqa: PLC0415
+
+    runs = make_runs(tmp_path / "runs")
+    # A and B hold qwen3.5-thinking (B by its settings string); greedy and qwen3.5-instruct only one of them
+    api.kld_report("REF", "A", runs_dir=runs, threads=1, save_result=True, samplers=["greedy", "qwen3.5-thinking"])
+    api.kld_report("REF", "B", runs_dir=runs, threads=1, save_result=True,
+                   samplers=["temp=0.6,top_k=20,top_p=0.95", "qwen3.5-instruct"])
+    saved = {label: json.loads((runs / "results" / f"{label}.vs.REF.json").read_text()) for label in ("A", "B")}
+    board = leaderboard.leaderboard([runs / "results"], out=tmp_path / "board")
+    key, held = "tvd_pct@qwen3.5-thinking", {"A": "tvd_pct@qwen3.5-thinking",
+                                              "B": "tvd_pct@temp=0.6,top_k=20,top_p=0.95,min_p=0"}
+    assert board.samplers == ("qwen3.5-thinking",)
+    assert board.settings["samplers"] == {"qwen3.5-thinking": {"temp": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.0}}
+    with open(board.paths["leaderboard.csv"], newline="") as fh:
+        csv_rows = {r["label"]: r for r in csv.DictReader(fh)}
+    doc = json.loads(board.paths["leaderboard.json"].read_text())
+    i = doc["columns"].index(key)
+    assert doc["columns"][i:i + 3] == [key, f"{key}_se", "deepest_band"]
+    json_rows = {r["label"]: r for r in doc["rows"]}
+    md = board.paths["leaderboard.md"].read_text()
+    table = [line for line in md.splitlines() if line.startswith("| ")]
+    header = [c.strip() for c in table[0].strip("|").split("|")]
+    assert "mean TVD % @qwen3.5-thinking ± SE" in header and sum("TVD" in c for c in header) == 1
+    page = board.paths["leaderboard.html"].read_text()
+    assert "<th>mean TVD % @qwen3.5-thinking ± SE</th>" in page
+    for label in ("A", "B"):
+        m = saved[label]["metrics"][held[label]]
+        assert float(csv_rows[label][key]) == json_rows[label][key] == m["value"]
+        assert float(csv_rows[label][f"{key}_se"]) == json_rows[label][f"{key}_se"] == m["se"]
+        line = next(line for line in table if line.startswith(f"| {label} |"))
+        assert f"{m['value']:.3f} ± {m['se']:.3f}" in line
+    for fact in ("Sampler qwen3.5-thinking:** temp 0.6, top_k 20, top_p 0.95", "mean TVD % @qwen3.5-thinking: mean "
+                 "total variation distance"):
+        assert fact in md, fact
+    # a result without samplers: no sampler is held by all, so the table is the plain one
+    api.kld_report("REF", "A_COPY", runs_dir=runs, threads=1, save_result=True)
+    plain = leaderboard.build([runs / "results"])
+    assert plain.samplers == () and "TVD" not in plain.markdown()
+    assert plain.columns == leaderboard.Leaderboard([], [], {}, "").columns
+
+
 def test_pareto_front_on_hand_made_points():
     sizes = [1.0, 2.0, 2.0, 3.0, 0.5, None, 4.0, 1.0]
     klds = [0.30, 0.10, 0.20, 0.10, 0.90, 0.001, 0.05, 0.30]

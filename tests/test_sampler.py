@@ -476,4 +476,76 @@ def test_cli_compare_pairs_the_tvd(tmp_path):
     assert any("lower TVD @qwen3.5-thinking" in v for v in out["verdicts"])
     text = run_cli("compare", "--ref", "REF", "--cand", "A", "--cand", "B", "--runs-dir", runs, "--sampler", "greedy")
     assert text.returncode == 0, text.stderr
-    assert "mean TVD @greedy %" in text.stdout
+    assert "mean TVD % @greedy" in text.stdout
+
+
+def test_cli_compare_refuses_saved_results_without_the_sampler(tmp_path):
+    from synth_runs import make_runs  # noqa: PLC0415
+
+    runs = make_runs(tmp_path / "runs")
+    for label in ("A", "B"):
+        api.kld_report("REF", label, runs_dir=runs, threads=1, save_result=True, samplers=["qwen3.5-thinking"])
+    saved = [runs / "results" / f"{label}.vs.REF.json" for label in ("A", "B")]
+    res = run_cli("compare", "--ref", "REF", "--cand", saved[0], "--cand", saved[1], "--runs-dir", runs, "--sampler",
+                  "greedy")
+    assert_cli_error(res, "holds no figures for sampler greedy", "--sampler greedy --save-result")
+    res = run_cli("compare", "--ref", "REF", "--cand", saved[0], "--cand", saved[1], "--runs-dir", runs, "--json")
+    assert res.returncode == 0, res.stderr
+    assert "tvd_pct@qwen3.5-thinking" in json.loads(res.stdout)["differences"]
+
+
+# --------------------------------------------------------------------------------------------------
+# matrices: the samplers are part of what a pair measured
+# --------------------------------------------------------------------------------------------------
+def test_a_matrix_pair_is_measured_with_its_samplers_and_reused_only_for_them(tmp_path, monkeypatch):
+    from qeval import identity  # noqa: PLC0415
+    from qeval.orchestrate import distributed, matrix  # noqa: PLC0415
+
+    pair = make_pair(tmp_path / "runs", seed=5, n_chunks=2, n_ctx=16, n_vocab=800)
+    runs, saved = pair.directory, pair.directory / "results" / "CAND.vs.REF.json"
+    api.kld_report("REF", "CAND", runs_dir=runs, threads=1, save_result=True)  # without samplers
+    # the candidate's model is the one its store was captured from (planning reads no GGUF here)
+    monkeypatch.setattr(identity, "planned_producer", lambda *a, **k: identity.producer(pair.cand.header))
+
+    def plan(*samplers) -> tuple[matrix.MatrixPlan, matrix.PairPlan]:
+        p = matrix.plan_matrix("REF", "ref.gguf", [("CAND", "cand.gguf", "f16")], None, 16, None, runs, 1, 0,
+                               samplers=samplers)
+        with StoreReader(runs / "REF.qeval") as ref:
+            return p, matrix.plan_pair(ref, 2, "CAND", "cand.gguf", p.pairs[0].settings, runs, p.samplers)
+
+    assert plan()[1].action == matrix.SKIP  # the request a result saved without samplers answers
+    chosen, todo = plan("qwen3.5-thinking", "greedy")
+    assert (todo.action, todo.samplers) == (matrix.COMPARE_STORED, ("qwen3.5-thinking", "greedy"))
+    assert todo.note == ("CAND: recomputed: its saved result answers another request (samplers: none vs "
+                         "{temp=0,top_k=0,top_p=1,min_p=0; temp=0.6,top_k=20,top_p=0.95,min_p=0}, saved vs now)")
+    # the Ray executor runs the same plan, samplers kept, and its task the same pair plan (in its CompareSpec)
+    assert distributed.on_cluster(chosen, 1).samplers == ("qwen3.5-thinking", "greedy")
+    distributed.run_compare(distributed.CompareSpec("REF", todo, str(runs), 2, threads=1))
+    summary = json.loads(saved.read_text())
+    direct, _ = api.kld_report("REF", "CAND", runs_dir=runs, threads=1, samplers=["qwen3.5-thinking", "greedy"])
+    assert summary["samplers"] == json.loads(json.dumps(direct["samplers"]))
+    assert summary["request"] == direct["request"]
+    assert summary["request"]["samplers"] == ["temp=0,top_k=0,top_p=1,min_p=0",
+                                              "temp=0.6,top_k=20,top_p=0.95,min_p=0"]
+    # reused for the same samplers, in any order and under any name of their settings; not for fewer
+    assert plan("greedy", "temp=0.6,top_k=20,top_p=0.95")[1].action == matrix.SKIP
+    assert plan("greedy")[1].action == matrix.COMPARE_STORED
+    # the matrix shows one mean TVD per sampler and pair, under the names asked for
+    again, _ = plan("greedy", "temp=0.6,top_k=20,top_p=0.95")
+    result, text = matrix.matrix_result(again, matrix.MatrixRun("", [], [summary]))
+    row = result["rows"][0]
+    for name, held in (("greedy", "greedy"), ("temp=0.6,top_k=20,top_p=0.95,min_p=0", "qwen3.5-thinking")):
+        tvd = summary["samplers"][held]["tvd"]
+        assert (row[f"tvd_pct@{name}"], row[f"tvd_pct@{name}_se"]) == pytest.approx((100 * tvd["mean"],
+                                                                                    100 * tvd["se"]), rel=1e-12)
+        assert f"mean TVD % @{name} ± SE" in text
+        assert f"{100 * tvd['mean']:.3f} ± {100 * tvd['se']:.3f}" in text
+    _, plain = matrix.matrix_result(plan()[0], matrix.MatrixRun("", [], [summary]))
+    assert "TVD" not in plain
+
+
+def test_a_matrix_refuses_a_bad_sampler_before_any_work(tmp_path):
+    res = run_cli("matrix", "--ref", "R=nowhere.gguf", "-m", "nothing.gguf", "--runs-dir", tmp_path / "runs",
+                  "--sampler", "top_k=-1")
+    assert_cli_error(res, "--sampler 'top_k=-1'", "top_k must be an integer >= 0")
+    assert not (tmp_path / "runs").exists()

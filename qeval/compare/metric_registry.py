@@ -14,7 +14,8 @@ before it existed lack it: they show no value for it, and a check on it asks for
 Sampler metrics (qeval.compare.sampler) are a family per sampler, made by sampler_metrics(NAME) and keyed
 "<metric>@<sampler name>" (tvd_pct@qwen3.5-thinking): a comparison computed with `--sampler` holds them in
 its "metrics" block, lookup() finds them, `qeval compare` pairs the TVD, and SAMPLER_GATES holds the `qeval check`
-thresholds that apply to every sampler (--max-tvd). They are not in METRICS: leaderboards and baseline files
+thresholds that apply to every sampler (--max-tvd); a leaderboard shows the board ones (the mean TVD) of every
+sampler all its results hold (qeval.present.report.common_samplers). They are not in METRICS: baseline files
 do not know them.
 """
 
@@ -145,8 +146,12 @@ class Metric:
 
     @property
     def heading(self) -> str:
-        """Its name with a percent sign where the numbers are percentages ("same top-1 %")."""
-        return f"{self.title} %" if self.unit == "%" else self.title
+        """Its name with a percent sign where the numbers are percentages ("same top-1 %"), before the sampler
+        a sampler metric is of ("mean TVD % @greedy")."""
+        if self.unit != "%":
+            return self.title
+        name, at, of = self.title.partition(" @")
+        return f"{name} %{at}{of}"
 
     def column_values(self, t: PerToken) -> np.ndarray:
         """The per-token values it aggregates (before `scale`): what `qeval compare` pairs."""
@@ -234,7 +239,7 @@ def sampler_metrics(name: str) -> tuple[Metric, ...]:
         Metric(f"tvd_pct@{name}", f"mean TVD @{name}", "%", "lower", Mean(tvd),
                f"mean total variation distance between the two distributions after the sampler {name} "
                "(llama.cpp's chain: top-k, top-p, min-p, temperature): the probability mass that moves", fmt=".3f",
-               paired=True),
+               board=True, paired=True),
         Metric(f"agreement_pct@{name}", f"agreement @{name}", "%", "higher", Mean(_OneMinus(tvd)),
                f"mean 1 − TVD after the sampler {name}: the chance a maximal coupling draws the same token from both "
                "(speculative-decoding acceptance with the candidate as draft)", fmt=".3f", restates=f"tvd_pct@{name}"),

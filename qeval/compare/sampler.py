@@ -103,6 +103,12 @@ class Sampler:
     def settings(self) -> dict:
         return {"temp": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p}
 
+    @property
+    def settings_name(self) -> str:
+        """Its canonical settings string, whatever its name: what it computes (a preset and the settings
+        string of its values compute the same)."""
+        return settings_text(self.temperature, self.top_k, self.top_p, self.min_p)
+
     def describe(self) -> str:
         """Settings in words, as the text report states them."""
         if self.greedy:
@@ -196,11 +202,24 @@ def parse_all(specs) -> tuple[Sampler, ...]:
                 same = parse(spec.name) == spec
             except QevalError:
                 same = False
-            s = spec if same else parse(settings_text(spec.temperature, spec.top_k, spec.top_p, spec.min_p))
+            s = spec if same else parse(spec.settings_name)
         else:
             s = parse(spec)
         out.setdefault(s.name, s)
     return tuple(out.values())
+
+
+def settings_names(specs) -> list[str]:
+    """The canonical settings strings of samplers (names, strings or Sampler values): what a comparison
+    computed with them measured, whatever names they were asked for by (qeval.identity.ComparisonRequest)."""
+    return [s.settings_name for s in parse_all(specs)]
+
+
+def held_as(samplers: dict, name: str) -> str | None:
+    """The name under which a comparison's "samplers" block holds the figures of sampler `name` (the same
+    settings, whichever name they were asked for by); None when it holds none."""
+    wanted = parse(name).settings()
+    return next((held for held, block in (samplers or {}).items() if block.get("settings") == wanted), None)
 
 
 # --------------------------------------------------------------------------------------------------

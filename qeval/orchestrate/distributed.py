@@ -184,7 +184,7 @@ def on_cluster(plan: MatrixPlan, cpus_per_task: float) -> MatrixPlan:
                         settings=_with_threads(plan.reference.settings, threads), threads=threads)
     pairs = tuple(replace(p, model=os.path.abspath(p.model), settings=_with_threads(p.settings, threads))
                   for p in plan.pairs)
-    return MatrixPlan(reference, pairs, directory)
+    return replace(plan, reference=reference, pairs=pairs, directory=directory)
 
 
 def _with_threads(settings: EngineSettings, threads: int) -> EngineSettings:

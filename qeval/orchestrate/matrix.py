@@ -17,7 +17,7 @@ from typing import Callable
 from qeval import identity
 from qeval.capture.capture import CaptureSpec, capture, open_live
 from qeval.capture.engine import EngineSettings, available_cores
-from qeval.compare import metrics
+from qeval.compare import metrics, sampler
 from qeval.errors import QevalError
 from qeval.present import report, results
 from qeval.storage import runs
@@ -71,6 +71,7 @@ class MatrixPlan:
     reference: CaptureSpec
     pairs: tuple[Pair, ...]
     directory: Path  # the runs directory: every store and result
+    samplers: tuple[str, ...] = ()  # computed for every pair too (qeval.compare.sampler names)
 
     @property
     def total_chunks(self) -> int | None:
@@ -86,9 +87,11 @@ class MatrixPlan:
 def plan_matrix(ref_label: str, ref_path: str, pairs: list[tuple[str, str, str]], chunks: int | None, n_ctx: int,
                 corpus: str | None, directory: Path, threads: int | None, n_gpu_layers: int,
                 n_batch: int | None = None, n_ubatch: int | None = None, force: bool = False,
-                scoring: str = "half", concat: bool = False) -> MatrixPlan:
-    """The plan for reference `ref_path` and (label, model, kv) `pairs`. Every bad setting or label is
-    refused here, before hours of work start. force: a reference store of another capture is replaced."""
+                scoring: str = "half", concat: bool = False, samplers=()) -> MatrixPlan:
+    """The plan for reference `ref_path` and (label, model, kv) `pairs`. Every bad setting, label or sampler
+    is refused here, before hours of work start. force: a reference store of another capture is replaced.
+    samplers: presets or settings strings (qeval.compare.sampler) every pair is measured with too."""
+    chosen = tuple(s.name for s in sampler.parse_all(samplers))
     planned = tuple(Pair(label, path, kv, pair_settings(kv, n_gpu_layers, threads, n_batch, n_ubatch).validate())
                     for label, path, kv in pairs)
     labels = [p.label for p in planned]
@@ -99,7 +102,7 @@ def plan_matrix(ref_label: str, ref_path: str, pairs: list[tuple[str, str, str]]
                             label=ref_label, corpus=corpus, n_ctx=n_ctx, chunks=chunks,
                             settings=pair_settings("f16", n_gpu_layers, threads, n_batch, n_ubatch), replace=force,
                             scoring=Scoring.parse(scoring).rule, concat=concat)
-    return MatrixPlan(reference, planned, directory)
+    return MatrixPlan(reference, planned, directory, chosen)
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,7 @@ class PairPlan:
     settings: EngineSettings
     action: str
     note: str = ""
+    samplers: tuple[str, ...] = ()  # computed too (qeval.compare.sampler names)
 
 
 def plan_pairs(plan: MatrixPlan) -> tuple[int, list[PairPlan]]:
@@ -119,25 +123,27 @@ def plan_pairs(plan: MatrixPlan) -> tuple[int, list[PairPlan]]:
     reference decides how many chunks every pair has."""
     with StoreReader(plan.reference.out) as ref_store:
         n_chunks = ref_store.header.n_chunks if plan.reference.chunks is None else plan.reference.chunks
-        return n_chunks, [plan_pair(ref_store, n_chunks, p.label, p.model, p.settings, plan.directory)
+        return n_chunks, [plan_pair(ref_store, n_chunks, p.label, p.model, p.settings, plan.directory, plan.samplers)
                           for p in plan.pairs]
 
 
 def plan_pair(ref_store, n_chunks: int, label: str, model: str, settings: EngineSettings,
-              directory: Path) -> PairPlan:
-    """The plan for candidate `label` (GGUF `model` run with `settings`) against the open reference store
-    over its first n_chunks chunks, from what `directory` holds: its result, and its store."""
+              directory: Path, samplers: tuple[str, ...] = ()) -> PairPlan:
+    """The plan for candidate `label` (GGUF `model` run with `settings`, measured with `samplers` too) against
+    the open reference store over its first n_chunks chunks, from what `directory` holds: its result, and its
+    store."""
     try:
         planned = identity.planned_producer(model, settings, ref_store.header.n_ctx, SqrtLogCode().params(),
                                                    ref_store.header.scoring)
     except (QevalError, OSError):
-        return PairPlan(label, model, settings, RUN_LIVE)  # running it says what is wrong with the model
-    request = identity.ComparisonRequest(identity.reference_identity(ref_store, n_chunks), planned, n_chunks)
+        return PairPlan(label, model, settings, RUN_LIVE, samplers=samplers)  # running it says what is wrong
+    request = identity.ComparisonRequest(identity.reference_identity(ref_store, n_chunks), planned, n_chunks,
+                                         samplers=tuple(sampler.settings_names(samplers)))
     result_path = results.result_path(directory / results.RESULTS_SUBDIR, label, ref_store.header.label)
     saved = results.saved_request(result_path)
     usable, store_changes = _stored_candidate(runs.store_path(label, directory), planned, ref_store, n_chunks)
     if saved is not None and saved.key == request.key:
-        return PairPlan(label, model, settings, SKIP, f"{label}: done earlier, skipped")
+        return PairPlan(label, model, settings, SKIP, f"{label}: done earlier, skipped", samplers)
     action = COMPARE_STORED if usable else RUN_LIVE
     if saved is not None:
         note = f"{label}: recomputed: its saved result answers another request ({_listed(request.changes_from(saved))})"
@@ -147,7 +153,7 @@ def plan_pair(ref_store, n_chunks: int, label: str, model: str, settings: Engine
         note = f"{label}: its store held another capture ({_listed(store_changes)}): replaced"
     else:
         note = ""
-    return PairPlan(label, model, settings, action, note)
+    return PairPlan(label, model, settings, action, note, samplers)
 
 
 def _listed(changes: list[str]) -> str:
@@ -180,9 +186,10 @@ class PairRun:
 
 def run_pair(pair: PairPlan, ref, n_chunks: int, directory: Path, threads: int,
              on_chunk: Callable[[int], None] | None = None) -> PairRun:
-    """Compare a pair that is not skipped against the open reference `ref` over n_chunks chunks and save
-    its result (`qeval kld --save LABEL --save-result --force`): its stored candidate, or its model run
-    live into its store, which continues where an interrupted run (a killed Ray task) left it."""
+    """Compare a pair that is not skipped against the open reference `ref` over n_chunks chunks, with its
+    samplers, and save its result (`qeval kld --save LABEL --save-result --force --sampler ...`): its stored
+    candidate, or its model run live into its store, which continues where an interrupted run (a killed Ray
+    task) left it."""
     store = runs.store_path(pair.label, directory)
     resumed = 0
     with contextlib.ExitStack() as stack:
@@ -194,7 +201,7 @@ def run_pair(pair: PairPlan, ref, n_chunks: int, directory: Path, threads: int,
             stack.callback(engine.close)
             stack.callback(cand.close)
             writer, resumed = cand.writer, len(cand.resumed)
-        cmp = metrics.compare(ref, cand, n_chunks, threads=threads, on_chunk=on_chunk)
+        cmp = metrics.compare(ref, cand, n_chunks, threads=threads, on_chunk=on_chunk, samplers=pair.samplers)
         if writer is not None:
             writer.finish()
         path = results.save_result(cmp, directory / results.RESULTS_SUBDIR)
@@ -232,12 +239,13 @@ def run_local(plan: MatrixPlan, advance: Callable[[int], None]) -> MatrixRun:
 
 def matrix_result(plan: MatrixPlan, run: MatrixRun) -> tuple[dict, str]:
     rows_json = run.summaries
-    rows = [report.leaderboard_row(r) for r in rows_json]
+    rows = [report.leaderboard_row(r, plan.samplers) for r in rows_json]
     ref_label = plan.reference.label
     text = "\n".join([run.reference_text, *run.lines, "",
                       f"reference {ref_label}: {rows_json[0]['chunks']} chunks of {plan.reference.n_ctx}, "
                       f"{rows_json[0]['scored_tokens']} scored tokens" if rows_json else "",
                       "", "PPL matrix (rows: model, columns: KV cache)",
                       report.ppl_matrix_markdown(plan.cells(), rows_json),
-                      "", "Leaderboard (sorted by mean KLD)", report.leaderboard_markdown(rows)])
+                      "", "Leaderboard (sorted by mean KLD)",
+                      report.leaderboard_markdown(rows, samplers=plan.samplers)])
     return {"reference": ref_label, "rows": rows, "results": rows_json}, text

@@ -11,7 +11,7 @@ import numpy as np
 
 from qeval import __version__
 from qeval.compare import sampler
-from qeval.compare.metric_registry import KLD_BLOCK, METRICS, PPL_BLOCK, TOKEN_BLOCK, Metric, read
+from qeval.compare.metric_registry import KLD_BLOCK, METRICS, PPL_BLOCK, TOKEN_BLOCK, Metric, read, sampler_metrics
 from qeval.compare.metrics import PER_TOKEN_FIELDS, Comparison
 from qeval.identity import comparison_request
 from qeval.storage.llamacpp import record_values
@@ -40,7 +40,8 @@ def comparison_json(cmp: Comparison, bands: list[tuple[int, int]] | None = None)
     """The comparison, and what it measured: `request` (qeval.identity) decides whether a saved copy
     may stand for a later request. bands: of the by-depth block (default: powers of 4 from 512)."""
     return {"reference": describe(cmp.ref), "candidate": describe(cmp.cand), **cmp.summary(bands),
-            "request": comparison_request(cmp.ref, cmp.cand, len(cmp.chunks)).to_json(),
+            "request": comparison_request(cmp.ref, cmp.cand, len(cmp.chunks),
+                                          sampler.settings_names(sampler.names_in(cmp.per_token))).to_json(),
             "qeval_version": __version__}
 
 
@@ -215,16 +216,39 @@ def write_per_token(cmp: Comparison, path: Path) -> None:
             w.writerow([int(v) if isinstance(v, (np.integer, np.bool_)) else f"{float(v):.9g}" for v in row])
 
 
-# The metrics on a leaderboard, in table order; each is a column `key` and, where it has an SE, `key_se`.
+# The metrics on every leaderboard, in table order; each is a column `key` and, where it has an SE, `key_se`.
 BOARD_METRICS = tuple(m for m in METRICS.values() if m.board)
-BOARD_KEYS = tuple(k for m in BOARD_METRICS for k in ((m.key, m.se_key) if m.has_se else (m.key,)))
 
 
-def leaderboard_row(result: dict) -> dict:
-    """One row of the KLD/PPL leaderboard from a comparison's JSON (None for a metric it does not hold)."""
+def board_metrics(samplers=()) -> tuple[Metric, ...]:
+    """The metrics of a leaderboard's columns: BOARD_METRICS, then the board metrics of each sampler in
+    `samplers` (names; its mean TVD)."""
+    return (*BOARD_METRICS, *(m for name in samplers for m in sampler_metrics(name) if m.board))
+
+
+def board_keys(samplers=()) -> tuple[str, ...]:
+    """The row keys of board_metrics(samplers): each metric's key and, where it has an SE, its SE key."""
+    return tuple(k for m in board_metrics(samplers) for k in ((m.key, m.se_key) if m.has_se else (m.key,)))
+
+
+def common_samplers(summaries: list[dict]) -> tuple[str, ...]:
+    """The samplers (as the first comparison names them) whose figures every comparison holds: a leaderboard's
+    sampler columns."""
+    first, *rest = summaries or [{}]
+    return tuple(name for name in first.get("samplers") or {}
+                 if all(sampler.held_as(s.get("samplers"), name) for s in rest))
+
+
+def leaderboard_row(result: dict, samplers=()) -> dict:
+    """One row of the KLD/PPL leaderboard from a comparison's JSON (None for a metric it does not hold), with the
+    figures of `samplers` (names; held under that name or another of the same settings)."""
     cand = result["candidate"]
     model, kv = cand.get("model") or {}, cand.get("kv") or {}
     held = read(result)
+    for name in samplers:  # held under this name, or under another of the same settings
+        other = sampler.held_as(result.get("samplers"), name)
+        if other not in (None, name):
+            held.update((m.key, held.get(o.key)) for m, o in zip(sampler_metrics(name), sampler_metrics(other)))
     row = {
         "label": cand["label"],
         "quant": model.get("quant", "?"),
@@ -234,7 +258,7 @@ def leaderboard_row(result: dict) -> dict:
         "size_gib": model.get("size_gib"),
         "bpw": model.get("bits_per_weight"),
     }
-    for m in BOARD_METRICS:
+    for m in board_metrics(samplers):
         mv = held.get(m.key)
         row[m.key] = None if mv is None else mv.value
         if m.has_se:
@@ -247,18 +271,21 @@ def leaderboard_row(result: dict) -> dict:
 
 
 DEEPEST_KEYS = ("deepest_band", "kld_deepest", "kld_deepest_se")
-# (heading, row key) of the table's columns after the label
-LEADERBOARD_COLUMNS = (("quant", "quant"), ("KV", "kv"), ("size GiB", "size_gib"), ("BPW", "bpw"),
-                       *((m.heading + (" ± SE" if m.has_se else ""), m.key) for m in BOARD_METRICS),
-                       ("KLD deepest band ± SE", "kld_deepest"))
 
 
-def leaderboard_cells(r: dict) -> list[str]:
-    """The formatted cells of one leaderboard row: label, then LEADERBOARD_COLUMNS."""
+def leaderboard_columns(samplers=()) -> tuple[tuple[str, str], ...]:
+    """(heading, row key) of the table's columns after the label."""
+    return (("quant", "quant"), ("KV", "kv"), ("size GiB", "size_gib"), ("BPW", "bpw"),
+            *((m.heading + (" ± SE" if m.has_se else ""), m.key) for m in board_metrics(samplers)),
+            ("KLD deepest band ± SE", "kld_deepest"))
+
+
+def leaderboard_cells(r: dict, samplers=()) -> list[str]:
+    """The formatted cells of one leaderboard row: label, then leaderboard_columns(samplers)."""
     deepest = "" if r.get("kld_deepest") is None else (
         f"{_num(r['kld_deepest'], '.6f')} ± {_num(r['kld_deepest_se'], '.6f')} ({r['deepest_band']})")
     return [r["label"], r["quant"], r["kv"], _num(r["size_gib"], ".3f"), _num(r["bpw"], ".2f"),
-            *(_metric_cell(m, r) for m in BOARD_METRICS), deepest]
+            *(_metric_cell(m, r) for m in board_metrics(samplers)), deepest]
 
 
 def _metric_cell(m: Metric, r: dict) -> str:
@@ -270,12 +297,13 @@ def leaderboard_sorted(rows: list[dict]) -> list[dict]:
     return sorted(rows, key=lambda r: (r["kld_mean"], r["label"]))
 
 
-def leaderboard_markdown(rows: list[dict], pareto=None) -> str:
-    """A paste-ready markdown table, sorted by mean KLD; `pareto` (labels) adds a Pareto-front column."""
-    header = ["label", *(name for name, _ in LEADERBOARD_COLUMNS)] + (["Pareto"] if pareto is not None else [])
+def leaderboard_markdown(rows: list[dict], pareto=None, samplers=()) -> str:
+    """A paste-ready markdown table, sorted by mean KLD; `pareto` (labels) adds a Pareto-front column, each of
+    `samplers` (names) a TVD column."""
+    header = ["label", *(name for name, _ in leaderboard_columns(samplers))] + ([] if pareto is None else ["Pareto"])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in leaderboard_sorted(rows):
-        cells = [_md_escape(c) for c in leaderboard_cells(r)]
+        cells = [_md_escape(c) for c in leaderboard_cells(r, samplers)]
         if pareto is not None:
             cells.append("✓" if r["label"] in pareto else "")
         lines.append("| " + " | ".join(cells) + " |")

@@ -7,7 +7,7 @@ top5_agreement, top10_agreement, chunk, position, token; with `qeval kld --sampl
 columns tvd@NAME ... of qeval.compare.sampler).
 
 The summary records the request it answers (qeval.identity.ComparisonRequest: reference and candidate
-identity, chunks, metrics version, and its key) and the qeval version. A saved result stands for a
+identity, chunks, metrics version, the samplers' settings, and its key) and the qeval version. A saved result stands for a
 later request only when the keys are equal.
 """
 
