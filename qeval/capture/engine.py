@@ -274,6 +274,10 @@ class Engine:
         cparams.type_k = KV_TYPES[s.type_k]
         cparams.type_v = KV_TYPES[s.type_v]
         cparams.flash_attn_type = FLASH_ATTN[s.flash_attn]
+        # llama.cpp's tools (common_params) keep a sliding-window layer's cache at n_swa + n_ubatch cells;
+        # llama_context_default_params() would hold all n_ctx. Beyond n_swa + n_ubatch tokens (Gemma-3 at 4K)
+        # the two lay out the cache differently and round differently: llama-perplexity's way, for parity.
+        cparams.swa_full = False
         cparams.n_threads = cparams.n_threads_batch = s.n_threads or available_cores()
         if s.rope_scaling:
             cparams.rope_scaling_type = ROPE_SCALING[s.rope_scaling]
