@@ -370,6 +370,7 @@ def tasks_capture(
     parallel: int = typer.Option(4, "-np", "--parallel", help="Sequences per batch, as llama-perplexity (at least 4)."),
     batch: int = typer.Option(2048, "-b", "--batch-size", help="Tokens per llama_decode call (llama-perplexity's default 2048)."),
     ubatch: int = typer.Option(512, "-ub", "--ubatch-size", help="Tokens per physical batch."),
+    layout: str = typer.Option("llama", "--layout", help="llama: llama-perplexity's batches (shared prefix, unified KV cache), its numbers bit for bit; separate: every choice decoded alone, the log-likelihoods of a single-sequence decode (in a shared batch llama.cpp moves a choice by up to ~0.1 nats/token; ~3.5x slower)."),
     type_k: str = TypeK,
     type_v: str = TypeV,
     flash_attn: str = FlashAttn,
@@ -383,7 +384,7 @@ def tasks_capture(
     from qeval.capture.taskscore import TaskSettings  # noqa: PLC0415
 
     settings = TaskSettings(EngineSettings(type_k, type_v, flash_attn, n_gpu_layers, threads), ctx, parallel, batch,
-                            ubatch)
+                            ubatch, layout)
     result, text = api.task_capture_report(model, task, kind=kind, limit=limit, label=label, runs_dir=runs_dir,
                                            out=str(out) if out else None, settings=settings, force=force,
                                            progress=True)

@@ -1,0 +1,199 @@
+"""Task accuracy and answer flips: capture a model's per-choice scores once, compare stores later.
+
+    capture_tasks   a GGUF over a task set (qeval.capture.taskfiles) -> RUNS_DIR/tasks/<task>/<label>.tasks.jsonl,
+                    scored as llama-perplexity scores it (qeval.capture.taskscore); resumable
+    show_tasks      accuracy of one task store
+    flips_between   accuracy, flips, McNemar and flips by margin between two stores (qeval.compare.flips)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from qeval.capture.engine import check_model_file
+from qeval.capture.modelinfo import model_facts
+from qeval.capture.probe import ensure_llama_runs
+from qeval.capture.taskfiles import load_tasks
+from qeval.capture.taskscore import SCORING_VERSION, TaskModel, TaskSettings, pack, plan_tasks, task_order
+from qeval.compare import flips as flipmath
+from qeval.errors import MismatchError, QevalError
+from qeval.identity import model_identity, short
+from qeval.storage import runs
+from qeval.storage.taskstore import STORE_SUFFIX, TaskStore, TaskStoreComplete, TaskStoreWriter, make_record
+
+TASKS_SUBDIR = "tasks"
+
+
+def store_path(directory: Path, task_name: str, label: str) -> Path:
+    return directory / TASKS_SUBDIR / task_name / f"{runs.check_label(label)}{STORE_SUFFIX}"
+
+
+def capture_tasks(model: str, task: str, kind: str | None = None, limit: int | None = None,
+                  label: str | None = None, runs_dir=None, out: str | None = None,
+                  settings: TaskSettings = TaskSettings(), force: bool = False,
+                  on_plan: Callable[[int, int], None] | None = None, on_tasks: Callable[[int], None] | None = None,
+                  hf_loader: Callable | None = None) -> tuple[dict, str]:
+    """Score every choice of the task set with `model` into a task store (resuming an interrupted one,
+    reusing a complete one). on_plan(total, done) once, on_tasks(n) after every batch."""
+    t0 = time.perf_counter()
+    settings = settings.validate()
+    tasks = load_tasks(task, kind, hf_loader)
+    check_model_file(model)
+    label = runs.check_label(label or Path(model).stem)
+    n = len(tasks.items)
+    order = task_order(tasks.kind, n, limit)
+    selection = {"limit": limit if limit is not None and limit < n else None}
+    path = Path(out) if out else store_path(runs.runs_dir(runs_dir), tasks.name, label)
+    facts = model_facts(model)  # refuses what qeval cannot evaluate before a child loads it
+    ensure_llama_runs(model)
+    status, written = "complete", 0
+    with TaskModel(model, settings) as tm:
+        header = {
+            "identity": {"task": tasks.identity(), "selection": selection,
+                         "model": model_identity(facts, "qeval", label), "tokenizer_sha256": tm.tokenizer_fingerprint(),
+                         "n_vocab": tm.n_vocab, "settings": settings.as_json(), "scoring_version": SCORING_VERSION},
+            "n_selected": len(order), "label": label, "task": tasks.describe(), "model": facts,
+            "run": {"n_gpu_layers": settings.engine.n_gpu_layers, "n_threads": settings.engine.n_threads,
+                    "llama_n_ctx": tm.n_ctx},
+        }
+        try:
+            writer = TaskStoreWriter.open(path, header, replace=force)
+        except TaskStoreComplete:
+            status = "already complete"
+        else:
+            with writer:
+                plans = plan_tasks(tm, tasks, order)
+                groups = pack(tasks.kind, plans, tm.n_ctx, tm.n_seq_max, tasks.source)
+                todo = [g for g in groups if any(plans[i].item.index not in writer.done for i in g)]
+                if on_plan:
+                    on_plan(len(order), len(writer.done))
+                for group in todo:
+                    before = len(writer.done)
+                    scores = tm.decode_group(tasks.kind, plans, group)
+                    writer.write([make_record(tasks.kind, s.index, s.sums, s.counts, s.llama, s.labels)
+                                  for s in scores])
+                    if on_tasks:
+                        on_tasks(len(writer.done) - before)
+                written = writer.n_written
+                path = writer.finish()
+    result, text = show_tasks(str(path), runs_dir)
+    seconds = time.perf_counter() - t0
+    result.update({"status": status, "tasks_scored_now": written, "seconds": seconds})
+    line = (f"{status}: {written} tasks scored now in {seconds:.1f} s" if status == "complete"
+            else f"{path} already holds this capture, complete")
+    return result, f"{text}\n{line}"
+
+
+def open_task_store(spec: str, runs_dir=None, task: str | None = None) -> TaskStore:
+    """A task store by path, or by label in RUNS_DIR/tasks/<task>/ (task needed when the label is in several)."""
+    path = Path(spec)
+    if path.is_file():
+        return TaskStore.open(path)
+    root = runs.runs_dir(runs_dir) / TASKS_SUBDIR
+    pattern = f"{task}/{spec}{STORE_SUFFIX}" if task else f"*/{spec}{STORE_SUFFIX}"
+    found = sorted(root.glob(pattern)) if root.is_dir() and runs._LABEL.match(spec) else []
+    if len(found) == 1:
+        return TaskStore.open(found[0])
+    if len(found) > 1:
+        names = ", ".join(p.parent.name for p in found)
+        raise QevalError(f"label {spec!r} has task stores for several task sets ({names}): pick one with --task")
+    known = sorted(f"{p.parent.name}/{p.name[:-len(STORE_SUFFIX)]}" for p in root.glob(f"*/*{STORE_SUFFIX}")) \
+        if root.is_dir() else []
+    hint = f"task stores in {root}: {', '.join(known)}" if known else f"no task stores in {root}"
+    where = f" for task set {task!r}" if task else ""
+    raise QevalError(f"{spec!r} is neither a task store file nor a label with a task store{where} ({hint})")
+
+
+def _describe(store: TaskStore) -> dict:
+    h = store.header
+    return {"label": store.label, "path": str(store.path), "model": h.get("model", {}).get("file_name"),
+            "fingerprint": store.identity.get("model", {}).get("fingerprint"), **store.identity["settings"]}
+
+
+def show_tasks(spec: str, runs_dir=None, task: str | None = None) -> tuple[dict, str]:
+    store = open_task_store(spec, runs_dir, task)
+    records = store.records
+    if not records:
+        raise QevalError(f"{store.path} holds no task yet")
+    import numpy as np
+
+    correct = np.array([r["labels"][r["pred"]] == 1 for r in records.values()])
+    acc = flipmath.accuracy(correct)
+    t = store.header.get("task", {})
+    result = {"store": _describe(store), "task": t, "complete": store.complete, "n_selected": store.n_selected,
+              **acc}
+    state = "complete" if store.complete else f"incomplete: {len(records)} of {store.n_selected} tasks"
+    text = (f"{store.label} on {t.get('name')} ({store.kind}, {len(records)} tasks{'' if store.complete else ', ' + state}): "
+            f"accuracy {acc['accuracy_pct']:.4f} ± {acc['se_pct'] or 0:.4f} % ({acc['correct']}/{acc['n']})\n"
+            f"  store {store.path}")
+    return result, text
+
+
+def flips_between(ref: str, cand: str, runs_dir=None, task: str | None = None, bins: int = 4) -> dict:
+    a = open_task_store(ref, runs_dir, task)
+    b = open_task_store(cand, runs_dir, task)
+    for s in (a, b):
+        if not s.complete:
+            raise QevalError(f"{s.path} is incomplete ({len(s.records)} of {s.n_selected} tasks): finish it with "
+                             "qeval tasks capture (same arguments)")
+    ta, tb = a.identity["task"], b.identity["task"]
+    if (ta["format"], ta["sha256"]) != (tb["format"], tb["sha256"]):
+        raise MismatchError(f"the stores hold different task sets: {ta['format']} {short(ta['sha256'])} "
+                            f"({a.path}) vs {tb['format']} {short(tb['sha256'])} ({b.path})")
+    if a.identity["scoring_version"] != b.identity["scoring_version"]:
+        raise MismatchError(f"the stores were scored by different qeval scoring versions "
+                            f"({a.identity['scoring_version']} vs {b.identity['scoring_version']}): recapture one")
+    la, lb = (s.identity["settings"].get("layout", "llama") for s in (a, b))
+    if la != lb:
+        raise MismatchError(f"the stores were scored with different layouts ({la} for {a.path}, {lb} for {b.path}): "
+                            "capture both with the same --layout")
+    paired = flipmath.pair_records(a.records, b.records)
+    result = flipmath.flips(paired, bins)
+    return {"task": a.header.get("task", {}), "ref": _describe(a), "cand": _describe(b),
+            "ref_tasks": len(a.records), "cand_tasks": len(b.records), **result}
+
+
+def flips_text(r: dict, max_listed: int = 20) -> str:
+    t, n = r["task"], r["n_tasks"]
+    width = max(len(r["ref"]["label"]), len(r["cand"]["label"]))
+    held = "" if r["ref_tasks"] == r["cand_tasks"] == n else \
+        f" (the reference holds {r['ref_tasks']}, the candidate {r['cand_tasks']})"
+    lines = [f"Task flips: {t.get('name')} ({t.get('format')}), {n} tasks in both stores{held}"]
+    for side, key in (("reference", "ref"), ("candidate", "cand")):
+        d = r[side]
+        lines.append(f"  {side} {r[key]['label']:<{width}}  accuracy {d['accuracy_pct']:7.3f} ± "
+                     f"{d['se_pct'] or 0:.3f} %  ({d['correct']}/{d['n']})")
+    lines += [f"  Δ accuracy {r['delta_accuracy_pct']:+.3f} ± {r['delta_se_pct'] or 0:.3f} % (paired)",
+              (f"  flips {r['flips']} ({r['flips_pct']:.2f} % of tasks): correct→wrong {r['correct_to_wrong']} "
+               f"({r['correct_to_wrong_pct']:.2f} %), wrong→correct {r['wrong_to_correct']} "
+               f"({r['wrong_to_correct_pct']:.2f} %); answers changed {r['answers_changed']} "
+               f"({r['answers_changed_pct']:.2f} %)"),
+              (f"  McNemar exact p = {r['mcnemar_p']:.4g} (two-sided, {r['correct_to_wrong']} vs "
+               f"{r['wrong_to_correct']} discordant)")]
+    if r["ref_margin_median_flipped"] is not None and r["ref_margin_median_kept"] is not None:
+        lines.append(f"  median reference margin: flipped tasks {r['ref_margin_median_flipped']:.4f}, the others "
+                     f"{r['ref_margin_median_kept']:.4f}")
+    lines.append("  flips by reference margin (its answer's score minus the best other; equal-count bins):")
+    lines.append(f"    {'margin':>19}  {'tasks':>5}  {'flips':>5}  {'c→w':>4}  {'w→c':>4}  {'flip rate':>9}  "
+                 f"{'changed':>7}")
+    for b in r["margin_bins"]:
+        lines.append(f"    {b['margin_min']:8.4f} – {b['margin_max']:8.4f}  {b['n']:5d}  {b['flips']:5d}  "
+                     f"{b['correct_to_wrong']:4d}  {b['wrong_to_correct']:4d}  {b['flip_rate_pct']:8.2f}%  "
+                     f"{b['changed_rate_pct']:6.2f}%")
+    flipped = r["flipped"]
+    if flipped:
+        shown = flipped[:max_listed]
+        more = "" if len(shown) == len(flipped) else f", the first {len(shown)} of {len(flipped)} (--json lists all)"
+        lines.append(f"  flipped tasks (choices counted from 0){more}:")
+        for f in shown:
+            lines.append(f"    task {f['index']:6d}  gold {f['gold']}  reference {f['ref_answer']} → candidate "
+                         f"{f['cand_answer']}  {f['direction']:<13}  reference margin {f['ref_margin']:.4f}")
+    return "\n".join(lines)
+
+
+def flips_report(ref: str, cand: str, runs_dir=None, task: str | None = None, bins: int = 4,
+                 max_listed: int = 20) -> tuple[dict, str]:
+    r = flips_between(ref, cand, runs_dir, task, bins)
+    return r, flips_text(r, max_listed)
