@@ -126,7 +126,7 @@ def test_kv_cache_types_and_flash_attention_rule(models, runs):
 @pytest.mark.parametrize("args, message", [
     (["capture", "/nonexistent/model.gguf", "--label", "x"], "does not exist"),
     (["capture", "__README__", "--label", "x"], "not a GGUF model file"),
-    (["capture", "__MODEL__", "--label", "x", "--corpus", "__SHORT__"], "needs at least"),
+    (["capture", "__MODEL__", "--label", "x", "--corpus", "__SHORT__"], "needs 512 tokens of one document"),
     (["capture", "__MODEL__", "--label", "x", "--chunks", "100000"], "asks for more"),
     (["capture", "__MODEL__", "--label", "bad/label"], "label"),
 ])
