@@ -3,6 +3,8 @@ more than 256 scored rows are written and read in pieces, and a live candidate s
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -45,7 +47,8 @@ def test_live_candidate_in_pieces_equals_its_saved_store(models, runs):
         assert saved.header.scoring == "all" and all(len(p) == 4 for p in saved.chunk_pieces.values())
     assert live["kld"]["mean"] == stored["kld"]["mean"] > 0
     assert [b["n"] for b in live["by_depth"]] == [256, 256, 511]
-    assert live["by_depth"] == stored["by_depth"]
+    # (one window: a band within one 256-position block has no cluster-robust SE, NaN on both sides)
+    assert json.dumps(live["by_depth"]) == json.dumps(stored["by_depth"])
     assert "By depth" in text
 
 
