@@ -394,25 +394,30 @@ class Engine:
                 yield rows.first_row, rows.logits
 
     def close(self) -> None:
-        lc = self._lc
         if getattr(self, "_decoder", None) is not None:
             self._decoder.shutdown(wait=True)  # no decode may run on a freed context
             self._decoder = None
-        if getattr(self, "_batch", None) is not None:
-            lc.llama_batch_free(self._batch)
-            self._batch = None
-        if getattr(self, "ctx", None):
-            lc.llama_free(self.ctx)
-            self.ctx = None
-        if getattr(self, "model", None):
-            lc.llama_model_free(self.model)
-            self.model = None
+        free_llama(self)
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+def free_llama(holder) -> None:
+    """Free what `holder` holds of llama.cpp (its `_batch`, `ctx`, `model`, in that order); safe to repeat."""
+    lc = holder._lc
+    if getattr(holder, "_batch", None) is not None:
+        lc.llama_batch_free(holder._batch)
+        holder._batch = None
+    if getattr(holder, "ctx", None):
+        lc.llama_free(holder.ctx)
+        holder.ctx = None
+    if getattr(holder, "model", None):
+        lc.llama_model_free(holder.model)
+        holder.model = None
 
 
 def decode_ahead(calls: Iterator[list[ScoredRows]], decoder: ThreadPoolExecutor, max_rows: int,

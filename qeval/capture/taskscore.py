@@ -50,6 +50,7 @@ from qeval.capture.engine import (
     available_cores,
     check_model_file,
     fixed_mmap_threshold,
+    free_llama,
     quiet_llama,
 )
 from qeval.capture.modelinfo import require_decoder_context
@@ -510,16 +511,7 @@ class TaskModel:
                 logprobs[out_keys[r]] = dict(zip(tg, lp))
 
     def close(self) -> None:
-        lc = self._lc
-        if getattr(self, "_batch", None) is not None:
-            lc.llama_batch_free(self._batch)
-            self._batch = None
-        if getattr(self, "ctx", None):
-            lc.llama_free(self.ctx)
-            self.ctx = None
-        if getattr(self, "model", None):
-            lc.llama_model_free(self.model)
-            self.model = None
+        free_llama(self)
 
     def __enter__(self):
         return self

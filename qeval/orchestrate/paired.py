@@ -30,8 +30,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from scipy import stats as sps
 
-from qeval.compare.depth import parse_depth
 from qeval.compare import metric_registry, sampler
+from qeval.compare.depth import parse_depth
 from qeval.compare.metric_registry import METRICS, Metric
 from qeval.errors import MismatchError, QevalError
 from qeval.orchestrate.measured import Measured, measure
