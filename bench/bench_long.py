@@ -1,12 +1,14 @@
 """Long context (issue 10): peak RSS and wall time of a capture at several n_ctx with one scoring density,
 the cost of scoring next to the forward pass alone, and what llama-perplexity does at the largest n_ctx.
 
-    python bench/bench_long.py --ctx 4096,16384,32768 --score every:16 --chunks 1 \
+    python bench/bench_long.py --ctx 4096,16384,32768 --score every:16 --chunks 1 [--repeat N] \
         [--llama-perplexity PATH] --out bench/results/long-<cpu>.json
 
 Each capture is a fresh `qeval capture` process (Q8_0 of Gemma-3-270M, shipped corpus, -t = every core);
 peak RSS is the child's ru_maxrss. "Forward alone" is the same capture scoring every 4096th position
 (8 rows of a 32K window): the decode is the same, almost nothing is asked of the output layer or coded.
+With --repeat N the scored and the forward-only capture at the largest n_ctx alternate N times each and the
+ratio is of the medians (a slow spell of the machine then hits both alike).
 Run it on a quiet machine: the ratios are only meaningful when both runs see the same CPU.
 """
 
@@ -16,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -56,6 +59,7 @@ def main() -> None:
     ap.add_argument("--ctx", default="4096,16384,32768")
     ap.add_argument("--score", default="every:16")
     ap.add_argument("--chunks", type=int, default=1)
+    ap.add_argument("--repeat", type=int, default=1, help="alternate scored and forward-only runs N times each")
     ap.add_argument("--llama-perplexity", help="also run llama-perplexity --kl-divergence-base at the largest n_ctx")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -67,11 +71,15 @@ def main() -> None:
     for n_ctx in contexts:
         result["rss_by_ctx"].append(capture(model, n_ctx, args.score, args.chunks, work / f"rss{n_ctx}"))
     largest = max(contexts)
-    forward = capture(model, largest, FORWARD_ONLY, args.chunks, work / "forward")
-    scored = next(r for r in result["rss_by_ctx"] if r["n_ctx"] == largest)
-    result["overhead"] = {"n_ctx": largest, "score": args.score, "scored_wall_s": scored["wall_s"],
-                          "forward_only_wall_s": forward["wall_s"], "forward_only_score": FORWARD_ONLY,
-                          "ratio": round(scored["wall_s"] / forward["wall_s"], 3)}
+    scored = [next(r for r in result["rss_by_ctx"] if r["n_ctx"] == largest)["wall_s"]]
+    forward = []
+    for k in range(args.repeat):
+        forward.append(capture(model, largest, FORWARD_ONLY, args.chunks, work / f"forward{k}")["wall_s"])
+        if k + 1 < args.repeat:
+            scored.append(capture(model, largest, args.score, args.chunks, work / f"scored{k}")["wall_s"])
+    result["overhead"] = {"n_ctx": largest, "score": args.score, "scored_wall_s": scored,
+                          "forward_only_wall_s": forward, "forward_only_score": FORWARD_ONLY,
+                          "ratio": round(statistics.median(scored) / statistics.median(forward), 3)}
     if args.llama_perplexity:
         corpus = work / "corpus.txt"
         corpus.write_text(load_corpus().text)

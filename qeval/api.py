@@ -190,10 +190,13 @@ def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int 
                   corpus: str | None = None, runs_dir=None, threads: int | None = None, n_gpu_layers: int = 0,
                   progress: bool = True, executor=None, n_batch: int | None = None,
                   n_ubatch: int | None = None, force: bool = False, scoring: str = "half",
-                  concat: bool = False, samplers=()) -> tuple[dict, str]:
+                  concat: bool = False, samplers=(), tasks=(), rope_scaling: str | None = None,
+                  rope_scale: float | None = None) -> tuple[dict, str]:
     """Capture `ref` once, then every model x KV pair (live, or reusing finished stores and results).
     samplers: presets or settings strings (qeval.compare.sampler) every pair is measured with too; a TVD
-    column each in the matrix's leaderboard.
+    column each in the matrix's leaderboard. tasks: task files (or matrix.TaskRequest) the reference and every
+    pair are scored on too, as llama-perplexity scores tasks; a flips column each. rope_scaling, rope_scale:
+    as llama.cpp's --rope-scaling/--rope-scale, needed for n_ctx beyond the models' trained context.
 
     A saved result or store is reused only when it answers the pair's request (qeval.identity); else
     the pair is recomputed and its result and store overwritten, and the text says so. A reference store
@@ -209,22 +212,29 @@ def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int 
         for kv in kv_types:
             if not (path == ref_path and kv == "f16"):
                 pairs.append((pair_label(label, kv), path, kv))
-    return run_pairs(ref_label, ref_path, pairs, chunks, n_ctx, corpus, directory, threads, n_gpu_layers, progress,
-                     executor, n_batch, n_ubatch, force, scoring, concat, samplers)
+    engine = EngineSettings(n_gpu_layers=n_gpu_layers, n_threads=threads, n_batch=n_batch, n_ubatch=n_ubatch,
+                            rope_scaling=rope_scaling, rope_scale=rope_scale)
+    requests = tuple(t if isinstance(t, matrix.TaskRequest) else matrix.TaskRequest(str(t)) for t in tasks)
+    return run_pairs(ref_label, ref_path, pairs, chunks, n_ctx, corpus, directory, engine, progress, executor, force,
+                     scoring, concat, samplers, requests)
 
 
 def run_pairs(ref_label: str, ref_path: str, pairs: list[tuple[str, str, str]], chunks, n_ctx, corpus,
-              directory: Path, threads, n_gpu_layers, progress, executor=None, n_batch: int | None = None,
-              n_ubatch: int | None = None, force: bool = False, scoring: str = "half",
-              concat: bool = False, samplers=()) -> tuple[dict, str]:
+              directory: Path, engine: EngineSettings, progress: bool = True, executor=None, force: bool = False,
+              scoring: str = "half", concat: bool = False, samplers=(), tasks=()) -> tuple[dict, str]:
     """The matrix of reference `ref_path` and (label, model, kv) `pairs` (see matrix_report)."""
-    plan = matrix.plan_matrix(ref_label, ref_path, pairs, chunks, n_ctx, corpus, directory, threads, n_gpu_layers,
-                              n_batch, n_ubatch, force, scoring, concat, samplers)
+    plan = matrix.plan_matrix(ref_label, ref_path, pairs, chunks, n_ctx, corpus, directory, engine, force, scoring,
+                              concat, samplers, tasks)
     directory.mkdir(parents=True, exist_ok=True)
     if executor not in (None, "local"):
-        return matrix.matrix_result(plan, as_executor(executor).run(plan, progress))
-    with progress_bar(f"matrix: reference + {len(pairs)} pairs", plan.total_chunks, progress) as advance:
-        return matrix.matrix_result(plan, matrix.run_local(plan, advance))
+        run = as_executor(executor).run(plan, progress)
+    else:
+        with progress_bar(f"matrix: reference + {len(pairs)} pairs", plan.total_chunks, progress) as advance:
+            run = matrix.run_local(plan, advance)
+    with progress_bar(f"matrix: {len(plan.tasks)} task sets x {1 + len(pairs)} models", None,
+                      progress and bool(plan.tasks)) as advance:
+        task_lines = matrix.run_tasks(plan, on_tasks=advance)
+    return matrix.matrix_result(plan, run, task_lines)
 
 
 def demo_report(chunks: int = 80, runs_dir=None, models_dir=None, n_ctx: int = 512, progress: bool = True,
@@ -235,7 +245,7 @@ def demo_report(chunks: int = 80, runs_dir=None, models_dir=None, n_ctx: int = 5
     paths = demo.prepare_models(demo.models_dir(models_dir))
     pairs = [(run.label, str(paths[run.quant]), run.type_k) for run in demo.demo_runs()]
     result, text = run_pairs(demo.REFERENCE, str(paths[demo.REFERENCE]), pairs, chunks, n_ctx, None,
-                             runs.runs_dir(runs_dir), threads, 0, progress)
+                             runs.runs_dir(runs_dir), EngineSettings(n_threads=threads), progress)
     return result, demo.DERIVATION_NOTE + "\n" + text
 
 

@@ -15,6 +15,7 @@ from qeval.capture.engine import EngineSettings, fixed_mmap_threshold
 from qeval.compare import metric_registry
 from qeval.errors import QevalError
 from qeval.orchestrate import gate
+from qeval.orchestrate.matrix import TaskRequest
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Measure how much quantization hurts a GGUF model: PPL, KL divergence, same-top-1.")
@@ -192,6 +193,11 @@ def matrix(
     shard_chunks: int = typer.Option(1, "--shard-chunks", help="With --executor ray: split the reference capture into K tasks over chunk ranges, then merge."),
     force: bool = typer.Option(False, "--force", help="Replace a reference store that holds another capture (pairs whose saved result or store answers another request are always recomputed)."),
     sampler: Optional[list[str]] = typer.Option(None, "--sampler", help="Also measure every pair after this sampler (preset or settings, as qeval kld --sampler): a mean TVD column each; repeat for several. A saved result without them is recomputed."),
+    task: Optional[list[str]] = typer.Option(None, "--task", help="Also score the reference and every pair on this task set (HellaSwag text, Winogrande CSV, multiple-choice binary, hf:DATASET) as llama-perplexity scores tasks, into RUNS_DIR/tasks: a column of answer flips vs the reference each; repeat for several."),
+    task_format: Optional[str] = typer.Option(None, "--task-format", help="With --task: hellaswag, winogrande or mc (default: guessed from each file)."),
+    task_limit: Optional[int] = typer.Option(None, "--task-limit", help="With --task: score N tasks, the ones llama-perplexity's --*-tasks N picks (default: all)."),
+    rope_scaling: Optional[str] = RopeScaling,
+    rope_scale: Optional[float] = RopeScale,
 ):
     """Every model x KV type against one reference: resumable, skips finished pairs."""
     kv_types = [k.strip() for k in kv.split(",") if k.strip()]
@@ -205,10 +211,14 @@ def matrix(
         raise QevalError(f"--executor must be local or ray, not {executor!r}")
     elif address is not None or gpus_per_task or cpus_per_task != 1 or shard_chunks != 1:
         raise QevalError("--address, --gpus-per-task, --cpus-per-task and --shard-chunks need --executor ray")
+    if (task_format is not None or task_limit is not None) and not task:
+        raise QevalError("--task-format and --task-limit need --task")
+    tasks = [TaskRequest(t, task_format, task_limit) for t in task or ()]
     result, text = api.matrix_report(ref, model, kv_types, chunks=chunks, n_ctx=ctx, corpus=corpus, runs_dir=runs_dir,
                                      threads=threads, n_gpu_layers=n_gpu_layers, executor=run_on, n_batch=batch,
                                      n_ubatch=ubatch, force=force, scoring=score, concat=concat,
-                                     samplers=sampler or ())
+                                     samplers=sampler or (), tasks=tasks, rope_scaling=rope_scaling,
+                                     rope_scale=rope_scale)
     _emit(result, text, as_json)
 
 

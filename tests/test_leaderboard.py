@@ -350,6 +350,97 @@ def test_html_renders_in_headless_chromium(board, summaries, tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------
+# task flips beside the results (qeval.present.task_flips)
+# --------------------------------------------------------------------------------------------------
+N_TASKS = 80
+
+
+def _answers(seed: int, flip_share: float, base: np.ndarray) -> np.ndarray:
+    """Per-task choice scores: `base` with the answer of about `flip_share` of the tasks moved to another choice."""
+    rng = np.random.default_rng(seed)
+    scores = base.copy()
+    for i in np.flatnonzero(rng.random(len(base)) < flip_share):
+        scores[i, (int(np.argmax(base[i])) + 1) % 4] = 0.0  # the highest score now: the next choice wins
+    return scores
+
+
+def _write_task_store(runs: Path, label: str, measured: dict, scores: np.ndarray, golds: list[int]) -> Path:
+    """A complete task store of `label` scored with the model and KV settings of one side of a comparison."""
+    from qeval.storage.taskstore import TaskStoreWriter, make_record  # noqa: PLC0415
+
+    header = {"identity": {"task": {"format": "hellaswag", "sha256": "cd" * 32, "n_items": N_TASKS},
+                           "selection": {"limit": None}, "model": measured["model"], "tokenizer_sha256": "t",
+                           "n_vocab": N_VOCAB, "settings": {"kv": measured["kv"], "layout": "llama"},
+                           "scoring_version": 1},
+              "n_selected": N_TASKS, "label": label, "task": {"name": "toy-hs", "format": "hellaswag"}}
+    path = runs / "tasks" / "toy-hs" / f"{label}.tasks.jsonl"
+    records = [make_record("hellaswag", i, scores[i] * 3 - 1, [3] * 4, scores[i] - 1 / 3,
+                           [int(j == golds[i]) for j in range(4)]) for i in range(N_TASKS)]
+    with TaskStoreWriter.open(path, header) as w:
+        w.write(records)
+        w.finish()
+    return path
+
+
+@pytest.fixture(scope="module")
+def task_runs(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray], list[int]]:
+    """Results for three candidates; task stores for the reference and two of them (Q4_0+kv-q8_0 has none)."""
+    runs = build_results(tmp_path_factory.mktemp("tasks") / "runs", candidates=CANDIDATES[:3], seed=5)
+    base = -np.random.default_rng(1).uniform(0.5, 3.0, (N_TASKS, 4))
+    golds = [int(np.argmax(b)) if i % 4 else (int(np.argmax(b)) + 2) % 4 for i, b in enumerate(base)]
+    scores = {"REF": base, "Q8_0": _answers(2, 0.05, base), "Q4_0": _answers(3, 0.3, base)}
+    for label, s in scores.items():
+        cand = "Q8_0" if label == "REF" else label
+        request = json.loads((runs / "results" / f"{cand}.vs.REF.json").read_text())["request"]
+        _write_task_store(runs, label, request["reference" if label == "REF" else "candidate"], s, golds)
+    return runs, scores, golds
+
+
+def test_leaderboard_shows_task_flips(task_runs, tmp_path):
+    from qeval.compare.flips import mcnemar_exact  # noqa: PLC0415
+
+    runs, scores, golds = task_runs
+    board = leaderboard.leaderboard([runs], out=tmp_path / "lb")
+    assert board.tasks == ("toy-hs",)
+    rows = {r["label"]: r for r in board.rows}
+    ref_correct = [int(np.argmax(scores["REF"][i])) == golds[i] for i in range(N_TASKS)]
+    for label in ("Q8_0", "Q4_0"):  # expected from the scores, in plain Python
+        cand_correct = [int(np.argmax(scores[label][i])) == golds[i] for i in range(N_TASKS)]
+        c2w = sum(r and not c for r, c in zip(ref_correct, cand_correct))
+        w2c = sum(c and not r for r, c in zip(ref_correct, cand_correct))
+        row = rows[label]
+        assert (row["correct_to_wrong@toy-hs"], row["wrong_to_correct@toy-hs"]) == (c2w, w2c)
+        assert row["flips_pct@toy-hs"] == pytest.approx(100 * (c2w + w2c) / N_TASKS)
+        assert row["mcnemar_p@toy-hs"] == mcnemar_exact(c2w, w2c)
+        assert row["accuracy_pct@toy-hs"] == pytest.approx(100 * sum(cand_correct) / N_TASKS)
+        assert row["ref_accuracy_pct@toy-hs"] == pytest.approx(100 * sum(ref_correct) / N_TASKS)
+    assert rows["Q4_0"]["flips_pct@toy-hs"] > rows["Q8_0"]["flips_pct@toy-hs"] > 0
+    assert "flips_pct@toy-hs" not in rows["Q4_0+kv-q8_0"]  # no task store: an empty cell
+    md = (tmp_path / "lb" / "leaderboard.md").read_text()
+    assert "flips % (toy-hs), McNemar p" in md and "McNemar test" in md
+    q4 = next(line for line in md.splitlines() if line.startswith("| Q4_0 |"))
+    assert f"{rows['Q4_0']['flips_pct@toy-hs']:.2f} ({rows['Q4_0']['correct_to_wrong@toy-hs']}↓" in q4
+    with open(tmp_path / "lb" / "leaderboard.csv") as fh:
+        table = {r["label"]: r for r in csv.DictReader(fh)}
+    assert float(table["Q8_0"]["flips_pct@toy-hs"]) == rows["Q8_0"]["flips_pct@toy-hs"]
+    assert table["Q4_0+kv-q8_0"]["flips_pct@toy-hs"] == ""
+    assert 'id="plot-flips_vs_kld"' in (tmp_path / "lb" / "leaderboard.html").read_text()
+
+
+def test_leaderboard_refuses_a_task_store_of_another_model(task_runs, tmp_path):
+    runs, scores, golds = task_runs
+    other = tmp_path / "runs"
+    shutil.copytree(runs, other)
+    request = json.loads((other / "results" / "Q4_0+kv-q8_0.vs.REF.json").read_text())["request"]
+    wrong_kv = {"model": request["candidate"]["model"], "kv": {**request["candidate"]["kv"], "type_k": "q4_0"}}
+    path = _write_task_store(other, "Q4_0+kv-q8_0", wrong_kv, scores["Q4_0"], golds)
+    with pytest.raises(QevalError, match="KV type_k: q4_0 vs q8_0") as info:
+        leaderboard.build([other])
+    assert str(path) in str(info.value) and "recapture it" in str(info.value)
+    assert_cli_error(run_cli("leaderboard", other, "--out", tmp_path / "lb"), str(path), "KV type_k")
+
+
+# --------------------------------------------------------------------------------------------------
 # notebook
 # --------------------------------------------------------------------------------------------------
 def test_notebook_executes_headless(runs, summaries, tmp_path, monkeypatch):

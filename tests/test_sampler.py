@@ -17,6 +17,7 @@ import pytest
 from conftest import assert_cli_error, make_pair, run_cli
 
 from qeval import api
+from qeval.capture.engine import EngineSettings
 from qeval.compare import metric_registry, metrics, sampler
 from qeval.compare.sampler import PRESETS, Sampler
 from qeval.errors import QevalError
@@ -450,6 +451,31 @@ def test_cli_check_max_tvd_per_sampler(tmp_path):
     assert_cli_error(res, "--max-tvd needs --sampler")
 
 
+def test_sampler_figures_survive_a_baseline_round_trip(tmp_path):
+    from qeval.orchestrate import baselines  # noqa: PLC0415
+
+    pair = make_pair(tmp_path / "runs", seed=2, n_chunks=2, n_ctx=32, n_vocab=1000, sigma=0.8)
+    runs = pair.directory
+    result, _ = api.kld_report("REF", "CAND", runs_dir=runs, threads=1, save_result=True, samplers=["greedy"])
+    base = tmp_path / "mine.json"
+    res = run_cli("baseline", "from-result", runs / "results" / "CAND.vs.REF.json", "-o", base)
+    assert res.returncode == 0, res.stderr
+    entry = baselines.load_baseline(base).entries[0]
+    assert entry.metrics["tvd_pct@greedy"].value == result["metrics"]["tvd_pct@greedy"]["value"]
+    shown = run_cli("baseline", "show", base)
+    assert shown.returncode == 0 and "tvd_pct@greedy" in shown.stdout, shown.stderr
+    # the run is its own baseline: every metric, sampler figures included, is judged and passes
+    res = run_cli("check", "--ref", "REF", "--cand", runs / "results" / "CAND.vs.REF.json", "--runs-dir", runs,
+                  "--baseline", base, "--json")
+    assert res.returncode == 0, res.stderr
+    judged = [c["metric"] for c in json.loads(res.stdout)["checks"]]
+    assert "tvd_pct@greedy" in judged and "kld_mean" in judged
+    doc = json.loads(base.read_text())
+    doc["entries"][0]["metrics"]["tvd_pct@nonsense"] = {"value": 1.0}
+    base.write_text(json.dumps(doc))
+    assert_cli_error(run_cli("baseline", "show", base), "metric 'tvd_pct@nonsense'", "tvd_pct@NAME")
+
+
 # --------------------------------------------------------------------------------------------------
 # paired comparisons: the TVD after a sampler pairs chunk by chunk like KLD
 # --------------------------------------------------------------------------------------------------
@@ -508,8 +534,8 @@ def test_a_matrix_pair_is_measured_with_its_samplers_and_reused_only_for_them(tm
     monkeypatch.setattr(identity, "planned_producer", lambda *a, **k: identity.producer(pair.cand.header))
 
     def plan(*samplers) -> tuple[matrix.MatrixPlan, matrix.PairPlan]:
-        p = matrix.plan_matrix("REF", "ref.gguf", [("CAND", "cand.gguf", "f16")], None, 16, None, runs, 1, 0,
-                               samplers=samplers)
+        p = matrix.plan_matrix("REF", "ref.gguf", [("CAND", "cand.gguf", "f16")], None, 16, None, runs,
+                               EngineSettings(n_threads=1), samplers=samplers)
         with StoreReader(runs / "REF.qeval") as ref:
             return p, matrix.plan_pair(ref, 2, "CAND", "cand.gguf", p.pairs[0].settings, runs, p.samplers)
 

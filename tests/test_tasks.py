@@ -839,3 +839,46 @@ def test_task_capture_resumes_to_the_same_values(models, tmp_path):
     with pytest.raises(QevalError, match=r"holds another capture: .*settings KV type_k: f16 vs q8_0.*--force"):
         tasks.capture_tasks(str(models["Q8_0"]), str(WINOGRANDE), limit=8, label="W", runs_dir=tmp_path / "b",
                             settings=TaskSettings(EngineSettings(type_k="q8_0", n_threads=2)))
+
+
+# --------------------------------------------------------------------------------------------------
+# tasks in the matrix: every model x KV pair scored too, a flips column each
+# --------------------------------------------------------------------------------------------------
+def test_matrix_refuses_bad_task_options_before_running(tmp_path):
+    ref, cand = tmp_path / "r.gguf", tmp_path / "c.gguf"
+    assert_cli_error(run_cli("matrix", "--ref", ref, "-m", cand, "--task", tmp_path / "none.txt",
+                             "--runs-dir", tmp_path), "task file", "does not exist")
+    assert_cli_error(run_cli("matrix", "--ref", ref, "-m", cand, "--task-limit", "5", "--runs-dir", tmp_path),
+                     "--task-format and --task-limit need --task")
+    assert_cli_error(run_cli("matrix", "--ref", ref, "-m", cand, "--task", HELLASWAG, "--task-limit", "0",
+                             "--runs-dir", tmp_path), "--task-limit must be at least 1")
+    assert_cli_error(run_cli("matrix", "--ref", ref, "-m", cand, "--rope-scaling", "ntk", "--runs-dir", tmp_path),
+                     "--rope-scaling must be")
+    assert not (tmp_path / "tasks").exists() and not list(tmp_path.glob("*.qeval"))
+
+
+def test_matrix_scores_tasks_for_every_pair_and_shows_flips(models, tmp_path):
+    from qeval import api
+    from qeval.orchestrate.matrix import TaskRequest
+
+    def run():
+        return api.matrix_report(f"Q8_0={models['Q8_0']}", [f"Q2_K={models['Q2_K']}"], ["f16", "q4_0"], chunks=1,
+                                 n_ctx=128, runs_dir=tmp_path, threads=2, progress=False,
+                                 tasks=[TaskRequest(str(HELLASWAG), limit=24)])
+
+    result, text = run()
+    rows = {r["label"]: r for r in result["rows"]}
+    assert set(rows) == {"Q2_K", "Q2_K+kv-q4_0"}
+    for label in rows:  # the row's figures are qeval flips' between the stores the matrix wrote
+        flips_json, _ = api.flips_report("Q8_0", label, runs_dir=tmp_path, task="hellaswag-mini")
+        assert flips_json["n_tasks"] == 24
+        for key in ("flips_pct", "flips", "correct_to_wrong", "wrong_to_correct", "mcnemar_p"):
+            assert rows[label][f"{key}@hellaswag-mini"] == flips_json[key]
+        assert rows[label]["accuracy_pct@hellaswag-mini"] == flips_json["candidate"]["accuracy_pct"]
+    kv = TaskStore.open(tmp_path / "tasks" / "hellaswag-mini" / "Q2_K+kv-q4_0.tasks.jsonl").identity["settings"]["kv"]
+    assert (kv["type_k"], kv["type_v"], kv["flash_attn"]) == ("q4_0", "q4_0", "on")
+    assert "flips % (hellaswag-mini), McNemar p" in text and "hellaswag-mini: Q8_0 accuracy" in text
+    again, text2 = run()  # every store and result reused
+    assert again["rows"] == result["rows"]
+    task_lines = [line for line in text2.splitlines() if line.startswith("hellaswag-mini: ")]
+    assert len(task_lines) == 3 and all(line.endswith("already complete") for line in task_lines)

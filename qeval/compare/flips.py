@@ -21,7 +21,8 @@ from fractions import Fraction
 import numpy as np
 
 from qeval.errors import MismatchError, QevalError
-from qeval.storage.taskstore import margin
+from qeval.identity import short
+from qeval.storage.taskstore import TaskStore, margin
 
 DIRECTIONS = {(True, False): "correct→wrong", (False, True): "wrong→correct"}
 
@@ -137,3 +138,34 @@ def flips(paired: PairedTasks, bins: int = 4) -> dict:
         "margin_bins": margin_bins(paired, bins),
         "flipped": listed,
     }
+
+
+def describe(store: TaskStore) -> dict:
+    """Who a task store's answers are: label, file, model and the settings they were scored with."""
+    h = store.header
+    return {"label": store.label, "path": str(store.path), "model": h.get("model", {}).get("file_name"),
+            "fingerprint": store.identity.get("model", {}).get("fingerprint"), **store.identity["settings"]}
+
+
+def between(ref: TaskStore, cand: TaskStore, bins: int = 4) -> dict:
+    """Accuracy of both, flips, McNemar and flips by margin between two complete task stores of one task set,
+    scored alike; refuses anything else."""
+    for s in (ref, cand):
+        if not s.complete:
+            raise QevalError(f"{s.path} is incomplete ({len(s.records)} of {s.n_selected} tasks): finish it with "
+                             "qeval tasks capture (same arguments)")
+    ta, tb = ref.identity["task"], cand.identity["task"]
+    if (ta["format"], ta["sha256"]) != (tb["format"], tb["sha256"]):
+        raise MismatchError(f"the stores hold different task sets: {ta['format']} {short(ta['sha256'])} "
+                            f"({ref.path}) vs {tb['format']} {short(tb['sha256'])} ({cand.path})")
+    if ref.identity["scoring_version"] != cand.identity["scoring_version"]:
+        raise MismatchError(f"the stores were scored by different qeval scoring versions "
+                            f"({ref.identity['scoring_version']} vs {cand.identity['scoring_version']}): "
+                            "recapture one")
+    la, lb = (s.identity["settings"].get("layout", "llama") for s in (ref, cand))
+    if la != lb:
+        raise MismatchError(f"the stores were scored with different layouts ({la} for {ref.path}, {lb} for "
+                            f"{cand.path}): capture both with the same --layout")
+    result = flips(pair_records(ref.records, cand.records), bins)
+    return {"task": ref.header.get("task", {}), "ref": describe(ref), "cand": describe(cand),
+            "ref_tasks": len(ref.records), "cand_tasks": len(cand.records), **result}

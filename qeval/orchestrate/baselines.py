@@ -160,10 +160,11 @@ def validate(doc: object, where: str = "baseline", name: str = "baseline", path:
             raise bad(f"{loc}: 'metrics'", "must be a non-empty object")
         metrics = {}
         for key, v in metrics_doc.items():
-            if key not in METRICS:
-                raise bad(f"{loc}: metric {key!r}", f"is unknown (known: {', '.join(METRICS)})")
+            if metric_registry.lookup(key) is None:
+                raise bad(f"{loc}: metric {key!r}", f"is unknown (known: {', '.join(METRICS)}, and per sampler "
+                          "tvd_pct@NAME, agreement_pct@NAME, support_differs_pct@NAME)")
             metrics[key] = _metric_value(v, f"{loc}: metric {key!r}", bad)
-        if ref is None and any(METRICS[k].relative for k in metrics):
+        if ref is None and any(metric_registry.lookup(k).relative for k in metrics):
             raise bad(f"{loc}: 'reference'", "is required for metrics measured against a reference")
         quote = e.get("quote", [])
         if isinstance(quote, str):
@@ -369,7 +370,7 @@ def format_value(key: str, mv: MetricValue | None, as_printed: bool = False) -> 
     """`as_printed`: keep a short published value's own digits (97.674, not 97.67)."""
     if mv is None:
         return ""
-    dec = METRICS[key].decimals(mv.value)
+    dec = metric_registry.lookup(key).decimals(mv.value)
     v = _as_printed(mv.value) if as_printed else None
     se = _as_printed(mv.se) if as_printed and mv.se is not None else None
     s = f"{'~' if mv.approx else ''}{v or f'{mv.value:.{dec}f}'}"
@@ -408,7 +409,7 @@ def baseline_json(b: Baseline) -> dict:
             "settings": b.settings,
             "entries": [{"id": e.id, "model": e.model, "candidate": e.candidate, "reference": e.reference,
                          "settings": e.settings,
-                         "metrics": {k: {"value": v.value, "se": v.se, "approx": v.approx, "unit": METRICS[k].unit}
+                         "metrics": {k: {"value": v.value, "se": v.se, "approx": v.approx, "unit": metric_registry.lookup(k).unit}
                                      for k, v in e.metrics.items()},
                          "quote": e.quote, "where": e.where, "note": e.note} for e in b.entries]}
 
@@ -465,10 +466,10 @@ def baseline_text(b: Baseline, run_summary: dict | None = None, matched: set | N
     for e in b.entries:
         for key, mv in e.metrics.items():
             row = [e.id, e.model or "", _side_text(e.candidate), _side_text(e.reference), key, format_value(key, mv, as_printed=True),
-                   METRICS[key].unit, _settings_text(e.settings)]
+                   metric_registry.lookup(key).unit, _settings_text(e.settings)]
             if run_summary:
                 rv = run_metrics.get(key) if e.id in matched else None
-                diff = "" if rv is None else f"{rv.value - mv.value:+.{METRICS[key].decimals(mv.value)}f}"
+                diff = "" if rv is None else f"{rv.value - mv.value:+.{metric_registry.lookup(key).decimals(mv.value)}f}"
                 row += [format_value(key, rv), diff]
             rows.append(row)
     lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

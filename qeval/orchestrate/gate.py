@@ -118,7 +118,7 @@ def baseline_check(key: str, run: MetricValue, base: MetricValue, entry_id: str,
                    judge_direct: bool = False) -> Check:
     """Worse than the baseline beyond sqrt(SE_run² + SE_base²)·Z fails. Without any SE (percentiles on
     both sides) there is no error bar: the line is informative unless `judge_direct` (asked for by name)."""
-    m = METRICS[key]
+    m = metric_registry.lookup(key)
     se_run = run.se if run.se is not None and math.isfinite(run.se) else None
     se_base = base.se
     worse_by = run.value - base.value if m.better == "lower" else base.value - run.value
@@ -196,7 +196,7 @@ def run_checks(summary: dict, baseline: baselines.Baseline | None = None, baseli
     notes, base_info = [], None
     if baseline is not None:
         entry = baselines.pick_entry(baseline, summary, baseline_entry)
-        keys = [k for k in entry.metrics if METRICS[k].better is not None]
+        keys = [k for k in entry.metrics if metric_registry.lookup(k).better is not None]
         if baseline_metrics:
             unknown = [k for k in baseline_metrics if k not in entry.metrics]
             if unknown:
@@ -204,7 +204,7 @@ def run_checks(summary: dict, baseline: baselines.Baseline | None = None, baseli
                                  f"(it has {', '.join(entry.metrics)})")
             keys = [k for k in keys if k in baseline_metrics]
         else:  # a metric that restates another one the entry holds is judged once
-            keys = [k for k in keys if METRICS[k].restates not in keys]
+            keys = [k for k in keys if metric_registry.lookup(k).restates not in keys]
         if not keys:
             raise QevalError(f"baseline entry {entry.id} has no metric a run can be judged on")
         for key in keys:

@@ -10,6 +10,7 @@ recompute exactly the same pairs and write the same results.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -17,13 +18,17 @@ from typing import Callable
 from qeval import identity
 from qeval.capture.capture import CaptureSpec, capture, open_live
 from qeval.capture.engine import EngineSettings, available_cores
+from qeval.capture.taskfiles import load_tasks
+from qeval.capture.taskscore import TaskSettings
 from qeval.compare import metrics, sampler
 from qeval.errors import QevalError
-from qeval.present import report, results
+from qeval.orchestrate import tasks as taskrun
+from qeval.present import report, results, task_flips
 from qeval.storage import runs
 from qeval.storage.codec import SqrtLogCode
 from qeval.storage.scoring import Scoring
 from qeval.storage.store import StoreReader
+from qeval.storage.taskstore import TASKS_SUBDIR
 
 # what a matrix does with a pair (PairPlan.action)
 SKIP = "skip"  # its saved result answers the request
@@ -47,10 +52,20 @@ def _fa_for(kv: str) -> str:
     return "on" if kv not in ("f16", "f32", "bf16") else "auto"
 
 
-def pair_settings(kv: str, n_gpu_layers: int, threads: int | None, n_batch: int | None = None,
-                  n_ubatch: int | None = None) -> EngineSettings:
-    """How a matrix runs a model with KV cache type `kv` (a quantized V cache needs flash attention)."""
-    return EngineSettings(kv, kv, _fa_for(kv), n_gpu_layers, threads, n_batch, n_ubatch)
+def pair_settings(kv: str, base: EngineSettings = EngineSettings()) -> EngineSettings:
+    """How a matrix runs a model with KV cache type `kv` (a quantized V cache needs flash attention); the rest
+    (where it runs, batch sizes, RoPE scaling) from `base`."""
+    return dataclasses.replace(base, type_k=kv, type_v=kv, flash_attn=_fa_for(kv))
+
+
+@dataclass(frozen=True)
+class TaskRequest:
+    """A task set the reference and every pair are scored on (as llama-perplexity scores tasks), for flips."""
+
+    task: str  # a task file or hf:DATASET[/CONFIG][:SPLIT] (qeval.capture.taskfiles)
+    kind: str | None = None  # hellaswag, winogrande or mc; None: guessed from the file
+    limit: int | None = None  # llama-perplexity's --*-tasks N selection; None: every task
+    name: str | None = None  # the task set's name (its folder in RUNS_DIR/tasks), set by plan_matrix
 
 
 @dataclass(frozen=True)
@@ -72,6 +87,7 @@ class MatrixPlan:
     pairs: tuple[Pair, ...]
     directory: Path  # the runs directory: every store and result
     samplers: tuple[str, ...] = ()  # computed for every pair too (qeval.compare.sampler names)
+    tasks: tuple[TaskRequest, ...] = ()  # scored with the reference and every pair too: flips columns
 
     @property
     def total_chunks(self) -> int | None:
@@ -85,24 +101,30 @@ class MatrixPlan:
 
 
 def plan_matrix(ref_label: str, ref_path: str, pairs: list[tuple[str, str, str]], chunks: int | None, n_ctx: int,
-                corpus: str | None, directory: Path, threads: int | None, n_gpu_layers: int,
-                n_batch: int | None = None, n_ubatch: int | None = None, force: bool = False,
-                scoring: str = "half", concat: bool = False, samplers=()) -> MatrixPlan:
-    """The plan for reference `ref_path` and (label, model, kv) `pairs`. Every bad setting, label or sampler
-    is refused here, before hours of work start. force: a reference store of another capture is replaced.
-    samplers: presets or settings strings (qeval.compare.sampler) every pair is measured with too."""
+                corpus: str | None, directory: Path, engine: EngineSettings = EngineSettings(), force: bool = False,
+                scoring: str = "half", concat: bool = False, samplers=(),
+                tasks: tuple[TaskRequest, ...] = ()) -> MatrixPlan:
+    """The plan for reference `ref_path` and (label, model, kv) `pairs`, each run with `engine` but its KV cache
+    type. Every bad setting, label, sampler or task file is refused here, before hours of work start.
+    force: a reference store of another capture is replaced. samplers: presets or settings strings
+    (qeval.compare.sampler) every pair is measured with too; tasks: task sets every model is scored on too."""
     chosen = tuple(s.name for s in sampler.parse_all(samplers))
-    planned = tuple(Pair(label, path, kv, pair_settings(kv, n_gpu_layers, threads, n_batch, n_ubatch).validate())
-                    for label, path, kv in pairs)
+    named = []
+    for request in tasks:
+        if request.limit is not None and request.limit < 1:
+            raise QevalError("--task-limit must be at least 1")
+        # a missing or malformed task file is refused now
+        named.append(dataclasses.replace(request, name=load_tasks(request.task, request.kind).name))
+    planned = tuple(Pair(label, path, kv, pair_settings(kv, engine).validate()) for label, path, kv in pairs)
     labels = [p.label for p in planned]
     if len(set(labels)) != len(labels) or ref_label in labels:
         raise QevalError(f"labels must be unique (reference {ref_label}, candidates {', '.join(labels)}); "
                          "name models with LABEL=PATH")
     reference = CaptureSpec(model=ref_path, out=str(runs.store_path(runs.check_label(ref_label), directory)),
                             label=ref_label, corpus=corpus, n_ctx=n_ctx, chunks=chunks,
-                            settings=pair_settings("f16", n_gpu_layers, threads, n_batch, n_ubatch), replace=force,
+                            settings=pair_settings("f16", engine).validate(), replace=force,
                             scoring=Scoring.parse(scoring).rule, concat=concat)
-    return MatrixPlan(reference, planned, directory, chosen)
+    return MatrixPlan(reference, planned, directory, chosen, tuple(named))
 
 
 @dataclass(frozen=True)
@@ -237,15 +259,37 @@ def run_local(plan: MatrixPlan, advance: Callable[[int], None]) -> MatrixRun:
     return MatrixRun(captured.summary_line(), [p.note for p in pairs if p.note], saved_summaries(plan))
 
 
-def matrix_result(plan: MatrixPlan, run: MatrixRun) -> tuple[dict, str]:
+def run_tasks(plan: MatrixPlan, on_plan: Callable[[int, int], None] | None = None,
+              on_tasks: Callable[[int], None] | None = None) -> list[str]:
+    """Score every task set of the plan with the reference and with every pair (its own KV cache settings), into
+    task stores in the runs directory: a complete store of the same capture is reused, an interrupted one resumed,
+    one of another capture replaced. Runs here, whichever executor ran the pairs. One line per store."""
+    lines = []
+    models = [(plan.reference.label, plan.reference.model, plan.reference.settings),
+              *((p.label, p.model, p.settings) for p in plan.pairs)]
+    for request in plan.tasks:
+        for label, model, settings in models:
+            result, _ = taskrun.capture_tasks(model, request.task, request.kind, request.limit, label, plan.directory,
+                                              settings=TaskSettings(engine=settings), force=True, on_plan=on_plan,
+                                              on_tasks=on_tasks)
+            lines.append(f"{result['task'].get('name')}: {label} accuracy {result['accuracy_pct']:.3f} % "
+                         f"({result['correct']}/{result['n']}), {result['status']}")
+    return lines
+
+
+def matrix_result(plan: MatrixPlan, run: MatrixRun, task_lines: list[str] = ()) -> tuple[dict, str]:
     rows_json = run.summaries
-    rows = [report.leaderboard_row(r, plan.samplers) for r in rows_json]
+    tasks_root = plan.directory / TASKS_SUBDIR
+    names = {t.name for t in plan.tasks}
+    rows = [{**report.leaderboard_row(r, plan.samplers),
+             **task_flips.row_figures(task_flips.task_flips(r, tasks_root, names=names))} for r in rows_json]
+    tasks = task_flips.common_tasks(rows)
     ref_label = plan.reference.label
-    text = "\n".join([run.reference_text, *run.lines, "",
+    text = "\n".join([run.reference_text, *run.lines, *task_lines, "",
                       f"reference {ref_label}: {rows_json[0]['chunks']} chunks of {plan.reference.n_ctx}, "
                       f"{rows_json[0]['scored_tokens']} scored tokens" if rows_json else "",
                       "", "PPL matrix (rows: model, columns: KV cache)",
                       report.ppl_matrix_markdown(plan.cells(), rows_json),
                       "", "Leaderboard (sorted by mean KLD)",
-                      report.leaderboard_markdown(rows, samplers=plan.samplers)])
+                      report.leaderboard_markdown(rows, samplers=plan.samplers, tasks=tasks)])
     return {"reference": ref_label, "rows": rows, "results": rows_json}, text

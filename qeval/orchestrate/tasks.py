@@ -18,16 +18,21 @@ from qeval.capture.probe import ensure_llama_runs
 from qeval.capture.taskfiles import load_tasks
 from qeval.capture.taskscore import SCORING_VERSION, TaskModel, TaskSettings, pack, plan_tasks, task_order
 from qeval.compare import flips as flipmath
-from qeval.errors import MismatchError, QevalError
-from qeval.identity import model_identity, short
-from qeval.storage import runs
-from qeval.storage.taskstore import STORE_SUFFIX, TaskStore, TaskStoreComplete, TaskStoreWriter, make_record
-
-TASKS_SUBDIR = "tasks"
+from qeval.errors import QevalError
+from qeval.identity import model_identity
+from qeval.storage import runs, taskstore
+from qeval.storage.taskstore import (
+    STORE_SUFFIX,
+    TASKS_SUBDIR,
+    TaskStore,
+    TaskStoreComplete,
+    TaskStoreWriter,
+    make_record,
+)
 
 
 def store_path(directory: Path, task_name: str, label: str) -> Path:
-    return directory / TASKS_SUBDIR / task_name / f"{runs.check_label(label)}{STORE_SUFFIX}"
+    return taskstore.store_path(directory, task_name, runs.check_label(label))
 
 
 def capture_tasks(model: str, task: str, kind: str | None = None, limit: int | None = None,
@@ -106,12 +111,6 @@ def open_task_store(spec: str, runs_dir=None, task: str | None = None) -> TaskSt
     raise QevalError(f"{spec!r} is neither a task store file nor a label with a task store{where} ({hint})")
 
 
-def _describe(store: TaskStore) -> dict:
-    h = store.header
-    return {"label": store.label, "path": str(store.path), "model": h.get("model", {}).get("file_name"),
-            "fingerprint": store.identity.get("model", {}).get("fingerprint"), **store.identity["settings"]}
-
-
 def show_tasks(spec: str, runs_dir=None, task: str | None = None) -> tuple[dict, str]:
     store = open_task_store(spec, runs_dir, task)
     records = store.records
@@ -122,7 +121,7 @@ def show_tasks(spec: str, runs_dir=None, task: str | None = None) -> tuple[dict,
     correct = np.array([r["labels"][r["pred"]] == 1 for r in records.values()])
     acc = flipmath.accuracy(correct)
     t = store.header.get("task", {})
-    result = {"store": _describe(store), "task": t, "complete": store.complete, "n_selected": store.n_selected,
+    result = {"store": flipmath.describe(store), "task": t, "complete": store.complete, "n_selected": store.n_selected,
               **acc}
     state = "complete" if store.complete else f"incomplete: {len(records)} of {store.n_selected} tasks"
     text = (f"{store.label} on {t.get('name')} ({store.kind}, {len(records)} tasks{'' if store.complete else ', ' + state}): "
@@ -132,27 +131,7 @@ def show_tasks(spec: str, runs_dir=None, task: str | None = None) -> tuple[dict,
 
 
 def flips_between(ref: str, cand: str, runs_dir=None, task: str | None = None, bins: int = 4) -> dict:
-    a = open_task_store(ref, runs_dir, task)
-    b = open_task_store(cand, runs_dir, task)
-    for s in (a, b):
-        if not s.complete:
-            raise QevalError(f"{s.path} is incomplete ({len(s.records)} of {s.n_selected} tasks): finish it with "
-                             "qeval tasks capture (same arguments)")
-    ta, tb = a.identity["task"], b.identity["task"]
-    if (ta["format"], ta["sha256"]) != (tb["format"], tb["sha256"]):
-        raise MismatchError(f"the stores hold different task sets: {ta['format']} {short(ta['sha256'])} "
-                            f"({a.path}) vs {tb['format']} {short(tb['sha256'])} ({b.path})")
-    if a.identity["scoring_version"] != b.identity["scoring_version"]:
-        raise MismatchError(f"the stores were scored by different qeval scoring versions "
-                            f"({a.identity['scoring_version']} vs {b.identity['scoring_version']}): recapture one")
-    la, lb = (s.identity["settings"].get("layout", "llama") for s in (a, b))
-    if la != lb:
-        raise MismatchError(f"the stores were scored with different layouts ({la} for {a.path}, {lb} for {b.path}): "
-                            "capture both with the same --layout")
-    paired = flipmath.pair_records(a.records, b.records)
-    result = flipmath.flips(paired, bins)
-    return {"task": a.header.get("task", {}), "ref": _describe(a), "cand": _describe(b),
-            "ref_tasks": len(a.records), "cand_tasks": len(b.records), **result}
+    return flipmath.between(open_task_store(ref, runs_dir, task), open_task_store(cand, runs_dir, task), bins)
 
 
 def flips_text(r: dict, max_listed: int = 20) -> str:

@@ -30,7 +30,8 @@ from qeval.compare import sampler
 from qeval.compare.metric_registry import METRICS, Metric
 from qeval.errors import QevalError
 from qeval.identity import changes
-from qeval.present import report, results
+from qeval.present import report, results, task_flips
+from qeval.storage.scoring import Scoring
 
 DEFAULT_OUT = "leaderboard"
 # KV cache types from most to least precise: the column order of the heatmaps.
@@ -44,6 +45,7 @@ PLOTS = {
     "heatmap_kld": "Mean KLD over model × KV cache type",
     "kld_distribution": "Per-token KLD distributions",
     "kld_by_depth": "Mean and 99 % KLD by context depth (bands of logit position), ±1.96 SE",
+    "flips_vs_kld": "Task answer flips (% of items) vs mean KLD, one point per candidate and task set",
 }
 
 
@@ -54,6 +56,7 @@ class Leaderboard:
     settings: dict  # what every row shares: reference, corpus, n_ctx, chunks, scored tokens, samplers
     title: str
     samplers: tuple[str, ...] = ()  # samplers every result holds (report.common_samplers): a TVD column each
+    tasks: tuple[str, ...] = ()  # task sets with flips beside the results (qeval.present.task_flips): a column each
     paths: dict[str, Path] = field(default_factory=dict)  # filled by write(): name -> file
 
     @property
@@ -70,15 +73,16 @@ class Leaderboard:
 
     @property
     def columns(self) -> tuple[str, ...]:
-        """The columns of the CSV and of the JSON rows (a TVD column per sampler)."""
+        """The columns of the CSV and of the JSON rows (a TVD column per sampler, flips figures per task set)."""
         return ("rank", "label", "quant", "model_file", "type_k", "type_v", "size_gib", "bpw",
-                *report.board_keys(self.samplers), *report.DEEPEST_KEYS, "pareto", "result")
+                *report.board_keys(self.samplers), *report.DEEPEST_KEYS, *task_flips.keys(self.tasks), "pareto",
+                "result")
 
     def figures(self) -> dict:
         """name -> matplotlib Figure for every plot (display them in a notebook, or savefig)."""
         return {"kld_vs_size": plot_kld_vs_size(self), "heatmap_ppl": plot_heatmap(self, "ppl"),
                 "heatmap_kld": plot_heatmap(self, "kld_mean"), "kld_distribution": plot_kld_distribution(self),
-                "kld_by_depth": plot_kld_by_depth(self)}
+                "kld_by_depth": plot_kld_by_depth(self), "flips_vs_kld": plot_flips_vs_kld(self)}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -137,6 +141,7 @@ def settings_of(loaded: list[results.Result]) -> dict:
                       "ppl": p["ppl_ref"], "ppl_se": p["ppl_ref_se"], "store": ref.get("path")},
         "corpus": {"name": corpus.get("name"), "source": corpus.get("source"), "sha256": corpus.get("sha256")},
         "n_ctx": ref.get("n_ctx"),
+        "scoring": ((s.get("request") or {}).get("reference") or {}).get("scoring", "half"),
         "n_vocab": ref.get("n_vocab"),
         "chunks": s.get("chunks"),
         "scored_tokens": s.get("scored_tokens"),
@@ -174,7 +179,7 @@ def build(runs: list[str | os.PathLike] | None = None, title: str | None = None,
         loaded = load_results(runs)
     check_comparable(loaded)
     samplers = report.common_samplers([r.summary for r in loaded])
-    pairs = [(report.leaderboard_row(r.summary, samplers), r) for r in loaded]
+    pairs = [(_row(r, samplers), r) for r in loaded]
     pairs.sort(key=lambda pr: (pr[0]["kld_mean"], pr[0]["label"]))
     rows = [row for row, _ in pairs]
     front = pareto_front([r["size_gib"] for r in rows], [r["kld_mean"] for r in rows])
@@ -184,7 +189,16 @@ def build(runs: list[str | os.PathLike] | None = None, title: str | None = None,
     if title is None:
         ref = settings["reference"]
         title = f"Quantization leaderboard: KL divergence vs {ref['model_file'] or ref['label']}"
-    return Leaderboard(rows, [res for _, res in pairs], settings, title, samplers)
+    return Leaderboard(rows, [res for _, res in pairs], settings, title, samplers, task_flips.common_tasks(rows))
+
+
+def _row(res: results.Result, samplers: tuple[str, ...]) -> dict:
+    """A result's leaderboard row, with the flips of its candidate's task stores when its runs directory has them."""
+    row = report.leaderboard_row(res.summary, samplers)
+    if res.path is not None:
+        row.update(task_flips.row_figures(task_flips.task_flips(res.summary, task_flips.tasks_root(res.path),
+                                                                str(res.path))))
+    return row
 
 
 # --------------------------------------------------------------------------------------------------
@@ -205,7 +219,7 @@ def settings_lines(board: Leaderboard) -> list[tuple[str, str]]:
              ("Reference PPL", f"{ref['ppl']:.4f} ± {ref['ppl_se']:.4f}"),
              ("Corpus", corpus_text),
              ("Context", f"n_ctx {s['n_ctx']}, {s['chunks']} chunks, {s['scored_tokens']:,} scored tokens "
-                         "(the second half of each window, as llama-perplexity scores)")]
+                         f"({Scoring.parse(s['scoring']).describe()})")]
     lines += [(f"Sampler {name}", sampler.parse(name).describe()) for name in board.samplers]
     if ref["fingerprint"]:
         lines.append(("Reference model fingerprint", ref["fingerprint"][:16] + "…"))
@@ -218,18 +232,18 @@ def _note(m: Metric) -> str:
     return f"{m.heading}: {m.description}{unit}" + (f"; {m.better} is better." if m.better else ".")
 
 
-def notes(samplers=()) -> str:
+def notes(samplers=(), tasks=()) -> str:
     """What every column means, under the table."""
-    return " ".join([*map(_note, report.board_metrics(samplers)), "± is one standard error.",
-                     "Pareto: no other row is both smaller (GiB) and lower in mean KLD."])
+    return " ".join([*map(_note, report.board_metrics(samplers)), *([task_flips.NOTE] if tasks else []),
+                     "± is one standard error.", "Pareto: no other row is both smaller (GiB) and lower in mean KLD."])
 
 
 def leaderboard_markdown(board: Leaderboard) -> str:
     """Paste-ready for a Hugging Face model card: heading, settings, the table sorted by mean KLD, notes."""
     out = [f"## {board.title}", ""]
     out += [f"- **{k}:** {v}" for k, v in settings_lines(board)]
-    out += ["", report.leaderboard_markdown(board.rows, pareto=set(board.pareto), samplers=board.samplers), "",
-            notes(board.samplers), ""]
+    out += ["", report.leaderboard_markdown(board.rows, pareto=set(board.pareto), samplers=board.samplers,
+                                            tasks=board.tasks), "", notes(board.samplers, board.tasks), ""]
     return "\n".join(out)
 
 
@@ -493,6 +507,36 @@ def plot_kld_by_depth(board: Leaderboard):
     return fig
 
 
+def plot_flips_vs_kld(board: Leaderboard):
+    """Per task set, every candidate's answer flips (% of items, split into correct→wrong and wrong→correct)
+    against its mean KLD (log axis): do the flips a user notices track the divergence?"""
+    fig = _figure(9.0, 6.0)
+    ax = fig.add_subplot()
+    if not board.tasks:
+        ax.text(0.5, 0.5, "no candidate has task stores beside its result (qeval matrix --task, qeval tasks capture)",
+                ha="center", va="center", transform=ax.transAxes)
+        return fig
+    markers = ("o", "s", "^", "D", "v", "P")
+    for task, marker, color in zip(board.tasks, markers * len(board.tasks), _colors(len(board.tasks))):
+        points = [(r["kld_mean"], r[task_flips.row_key("flips_pct", task)], r) for r in board.rows
+                  if r.get(task_flips.row_key("flips_pct", task)) is not None]
+        x = [max(k, KLD_FLOOR) for k, _, _ in points]
+        ax.plot(x, [f for _, f, _ in points], marker, color=color, ms=8, mec="black", mew=0.6, ls="none",
+                label=f"{task}: flips", zorder=3)
+        ax.plot(x, [100 * r[task_flips.row_key("correct_to_wrong", task)] / r[task_flips.row_key("n_tasks", task)]
+                    for _, _, r in points], marker, color=color, ms=5, mfc="none", ls="none",
+                label=f"{task}: correct→wrong only", zorder=3)
+        for xi, (_, f, r) in zip(x, points):
+            ax.annotate(r["label"], (xi, f), xytext=(5, 4), textcoords="offset points", fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlabel("mean KLD vs the reference (nats, log scale)")
+    ax.set_ylabel("answers flipped (% of the task set's items)")
+    ax.set_title("Task flips vs mean KLD")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    return fig
+
+
 def _save_figure(fig, out: Path, name: str) -> tuple[Path, Path, str]:
     """PNG and SVG files, plus the SVG markup to inline (XML prolog dropped, ids salted per plot)."""
     import matplotlib  # noqa: PLC0415
@@ -545,14 +589,14 @@ footer { color: var(--muted); font-size: 12px; margin-top: 36px; }
 
 def table_html(board: Leaderboard) -> str:
     """The leaderboard as an HTML <table> (also handy in a notebook: IPython.display.HTML)."""
-    columns = report.leaderboard_columns(board.samplers)
+    columns = report.leaderboard_columns(board.samplers, board.tasks)
     headings = ("#", "label", *(name for name, _ in columns))
     head = "".join(f"<th>{html.escape(c)}</th>" for c in headings)
     klds = [r["kld_mean"] for r in board.rows if r["kld_mean"] > 0]
     lo, hi = (math.log10(min(klds)), math.log10(max(klds))) if klds else (0.0, 0.0)
     body = []
     for r in board.rows:
-        cells = report.leaderboard_cells(r, board.samplers)
+        cells = report.leaderboard_cells(r, board.samplers, board.tasks)
         label = html.escape(cells[0]) + ('<span class="badge" title="on the size/KLD Pareto front">Pareto</span>'
                                          if r["pareto"] else "")
         tds = [f'<td class="num">{r["rank"]}</td>', f"<td>{label}</td>"]
@@ -590,7 +634,7 @@ def leaderboard_html(board: Leaderboard, inline_svgs: dict[str, str]) -> str:
 <dl class="settings">{settings}</dl>
 <h2>Leaderboard <small>(sorted by mean KLD, {len(board.rows)} candidates)</small></h2>
 {table_html(board)}
-<p class="notes">{html.escape(notes(board.samplers))}</p>
+<p class="notes">{html.escape(notes(board.samplers, board.tasks))}</p>
 <p class="notes"><b>Pareto front</b> (smallest first): {html.escape(front)}</p>
 <h2>Plots</h2>
 {figures}

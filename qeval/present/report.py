@@ -14,6 +14,7 @@ from qeval.compare import sampler
 from qeval.compare.metric_registry import KLD_BLOCK, METRICS, PPL_BLOCK, TOKEN_BLOCK, Metric, read, sampler_metrics
 from qeval.compare.metrics import PER_TOKEN_FIELDS, Comparison
 from qeval.identity import comparison_request
+from qeval.present import task_flips
 from qeval.storage.llamacpp import record_values
 from qeval.storage.store import StoreHeader
 
@@ -273,19 +274,21 @@ def leaderboard_row(result: dict, samplers=()) -> dict:
 DEEPEST_KEYS = ("deepest_band", "kld_deepest", "kld_deepest_se")
 
 
-def leaderboard_columns(samplers=()) -> tuple[tuple[str, str], ...]:
-    """(heading, row key) of the table's columns after the label."""
+def leaderboard_columns(samplers=(), tasks=()) -> tuple[tuple[str, str], ...]:
+    """(heading, row key) of the table's columns after the label: a TVD column per sampler, a flips column
+    per task set (qeval.present.task_flips)."""
     return (("quant", "quant"), ("KV", "kv"), ("size GiB", "size_gib"), ("BPW", "bpw"),
             *((m.heading + (" ± SE" if m.has_se else ""), m.key) for m in board_metrics(samplers)),
-            ("KLD deepest band ± SE", "kld_deepest"))
+            ("KLD deepest band ± SE", "kld_deepest"), *task_flips.columns(tasks))
 
 
-def leaderboard_cells(r: dict, samplers=()) -> list[str]:
-    """The formatted cells of one leaderboard row: label, then leaderboard_columns(samplers)."""
+def leaderboard_cells(r: dict, samplers=(), tasks=()) -> list[str]:
+    """The formatted cells of one leaderboard row: label, then leaderboard_columns(samplers, tasks)."""
     deepest = "" if r.get("kld_deepest") is None else (
         f"{_num(r['kld_deepest'], '.6f')} ± {_num(r['kld_deepest_se'], '.6f')} ({r['deepest_band']})")
     return [r["label"], r["quant"], r["kv"], _num(r["size_gib"], ".3f"), _num(r["bpw"], ".2f"),
-            *(_metric_cell(m, r) for m in board_metrics(samplers)), deepest]
+            *(_metric_cell(m, r) for m in board_metrics(samplers)), deepest,
+            *(task_flips.cell(r, task) for task in tasks)]
 
 
 def _metric_cell(m: Metric, r: dict) -> str:
@@ -297,13 +300,14 @@ def leaderboard_sorted(rows: list[dict]) -> list[dict]:
     return sorted(rows, key=lambda r: (r["kld_mean"], r["label"]))
 
 
-def leaderboard_markdown(rows: list[dict], pareto=None, samplers=()) -> str:
+def leaderboard_markdown(rows: list[dict], pareto=None, samplers=(), tasks=()) -> str:
     """A paste-ready markdown table, sorted by mean KLD; `pareto` (labels) adds a Pareto-front column, each of
-    `samplers` (names) a TVD column."""
-    header = ["label", *(name for name, _ in leaderboard_columns(samplers))] + ([] if pareto is None else ["Pareto"])
+    `samplers` (names) a TVD column, each of `tasks` (task set names) a flips column."""
+    header = ["label", *(name for name, _ in leaderboard_columns(samplers, tasks))] + \
+        ([] if pareto is None else ["Pareto"])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in leaderboard_sorted(rows):
-        cells = [_md_escape(c) for c in leaderboard_cells(r, samplers)]
+        cells = [_md_escape(c) for c in leaderboard_cells(r, samplers, tasks)]
         if pareto is not None:
             cells.append("✓" if r["label"] in pareto else "")
         lines.append("| " + " | ".join(cells) + " |")

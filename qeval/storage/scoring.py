@@ -46,6 +46,13 @@ class Scoring:
             return np.arange(0, n_ctx - 1, dtype=np.int64)
         return np.arange(self.stride - 1, n_ctx - 1, self.stride, dtype=np.int64)
 
+    def describe(self) -> str:
+        if self.rule == "half":
+            return "the second half of each window, as llama-perplexity scores"
+        if self.rule == "all":
+            return "every position of each window"
+        return f"every {self.stride}th position of each window"
+
     def check(self, n_ctx: int) -> None:
         if not len(self.positions(n_ctx)):
             raise QevalError(f"--score {self.rule} scores no position of a {n_ctx}-token window "

@@ -39,6 +39,7 @@ MAGIC_KEY = "qeval_tasks"
 FORMAT_VERSION = 1
 REPLACEMENT_SUFFIX = ".replacing"
 STORE_SUFFIX = ".tasks.jsonl"
+TASKS_SUBDIR = "tasks"  # RUNS_DIR/tasks/<task set>/<label>.tasks.jsonl
 _MAX_CHOICES = 100
 _MAX_ITEMS = 1 << 24
 
@@ -212,6 +213,11 @@ def _check_record(path: Path, n: int, r: dict, kind: str, n_items: int) -> None:
         raise bad(f"task {i}: counts must be {k} token counts >= 1")
     if r.get("pred") != choose(kind, llama):
         raise bad(f"task {i}: the stored answer {r.get('pred')!r} is not the one its scores give")
+
+
+def store_path(directory: Path, task_name: str, label: str) -> Path:
+    """Where a runs directory keeps the task store of model `label` on task set `task_name`."""
+    return directory / TASKS_SUBDIR / task_name / f"{label}{STORE_SUFFIX}"
 
 
 def conflicts(old: dict, new: dict) -> list[str]:
