@@ -73,6 +73,17 @@ def test_hellaswag_file_reads():
     assert len(ts.sha256) == 64
 
 
+def _assert_refused(path: Path, data: bytes, kind: str | None, fragments: list[str]) -> None:
+    """A task file of `data` is refused with one error naming the file and every fragment."""
+    path.write_bytes(data)
+    with pytest.raises(TaskFileError) as err:
+        load_tasks(str(path), kind)
+    msg = str(err.value)
+    assert str(path) in msg
+    for f in fragments:
+        assert f in msg, msg
+
+
 def _hs(*tasks) -> bytes:
     return "".join(f"{c}\n{g}\n" + "".join(f"{e}\n" for e in ends) for c, g, ends in tasks).encode()
 
@@ -100,14 +111,7 @@ def test_hellaswag_line_ending_rules():
     (_hs(GOOD_TASK) + b"C\xff\n0\na\nb\nc\nd\n", ["line 7", "not UTF-8"]),
 ])
 def test_hellaswag_malformed(data, fragments, tmp_path):
-    path = tmp_path / "bad.txt"
-    path.write_bytes(data)
-    with pytest.raises(TaskFileError) as err:
-        load_tasks(str(path), "hellaswag")
-    msg = str(err.value)
-    assert str(path) in msg
-    for f in fragments:
-        assert f in msg, msg
+    _assert_refused(tmp_path / "bad.txt", data, "hellaswag", fragments)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -142,14 +146,7 @@ def test_winogrande_csv_rules():
     (b"0,A _ b.,,y,1\n", ["line 1", "option1 is empty"]),
 ])
 def test_winogrande_malformed(data, fragments, tmp_path):
-    path = tmp_path / "bad.csv"
-    path.write_bytes(data)
-    with pytest.raises(TaskFileError) as err:
-        load_tasks(str(path))
-    msg = str(err.value)
-    assert str(path) in msg
-    for f in fragments:
-        assert f in msg, msg
+    _assert_refused(tmp_path / "bad.csv", data, None, fragments)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -200,14 +197,7 @@ def _mc_with(question=b"Q", answers=(b"a", b"b"), labels=(0, 1), n_answers=None,
     (_mc_with(tail=b"\0\0"), ["2 bytes follow the last"]),
 ])
 def test_mc_malformed(data, fragments, tmp_path):
-    path = tmp_path / "bad.bin"
-    path.write_bytes(data)
-    with pytest.raises(TaskFileError) as err:
-        load_tasks(str(path), "mc")
-    msg = str(err.value)
-    assert str(path) in msg
-    for f in fragments:
-        assert f in msg, msg
+    _assert_refused(tmp_path / "bad.bin", data, "mc", fragments)
 
 
 def test_format_guess_and_errors(tmp_path):

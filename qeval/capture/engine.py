@@ -151,6 +151,28 @@ class EngineSettings:
         return out
 
 
+def tokenize(lc, vocab, text: str) -> np.ndarray:
+    """common_tokenize(ctx, text, add_special=true, parse_special=false): BOS at the start only."""
+    data = text.encode("utf-8")
+    cap = len(data) + 16
+    for _ in range(2):  # a negative result is the size the tokens need: retry once with it
+        buf = (lc.llama_token * cap)()
+        n = lc.llama_tokenize(vocab, data, len(data), buf, cap, True, False)
+        if n >= 0:
+            return np.ctypeslib.as_array(buf)[:n].astype(np.int32)
+        cap = -n
+    raise QevalError("tokenization failed")
+
+
+def tokenizer_fingerprint(lc, vocab, n_vocab: int, add_bos: bool, bos: int) -> str:
+    """sha256 over every token piece and the BOS setting: equal only for equal tokenizers."""
+    h = hashlib.sha256(f"{n_vocab}:{int(add_bos)}:{bos}\n".encode())
+    for i in range(n_vocab):
+        h.update(lc.llama_vocab_get_text(vocab, i) or b"")
+        h.update(b"\0")
+    return h.hexdigest()
+
+
 def check_context(facts: dict, n_ctx: int, settings: EngineSettings) -> float | None:
     """Refuse a window longer than the model's trained context unless RoPE scaling is opted into;
     the scale factor used (None without scaling)."""
@@ -294,21 +316,10 @@ class Engine:
     # -- vocab -----------------------------------------------------------------------------------
     def tokenize(self, text: str) -> np.ndarray:
         """Whole-text tokenization with BOS at the start only, like llama-perplexity."""
-        data = text.encode("utf-8")
-        cap = len(data) + 16
-        buf = (self._lc.llama_token * cap)()
-        n = self._lc.llama_tokenize(self.vocab, data, len(data), buf, cap, True, False)
-        if n < 0:
-            raise QevalError("tokenization failed (text too long for one call)")
-        return np.ctypeslib.as_array(buf)[:n].astype(np.int32)
+        return tokenize(self._lc, self.vocab, text)
 
     def tokenizer_fingerprint(self) -> str:
-        """sha256 over every token piece and the BOS setting: equal only for equal tokenizers."""
-        h = hashlib.sha256(f"{self.n_vocab}:{int(self.add_bos)}:{self.bos}\n".encode())
-        for i in range(self.n_vocab):
-            h.update(self._lc.llama_vocab_get_text(self.vocab, i) or b"")
-            h.update(b"\0")
-        return h.hexdigest()
+        return tokenizer_fingerprint(self._lc, self.vocab, self.n_vocab, self.add_bos, self.bos)
 
     # -- decoding --------------------------------------------------------------------------------
     def _calls(self, n_windows: int) -> Iterator[list[Span]]:

@@ -34,7 +34,6 @@ are refused with a QevalError naming the task.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import random
 from collections.abc import Callable, Iterator
@@ -52,6 +51,8 @@ from qeval.capture.engine import (
     fixed_mmap_threshold,
     free_llama,
     quiet_llama,
+    tokenize,
+    tokenizer_fingerprint,
 )
 from qeval.capture.modelinfo import require_decoder_context
 from qeval.capture.taskfiles import TaskItem, TaskSet
@@ -424,26 +425,10 @@ class TaskModel:
 
     # -- vocab -----------------------------------------------------------------------------------
     def tokenize(self, text: str) -> np.ndarray:
-        """common_tokenize(ctx, text, add_special=true, parse_special=false)."""
-        data = text.encode("utf-8")
-        cap = len(data) + 16
-        buf = (self._lc.llama_token * cap)()
-        n = self._lc.llama_tokenize(self.vocab, data, len(data), buf, cap, True, False)
-        if n < 0:
-            cap = -n
-            buf = (self._lc.llama_token * cap)()
-            n = self._lc.llama_tokenize(self.vocab, data, len(data), buf, cap, True, False)
-            if n < 0:
-                raise QevalError("tokenization failed")
-        return np.ctypeslib.as_array(buf)[:n].astype(np.int32)
+        return tokenize(self._lc, self.vocab, text)
 
     def tokenizer_fingerprint(self) -> str:
-        """sha256 over every token piece and the BOS setting (as Engine's)."""
-        h = hashlib.sha256(f"{self.n_vocab}:{int(self.add_bos)}:{self.bos}\n".encode())
-        for i in range(self.n_vocab):
-            h.update(self._lc.llama_vocab_get_text(self.vocab, i) or b"")
-            h.update(b"\0")
-        return h.hexdigest()
+        return tokenizer_fingerprint(self._lc, self.vocab, self.n_vocab, self.add_bos, self.bos)
 
     # -- decoding --------------------------------------------------------------------------------
     @staticmethod
