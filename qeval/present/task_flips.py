@@ -10,6 +10,7 @@ is refused with a message, never shown beside a KLD it does not belong to.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from qeval.compare import flips as flipmath
@@ -44,6 +45,17 @@ def _check_measured(store: TaskStore, measured: dict, role: str, origin: str) ->
             "(qeval tasks capture ... --force, or qeval matrix --task), or move it out of the runs directory")
 
 
+def _read(path: Path) -> TaskStore:
+    """A task store, parsed once per content (every row of a board shares the reference's)."""
+    stat = path.stat()
+    return _read_version(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=32)
+def _read_version(path: str, mtime_ns: int, size: int) -> TaskStore:
+    return TaskStore.open(path)
+
+
 def task_flips(summary: dict, root: Path, origin: str = "the comparison", bins: int = 4,
                names: set[str] | None = None) -> dict[str, dict]:
     """task set -> compare.flips.between(reference's store, candidate's store), for every task set under `root`
@@ -57,7 +69,7 @@ def task_flips(summary: dict, root: Path, origin: str = "the comparison", bins: 
         ref_path, cand_path = (folder / f"{label}{STORE_SUFFIX}" for label in (ref_label, cand_label))
         if not (ref_path.is_file() and cand_path.is_file()):
             continue
-        ref, cand = TaskStore.open(ref_path), TaskStore.open(cand_path)
+        ref, cand = _read(ref_path), _read(cand_path)
         _check_measured(ref, request.get("reference") or {}, "reference", origin)
         _check_measured(cand, request.get("candidate") or {}, "candidate", origin)
         out[folder.name] = flipmath.between(ref, cand, bins)
