@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -32,18 +31,10 @@ import sys
 import time
 from pathlib import Path
 
+from common import cpu_name
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_SAMPLERS = ["greedy", "qwen3.5-thinking", "qwen3.5-instruct"]
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
 
 
 def synth_pair(directory: Path, chunks: int) -> tuple[str, str]:

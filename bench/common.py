@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import re
 import sys
 import tempfile
@@ -10,6 +11,16 @@ from pathlib import Path
 
 from qeval.capture.corpus import load_corpus
 from qeval.orchestrate import demo
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
 
 
 def llamacpp_setup(prefix: str) -> tuple[str, dict[str, Path], Path, Path]:

@@ -80,7 +80,7 @@ def compare(ref: str, cand: str, chunks: int | None = None, runs_dir=None, threa
                 directory.mkdir(parents=True, exist_ok=True)
                 save_path = runs.store_path(save, directory)
             engine, cand_src = open_live(cand, ref_src, chunks, settings, save or Path(cand).stem, save_path,
-                                         replace=force)
+                                         replace=force, coded=any(not s.greedy for s in samplers))
             stack.callback(engine.close)
             stack.callback(cand_src.close)
         else:

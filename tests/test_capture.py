@@ -109,6 +109,25 @@ def test_live_candidate_equals_stored_candidate(models, runs):
     assert captured["kld"] == stored["kld"]
 
 
+def test_live_candidate_uncoded_equals_coded_within_the_code_floor(models, runs):
+    """Without --save the candidate's float32 logits meet the reference's codes directly; coding them first
+    (--save) moves each token's KLD only by the code's rounding (noise floor ~4e-7 nats, README)."""
+    from qeval.capture.capture import LiveLogitsChunk
+
+    api.capture_store(str(models["Q8_0"]), "ref", runs_dir=runs, n_ctx=N_CTX, chunks=3)
+    settings = EngineSettings(n_batch=24)  # 3 decode calls per window: rows cross call borders
+    uncoded = api.compare("ref", str(models["Q2_K"]), runs_dir=runs, settings=settings)
+    coded = api.compare("ref", str(models["Q2_K"]), runs_dir=runs, settings=settings, save="q2")
+    a, b = uncoded.per_token, coded.per_token
+    assert isinstance(uncoded.cand.read_chunk(0), LiveLogitsChunk)
+    assert np.abs(a["kld"] - b["kld"]).max() < 2e-5 and abs(a["kld"].mean() - b["kld"].mean()) < 2e-6
+    assert a["kld"].mean() > 0.05  # Q2_K really differs from Q8_0
+    np.testing.assert_allclose(a["nll_cand"], b["nll_cand"], rtol=0, atol=1e-6)  # exact scalars on both paths
+    np.testing.assert_array_equal(a["nll_ref"], b["nll_ref"])
+    for key in ("same_top1", "top5_agreement", "top10_agreement", "token", "position"):
+        np.testing.assert_array_equal(a[key], b[key])
+
+
 def test_kv_cache_types_and_flash_attention_rule(models, runs):
     api.capture_store(str(models["Q8_0"]), "ref", runs_dir=runs, n_ctx=N_CTX, chunks=2)
     result, _ = api.kld_report("ref", str(models["Q8_0"]), runs_dir=runs,

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from conftest import decoded_logprobs, kld64, log_softmax64, perturb, realistic_logits
 
-from qeval.compare.kernels import N_SUMS, decode_tables, kld_from_sums, pair_sums
-from qeval.storage.codec import SqrtLogCode
+from qeval.compare.kernels import N_SUMS, decode_tables, kld_from_sums, pair_sums, pair_sums_logits
+from qeval.storage.codec import BadLogits, SqrtLogCode
 from qeval.storage.store import codes_to_planes, planes_to_codes
 
 
@@ -49,6 +49,40 @@ def test_pair_sums_match_float64_reference(n_vocab):
     np.testing.assert_allclose(fwd, ref_fwd, rtol=1e-9, atol=1e-13)
     np.testing.assert_allclose(rev, ref_rev, rtol=1e-9, atol=1e-13)
     assert np.all(fwd > -1e-13) and np.all(rev > -1e-13)
+
+
+@pytest.mark.parametrize("n_vocab", [2, 17, 4099])
+def test_pair_sums_logits_match_float64_reference(n_vocab):
+    """A stored reference row against a live candidate's float32 logits (never coded): float64 KLD of the
+    decoded reference row and the float32 row (entries below the code's floor, -inf included, at the floor),
+    both ways."""
+    rng = np.random.default_rng(200 + n_vocab)
+    code = SqrtLogCode()
+    p, q = logits_with_masks(rng, 6, n_vocab, sigma=0.7)
+    q = q.astype(np.float32)
+    cp = code.encode_block(p, np.zeros(6, dtype=np.int64)).codes
+    lp = decoded_logprobs(cp, code.lut())
+    floor = float(code.lut()[0])
+    lq = log_softmax64(np.maximum(q.astype(np.float64) - q.max(axis=1, keepdims=True), floor))
+    assert (lq.min(axis=1) > -np.inf).all() and (n_vocab < 5 or np.isinf(q).any())  # masks need 5+ entries
+    out = np.full((6, N_SUMS), np.nan)
+    scratch = np.empty((2, n_vocab), dtype=np.float32)
+    for t in range(6):
+        pair_sums_logits(codes_to_planes(cp[t:t + 1])[0], q[t], *decode_tables(code.lut()), out[t], scratch)
+    fwd, rev = kld_from_sums(out)
+    # exp and l_q in float32 (1e-7 relative each): KLD within 1e-5 relative, far inside the code's 4e-7 nats
+    np.testing.assert_allclose(fwd, kld64(lp, lq), rtol=1e-5, atol=1e-10)
+    np.testing.assert_allclose(rev, kld64(lq, lp), rtol=1e-5, atol=1e-10)
+    assert fwd.mean() > 1e-3  # the rows really differ
+
+
+def test_pair_sums_logits_refuse_nan_rows():
+    code = SqrtLogCode()
+    planes = codes_to_planes(np.zeros((1, 8), dtype=np.uint16))[0]
+    for bad in ([np.nan, 0, 1, 2, 3, 4, 5, 6], [-np.inf] * 8):
+        with pytest.raises(BadLogits):
+            pair_sums_logits(planes, np.array(bad, dtype=np.float32), *decode_tables(code.lut()), np.empty(N_SUMS),
+                             np.empty((2, 8), dtype=np.float32))
 
 
 def test_pair_sums_with_two_different_code_tables():

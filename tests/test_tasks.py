@@ -738,37 +738,58 @@ def test_winogrande_scores_equal_llama_perplexity(models, tmp_path):
 
 
 def test_scores_equal_float64_from_llama_cpp_python_logits(models, tmp_path):
-    """Each choice decoded alone by llama-cpp-python's high-level Llama, log-softmax in float64 and
+    """Each choice decoded alone through llama-cpp-python's low-level API, log-softmax in float64 and
     llama-perplexity's rule applied by hand. --layout separate decodes every choice alone too: equal to ~1e-8.
     llama-perplexity's layout (shared prefix, unified KV cache) gives that only for the first choice of a
-    batch: llama.cpp moves the later ones (here up to a few 1e-2 nats per token), which qeval reproduces."""
+    batch: llama.cpp moves the later ones (here up to a few 1e-2 nats per token), which qeval reproduces.
+
+    The oracle decodes in the context --layout separate decodes in (its KV cache of -np sequences, batch sizes)
+    and asks for logits at the scored positions alone, as qeval does: llama.cpp's logits depend on both. On
+    AVX-512 kernels (Zen 4, Intel Xeon without AMX) asking for every row, or a one-sequence cache of 512
+    cells, moved a choice's sum by up to 4.5e-3 nats, thousands of times this test's tolerance."""
     import llama_cpp
 
     from qeval.capture.engine import EngineSettings
-    from qeval.capture.taskscore import TaskSettings
+    from qeval.capture.taskscore import TaskModel, TaskSettings
 
-    llm = llama_cpp.Llama(str(models["Q4_K_M"]), n_ctx=128, logits_all=True, n_threads=2, flash_attn=False,
-                          verbose=False)
+    def settings(layout):
+        return TaskSettings(EngineSettings(flash_attn="off", n_threads=2), layout=layout)
+
+    llm = llama_cpp.Llama(str(models["Q4_K_M"]), vocab_only=True, verbose=False)  # tokenizes the oracle's text
+    oracle = TaskModel(str(models["Q4_K_M"]), settings("separate"))  # a context as --layout separate makes it
+    batch = llama_cpp.llama_batch_init(oracle.n_batch, 0, 1)
     hs = load_tasks(str(HELLASWAG))
     wg = load_tasks(str(WINOGRANDE))
 
     cache = {}
 
-    def logprobs(tokens):
-        key = tuple(tokens)
+    def logprobs(tokens, first, stop):
+        """Log-probs of tokens first+1 .. stop, from the logits of positions first .. stop-1 (those alone)."""
+        key = (tuple(tokens), first, stop)
         if key not in cache:
-            llm.reset()
-            llm.eval(list(tokens))
-            x = np.asarray(llm.scores[:len(tokens)], np.float64)
+            llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(oracle.ctx), True)
+            for k, t in enumerate(tokens):
+                batch.token[k], batch.pos[k], batch.n_seq_id[k], batch.logits[k] = t, k, 1, first <= k < stop
+                batch.seq_id[k][0] = 0
+            batch.n_tokens = len(tokens)
+            assert llama_cpp.llama_decode(oracle.ctx, batch) == 0
+            x = np.ctypeslib.as_array(llama_cpp.llama_get_logits(oracle.ctx), shape=(stop - first, oracle.n_vocab))
+            x = x.astype(np.float64)
             lse = x.max(1) + np.log(np.exp(x - x.max(1, keepdims=True)).sum(1))
-            cache[key] = np.array([x[j, tokens[j + 1]] - lse[j] for j in range(len(tokens) - 1)])  # lp of token j+1
+            cache[key] = x[np.arange(stop - first), tokens[first + 1:stop + 1]] - lse
         return cache[key]
 
     def tok(text):
         return llm.tokenize(text.encode(), add_bos=True, special=False)
 
-    def settings(layout):
-        return TaskSettings(EngineSettings(flash_attn="off", n_threads=2), layout=layout)
+    def per_token_tolerance(layout: str, choice: int) -> float:
+        """Separate: the oracle's own context and rows. llama-perplexity's layout decodes a task's choices in
+        one call over a shared prefix: its first choice moved by up to 5e-4 nats per token against the oracle
+        on AVX-512 kernels (Intel Xeon without AMX; other rows asked for in the same call), the later ones
+        by a few 1e-2."""
+        if layout == "separate":
+            return 1e-6
+        return 2e-3 if choice == 0 else 0.1
 
     for layout in ("separate", "llama"):
         _, hs_store = _capture(models, "Q4_K_M", HELLASWAG, tmp_path / layout, limit=3, settings=settings(layout))
@@ -776,13 +797,12 @@ def test_scores_equal_float64_from_llama_cpp_python_logits(models, tmp_path):
             seqs = [tok(t) for t in hs.items[i].texts("hellaswag")]
             cp = next(k for k in range(min(map(len, seqs))) if len({s[k] for s in seqs}) > 1)
             for s, seq in enumerate(seqs):
-                expect = logprobs(seq)[cp - 1:]  # tokens cp .. end
+                expect = logprobs(seq, cp - 1, len(seq) - 1)  # tokens cp .. end
                 assert r["counts"][s] == len(expect)
-                if layout == "separate" or s == 0:
-                    assert r["sums"][s] == pytest.approx(expect.sum(), abs=1e-6 * len(expect))
-                    assert r["llama"][s] == pytest.approx(expect.mean(), abs=1e-3)  # float32 arithmetic
-                else:
-                    assert r["sums"][s] == pytest.approx(expect.sum(), abs=0.1 * len(expect))
+                tol = per_token_tolerance(layout, s)
+                assert r["sums"][s] == pytest.approx(expect.sum(), abs=tol * len(expect))
+                if tol < 0.1:
+                    assert r["llama"][s] == pytest.approx(expect.mean(), abs=1e-3 + tol)  # float32 arithmetic
         _, wg_store = _capture(models, "Q4_K_M", WINOGRANDE, tmp_path / layout, limit=4, settings=settings(layout))
         for i, r in wg_store.records.items():
             item = wg.items[i]
@@ -791,10 +811,13 @@ def test_scores_equal_float64_from_llama_cpp_python_logits(models, tmp_path):
             assert all(len(s) - cp > 3 for s in seqs)  # the file's tasks skip the choice word
             for s, seq in enumerate(seqs):
                 base = len(tok(item.context + item.choices[s]))
-                expect = logprobs(seq)[base - 1:len(seq) - 2]  # tokens base .. len-2 (the final token left out)
+                expect = logprobs(seq, base - 1, len(seq) - 2)  # tokens base .. len-2 (the final token left out)
                 assert r["counts"][s] == len(expect)
-                tol = 1e-6 if layout == "separate" else 0.1
+                tol = 1e-6 if layout == "separate" else 0.1  # (the FIXME row: no first-choice exception)
                 assert r["sums"][s] == pytest.approx(expect.sum(), abs=tol * len(expect))
+    llama_cpp.llama_batch_free(batch)
+    oracle.close()
+    llm.close()
 
 
 def test_task_capture_resumes_to_the_same_values(models, tmp_path):

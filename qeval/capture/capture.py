@@ -211,7 +211,7 @@ def capture(spec: CaptureSpec, on_chunk: Callable[[int], None] | None = None,
 
 
 class LiveChunk:
-    """A chunk of a live candidate, read like a ChunkData but produced while it is read.
+    """A chunk of a live candidate whose rows are coded, read like a ChunkData but produced while it is read.
 
     iter_planes() codes the window block by block as the metrics kernel asks, so a whole chunk of
     codes (134 MB at a 262K vocab) is never held; its window is decoded with the others of its
@@ -253,23 +253,41 @@ class LiveChunk:
         self.top_ids = np.concatenate([b.top_ids for b in blocks])
 
 
+class LiveLogitsChunk:
+    """A chunk of a live candidate that is never coded: the metrics read llama.cpp's float32 rows
+    (qeval.compare.kernels.pair_sums_logits) and work out the candidate's scalars themselves."""
+
+    def __init__(self, source: "LiveSource", index: int):
+        self.source, self.index = source, index
+        self.n_tokens = source.header.n_scored
+
+    def iter_logits(self) -> Iterator[tuple[int, np.ndarray, bool]]:
+        """(first row, float32 rows [b, n_vocab], ends_call) in order. Rows are views of the engine's
+        output: valid until the item after one with ends_call is asked for (the next decode call)."""
+        return self.source.rows_of(self.index)
+
+
 class LiveSource:
     """A candidate model run over a reference's token windows, read like a store.
 
-    Chunks are produced while the metrics read them (LiveChunk), one chunk at a time and in order,
-    as `compare` reads a live source: windows are decoded in the engine's groups. When the store it
-    saves to was left incomplete by an earlier, interrupted run, the chunks it holds are read back
-    instead of being run again.
+    Chunks are produced while the metrics read them, one chunk at a time and in order, as `compare`
+    reads a live source: windows are decoded in the engine's groups. Rows are coded (LiveChunk) when
+    they are saved or a sampler needs codes (`coded`), else handed over as float32 logits
+    (LiveLogitsChunk): coding is then off the critical path altogether. When the store it saves to
+    was left incomplete by an earlier, interrupted run, the chunks it holds are read back instead of
+    being run again.
     """
 
     complete = True
     live = True
 
     def __init__(self, engine: Backend, header: StoreHeader, tokens: np.ndarray, code: SqrtLogCode,
-                 writer: StoreWriter | None = None, path: str = "(live)", threads: int | None = None):
+                 writer: StoreWriter | None = None, path: str = "(live)", threads: int | None = None,
+                 coded: bool = True):
         self.engine, self.header, self.tokens, self.code = engine, header, tokens, code
+        self.coded = coded or writer is not None
         threads = encoder_threads(threads, engine.settings)
-        self.pool = ThreadPoolExecutor(max_workers=threads)
+        self.pool = ThreadPoolExecutor(max_workers=threads) if self.coded else None
         self.compressor = zstd_compressor(threads)
         self.lut = code.lut()
         self.chunk_indices = list(header.chunk_range)
@@ -277,36 +295,61 @@ class LiveSource:
         self.resumed = set(writer.done_chunks) if writer is not None else set()
         self._saved = StoreReader(writer.path, tolerate_torn_tail=True) if self.resumed else None
         todo = [i for i in self.chunk_indices if i not in self.resumed]
-        self._blocks = iter_encoded_blocks(engine, tokens[todo], todo, code, self.pool)  # decodes when read
+        # both decode when read
+        self._items = (iter_encoded_blocks(engine, tokens[todo], todo, code, self.pool) if self.coded
+                       else iter_scored_rows(engine, tokens[todo], todo))
 
-    def blocks_of(self, index: int) -> Iterator[EncodedBlock]:
-        """The coded blocks of chunk `index`, which must be the next live chunk."""
-        for got, row, block in self._blocks:
+    def _items_of(self, index: int) -> Iterator[tuple]:
+        """The items (chunk, first row, ...) of chunk `index`, which must be the next live chunk; stops
+        after its last row without asking for more (that would decode the next call too early)."""
+        for item in self._items:
+            got, row, rows = item[:3]
             if got != index:
                 raise QevalError(f"live chunks are produced in order: chunk {index} was asked for, {got} is next")
-            yield block
-            if row + len(block.planes) == self.header.n_scored:
+            yield item
+            if row + len(rows) == self.header.n_scored:
                 return
         raise QevalError(f"chunk {index} is not among the chunks this live source runs")
 
-    def read_chunk(self, index: int) -> LiveChunk | ChunkData:
+    def blocks_of(self, index: int) -> Iterator[EncodedBlock]:
+        """The coded blocks of chunk `index` (a coded source)."""
+        for _, _, block in self._items_of(index):
+            yield block
+
+    def rows_of(self, index: int) -> Iterator[tuple[int, np.ndarray, bool]]:
+        """(first row, float32 rows, ends_call) of chunk `index` (an uncoded source)."""
+        for _, row, rows, ends_call in self._items_of(index):
+            yield row, rows, ends_call
+
+    def read_chunk(self, index: int) -> LiveChunk | LiveLogitsChunk | ChunkData:
         if index in self.resumed:
             return self._saved.read_chunk(index)
-        return LiveChunk(self, index)
+        return LiveChunk(self, index) if self.coded else LiveLogitsChunk(self, index)
 
     def close(self) -> None:
-        self._blocks.close()
-        self.pool.shutdown()
+        self._items.close()
+        if self.pool is not None:
+            self.pool.shutdown()
         if self._saved is not None:
             self._saved.close()
         if self.writer is not None:
             self.writer.close()
 
 
+def iter_scored_rows(engine: Backend, windows: np.ndarray, indices: list[int]
+                     ) -> Iterator[tuple[int, int, np.ndarray, bool]]:
+    """(chunk, first row, float32 rows, ends_call) of windows[j] (chunk indices[j]), decoded in order."""
+    for call in engine.iter_calls(windows):
+        for k, rows in enumerate(call):
+            yield indices[rows.window], rows.first_row, rows.logits, k == len(call) - 1
+
+
 def open_live(model: str, ref, n_chunks: int | None, settings: EngineSettings, label: str,
-              save_path: Path | None, code: SqrtLogCode = SqrtLogCode(), replace: bool = False):
+              save_path: Path | None, code: SqrtLogCode = SqrtLogCode(), replace: bool = False,
+              coded: bool = False):
     """(engine, LiveSource) for a candidate GGUF against a reference's tokens; caller closes both.
-    replace: a store at save_path that holds another capture is replaced (see StoreWriter.open)."""
+    replace: a store at save_path that holds another capture is replaced (see StoreWriter.open).
+    coded: code the rows even when nothing is saved (samplers read codes); saving always codes."""
     settings = settings.validate()
     check_model_file(model)
     rh = ref.header
@@ -340,7 +383,7 @@ def open_live(model: str, ref, n_chunks: int | None, settings: EngineSettings, l
             except StoreComplete:
                 raise QevalError(f"{save_path} already exists and is complete; compare it with --cand "
                                  f"{label}") from None
-        return engine, LiveSource(engine, header, windows, code, writer, path=f"{model} (live)")
+        return engine, LiveSource(engine, header, windows, code, writer, path=f"{model} (live)", coded=coded)
     except BaseException:
         engine.close()
         raise

@@ -4,12 +4,18 @@ A stored row decodes through its store's code table: log p_i = lut[code_i] + con
 renormalised, so only e = exp(lut) and l = lut are needed, and
     KLD(P||Q) = (S_pp - S_pq)/Z_p - ln Z_p + ln Z_q,
 with Z_p = sum e_p, S_pp = sum e_p l_p, S_pq = sum e_p l_q (and the mirror terms for KLD(Q||P)).
+
+A live candidate's rows need no code at all: l_q = x - max(x) straight from llama.cpp's float32
+logits and e_q = exp(l_q) (pair_sums_logits), the same six sums, so the figures differ from coding the
+candidate first only by the code's rounding (its fidelity floor, ~4e-7 nats of KLD).
 """
 
 from __future__ import annotations
 
 import numba
 import numpy as np
+
+from qeval.storage.codec import BadLogits
 
 # Columns of the per-token sums array.
 Z_P, Z_Q, S_PP, S_PQ, S_QQ, S_QP = range(6)
@@ -53,6 +59,54 @@ def pair_sums(planes_p, planes_q, e_p, l_p, e_q, l_q, out):  # pragma: no cover 
         out[t, 3] = spq
         out[t, 4] = sqq
         out[t, 5] = sqp
+
+
+@numba.njit(nogil=True, cache=True, fastmath=False)
+def _pair_sums_row(hp, lo_p, l_q, e_q, e_p, l_p, out):  # pragma: no cover - compiled
+    """One row of pair_sums_logits: the reference's code bytes against the candidate's l_q, e_q (float32)."""
+    zp = 0.0
+    zq = 0.0
+    spp = 0.0
+    spq = 0.0
+    sqq = 0.0
+    sqp = 0.0
+    for i in range(len(l_q)):
+        cp = (np.int32(hp[i]) << 8) | np.int32(lo_p[i])
+        ep = e_p[cp]
+        lp = l_p[cp]
+        lq = np.float64(l_q[i])
+        eq = np.float64(e_q[i])
+        zp += ep
+        zq += eq
+        spp += ep * lp
+        spq += ep * lq
+        sqq += eq * lq
+        sqp += eq * lp
+    out[0] = zp
+    out[1] = zq
+    out[2] = spp
+    out[3] = spq
+    out[4] = sqq
+    out[5] = sqp
+
+
+def pair_sums_logits(planes_ref: np.ndarray, logits: np.ndarray, e_p: np.ndarray, l_p: np.ndarray,
+                     out: np.ndarray, scratch: np.ndarray) -> None:
+    """pair_sums of a stored reference row (uint8 [2, V]) against a live float32 logits row [V].
+
+    Entries further below the row's maximum than the lowest code (l_p[0], ~-26 nats) count at that
+    floor, as they would in a store: coded or not, a candidate gives the same figures, and a -inf
+    logit gives no 0 * -inf. `scratch` is float32 [2, V], reused across calls (a fresh 2 MB array per
+    row would cost a page fault per 4 KB). exp runs in numpy, vectorised, unlike a scalar exp in a
+    compiled loop."""
+    l_q, e_q = scratch
+    row_max = logits.max()  # NaN if any entry is
+    if not np.isfinite(row_max):
+        raise BadLogits("logits contain NaN or a row with no finite value")
+    np.subtract(logits, row_max, out=l_q)
+    np.maximum(l_q, np.float32(l_p[0]), out=l_q)
+    np.exp(l_q, out=e_q)
+    _pair_sums_row(planes_ref[0], planes_ref[1], l_q, e_q, e_p, l_p, out)
 
 
 def decode_tables(lut: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

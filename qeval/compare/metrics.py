@@ -15,10 +15,11 @@ from typing import Callable, Protocol
 import numpy as np
 
 from qeval.compare import depth, metric_registry, sampler, stats
-from qeval.compare.kernels import N_SUMS, decode_tables, kld_from_sums, pair_sums
+from qeval.compare.kernels import N_SUMS, Z_Q, decode_tables, kld_from_sums, pair_sums, pair_sums_logits
 from qeval.errors import MismatchError, QevalError
 from qeval.pool import bounded_map
-from qeval.storage.store import ChunkData, StoreHeader, StoreReader
+from qeval.storage.codec import BadLogits, top_k_ids
+from qeval.storage.store import TOP_K, ChunkData, StoreHeader, StoreReader
 
 TOPK_AGREEMENT = (5, 10)
 # Tokens per decompressed block: 2 rows are 1 MB per store, so the kernel reads planes still in cache
@@ -144,62 +145,123 @@ def check_same_tokens(ref_tokens: np.ndarray, cand_tokens: np.ndarray, n_ctx: in
             f"({len(diff)} positions differ in all) - the runs used different corpora or tokenizers")
 
 
-def compare_chunk(ref: ChunkData, cand: ChunkData, tokens: np.ndarray, positions: np.ndarray, ref_tables,
-                  cand_tables, n_vocab: int, kernel_pool: ThreadPoolExecutor | None = None,
-                  samplers: sampler.Prepared | None = None) -> dict[str, np.ndarray]:
-    """Per-token metrics of one chunk pair. `tokens` is the chunk's n_ctx token ids, `positions` the scored
-    logit positions (header.positions).
+class KernelRunner:
+    """Kernel calls on a pool's threads (or inline without one), at most two per thread in flight so that
+    memory stays bounded; drain() waits for all, before the buffers they read are reused."""
 
-    With `kernel_pool`, token blocks go to its threads as they are decompressed (at most two
-    blocks per thread in flight, so memory stays bounded). `samplers` (sampler.prepare) adds their
-    per-token columns, computed on the same decompressed blocks.
-    """
-    n = ref.n_tokens
-    if cand.n_tokens != n:
-        raise MismatchError(f"chunk {ref.index}: {n} scored tokens in the reference, {cand.n_tokens} in the candidate")
-    sums = np.empty((n, N_SUMS), dtype=np.float64)
-    sampled = samplers.new_output(n) if samplers is not None else None
+    def __init__(self, pool: ThreadPoolExecutor | None):
+        self.pool = pool
+        self.in_flight = 2 * pool._max_workers if pool else 0
+        self._pending: list = []
 
+    def submit(self, fn, *args) -> None:
+        if self.pool is None:
+            fn(*args)
+            return
+        self._pending.append(self.pool.submit(fn, *args))
+        if len(self._pending) >= self.in_flight:
+            self._pending.pop(0).result()
+
+    def drain(self) -> None:
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
+
+
+def plane_sums(ref: ChunkData, cand: ChunkData, ref_tables, cand_tables, n_vocab: int, sums: np.ndarray,
+               runner: KernelRunner, samplers: sampler.Prepared | None, sampled: np.ndarray | None) -> None:
+    """Fused sums of two coded chunks into `sums`, block by block as both are decompressed."""
     def kernels(planes_ref, planes_cand, rows: slice) -> None:
         pair_sums(planes_ref, planes_cand, *ref_tables, *cand_tables, sums[rows])
         if samplers is not None:  # after pair_sums: it reads the rows' total masses
             sampler.run_block(samplers, planes_ref, planes_cand, sums[rows], sampled[rows])
 
-    pending: list = []
-    in_flight = 2 * kernel_pool._max_workers if kernel_pool else 0
-    buffers = in_flight + 2  # a decompressed block must outlive the kernel tasks that read it
+    buffers = runner.in_flight + 2  # a decompressed block must outlive the kernel tasks that read it
     # strict: both streams run to their end (a live candidate fills in its scalars there)
     for (start, planes_ref), (_, planes_cand) in zip(ref.iter_planes(n_vocab, BLOCK_TOKENS, buffers),
                                                      cand.iter_planes(n_vocab, BLOCK_TOKENS, buffers),
                                                      strict=True):
-        args = (planes_ref, planes_cand, slice(start, start + len(planes_ref)))
-        if kernel_pool is None:
-            kernels(*args)
-            continue
-        pending.append(kernel_pool.submit(kernels, *args))
-        if len(pending) >= in_flight:
-            pending.pop(0).result()
-    for future in pending:
-        future.result()
+        runner.submit(kernels, planes_ref, planes_cand, slice(start, start + len(planes_ref)))
+    runner.drain()
+
+
+def logit_sums(ref: ChunkData, cand, targets: np.ndarray, ref_tables, n_vocab: int, sums: np.ndarray,
+               runner: KernelRunner) -> tuple[np.ndarray, np.ndarray]:
+    """Fused sums of a coded reference chunk against a live candidate's float32 rows (cand.iter_logits),
+    row by row; the candidate's (logprob_target, top_ids), which no store holds for it."""
+    n = len(targets)
+    logprob_target = np.empty(n, dtype=np.float64)
+    top_ids = np.empty((n, min(TOP_K, n_vocab)), dtype=np.int32)
+    scratch = threading.local()  # each kernel thread's l_q, e_q rows
+
+    def kernel(planes_ref: np.ndarray, logits: np.ndarray, r: int) -> None:
+        if getattr(scratch, "rows", None) is None:
+            scratch.rows = np.empty((2, n_vocab), dtype=np.float32)
+        try:
+            pair_sums_logits(planes_ref[0], logits, *ref_tables, sums[r], scratch.rows)
+        except BadLogits as exc:
+            raise QevalError(f"chunk {ref.index}: the candidate model produced invalid logits ({exc}); the model "
+                             "file or this llama.cpp build is broken for these settings") from None
+        logprob_target[r] = scratch.rows[0, targets[r]] - np.log(sums[r, Z_Q])
+        top_ids[r] = top_k_ids(logits)
+
+    ref_rows = ref.iter_planes(n_vocab, 1, runner.in_flight + 2)  # a row must outlive the task that reads it
+    for start, rows, ends_call in cand.iter_logits():
+        for k in range(len(rows)):
+            _, planes_ref = next(ref_rows)
+            runner.submit(kernel, planes_ref, rows[k], start + k)
+        if ends_call:  # the candidate's next rows come from a new decode call, which overwrites these
+            runner.drain()
+    runner.drain()
+    if next(ref_rows, None) is not None:  # (running the reference to its end also reads its scalars)
+        raise MismatchError(f"chunk {ref.index}: the live candidate gave fewer rows than the reference holds")
+    return logprob_target, top_ids
+
+
+def compare_chunk(ref: ChunkData, cand, tokens: np.ndarray, positions: np.ndarray, ref_tables,
+                  cand_tables, n_vocab: int, kernel_pool: ThreadPoolExecutor | None = None,
+                  samplers: sampler.Prepared | None = None) -> dict[str, np.ndarray]:
+    """Per-token metrics of one chunk pair. `tokens` is the chunk's n_ctx token ids, `positions` the scored
+    logit positions (header.positions). `cand` is coded (a ChunkData, or read like one) or a live
+    candidate's float32 rows (LiveLogitsChunk: has iter_logits).
+
+    With `kernel_pool`, token blocks go to its threads as they are decompressed (at most two
+    blocks per thread in flight, so memory stays bounded). `samplers` (sampler.prepare) adds their
+    per-token columns, computed on the same decompressed blocks (coded candidates only).
+    """
+    n = ref.n_tokens
+    if cand.n_tokens != n:
+        raise MismatchError(f"chunk {ref.index}: {n} scored tokens in the reference, {cand.n_tokens} in the candidate")
+    sums = np.empty((n, N_SUMS), dtype=np.float64)
+    runner = KernelRunner(kernel_pool)
+    sampled = samplers.new_output(n) if samplers is not None else None
+    targets = tokens[positions + 1]
+    if hasattr(cand, "iter_logits"):
+        if samplers is not None and samplers.kernel:
+            raise ValueError("samplers read coded rows: open the live candidate with coded=True")
+        cand_logprob_target, cand_top_ids = logit_sums(ref, cand, targets, ref_tables, n_vocab, sums, runner)
+    else:
+        plane_sums(ref, cand, ref_tables, cand_tables, n_vocab, sums, runner, samplers, sampled)
+        cand_logprob_target, cand_top_ids = cand.logprob_target, cand.top_ids
     kld, kld_reverse = kld_from_sums(sums)
     out = {
         "chunk": np.full(n, ref.index, dtype=np.int32),
         "position": positions.astype(np.int32),  # the logit position: the context holds position + 1 tokens
-        "token": tokens[positions + 1].astype(np.int32),
+        "token": targets.astype(np.int32),
         "kld": kld,
         "kld_reverse": kld_reverse,
         "nll_ref": -ref.logprob_target,
-        "nll_cand": -cand.logprob_target,
+        "nll_cand": -cand_logprob_target,
         "p_ref": np.exp(ref.logprob_target),
-        "p_cand": np.exp(cand.logprob_target),
-        "same_top1": ref.top_ids[:, 0] == cand.top_ids[:, 0],
+        "p_cand": np.exp(cand_logprob_target),
+        "same_top1": ref.top_ids[:, 0] == cand_top_ids[:, 0],
     }
     for k in TOPK_AGREEMENT:
-        kk = min(k, ref.top_ids.shape[1], cand.top_ids.shape[1])  # tiny vocabs keep fewer ids
-        overlap = (ref.top_ids[:, :kk, None] == cand.top_ids[:, None, :kk]).any(axis=2).sum(axis=1)
+        kk = min(k, ref.top_ids.shape[1], cand_top_ids.shape[1])  # tiny vocabs keep fewer ids
+        overlap = (ref.top_ids[:, :kk, None] == cand_top_ids[:, None, :kk]).any(axis=2).sum(axis=1)
         out[f"top{k}_agreement"] = overlap / kk
     if samplers is not None:
-        out.update(sampler.chunk_columns(samplers, sampled, ref.top_ids[:, 0], cand.top_ids[:, 0]))
+        out.update(sampler.chunk_columns(samplers, sampled, ref.top_ids[:, 0], cand_top_ids[:, 0]))
     return out
 
 

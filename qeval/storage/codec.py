@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from qeval.storage.store import N_CODES, TOP_K, planes_to_codes
+from qeval.storage.store import N_CODES, TOP_K, codes_to_planes, planes_to_codes
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,9 @@ class EncodedBlock:
     logprob_max: np.ndarray  # float64 [b]
     top_ids: np.ndarray  # int32 [b, min(TOP_K, V)]
 
+    def __len__(self) -> int:
+        return len(self.logprob_target)
+
     @property
     def codes(self) -> np.ndarray:
         return planes_to_codes(self.planes)
@@ -90,14 +93,24 @@ def encode_block(logits: np.ndarray, targets: np.ndarray, code: SqrtLogCode) -> 
     half = np.subtract(logits, row_max)
     half *= 0.5
     np.exp(half, out=half)  # sqrt(p / p_max), float32, in [0, 1]
-    planes = np.empty((b, 2, n_vocab), dtype=np.uint8)
+    codes = np.empty((b, n_vocab), dtype=np.uint16)
     mass = np.empty(b, dtype=np.float64)
-    _planes_and_mass(logits, row_max[:, 0], half, np.float32(code.slope), np.float32(code.knee),
-                     np.float32(2.0 * code.slope * math.exp(-0.5 * code.knee)), planes, mass)
+    _codes_and_mass(logits, row_max[:, 0], half, np.float32(code.slope), np.float32(code.knee),
+                    np.float32(2.0 * code.slope * math.exp(-0.5 * code.knee)), codes, mass)
+    planes = codes_to_planes(codes)  # two vectorised passes: faster than two byte stores per entry in the loop
     log_norm = np.log(mass)  # log sum_i exp(x_i - max)
     rows = np.arange(b)
     logprob_target = (logits[rows, targets].astype(np.float64) - row_max[:, 0]) - log_norm
     return EncodedBlock(planes, logprob_target, -log_norm, top_ids)
+
+
+def top_k_ids(logits_row: np.ndarray) -> np.ndarray:
+    """The TOP_K best token ids of one float32 row, as a store keeps them (ties: lower id first)."""
+    top_k = min(TOP_K, len(logits_row))
+    top_vals = np.empty((1, top_k), dtype=np.float32)
+    top_ids = np.empty((1, top_k), dtype=np.int32)
+    _top_k(logits_row[None], top_vals, top_ids)
+    return top_ids[0]
 
 
 @numba.njit(nogil=True, cache=True)
@@ -125,16 +138,15 @@ def _top_k(logits, top_vals, top_ids):  # pragma: no cover - compiled
 
 
 @numba.njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})
-def _planes_and_mass(logits, row_max, half, slope, knee, sqrt_gain, planes, mass):  # pragma: no cover
-    """Codes straight into byte planes, and sum(p/p_max) in float64 (reassociated: vectorises)."""
+def _codes_and_mass(logits, row_max, half, slope, knee, sqrt_gain, codes, mass):  # pragma: no cover
+    """The uint16 codes, and sum(p/p_max) in float64 (reassociated: vectorises)."""
     b, n = logits.shape
     head_base = np.float32(2.0) * slope
     for t in range(b):
         m = row_max[t]
         row = logits[t]
         h_row = half[t]
-        hi = planes[t, 0]
-        lo = planes[t, 1]
+        out = codes[t]
         total = 0.0
         for i in range(n):
             h = h_row[i]
@@ -142,7 +154,5 @@ def _planes_and_mass(logits, row_max, half, slope, knee, sqrt_gain, planes, mass
             d = row[i] - m
             u = sqrt_gain * h if d < knee else head_base + slope * (d - knee)
             u = min(max(u + np.float32(0.5), np.float32(0.0)), np.float32(65535.0))
-            c = np.int32(u)
-            hi[i] = np.uint8(c >> 8)
-            lo[i] = np.uint8(c & 0xFF)
+            out[i] = np.uint16(np.int32(u))
         mass[t] = total
