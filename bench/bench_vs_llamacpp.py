@@ -21,23 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-from common import cpu_name, llama_numbers, llamacpp_setup
-
-TIME = ["/usr/bin/time", "-f", "WALL=%e RSS_KB=%M"]
-
-
-def timed(cmd: list[str]) -> tuple[float, int, str]:
-    proc = subprocess.run(TIME + cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{cmd[0]} failed:\n{proc.stderr[-3000:]}")
-    m = re.search(r"WALL=([\d.]+) RSS_KB=(\d+)", proc.stderr)
-    return float(m.group(1)), int(m.group(2)) * 1024, proc.stdout + proc.stderr
+from common import cpu_name, llama_numbers, llamacpp_setup, timed
 
 
 def missing_gpu(llama_perplexity: str) -> str | None:

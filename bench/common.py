@@ -5,12 +5,24 @@ from __future__ import annotations
 import os
 import platform
 import re
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from qeval.capture.corpus import load_corpus
 from qeval.orchestrate import demo
+
+TIME = ["/usr/bin/time", "-f", "WALL=%e RSS_KB=%M"]
+
+
+def timed(cmd: list[str]) -> tuple[float, int, str]:
+    """(wall seconds, peak RSS bytes, stdout + stderr) of `cmd`, which must succeed."""
+    proc = subprocess.run(TIME + cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cmd[0]} failed:\n{proc.stderr[-3000:]}")
+    m = re.search(r"WALL=([\d.]+) RSS_KB=(\d+)", proc.stderr)
+    return float(m.group(1)), int(m.group(2)) * 1024, proc.stdout + proc.stderr
 
 
 def cpu_name() -> str:

@@ -416,6 +416,30 @@ def test_log_softmax_at_matches_float64_and_float32_emulation():
             assert sm32 == pytest.approx(ref[r, t], abs=1e-4) and np.float32(sm32) == sm32
 
 
+def _log_softmax_reference(row: np.ndarray, tokens: list[int]) -> list[tuple[float, float, float]]:
+    """log_softmax_at's values the plain way: whole-row numpy arrays, sums by np.add.accumulate (sequential)."""
+    f32 = np.float32
+    mx = row.max()
+    e = np.exp(row - mx)
+    sum32 = np.add.accumulate(e)[-1]
+    sum64 = np.add.accumulate(e, dtype=np.float64)[-1]
+    return [(float(row[t]) - float(mx) - float(np.log(sum64)), float(f32(f32(row[t] - mx) - np.log(sum32))),
+             float(np.log(f32(e[t] / sum64)))) for t in tokens]
+
+
+@pytest.mark.parametrize("threads", [None, 2])
+def test_log_softmax_at_equals_whole_row_numpy_bit_for_bit(threads):
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(1)
+    rows = (rng.normal(0, 3, (11, 70000)) + rng.gumbel(0, 2, (11, 70000))).astype(np.float32)
+    targets = [sorted({int(t) for t in rng.integers(0, 70000, 1 + r % 4)}) for r in range(11)]
+    targets[3] = targets[9] = []  # rows nobody scores are skipped
+    with ThreadPoolExecutor(threads or 1) as pool:
+        got = log_softmax_at(rows, targets, pool if threads else None)
+    assert got == [_log_softmax_reference(row, tokens) for row, tokens in zip(rows, targets)]
+
+
 def test_llama_score_arithmetic():
     vals = [(-1.0, -1.0, -1.5), (-2.0, -2.0, -2.0), (-0.25, -0.25, -0.25)]
     assert llama_score("hellaswag", vals) == (-1.5 - 2.0 - 0.25) / 3  # first from softmax, double mean

@@ -7,9 +7,11 @@ tokens belonging to all of them), then each choice's remaining tokens, and packs
 batch as its context and sequence count allow. qeval builds the very same batches (same tokens,
 positions, sequence ids, output rows, task order and packing), so llama.cpp computes the same logits.
 Each token's log-probability is log-softmax(logits)[token], computed in float64, and again in
-llama-perplexity's float32 arithmetic (ChoiceScores.llama), on which the answer is decided. With
-layout "separate" every choice is decoded alone instead (see LAYOUTS): the same tokens are scored,
-but the log-likelihoods no longer depend on what else shares a decode call.
+llama-perplexity's float32 arithmetic (ChoiceScores.llama), on which the answer is decided; only the
+rows a score needs, read in llama.cpp's logits buffer, on as many threads as the model runs on (as
+llama-perplexity's compute_logprobs runs on every core). With layout "separate" every choice is decoded
+alone instead (see LAYOUTS): the same tokens are scored, but the log-likelihoods no longer depend on
+what else shares a decode call.
 
   hellaswag (hellaswag_score), mc (multiple_choice_score): a choice's score is the mean log-prob of
       its tokens after the common prefix (the first from the logits of the prefix's last token). The
@@ -36,9 +38,12 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numba
 import numpy as np
 
 from qeval.capture.engine import (
@@ -340,25 +345,83 @@ def score_items(kind: str, plans: list[ItemPlan], group: list[int], row_logprobs
     return out
 
 
-def log_softmax_at(rows: np.ndarray, targets: list[list[int]]) -> list[list[tuple[float, float, float]]]:
-    """Per float32 logits row [V] and target token: (log-softmax with a float64 sum, llama-perplexity's
-    compute_logprobs value, its softmax()-then-log value), the last two in its float32 arithmetic.
-    The first sums the float32 exponentials in float64: within ~1e-7 of an all-float64 log-softmax."""
-    out = []
+ROWS_PER_PASS = 4  # rows summed side by side: four independent chains of additions hide the adder's latency
+
+
+@numba.njit(nogil=True, cache=True)
+def _sequential_sums(e, sums32, sums64):  # pragma: no cover - compiled
+    """Sum each row of e [ROWS_PER_PASS, V] (float32 exponentials) one element after the other from the first,
+    in float32 (compute_logprobs' loop) and in float64 (softmax()): the order of np.add.accumulate, so bit
+    for bit its last element. No fastmath: the additions must not be reordered."""
+    n = e.shape[1]
+    a0 = a1 = a2 = a3 = np.float32(0.0)
+    b0 = b1 = b2 = b3 = 0.0
+    for j in range(n):
+        v0, v1, v2, v3 = e[0, j], e[1, j], e[2, j], e[3, j]
+        a0 += v0
+        a1 += v1
+        a2 += v2
+        a3 += v3
+        b0 += v0
+        b1 += v1
+        b2 += v2
+        b3 += v3
+    sums32[0], sums32[1], sums32[2], sums32[3] = a0, a1, a2, a3
+    sums64[0], sums64[1], sums64[2], sums64[3] = b0, b1, b2, b3
+
+
+_exp_buffers = threading.local()  # each scoring thread's [ROWS_PER_PASS, V] exponentials, reused across calls
+
+
+def _exp_buffer(n_vocab: int) -> np.ndarray:
+    buf = getattr(_exp_buffers, "buf", None)
+    if buf is None or buf.shape[1] != n_vocab:
+        buf = _exp_buffers.buf = np.empty((ROWS_PER_PASS, n_vocab), dtype=np.float32)
+    return buf
+
+
+def _log_softmax_pass(rows: np.ndarray, picked: list[int], targets: list[list[int]]
+                      ) -> list[list[tuple[float, float, float]]]:
+    """log_softmax_at's values for up to ROWS_PER_PASS rows `picked` of `rows`."""
+    e = _exp_buffer(rows.shape[1])
+    sums32 = np.empty(ROWS_PER_PASS, dtype=np.float32)
+    sums64 = np.empty(ROWS_PER_PASS, dtype=np.float64)
+    maxima, e_at = [], []
+    for k, r in enumerate(picked):
+        mx = rows[r].max()
+        np.exp(np.subtract(rows[r], mx, out=e[k]), out=e[k])  # float32, as expf
+        maxima.append(mx)
+        e_at.append(e[k, targets[r]])  # read now: the buffer is the next pass's
+    _sequential_sums(e, sums32, sums64)  # rows of e past len(picked) hold stale values, their sums unused
     f32 = np.float32
-    for row, tokens in zip(rows, targets):
-        mx = row.max()
-        e = np.exp(row - mx)  # float32, as expf
-        sum32 = np.add.accumulate(e)[-1]  # sequential float32 sum, as compute_logprobs' loop
-        sum64 = np.add.accumulate(e, dtype=np.float64)[-1]  # sequential double sum, as softmax()
+    out = []
+    for k, r in enumerate(picked):
+        row, mx, sum32, sum64 = rows[r], maxima[k], sums32[k], sums64[k]
         log64 = float(np.log(sum64))
         vals = []
-        for tok in tokens:
+        for tok, e_tok in zip(targets[r], e_at[k]):
             exact = float(row[tok]) - float(mx) - log64
             logprob32 = f32(f32(row[tok] - mx) - np.log(sum32))
-            softmax32 = np.log(f32(e[tok] / sum64))
+            softmax32 = np.log(f32(e_tok / sum64))
             vals.append((exact, float(logprob32), float(softmax32)))
         out.append(vals)
+    return out
+
+
+def log_softmax_at(rows: np.ndarray, targets: list[list[int]], pool: ThreadPoolExecutor | None = None
+                   ) -> list[list[tuple[float, float, float]]]:
+    """Per float32 logits row [V] and target token: (log-softmax with a float64 sum, llama-perplexity's
+    compute_logprobs value, its softmax()-then-log value), the last two in its float32 arithmetic.
+    The first sums the float32 exponentials in float64: within ~1e-7 of an all-float64 log-softmax.
+    Rows without targets are skipped (an empty list), so `rows` can be llama.cpp's logits as they are;
+    passes of ROWS_PER_PASS rows run on `pool` (numpy and the summing kernel release the GIL)."""
+    wanted = [r for r, tokens in enumerate(targets) if tokens]
+    passes = [wanted[a:a + ROWS_PER_PASS] for a in range(0, len(wanted), ROWS_PER_PASS)]
+    run = pool.map if pool is not None else map
+    out: list[list[tuple[float, float, float]]] = [[] for _ in targets]
+    for picked, values in zip(passes, run(lambda picked: _log_softmax_pass(rows, picked, targets), passes)):
+        for r, vals in zip(picked, values):
+            out[r] = vals
     return out
 
 
@@ -422,6 +485,8 @@ class TaskModel:
         self.n_seq_max = int(lc.llama_n_seq_max(self.ctx))
         self.n_batch = s.batch
         self._batch = lc.llama_batch_init(self.n_batch, 0, self.n_seq_max)
+        # log-softmax between decodes on as many threads as the model (llama-perplexity uses every core)
+        self._scorers = ThreadPoolExecutor(max_workers=cparams.n_threads, thread_name_prefix="qeval-logsoftmax")
 
     # -- vocab -----------------------------------------------------------------------------------
     def tokenize(self, text: str) -> np.ndarray:
@@ -489,13 +554,17 @@ class TaskModel:
             out_keys = [t.key for t in piece if t.output]
             if not out_keys:
                 continue
+            # llama.cpp's own buffer, read in place: valid until the next decode
             logits = np.ctypeslib.as_array(lc.llama_get_logits(self.ctx), shape=(len(out_keys), self.n_vocab))
-            rows = [r for r, key in enumerate(out_keys) if key in needed]
-            targets = [sorted(needed[out_keys[r]]) for r in rows]
-            for r, tg, lp in zip(rows, targets, log_softmax_at(logits[rows], targets)):
-                logprobs[out_keys[r]] = dict(zip(tg, lp))
+            targets = [sorted(needed.get(key, ())) for key in out_keys]
+            for key, tg, lp in zip(out_keys, targets, log_softmax_at(logits, targets, self._scorers)):
+                if tg:
+                    logprobs[key] = dict(zip(tg, lp))
 
     def close(self) -> None:
+        if getattr(self, "_scorers", None) is not None:
+            self._scorers.shutdown()
+            self._scorers = None
         free_llama(self)
 
     def __enter__(self):
@@ -508,12 +577,3 @@ class TaskModel:
 def plan_tasks(model: TaskModel, tasks: TaskSet, order: list[int]) -> list[ItemPlan]:
     s = model.settings
     return [plan_item(tasks.kind, tasks.items[i], model.tokenize, tasks.source, s.layout, s.n_ctx) for i in order]
-
-
-def iter_scores(model: TaskModel, kind: str, plans: list[ItemPlan], groups: list[list[int]]
-                ) -> Iterator[list[ChoiceScores]]:
-    """The ChoiceScores of every batch in `groups`, batch by batch."""
-    for group in groups:
-        yield model.decode_group(kind, plans, group)
-
-
