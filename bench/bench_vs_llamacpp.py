@@ -71,6 +71,7 @@ def main() -> None:
     ap.add_argument("--ngl", type=int, default=0, help="-ngl for both tools (needs GPU builds of both)")
     ap.add_argument("--repeat", type=int, default=3, help="runs of each tool per task, alternating; medians")
     ap.add_argument("--no-rss", action="store_true", help="skip the capture peak-RSS runs at 4 and 80 chunks")
+    ap.add_argument("--no-live", action="store_true", help="measure the reference capture only")
     ap.add_argument("--out", default="bench/results/vs_llamacpp.json")
     args = ap.parse_args()
     lp, paths, work, corpus = llamacpp_setup("qeval-bench-")
@@ -91,8 +92,9 @@ def main() -> None:
         return {"wall_s": w, "peak_rss_bytes": r, "file_bytes": base.stat().st_size, **llama_numbers(text)}
 
     def qeval_reference() -> dict:
+        (runs / "Q8_0.qeval").unlink(missing_ok=True)  # a complete store of the same capture would be reused
         w, r, _ = timed([*qeval, "capture", str(paths["Q8_0"]), "--label", "Q8_0", "--corpus", str(corpus), "-c",
-                         "512", "--chunks", str(args.chunks), "-t", str(args.threads), *batching, "--force",
+                         "512", "--chunks", str(args.chunks), "-t", str(args.threads), *batching,
                          "--runs-dir", str(runs)])
         ppl = json.loads(subprocess.run([*qeval, "ppl", "Q8_0", "--json", "--runs-dir", str(runs)],
                                         capture_output=True, text=True, check=True).stdout)
@@ -102,7 +104,8 @@ def main() -> None:
     ll, q = alternate(args.repeat, llamacpp_reference, qeval_reference)
     out["reference"] = {"llamacpp": ll, "qeval": q, "time_ratio": q["wall_s"] / ll["wall_s"]}
 
-    for name, model, kv in (("Q2_K", paths["Q2_K"], None), ("Q8_0+kv-q4_0", paths["Q8_0"], "q4_0")):
+    pairs = () if args.no_live else (("Q2_K", paths["Q2_K"], None), ("Q8_0+kv-q4_0", paths["Q8_0"], "q4_0"))
+    for name, model, kv in pairs:
         kv_args = ["-ctk", kv, "-ctv", kv, "-fa", "on"] if kv else []
 
         def llamacpp_live() -> dict:
