@@ -47,6 +47,11 @@ def test_live_candidate_in_pieces_equals_its_saved_store(models, runs):
         assert saved.header.scoring == "all" and all(len(p) == 4 for p in saved.chunk_pieces.values())
     assert live["kld"]["mean"] == stored["kld"]["mean"] > 0
     assert [b["n"] for b in live["by_depth"]] == [256, 256, 511]
+    # not saved: uncoded rows against a reference read piece by piece, the same figures within the code's floor
+    uncoded, _ = api.kld_report("ref", str(models["Q4_K_M"]), runs_dir=runs, bands="256,512")
+    assert uncoded["scored_tokens"] == stored["scored_tokens"] == N_CTX - 1
+    assert uncoded["kld"]["mean"] == pytest.approx(stored["kld"]["mean"], abs=2e-6)
+    assert uncoded["same_top1"] == stored["same_top1"]
     # (one window: a band within one 256-position block has no cluster-robust SE, NaN on both sides)
     assert json.dumps(live["by_depth"]) == json.dumps(stored["by_depth"])
     assert "By depth" in text
