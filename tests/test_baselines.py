@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+from pathlib import Path
 
 import pytest
 from conftest import REPO, assert_cli_error, run_cli
@@ -29,6 +30,28 @@ def test_shipped_baselines_load():
         for e in b.entries:
             assert e.quote or _measured_by_qeval(e), f"{path.name}: {e.id} quotes no source line"
             assert e.model
+
+
+@pytest.mark.slow
+def test_baselines_ship_in_a_wheel_install(tmp_path):
+    """`pip install .` (not editable) copies the package out of the checkout: the baselines go with it."""
+    import os
+    import subprocess
+    import sys
+
+    target = tmp_path / "site"
+    build = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target),
+                            str(REPO)], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-2000:]
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    env.pop(baselines.BASELINES_ENV, None)
+    where = subprocess.run([sys.executable, "-c", "import qeval; print(qeval.__file__)"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, check=True)
+    assert Path(where.stdout.strip()).is_relative_to(target)  # the installed copy, not the checkout
+    shown = subprocess.run([sys.executable, "-m", "qeval", "baseline", "show"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True)
+    assert shown.returncode == 0, shown.stderr
+    assert all(path.stem in shown.stdout for path in FILES)
 
 
 def _measured_by_qeval(entry) -> bool:

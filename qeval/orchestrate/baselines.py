@@ -13,6 +13,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 
 from qeval import __version__
@@ -71,11 +72,12 @@ class Baseline:
 # finding and loading
 # --------------------------------------------------------------------------------------------------
 def baseline_dirs() -> list[Path]:
-    """$QEVAL_BASELINES_DIR, then the checkout's baselines/ folder."""
+    """$QEVAL_BASELINES_DIR, then the shipped baselines/ folder (package data: qeval.baselines, so a wheel
+    install finds it as a checkout does)."""
     dirs = []
     if os.environ.get(BASELINES_ENV):
         dirs.append(Path(os.environ[BASELINES_ENV]))
-    dirs.append(Path(__file__).resolve().parents[2] / "baselines")
+    dirs.append(Path(str(resources.files("qeval.baselines"))))
     return dirs
 
 

@@ -1,0 +1,1 @@
+"""Published numbers shipped with qeval (installed as the package qeval.baselines; schema in SCHEMA.md)."""
