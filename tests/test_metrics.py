@@ -16,6 +16,7 @@ from conftest import SlowSeekFile, decoded_logprobs, kld64, log_softmax64, make_
 
 from qeval import api
 from qeval.compare import metrics
+from qeval.errors import QevalError
 from qeval.present import report
 from qeval.storage.store import StoreReader
 
@@ -233,3 +234,59 @@ def test_cli_info_on_an_incomplete_store(tmp_path):
     res = run_cli("info", store.path)
     assert res.returncode == 0, res.stderr
     assert "INCOMPLETE" in res.stdout and "1 of 3 chunks" in res.stdout
+
+
+class RowsChunk:
+    """A live candidate's chunk as LiveLogitsChunk hands it over: float32 rows in decode calls of `per_call`."""
+
+    def __init__(self, index: int, logits: np.ndarray, per_call: int):
+        self.index, self.logits, self.per_call, self.n_tokens = index, logits, per_call, len(logits)
+
+    def iter_logits(self):
+        for start in range(0, self.n_tokens, self.per_call):
+            rows = self.logits[start:start + self.per_call]
+            yield start, rows[:2], len(rows) <= 2  # a call's rows may come in more than one piece
+            if len(rows) > 2:
+                yield start + 2, rows[2:], True
+
+
+class RowsSource:
+    """Read like LiveSource with coding off: every chunk's rows from `logits`."""
+
+    live = complete = True
+
+    def __init__(self, store: StoreReader, logits: dict, per_call: int = 3):
+        self.header, self.tokens, self.lut, self.path = store.header, store.tokens, store.lut, "(rows)"
+        self.chunk_indices, self.logits, self.per_call = store.chunk_indices, logits, per_call
+
+    def read_chunk(self, index: int) -> RowsChunk:
+        return RowsChunk(index, self.logits[index].astype(np.float32), self.per_call)
+
+
+def test_uncoded_candidate_rows_match_float64(tmp_path):
+    """The reference's codes against a live candidate's float32 rows (never coded), streamed in decode calls
+    on a kernel pool: KLD as float64 computes it from the decoded reference and the candidate's own rows."""
+    pair = make_pair(tmp_path, seed=31, n_chunks=3, n_ctx=16, n_vocab=3000)
+    with StoreReader(pair.ref.path) as ref:
+        cmp = metrics.compare(ref, RowsSource(ref, pair.cand.logits), threads=2)
+    t = cmp.per_token
+    floor = float(ref.lut[0])
+    for c in sorted(pair.ref.logits):
+        rows = t["chunk"] == c
+        lp = decoded_logprobs(pair.ref.chunks[c].codes(3000), pair.ref.lut)
+        x = pair.cand.logits[c].astype(np.float32).astype(np.float64)
+        lq = log_softmax64(np.maximum(x - x.max(axis=1, keepdims=True), floor))
+        np.testing.assert_allclose(t["kld"][rows], kld64(lp, lq), rtol=1e-5, atol=1e-10)
+        tgt = pair.ref.targets(c)
+        np.testing.assert_allclose(t["nll_cand"][rows], -log_softmax64(x)[np.arange(len(tgt)), tgt], atol=1e-6)
+        np.testing.assert_array_equal(t["same_top1"][rows], lp.argmax(axis=1) == x.argmax(axis=1))
+    assert t["kld"].mean() > 1e-3
+
+
+def test_uncoded_candidate_with_nan_logits_is_one_message(tmp_path):
+    pair = make_pair(tmp_path, seed=32, n_chunks=2, n_ctx=16, n_vocab=500)
+    bad = {c: x.copy() for c, x in pair.cand.logits.items()}
+    bad[1][3, 7] = np.nan
+    with StoreReader(pair.ref.path) as ref:
+        with pytest.raises(QevalError, match="chunk 1: the candidate model produced invalid logits"):
+            metrics.compare(ref, RowsSource(ref, bad), threads=2)

@@ -8,7 +8,7 @@ token) are kept for percentiles and for `--per-token`.
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -160,12 +160,21 @@ class KernelRunner:
             return
         self._pending.append(self.pool.submit(fn, *args))
         if len(self._pending) >= self.in_flight:
-            self._pending.pop(0).result()
+            self._result(self._pending.pop(0))
 
     def drain(self) -> None:
-        pending, self._pending = self._pending, []
-        for future in pending:
+        while self._pending:
+            self._result(self._pending.pop(0))
+
+    def _result(self, future) -> None:
+        """The task's outcome; when it failed, the others are waited for first: none may go on reading a
+        buffer (a live model's logits, a decompressed block) that the caller frees or reuses."""
+        try:
             future.result()
+        except BaseException:
+            wait(self._pending)
+            self._pending = []
+            raise
 
 
 def plane_sums(ref: ChunkData, cand: ChunkData, ref_tables, cand_tables, n_vocab: int, sums: np.ndarray,
@@ -298,13 +307,15 @@ def compare(ref: LogitSource, cand: LogitSource, n_chunks: int | None = None, th
                              ref_tables, cand_tables, n_vocab, kernel_pool, prepared)
 
     parts = []
-    with ThreadPoolExecutor(max_workers=1 if live else threads) as pool:
-        for part in bounded_map(pool, one, chunks, 1 if live else 2 * threads):
-            parts.append(part)
-            if on_chunk:
-                on_chunk(1)
-    if kernel_pool is not None:
-        kernel_pool.shutdown()
+    try:
+        with ThreadPoolExecutor(max_workers=1 if live else threads) as pool:
+            for part in bounded_map(pool, one, chunks, 1 if live else 2 * threads):
+                parts.append(part)
+                if on_chunk:
+                    on_chunk(1)
+    finally:  # also on an error: no kernel may outlive the live model whose logits it reads
+        if kernel_pool is not None:
+            kernel_pool.shutdown(wait=True, cancel_futures=True)
     fields = (*PER_TOKEN_FIELDS, *(sampler.columns_of(prepared.samplers) if prepared else ()))
     per_token = {k: np.concatenate([p[k] for p in parts]) for k in fields}
     return Comparison(ref, cand, chunks, per_token)
