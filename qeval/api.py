@@ -1,99 +1,31 @@
-"""The Python API behind every CLI command (notebooks and tests use it too).
+"""The Python API behind every CLI command (notebooks and tests use it too): the one facade between
+the command line and the stages below it (qeval.orchestrate and what it drives).
 
-Each *_report function returns (result dict, text) so the CLI only chooses how to print.
+Each *_report function returns (result dict, text) so the CLI only chooses how to print. The names the
+command line needs beyond them (settings types, the gate's metric options) are re-exported here, so that
+qeval.cli imports nothing but this module (an import contract, tests/test_layers.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
-from typing import Iterator
 
-from qeval.capture.capture import CaptureSpec, capture, open_live
-from qeval.capture.engine import EngineSettings, available_cores
-from qeval.compare import depth, metrics, sampler
+from qeval.capture.capture import CaptureSpec, capture
+from qeval.capture.engine import EngineSettings, fixed_mmap_threshold  # noqa: F401 - re-exported for the CLI
+from qeval.capture.taskscore import TaskSettings  # noqa: F401 - re-exported for the CLI
+from qeval.compare import depth, metrics
 from qeval.errors import QevalError
 from qeval.orchestrate import matrix
 from qeval.orchestrate.distributed import as_executor
-from qeval.orchestrate.matrix import pair_label, pair_settings, parse_model_arg  # noqa: F401 - public here as before
+from qeval.orchestrate.matrix import TaskRequest, pair_label, pair_settings, parse_model_arg  # noqa: F401 - public
+from qeval.orchestrate.sources import compare, is_model_file, open_source  # noqa: F401 - public here as before
 from qeval.present import report, results
+from qeval.present.progress import PlannedProgress, progress_bar
 from qeval.storage import runs
 from qeval.storage.llamacpp import import_llamacpp
 from qeval.storage.scoring import Scoring
 from qeval.storage.store import StoreReader
-
-
-@contextlib.contextmanager
-def progress_bar(description: str, total: int | None, enabled: bool = True) -> Iterator:
-    """Yield advance(n) for a rich progress bar on stderr (no-op when disabled)."""
-    if not enabled:
-        yield lambda n=1: None
-        return
-    from rich.console import Console  # noqa: PLC0415
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,  # noqa: PLC0415
-    )
-
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("eta"), TimeRemainingColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=False) as bar:
-        task = bar.add_task(description, total=total)
-        yield lambda n=1: bar.advance(task, n)
-
-
-def open_source(spec: str, runs_dir: str | os.PathLike | None = None):
-    return runs.open_source(spec, runs.runs_dir(runs_dir))
-
-
-def is_model_file(spec: str) -> bool:
-    path = Path(spec)
-    if path.suffix.lower() == ".gguf":
-        return True
-    try:
-        with open(path, "rb") as fh:
-            return fh.read(4) == b"GGUF"
-    except OSError:
-        return False
-
-
-def compare(ref: str, cand: str, chunks: int | None = None, runs_dir=None, threads: int | None = None,
-            settings: EngineSettings = EngineSettings(), save: str | None = None,
-            progress: bool = False, on_chunk=None, force: bool = False, samplers=()) -> metrics.Comparison:
-    """Compare a candidate (store, label, llama.cpp file, or a GGUF model run live) with a reference.
-
-    save: keep a live candidate's store under this label; a store there that holds another capture is
-    refused, or replaced with `force`. samplers: presets or settings strings (qeval.compare.sampler, e.g.
-    "qwen3.5-thinking", "temp=0.6,top_k=20,top_p=0.95,min_p=0"): divergence after each sampler, same pass."""
-    samplers = sampler.parse_all(samplers)  # a bad sampler is refused before any work
-    directory = runs.runs_dir(runs_dir)
-    with contextlib.ExitStack() as stack:
-        ref_src = stack.enter_context(contextlib.closing(runs.open_source(ref, directory)))
-        if is_model_file(cand):
-            save_path = None
-            if save:
-                directory.mkdir(parents=True, exist_ok=True)
-                save_path = runs.store_path(save, directory)
-            engine, cand_src = open_live(cand, ref_src, chunks, settings, save or Path(cand).stem, save_path,
-                                         replace=force, coded=any(not s.greedy for s in samplers))
-            stack.callback(engine.close)
-            stack.callback(cand_src.close)
-        else:
-            if save:
-                raise QevalError("--save only applies when the candidate is a GGUF model run live")
-            cand_src = stack.enter_context(contextlib.closing(runs.open_source(cand, directory)))
-        n = len(metrics.select_chunks(ref_src, cand_src, chunks))
-        with progress_bar("comparing chunks", n, progress and on_chunk is None) as advance:
-            result = metrics.compare(ref_src, cand_src, chunks, threads=threads or available_cores(),
-                                     on_chunk=on_chunk or advance, samplers=samplers)
-        if getattr(cand_src, "writer", None) is not None:
-            cand_src.writer.finish()
-        return result
 
 
 def kld_report(ref: str, cand: str, chunks: int | None = None, runs_dir=None, threads: int | None = None,
@@ -172,16 +104,8 @@ def capture_store(model: str, label: str, runs_dir=None, out: str | None = None,
                        chunk_range=chunk_range, settings=settings, replace=force, scoring=Scoring.parse(scoring).rule,
                        concat=concat)
     with contextlib.ExitStack() as stack:
-        state = {}
-
-        def on_plan(total: int, done: int) -> None:
-            if on_chunk is not None:
-                state["advance"] = on_chunk
-            else:
-                state["advance"] = stack.enter_context(progress_bar(f"capturing {label}", total, progress))
-            state["advance"](done)
-
-        result = capture(spec, on_chunk=lambda n: state["advance"](n), on_plan=on_plan)
+        bar = PlannedProgress(stack, f"capturing {label}", progress, on_chunk)
+        result = capture(spec, on_chunk=bar.advance, on_plan=bar.on_plan)
     return {"path": str(result.path), "status": result.status, "chunks": result.chunks_total,
             "chunks_written": result.chunks_written, "seconds": result.seconds}, result.summary_line()
 
@@ -260,16 +184,10 @@ def task_capture_report(model: str, task: str, kind: str | None = None, limit: i
     from qeval.orchestrate import tasks  # noqa: PLC0415
 
     with contextlib.ExitStack() as stack:
-        state = {}
-
-        def on_plan(total: int, done: int) -> None:
-            state["advance"] = stack.enter_context(progress_bar(f"scoring tasks ({label or Path(model).stem})",
-                                                                total, progress))
-            state["advance"](done)
-
+        bar = PlannedProgress(stack, f"scoring tasks ({label or Path(model).stem})", progress)
         return tasks.capture_tasks(model, task, kind=kind, limit=limit, label=label, runs_dir=runs_dir, out=out,
-                                   settings=settings or TaskSettings(), force=force, on_plan=on_plan,
-                                   on_tasks=lambda n: state["advance"](n), hf_loader=hf_loader)
+                                   settings=settings or TaskSettings(), force=force, on_plan=bar.on_plan,
+                                   on_tasks=bar.advance, hf_loader=hf_loader)
 
 
 def task_show_report(store: str, runs_dir=None, task: str | None = None) -> tuple[dict, str]:
@@ -285,3 +203,70 @@ def flips_report(ref: str, cand: str, runs_dir=None, task: str | None = None, bi
     from qeval.orchestrate import tasks  # noqa: PLC0415
 
     return tasks.flips_report(ref, cand, runs_dir, task, bins, max_listed)
+
+
+# --- stores from shards, leaderboards, paired comparison, release gate, baselines ------------------------------
+def merge_report(parts: list[Path], out: Path, label: str | None = None, progress: bool = False) -> tuple[dict, str]:
+    """Assemble one complete store from shards of a capture (qeval.orchestrate.merge)."""
+    from qeval.orchestrate.merge import merge_report as merge  # noqa: PLC0415
+
+    return merge(parts, out, label=label, progress=progress)
+
+
+def leaderboard_report(runs: list[Path], out: Path, title: str | None = None):
+    """The leaderboard of saved results, written under `out` (markdown, CSV, JSON, HTML, plots)."""
+    from qeval.present import leaderboard  # noqa: PLC0415 - matplotlib loads only for boards
+
+    return leaderboard.leaderboard(runs, out=out, title=title)
+
+
+def paired_report(ref: str, cand_a: str, cand_b: str, chunks: int | None = None, runs_dir=None, method: str = "t",
+                  progress: bool = False, depth: str | None = None, samplers=()) -> tuple[dict, str]:
+    """Is A really better than B? Paired differences on the same reference tokens (qeval.orchestrate.paired)."""
+    from qeval.orchestrate import paired  # noqa: PLC0415
+
+    return paired.paired_report(ref, cand_a, cand_b, chunks=chunks, runs_dir=runs_dir, method=method,
+                                progress=progress, depth=depth, samplers=samplers)
+
+
+def check_report(ref: str, cand: str, chunks: int | None = None, runs_dir=None, baseline: str | None = None,
+                 baseline_entry: str | None = None, baseline_metrics=None, progress: bool = False,
+                 depth: str | None = None, samplers=(), **limits) -> tuple[dict, str, bool]:
+    """Release gate (qeval.orchestrate.gate): (result, text, passed)."""
+    from qeval.orchestrate import gate  # noqa: PLC0415
+
+    return gate.check_report(ref, cand, chunks=chunks, runs_dir=runs_dir, baseline=baseline,
+                             baseline_entry=baseline_entry, baseline_metrics=baseline_metrics, progress=progress,
+                             depth=depth, samplers=samplers, **limits)
+
+
+def threshold_options() -> list[tuple[str, str, str]]:
+    """(keyword, option, help) of each --max-…/--min-… threshold `check` takes, one per gated metric."""
+    from qeval.compare import metric_registry  # noqa: PLC0415
+    from qeval.orchestrate import gate  # noqa: PLC0415
+
+    return [(gate.keyword(m), gate.option(m), gate.option_help(m)) for m in metric_registry.gated()]
+
+
+def baseline_show_report(name: str | None = None, run: str | None = None, entry: str | None = None
+                         ) -> tuple[dict, str]:
+    """A baseline's table (or the list of baselines), optionally with a saved result beside it."""
+    from qeval.orchestrate import baselines  # noqa: PLC0415
+
+    return baselines.show_report(name, run, entry)
+
+
+def baseline_from_result(result: Path, out: Path, title: str | None = None, entry: str | None = None) -> str:
+    """Turn a saved result into a baseline file for `check --baseline`; returns what was written."""
+    from qeval.orchestrate import baselines  # noqa: PLC0415
+
+    return baselines.result_to_baseline_file(result, out, title, entry)
+
+
+def ray_executor(address: str | None = None, gpus_per_task: float = 0, cpus_per_task: float = 1,
+                 shard_chunks: int = 1):
+    """The Ray executor `matrix_report(executor=...)` takes (Ray is optional: imported only here)."""
+    from qeval.orchestrate.distributed import RayExecutor  # noqa: PLC0415
+
+    return RayExecutor(address=address, gpus_per_task=gpus_per_task, cpus_per_task=cpus_per_task,
+                       shard_chunks=shard_chunks)

@@ -11,11 +11,8 @@ from typing import Optional
 import typer
 
 from qeval import __version__, api
-from qeval.capture.engine import EngineSettings, fixed_mmap_threshold
-from qeval.compare import metric_registry
+from qeval.api import EngineSettings, TaskRequest, TaskSettings
 from qeval.errors import QevalError
-from qeval.orchestrate import gate
-from qeval.orchestrate.matrix import TaskRequest
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Measure how much quantization hurts a GGUF model: PPL, KL divergence, same-top-1.")
@@ -203,10 +200,7 @@ def matrix(
     kv_types = [k.strip() for k in kv.split(",") if k.strip()]
     run_on = None
     if executor == "ray":
-        from qeval.orchestrate.distributed import RayExecutor  # noqa: PLC0415 - Ray is optional
-
-        run_on = RayExecutor(address=address, gpus_per_task=gpus_per_task, cpus_per_task=cpus_per_task,
-                             shard_chunks=shard_chunks)
+        run_on = api.ray_executor(address, gpus_per_task, cpus_per_task, shard_chunks)
     elif executor != "local":
         raise QevalError(f"--executor must be local or ray, not {executor!r}")
     elif address is not None or gpus_per_task or cpus_per_task != 1 or shard_chunks != 1:
@@ -229,11 +223,9 @@ def merge_cmd(
     as_json: bool = Json,
 ):
     """Assemble one complete store from shards of a capture (chunks copied as they are, never re-encoded)."""
-    from qeval.orchestrate.merge import merge_report  # noqa: PLC0415
-
     if len(paths) < 2:
         raise QevalError("give the parts and then the output: qeval merge PART... OUT")
-    result, text = merge_report(paths[:-1], paths[-1], label=label, progress=True)
+    result, text = api.merge_report(paths[:-1], paths[-1], label=label, progress=True)
     _emit(result, text, as_json)
 
 
@@ -257,9 +249,7 @@ def leaderboard_cmd(
     title: Optional[str] = typer.Option(None, "--title", help="Page and markdown heading."),
 ):
     """Leaderboard of saved results: markdown for a model card, CSV, JSON, HTML page and plots (PNG + SVG)."""
-    from qeval.present import leaderboard  # noqa: PLC0415 - matplotlib loads only for this command
-
-    board = leaderboard.leaderboard(run, out=out, title=title)
+    board = api.leaderboard_report(run, out=out, title=title)
     typer.echo(board.markdown())
     typer.echo("wrote " + ", ".join(str(p) for p in board.paths.values()))
 
@@ -283,12 +273,10 @@ def compare_cmd(
     runs_dir: Optional[Path] = RunsDir,
 ):
     """Is A really better than B? Paired KLD/NLL/top-1 differences on the same reference tokens, with CIs."""
-    from qeval.orchestrate import paired  # noqa: PLC0415
-
     if len(cand) != 2:
         raise QevalError(f"give exactly two candidates: --cand A --cand B (got {len(cand)})")
-    result, text = paired.paired_report(ref, cand[0], cand[1], chunks=chunks, runs_dir=runs_dir, method=method,
-                                        progress=True, depth=depth, samplers=sampler or ())
+    result, text = api.paired_report(ref, cand[0], cand[1], chunks=chunks, runs_dir=runs_dir, method=method,
+                                     progress=True, depth=depth, samplers=sampler or ())
     _emit(result, text, as_json)
 
 
@@ -297,10 +285,9 @@ def _with_thresholds(command):
     after --cand; their values reach it as keyword arguments (**limits)."""
     declared = inspect.signature(command, eval_str=True).parameters.values()
     params = [p for p in declared if p.kind != p.VAR_KEYWORD]
-    thresholds = [inspect.Parameter(gate.keyword(m), inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                    default=typer.Option(None, gate.option(m), help=gate.option_help(m)),
-                                    annotation=Optional[float])
-                  for m in metric_registry.gated()]
+    thresholds = [inspect.Parameter(keyword, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                    default=typer.Option(None, option, help=help_text), annotation=Optional[float])
+                  for keyword, option, help_text in api.threshold_options()]
     after_cand = [p.name for p in params].index("cand") + 1
     command.__signature__ = inspect.Signature(params[:after_cand] + thresholds + params[after_cand:])
     return command
@@ -322,9 +309,9 @@ def check_cmd(
     **limits: Optional[float],
 ):
     """Release gate: exit 0 if every check passes, 1 if one fails beyond its error bars, 2 on bad input."""
-    result, text, passed = gate.check_report(ref, cand, chunks=chunks, runs_dir=runs_dir, baseline=baseline,
-                                             baseline_entry=baseline_entry, baseline_metrics=baseline_metric,
-                                             progress=True, depth=depth, samplers=sampler or (), **limits)
+    result, text, passed = api.check_report(ref, cand, chunks=chunks, runs_dir=runs_dir, baseline=baseline,
+                                            baseline_entry=baseline_entry, baseline_metrics=baseline_metric,
+                                            progress=True, depth=depth, samplers=sampler or (), **limits)
     _emit(result, text, as_json)
     raise typer.Exit(0 if passed else 1)
 
@@ -341,9 +328,7 @@ def baseline_show(
     as_json: bool = Json,
 ):
     """Print a baseline's table (or list the baselines), optionally with a qeval result beside it."""
-    from qeval.orchestrate import baselines  # noqa: PLC0415
-
-    result, text = baselines.show_report(name, str(run) if run else None, entry)
+    result, text = api.baseline_show_report(name, str(run) if run else None, entry)
     _emit(result, text, as_json)
 
 
@@ -355,9 +340,7 @@ def baseline_from_result_cmd(
     entry: Optional[str] = typer.Option(None, "--entry", help="Entry id (default: the candidate's label)."),
 ):
     """Turn a qeval result into a baseline file (for `qeval check --baseline`)."""
-    from qeval.orchestrate import baselines  # noqa: PLC0415
-
-    typer.echo(baselines.result_to_baseline_file(result, out, title, entry))
+    typer.echo(api.baseline_from_result(result, out, title, entry))
 
 
 # --- task accuracy and answer flips (qeval.orchestrate.tasks) ---------------------------------------------------
@@ -391,8 +374,6 @@ def tasks_capture(
     runs_dir: Optional[Path] = RunsDir,
 ):
     """Score every choice of a task set with a model, as llama-perplexity does; resumable."""
-    from qeval.capture.taskscore import TaskSettings  # noqa: PLC0415
-
     settings = TaskSettings(EngineSettings(type_k, type_v, flash_attn, n_gpu_layers, threads), ctx, parallel, batch,
                             ubatch, layout)
     result, text = api.task_capture_report(model, task, kind=kind, limit=limit, label=label, runs_dir=runs_dir,
@@ -430,7 +411,7 @@ def flips_cmd(
 
 def main(argv: list[str] | None = None) -> None:
     """The `qeval` command; `argv` (default sys.argv[1:]) lets tests run it in-process."""
-    fixed_mmap_threshold()  # flat peak RSS over long runs (see qeval.capture.engine)
+    api.fixed_mmap_threshold()  # flat peak RSS over long runs (see qeval.capture.engine)
     try:
         app(args=argv)
     except QevalError as exc:

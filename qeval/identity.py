@@ -63,12 +63,11 @@ def producer(header) -> dict:
             "n_ubatch": header.capture.get("n_ubatch", n_batch), "codec": header.codec, "scoring": header.scoring}
 
 
-def planned_producer(model: str, settings, n_ctx: int, codec: dict, scoring: str = "half") -> dict:
-    """producer() of the store a run of GGUF `model` with EngineSettings `settings` would write."""
-    from qeval.capture.modelinfo import model_facts  # noqa: PLC0415 - the store layer does not need gguf
-
+def planned_producer(model_facts: dict, settings, n_ctx: int, codec: dict, scoring: str = "half") -> dict:
+    """producer() of the store a run of the GGUF model whose facts (qeval.capture.modelinfo.model_facts) are
+    `model_facts`, with EngineSettings `settings`, would write."""
     n_batch, n_ubatch = settings.batch_sizes(n_ctx)
-    planned = {"model": model_identity(model_facts(model), "qeval", ""), "kv": settings.as_json(), "n_ctx": n_ctx,
+    planned = {"model": model_identity(model_facts, "qeval", ""), "kv": settings.as_json(), "n_ctx": n_ctx,
                "n_batch": n_batch, "n_ubatch": n_ubatch, "codec": codec, "scoring": scoring}
     return json.loads(json.dumps(planned))  # as a header read back from its file holds it (no tuples)
 

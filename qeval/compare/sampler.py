@@ -72,8 +72,8 @@ import numpy as np
 
 from qeval.compare import stats
 from qeval.errors import QevalError
+from qeval.storage.store import N_CODES
 
-N_CODES = 65536
 BLOCK = 64  # entries per block whose OR of high bytes decides whether the selection reads it
 OPEN_START = 256  # first candidate count of a sampler without top_k (grown x8 until its cut is inside)
 

@@ -247,14 +247,14 @@ def _setting_notes(entry: baselines.Entry, summary: dict) -> list[str]:
 
 def _pick_early(base: baselines.Baseline, ref: str, cand: str, runs_dir) -> None:
     """Refuse an ambiguous or unmatched baseline from the stores' headers, before a long comparison."""
-    from qeval import api  # noqa: PLC0415
+    from qeval.orchestrate import sources  # noqa: PLC0415 - sources imports the capture engine
     from qeval.present import report  # noqa: PLC0415
 
-    if is_result_spec(cand) or api.is_model_file(cand):
+    if is_result_spec(cand) or sources.is_model_file(cand):
         return  # a saved result is read at once; a live model's quant is known only once loaded
     try:
-        with contextlib.closing(api.open_source(ref, runs_dir)) as r, \
-                contextlib.closing(api.open_source(cand, runs_dir)) as c:
+        with contextlib.closing(sources.open_source(ref, runs_dir)) as r, \
+                contextlib.closing(sources.open_source(cand, runs_dir)) as c:
             head = {"reference": report.describe(r), "candidate": report.describe(c)}
     except QevalError:
         return  # the comparison itself reports bad stores

@@ -18,6 +18,7 @@ from typing import Callable
 from qeval import identity
 from qeval.capture.capture import CaptureSpec, capture, open_live
 from qeval.capture.engine import EngineSettings, available_cores
+from qeval.capture.modelinfo import model_facts
 from qeval.capture.taskfiles import load_tasks
 from qeval.capture.taskscore import TaskSettings
 from qeval.compare import metrics, sampler
@@ -155,7 +156,7 @@ def plan_pair(ref_store, n_chunks: int, label: str, model: str, settings: Engine
     the open reference store over its first n_chunks chunks, from what `directory` holds: its result, and its
     store."""
     try:
-        planned = identity.planned_producer(model, settings, ref_store.header.n_ctx, SqrtLogCode().params(),
+        planned = identity.planned_producer(model_facts(model), settings, ref_store.header.n_ctx, SqrtLogCode().params(),
                                                    ref_store.header.scoring)
     except (QevalError, OSError):
         return PairPlan(label, model, settings, RUN_LIVE, samplers=samplers)  # running it says what is wrong

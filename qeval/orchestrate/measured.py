@@ -1,5 +1,5 @@
 """One candidate measured against a reference, whichever way it arrives: computed now from stores
-(through `api.compare`) or loaded from a saved result (`RUNS_DIR/results/<cand>.vs.<ref>.json`).
+(through `sources.compare`) or loaded from a saved result (`RUNS_DIR/results/<cand>.vs.<ref>.json`).
 
 Paired comparisons (`qeval compare`) and release gates (`qeval check`) both start here.
 """
@@ -39,10 +39,10 @@ def measure(ref: str, cand: str, chunks: int | None = None, runs_dir: str | os.P
                              f"--ref {res.ref_label} --cand {res.label} "
                              f"{' '.join('--sampler ' + s for s in samplers)} --save-result)")
         return res
-    from qeval import api  # noqa: PLC0415 - api imports the capture engine
-    from qeval.present import report  # noqa: PLC0415 - api imports the capture engine
+    from qeval.orchestrate import sources  # noqa: PLC0415 - sources imports the capture engine
+    from qeval.present import report  # noqa: PLC0415
 
-    cmp = api.compare(ref, cand, chunks, runs_dir, threads=threads, progress=progress, samplers=samplers)
+    cmp = sources.compare(ref, cand, chunks, runs_dir, threads=threads, progress=progress, samplers=samplers)
     return Measured(report.comparison_json(cmp), cmp.per_token, None).at_depth(depth)
 
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from qeval.errors import QevalError, StoreFormatError
 from qeval.identity import capture_identity, short
+from qeval.present.progress import progress_bar
 from qeval.storage.store import StoreReader, StoreWriter, sync_dir
 
 TMP_SUFFIX = ".merging"
@@ -144,8 +145,6 @@ def _copy(ordered: list[StoreReader], tmp: Path, header, on_chunk) -> None:
 
 def merge_report(parts: Sequence[str | os.PathLike], out: str | os.PathLike, label: str | None = None,
                  progress: bool = False) -> tuple[dict, str]:
-    from qeval.api import progress_bar  # noqa: PLC0415
-
     total = 0
     for p in parts:
         with contextlib.suppress(QevalError):
