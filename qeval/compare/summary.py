@@ -32,7 +32,7 @@ def kv_text(kv: dict | None, same_once: bool = False) -> str:
     its own or the same (a baseline file's "kv": "q8_0")."""
     kv = kv or {}
     k, v = kv.get("type_k", "?"), kv.get("type_v", "?")
-    return k if same_once and v in (None, k) else f"{k}/{v}"
+    return k if same_once and kv.get("type_v") in (None, k) else f"{k}/{v}"
 
 
 @dataclass
