@@ -3,7 +3,7 @@ columns, how it prints, and whether `qeval check` and `qeval compare` use it.
 
 A metric's key is its one name in every output: the "metrics" block of a comparison's JSON (and so of saved
 results), leaderboard columns, baseline files (baselines/SCHEMA.md), `qeval check` lines and `qeval compare`
-differences. qeval.present.report, qeval.present.leaderboard, qeval.orchestrate.baselines, qeval.orchestrate.gate and qeval.orchestrate.paired iterate METRICS
+differences. qeval.present (report, board, text of gates, baselines and paired comparisons) and qeval.orchestrate iterate METRICS
 and spell no metric out. Beside "metrics", a comparison's JSON keeps llama-perplexity's statistics blocks
 (perplexity, kld, kld_reverse, delta_p, same_top1, topK_agreement: ladders, correlation) that its text
 layout prints.
@@ -15,7 +15,7 @@ Sampler metrics (qeval.compare.sampler) are a family per sampler, made by sample
 "<metric>@<sampler name>" (tvd_pct@qwen3.5-thinking): a comparison computed with `--sampler` holds them in
 its "metrics" block, lookup() finds them, `qeval compare` pairs the TVD, and SAMPLER_GATES holds the `qeval check`
 thresholds that apply to every sampler (--max-tvd); a leaderboard shows the board ones (the mean TVD) of every
-sampler all its results hold (qeval.present.report.common_samplers). They are not in METRICS: baseline files
+sampler all its results hold (qeval.present.board.common_samplers). They are not in METRICS: baseline files
 do not know them.
 """
 
