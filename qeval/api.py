@@ -15,6 +15,7 @@ from qeval.capture.capture import CaptureSpec, capture
 from qeval.capture.engine import EngineSettings, fixed_mmap_threshold  # noqa: F401 - re-exported for the CLI
 from qeval.capture.taskscore import TaskSettings  # noqa: F401 - re-exported for the CLI
 from qeval.compare import depth, metrics
+from qeval.compare.summary import Side, summarize
 from qeval.errors import QevalError
 from qeval.orchestrate import matrix
 from qeval.orchestrate.distributed import as_executor
@@ -44,8 +45,8 @@ def kld_report(ref: str, cand: str, chunks: int | None = None, runs_dir=None, th
             report.write_per_token(cmp, Path(per_token))
         except OSError as exc:
             raise QevalError(f"cannot write --per-token file {per_token}: {exc.strerror}") from None
-    result = report.comparison_json(cmp, depth.parse_bands(bands, cmp.ref.header.n_ctx))
-    return result, report.comparison_text(result)
+    summary = summarize(cmp, depth.parse_bands(bands, cmp.ref.header.n_ctx))
+    return summary.to_json(), report.comparison_text(summary)
 
 
 def ppl_report(spec: str, chunks: int | None = None, runs_dir=None) -> tuple[dict, str]:
@@ -60,7 +61,7 @@ def ppl_report(spec: str, chunks: int | None = None, runs_dir=None) -> tuple[dic
         selected = list(available)[:chunks] if chunks else list(available)
         nll = np.concatenate([-src.read_chunk(i).logprob_target for i in selected])
         ppl = stats.perplexity(nll)
-        result = {"store": report.describe(src), "chunks": len(selected), "scored_tokens": int(len(nll)), **ppl}
+        result = {"store": Side.of_source(src).to_json(), "chunks": len(selected), "scored_tokens": int(len(nll)), **ppl}
         return result, report.ppl_text(src.header.label, str(src.path), ppl, len(selected), len(nll))
 
 

@@ -162,13 +162,13 @@ def test_result_converts_to_a_valid_baseline(result_path, tmp_path):
     b = baselines.load_baseline(out)
     (e,) = b.entries
     assert e.id == "B" and e.candidate["label"] == "B" and e.reference["label"] == "REF"
-    assert e.settings["n_ctx"] == summary["reference"]["n_ctx"] and e.settings["chunks"] == summary["chunks"]
+    assert e.settings["n_ctx"] == summary.reference.n_ctx and e.settings["chunks"] == summary.chunks
     assert set(e.metrics) == set(baselines.METRICS)
-    assert e.metrics["kld_mean"].value == summary["kld"]["mean"] and e.metrics["kld_mean"].se == summary["kld"]["se"]
-    assert e.metrics["same_top1_pct"].value == pytest.approx(100 * summary["same_top1"]["fraction"])
-    assert e.metrics["kld_999"].value == summary["kld"]["ladder"]["99.9%"] and e.metrics["kld_999"].se is None
-    assert e.metrics["ppl_ratio"].se == summary["perplexity"]["ratio_se"]
-    assert baselines.pick_entry(b, summary) is e
+    assert e.metrics["kld_mean"].value == summary.to_json()["kld"]["mean"] and e.metrics["kld_mean"].se == summary.to_json()["kld"]["se"]
+    assert e.metrics["same_top1_pct"].value == pytest.approx(100 * summary.to_json()["same_top1"]["fraction"])
+    assert e.metrics["kld_999"].value == summary.to_json()["kld"]["ladder"]["99.9%"] and e.metrics["kld_999"].se is None
+    assert e.metrics["ppl_ratio"].se == summary.to_json()["perplexity"]["ratio_se"]
+    assert baselines.pick_entry(b, summary.candidate, summary.reference) is e
 
 
 def test_cli_baseline_show(result_path, tmp_path):

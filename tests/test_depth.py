@@ -151,7 +151,7 @@ def test_leaderboard_shows_the_deepest_band_and_draws_kld_by_depth(tmp_path):
     board = leaderboard.leaderboard([str(pair.directory / "results")], out=tmp_path / "board")
     row = board.rows[0]
     deepest = result["by_depth"][-1]
-    assert (row["deepest_band"], row["kld_deepest"]) == (f"{deepest['lo']}-{deepest['hi']}", deepest["kld"]["mean"])
+    assert (row.deepest.name, row.deepest.kld["mean"]) == (f"{deepest['lo']}-{deepest['hi']}", deepest["kld"]["mean"])
     assert "KLD deepest band" in board.markdown()
     assert (tmp_path / "board" / "kld_by_depth.png").stat().st_size > 0
     assert "<svg" in (tmp_path / "board" / "kld_by_depth.svg").read_text()

@@ -10,6 +10,7 @@ from conftest import assert_cli_error, run_cli
 from synth_runs import make_runs
 
 from qeval import api
+from qeval.compare.summary import ComparisonSummary
 from qeval.errors import QevalError
 from qeval.orchestrate import baselines, gate
 from qeval.present import results
@@ -24,8 +25,8 @@ def runs(tmp_path_factory):
 
 
 def summary(kld=0.05, kld_se=0.002, top1=0.90, top1_se=0.005, ratio=1.02, ratio_se=0.004, k999=1.5):
-    """A comparison JSON with just the fields the gate reads (its "metrics" block, qeval.compare.metric_registry)."""
-    return {
+    """A comparison with just the fields the gate reads (its "metrics" block, qeval.compare.metric_registry)."""
+    return ComparisonSummary.from_json({
         "reference": {"label": "R", "n_ctx": 512, "corpus": {"name": "wikitext-2"}, "model": {}},
         "candidate": {"label": "C", "model": {"quant": "Q4_K_M"}, "kv": {"type_k": "f16", "type_v": "f16"}},
         "chunks": 80, "scored_tokens": 20400,
@@ -36,7 +37,7 @@ def summary(kld=0.05, kld_se=0.002, top1=0.90, top1_se=0.005, ratio=1.02, ratio_
                     "kld_median": {"value": 0.01, "se": None},
                     "same_top1_pct": {"value": 100 * top1, "se": 100 * top1_se},
                     "rms_dp_pct": {"value": 5.0, "se": 0.1}},
-    }
+    })
 
 
 def by_name(r: gate.GateResult) -> dict:
@@ -112,7 +113,7 @@ def test_converted_result_is_its_own_passing_baseline(runs):
 
 
 def test_cli_max_abs_dp_p95(runs):
-    p95 = results.load_result(runs / "results" / "B.vs.REF.json").summary["metrics"]["abs_dp_p95_pct"]["value"]
+    p95 = results.load_result(runs / "results" / "B.vs.REF.json").summary.metrics["abs_dp_p95_pct"].value
     ok = run_check(runs, "--cand", "B", "--max-abs-dp-p95", p95 * 1.01)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "PASS  max-abs-dp-p95" in ok.stdout and "compared directly" in ok.stdout
@@ -127,7 +128,7 @@ def run_check(runs, *args):
 
 
 def test_cli_exit_codes(runs, tmp_path):
-    kld_b = results.load_result(runs / "results" / "B.vs.REF.json").summary["kld"]
+    kld_b = results.load_result(runs / "results" / "B.vs.REF.json").summary.figures.kld
     hi, lo = kld_b["mean"] * 3, kld_b["mean"] / 3
     ok = run_check(runs, "--cand", "B", "--max-kld", hi, "--min-top1", 5, "--max-ppl-ratio", 10)
     assert ok.returncode == 0, ok.stdout + ok.stderr

@@ -23,7 +23,7 @@ from conftest import REPO, assert_cli_error, make_tokens, perturb, run_cli, synt
 from qeval import api
 from qeval.compare import metric_registry
 from qeval.errors import QevalError
-from qeval.present import leaderboard
+from qeval.present import leaderboard, plots
 from qeval.storage.scoring import half_span
 
 N_CHUNKS, N_CTX, N_VOCAB = 6, 64, 512
@@ -34,7 +34,7 @@ CANDIDATES = (("Q8_0", "m-Q8_0.gguf", "Q8_0", 1.06, 8.5, "f16", 0.15),
               ("Q4_0+kv-q8_0", "m-Q4_0.gguf", "Q4_0", 0.60, 4.5, "q8_0", 0.9),
               ("Q2_K", "m-Q2_K.gguf", "Q2_K", 0.45, 2.9, "f16", 1.6))
 FILES = ("leaderboard.md", "leaderboard.csv", "leaderboard.json", "leaderboard.html",
-         *(f"{name}.{ext}" for name in leaderboard.PLOTS for ext in ("png", "svg")))
+         *(f"{name}.{ext}" for name in plots.PLOTS for ext in ("png", "svg")))
 
 
 def _model(file_name: str, quant: str, size: float, bpw: float) -> dict:
@@ -92,13 +92,13 @@ def _by_kld(summaries: dict[str, dict]) -> list[str]:
 # API, CSV, JSON, markdown
 # --------------------------------------------------------------------------------------------------
 def test_api_returns_rows_and_paths(board, summaries):
-    assert [r["label"] for r in board.rows] == _by_kld(summaries)
-    assert [r["rank"] for r in board.rows] == [1, 2, 3, 4]
+    assert [r.label for r in board.rows] == _by_kld(summaries)
+    assert [r.rank for r in board.rows] == [1, 2, 3, 4]
     assert set(board.paths) == set(FILES)
     for name, path in board.paths.items():
         assert path.is_file() and path.stat().st_size > 200, name
         assert path.name == name
-    for name in leaderboard.PLOTS:
+    for name in plots.PLOTS:
         assert board.paths[f"{name}.png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert "<svg" in board.paths[f"{name}.svg"].read_text()
     s = board.settings
@@ -224,7 +224,7 @@ def test_pareto_front_on_hand_made_points():
 
 def test_pareto_front_of_the_synthetic_board(board):
     assert board.pareto == ["Q2_K", "Q4_0", "Q8_0"]  # the KV q8_0 variant is as big as Q4_0 but worse
-    assert {r["label"]: r["pareto"] for r in board.rows}["Q4_0+kv-q8_0"] is False
+    assert {r.label: r.pareto for r in board.rows}["Q4_0+kv-q8_0"] is False
 
 
 def test_same_file_twice_counts_once_but_a_second_result_for_a_label_is_refused(runs, tmp_path):
@@ -297,7 +297,7 @@ def test_cli_writes_every_file(runs, summaries, tmp_path):
 
 def test_html_is_self_contained(board, summaries):
     page = board.paths["leaderboard.html"].read_text()
-    assert page.count("<svg") == len(leaderboard.PLOTS)
+    assert page.count("<svg") == len(plots.PLOTS)
     assert "<script" not in page.lower() and "<link" not in page.lower() and "@import" not in page
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page), "external resource"
     assert not re.search(r"url\(\s*['\"]?(https?:)?//", page), "external resource in CSS"
@@ -334,8 +334,8 @@ def test_html_renders_in_headless_chromium(board, summaries, tmp_path):
     assert 'id="leaderboard"' in html
     rows = re.findall(r'<tr data-label="([^"]+)"', html)
     assert rows == _by_kld(summaries)
-    assert html.count("<svg") == len(leaderboard.PLOTS)
-    for name in leaderboard.PLOTS:
+    assert html.count("<svg") == len(plots.PLOTS)
+    for name in plots.PLOTS:
         assert f'id="plot-{name}"' in html
     shot = tmp_path / "leaderboard.png"
     res = _run_chromium(binary, tmp_path, f"--screenshot={shot}", "--window-size=1400,2000", url)
@@ -402,7 +402,7 @@ def test_leaderboard_shows_task_flips(task_runs, tmp_path):
     runs, scores, golds = task_runs
     board = leaderboard.leaderboard([runs], out=tmp_path / "lb")
     assert board.tasks == ("toy-hs",)
-    rows = {r["label"]: r for r in board.rows}
+    rows = {r["label"]: r for r in board.records()}
     ref_correct = [int(np.argmax(scores["REF"][i])) == golds[i] for i in range(N_TASKS)]
     for label in ("Q8_0", "Q4_0"):  # expected from the scores, in plain Python
         cand_correct = [int(np.argmax(scores[label][i])) == golds[i] for i in range(N_TASKS)]
@@ -415,7 +415,8 @@ def test_leaderboard_shows_task_flips(task_runs, tmp_path):
         assert row["accuracy_pct@toy-hs"] == pytest.approx(100 * sum(cand_correct) / N_TASKS)
         assert row["ref_accuracy_pct@toy-hs"] == pytest.approx(100 * sum(ref_correct) / N_TASKS)
     assert rows["Q4_0"]["flips_pct@toy-hs"] > rows["Q8_0"]["flips_pct@toy-hs"] > 0
-    assert "flips_pct@toy-hs" not in rows["Q4_0+kv-q8_0"]  # no task store: an empty cell
+    assert rows["Q4_0+kv-q8_0"]["flips_pct@toy-hs"] is None  # no task store: an empty cell
+    assert "toy-hs" not in {r.label: r for r in board.rows}["Q4_0+kv-q8_0"].task_flips
     md = (tmp_path / "lb" / "leaderboard.md").read_text()
     assert "flips % (toy-hs), McNemar p" in md and "McNemar test" in md
     q4 = next(line for line in md.splitlines() if line.startswith("| Q4_0 |"))
@@ -456,4 +457,4 @@ def test_notebook_executes_headless(runs, summaries, tmp_path, monkeypatch):
     for label in summaries:
         assert label in text
     images = [o for o in outputs if "image/png" in o.get("data", {}) or "image/svg+xml" in o.get("data", {})]
-    assert len(images) >= len(leaderboard.PLOTS)
+    assert len(images) >= len(plots.PLOTS)

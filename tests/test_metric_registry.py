@@ -9,6 +9,7 @@ from conftest import REPO
 
 from qeval.compare import metric_registry, metrics
 from qeval.compare.metric_registry import KLD_BLOCK, METRICS, PPL_BLOCK, TOKEN_BLOCK, Mean, Proportion
+from qeval.compare.summary import ComparisonSummary
 from qeval.errors import QevalError
 
 
@@ -51,9 +52,11 @@ def test_the_table_is_consistent():
 
 
 def test_read_refuses_a_summary_without_metrics():
+    sides = {"reference": {"label": "R"}, "candidate": {"label": "C"}}
     with pytest.raises(QevalError, match="older qeval"):
-        metric_registry.read({"candidate": {"label": "C"}, "kld": {"mean": 0.1}})
-    held = metric_registry.read({"metrics": {"kld_mean": {"value": 0.1, "se": 0.01}, "gone": {"value": 1}}})
+        ComparisonSummary.from_json({**sides, "kld": {"mean": 0.1}}).measured()
+    held = ComparisonSummary.from_json({**sides, "metrics": {"kld_mean": {"value": 0.1, "se": 0.01},
+                                                             "gone": {"value": 1}}}).measured()
     assert list(held) == ["kld_mean"] and held["kld_mean"].se == 0.01
 
 

@@ -16,6 +16,7 @@ from conftest import SlowSeekFile, decoded_logprobs, kld64, log_softmax64, make_
 
 from qeval import api
 from qeval.compare import metrics
+from qeval.compare.summary import ComparisonSummary, summarize
 from qeval.errors import QevalError
 from qeval.present import report
 from qeval.storage.store import StoreReader
@@ -105,7 +106,7 @@ def test_summary_uses_the_per_token_values(pair):
 def test_abs_dp_p95_in_json_and_text(pair):
     with StoreReader(pair.ref.path) as ref, StoreReader(pair.cand.path) as cand:
         cmp = metrics.compare(ref, cand, threads=1)
-        result = report.comparison_json(cmp)
+        result = summarize(cmp).to_json()
     got = result["metrics"]["abs_dp_p95_pct"]
     t = cmp.per_token
     abs_dp = np.abs(t["p_cand"].astype(np.float64) - t["p_ref"].astype(np.float64))
@@ -115,7 +116,7 @@ def test_abs_dp_p95_in_json_and_text(pair):
     want = reference_per_token(pair)
     exact = np.abs(np.exp(-want["nll_cand"]) - np.exp(-want["nll_ref"]))
     assert got["value"] == pytest.approx(100 * percentile64(exact, 0.95), abs=2e-4)
-    text = report.comparison_text(result)
+    text = report.comparison_text(ComparisonSummary.from_json(result))
     token_block = text[text.index("====== Token probability statistics ======"):]
     assert f"95.0% |Δp|: {got['value']:6.3f} %" in token_block
 

@@ -20,6 +20,7 @@ from qeval import api
 from qeval.capture.engine import EngineSettings
 from qeval.compare import metric_registry, metrics, sampler
 from qeval.compare.sampler import PRESETS, Sampler
+from qeval.compare.summary import ComparisonSummary, summarize
 from qeval.errors import QevalError
 from qeval.present import report, results
 from qeval.storage.codec import SqrtLogCode
@@ -327,7 +328,8 @@ def test_summary_block_and_registry_metrics(tmp_path):
     pair = make_pair(tmp_path, seed=6, n_chunks=2, n_ctx=32, n_vocab=1000)
     with StoreReader(pair.ref.path) as ref, StoreReader(pair.cand.path) as cand:
         cmp = metrics.compare(ref, cand, threads=1, samplers=["greedy", "qwen3.5-thinking"])
-        result = report.comparison_json(cmp)
+        summary = summarize(cmp)
+        result = summary.to_json()
     t = cmp.per_token
     block = result["samplers"]
     assert list(block) == ["greedy", "qwen3.5-thinking"]
@@ -348,11 +350,11 @@ def test_summary_block_and_registry_metrics(tmp_path):
     assert m["agreement_pct@qwen3.5-thinking"]["value"] == pytest.approx(100 * (1 - tvd.mean()), rel=1e-12)
     assert m["support_differs_pct@qwen3.5-thinking"]["value"] == pytest.approx(
         100 * b["support_differs"]["fraction"], rel=1e-12)
-    held = metric_registry.read(result)
+    held = summary.measured()
     assert held["tvd_pct@greedy"].value == pytest.approx(100 * (1 - t["same_top1"].mean()))
     assert metric_registry.lookup("tvd_pct@qwen3.5-thinking").better == "lower"
     assert metric_registry.lookup("tvd_pct@no-such-preset") is None
-    text = report.comparison_text(result)
+    text = report.comparison_text(summary)
     block_text = text[text.index("====== Sampler qwen3.5-thinking: temp 0.6, top_k 20, top_p 0.95 ======"):]
     assert f"Mean    TVD     : {100 * b['tvd']['mean']:7.3f} ± {100 * b['tvd']['se']:6.3f} %" in block_text
     assert f"Greedy agreement: {100 * b['greedy_agreement']['fraction']:7.3f}" in block_text
@@ -366,12 +368,12 @@ def test_saved_results_keep_the_samplers(tmp_path):
     name = "temp=0.8,top_k=0,top_p=0.9,min_p=0"
     assert set(result["samplers"]) == {"qwen3.5-instruct", name}
     saved = results.load_result(pair.directory / "results" / "CAND.vs.REF.json")
-    assert saved.summary["samplers"] == json.loads(json.dumps(result["samplers"]))
+    assert saved.summary.samplers == json.loads(json.dumps(result["samplers"]))
     assert f"tvd@{name}" in saved.per_token and "support_cand@qwen3.5-instruct" in saved.per_token
     part = saved.restricted([0, 1])  # recomputed from the per-token values: the sampler block too
     keep = saved.per_token["chunk"] < 2
-    assert part.summary["samplers"][name]["tvd"]["mean"] == pytest.approx(saved.per_token[f"tvd@{name}"][keep].mean())
-    assert f"tvd_pct@{name}" in metric_registry.read(part.summary)
+    assert part.summary.samplers[name]["tvd"]["mean"] == pytest.approx(saved.per_token[f"tvd@{name}"][keep].mean())
+    assert f"tvd_pct@{name}" in part.summary.measured()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -558,7 +560,7 @@ def test_a_matrix_pair_is_measured_with_its_samplers_and_reused_only_for_them(tm
     assert plan("greedy")[1].action == matrix.COMPARE_STORED
     # the matrix shows one mean TVD per sampler and pair, under the names asked for
     again, _ = plan("greedy", "temp=0.6,top_k=20,top_p=0.95")
-    result, text = matrix.matrix_result(again, matrix.MatrixRun("", [], [summary]))
+    result, text = matrix.matrix_result(again, matrix.MatrixRun("", [], [ComparisonSummary.from_json(summary)]))
     row = result["rows"][0]
     for name, held in (("greedy", "greedy"), ("temp=0.6,top_k=20,top_p=0.95,min_p=0", "qwen3.5-thinking")):
         tvd = summary["samplers"][held]["tvd"]
@@ -566,7 +568,7 @@ def test_a_matrix_pair_is_measured_with_its_samplers_and_reused_only_for_them(tm
                                                                                     100 * tvd["se"]), rel=1e-12)
         assert f"mean TVD % @{name} ± SE" in text
         assert f"{100 * tvd['mean']:.3f} ± {100 * tvd['se']:.3f}" in text
-    _, plain = matrix.matrix_result(plan()[0], matrix.MatrixRun("", [], [summary]))
+    _, plain = matrix.matrix_result(plan()[0], matrix.MatrixRun("", [], [ComparisonSummary.from_json(summary)]))
     assert "TVD" not in plain
 
 

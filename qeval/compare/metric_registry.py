@@ -3,7 +3,7 @@ columns, how it prints, and whether `qeval check` and `qeval compare` use it.
 
 A metric's key is its one name in every output: the "metrics" block of a comparison's JSON (and so of saved
 results), leaderboard columns, baseline files (baselines/SCHEMA.md), `qeval check` lines and `qeval compare`
-differences. qeval.present.report, qeval.present.leaderboard, qeval.orchestrate.baselines, qeval.orchestrate.gate and qeval.orchestrate.paired iterate METRICS
+differences. qeval.present (report, board, text of gates, baselines and paired comparisons) and qeval.orchestrate iterate METRICS
 and spell no metric out. Beside "metrics", a comparison's JSON keeps llama-perplexity's statistics blocks
 (perplexity, kld, kld_reverse, delta_p, same_top1, topK_agreement: ladders, correlation) that its text
 layout prints.
@@ -15,7 +15,7 @@ Sampler metrics (qeval.compare.sampler) are a family per sampler, made by sample
 "<metric>@<sampler name>" (tvd_pct@qwen3.5-thinking): a comparison computed with `--sampler` holds them in
 its "metrics" block, lookup() finds them, `qeval compare` pairs the TVD, and SAMPLER_GATES holds the `qeval check`
 thresholds that apply to every sampler (--max-tvd); a leaderboard shows the board ones (the mean TVD) of every
-sampler all its results hold (qeval.present.report.common_samplers). They are not in METRICS: baseline files
+sampler all its results hold (qeval.present.board.common_samplers). They are not in METRICS: baseline files
 do not know them.
 """
 
@@ -172,6 +172,34 @@ class Metric:
     def number(self, value: float) -> str:
         return f"{value:.{self.decimals(value)}f}"
 
+    @property
+    def percent(self) -> str:
+        """What follows its numbers in running text."""
+        return " %" if self.unit == "%" else ""
+
+    def cell(self, value: float | None, se: float | None) -> str:
+        """Its value in a table (leaderboard), with its SE where it has one; "?" for a value not held."""
+        if value is None:
+            return "?"
+        if not self.has_se:
+            return f"{value:{self.fmt}}"
+        return plus_minus(value, se, self.fmt, self.fmt.lstrip("+"))
+
+    def text(self, value: float, se: float | None) -> str:
+        """Its value in running text (`qeval check` lines), with its SE where there is one."""
+        shown = self.number(value) if se is None else plus_minus(value, se, f".{self.decimals(value)}f",
+                                                                  f".{self.decimals(se)}f")
+        return shown + self.percent
+
+
+def plus_minus(value: float | None, se: float | None, fmt: str, se_fmt: str | None = None) -> str:
+    """"value ± SE", the one way qeval writes a number with its standard error; se_fmt: the SE's format (default
+    fmt); "?" for a number not held."""
+    def shown(x: float | None, f: str) -> str:
+        return "?" if x is None else f"{x:{f}}"
+
+    return f"{shown(value, fmt)} ± {shown(se, se_fmt or fmt)}"
+
 
 _METRICS = (
     Metric("ppl", "PPL", "PPL", "lower", Perplexity("ppl_cand"), "perplexity of the candidate", relative=False,
@@ -302,13 +330,9 @@ class MetricValue:
     note: str | None = None
 
 
-def read(summary: dict) -> dict[str, MetricValue]:
-    """The metrics a comparison's JSON holds, by key (a result saved before a metric existed lacks it)."""
-    block = summary.get("metrics")
-    if not isinstance(block, dict):
-        raise QevalError(f"the comparison of {summary.get('candidate', {}).get('label')!r} was saved by an older "
-                         "qeval and holds no \"metrics\" block: recompute it (qeval kld ... --save-result)")
-    return {key: MetricValue(v["value"], v.get("se")) for key, v in block.items() if lookup(key) is not None}
+def known(held: dict[str, MetricValue]) -> dict[str, MetricValue]:
+    """The metrics of `held` this qeval knows (a result saved by another qeval may hold others)."""
+    return {key: v for key, v in held.items() if lookup(key) is not None}
 
 
 def gated() -> list[Metric]:

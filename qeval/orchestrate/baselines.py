@@ -19,7 +19,9 @@ from pathlib import Path
 from qeval import __version__
 from qeval.compare import metric_registry
 from qeval.compare.metric_registry import METRICS, MetricValue
+from qeval.compare.summary import ComparisonSummary, Side
 from qeval.errors import QevalError
+from qeval.present import baselines_text
 
 SCHEMA = "qeval-baseline/1"
 BASELINES_ENV = "QEVAL_BASELINES_DIR"
@@ -239,56 +241,47 @@ def _metric_value(v: object, loc: str, bad) -> MetricValue:
 # --------------------------------------------------------------------------------------------------
 # qeval results as metrics, and as baselines
 # --------------------------------------------------------------------------------------------------
-def _kv_text(kv: dict | None) -> str | None:
-    if not kv:
-        return None
-    k, v = kv.get("type_k"), kv.get("type_v")
-    if k is None:
-        return None
-    return k if v in (None, k) else f"{k}/{v}"
-
-
-def _side(desc: dict) -> dict:
-    model = desc.get("model") or {}
-    side = {"quant": model.get("quant"), "kv": _kv_text(desc.get("kv")), "label": desc.get("label") or None,
-            "file": model.get("file_name")}
+def _side(desc: Side) -> dict:
+    """A side of a comparison as a baseline entry's side ("kv": one type when K and V share it)."""
+    kv = desc.kv_text(same_once=True) if desc.kv_types.get("type_k") is not None else None
+    side = {"quant": desc.facts.get("quant"), "kv": kv, "label": desc.label or None, "file": desc.facts.get("file_name")}
     return {k: v for k, v in side.items() if v}
 
 
-def entry_from_result(summary: dict, entry_id: str | None = None) -> dict:
+def entry_from_result(summary: ComparisonSummary, entry_id: str | None = None) -> dict:
     """A baseline entry (JSON) holding every metric of a qeval result, with SEs where they exist."""
-    ref, cand = summary["reference"], summary["candidate"]
-    model = (cand.get("model") or {})
-    corpus = (ref.get("corpus") or {}).get("name")
-    settings = {"n_ctx": ref.get("n_ctx"), "chunks": summary.get("chunks"), "scored_tokens": summary.get("scored_tokens"),
+    ref, cand = summary.reference, summary.candidate
+    model = cand.facts
+    corpus = (ref.corpus or {}).get("name")
+    settings = {"n_ctx": ref.n_ctx, "chunks": summary.chunks, "scored_tokens": summary.scored_tokens,
                 "corpus": corpus, "tool": f"qeval {__version__}"}
     metrics = {}
-    for key, mv in metric_registry.read(summary).items():
+    for key, mv in summary.measured().items():
         metrics[key] = {"value": mv.value} if mv.se is None or not math.isfinite(mv.se) else \
             {"value": mv.value, "se": mv.se}
-    eid = entry_id or cand.get("label") or "result"
+    eid = entry_id or cand.label or "result"
     if not _ID.match(eid):
         eid = re.sub(r"[^A-Za-z0-9._+-]", "_", eid).lstrip("._+-") or "result"
-    return {"id": eid, "model": model.get("name") or model.get("file_name") or cand.get("label") or "unknown",
+    return {"id": eid, "model": model.get("name") or model.get("file_name") or cand.label or "unknown",
             "candidate": _side(cand), "reference": _side(ref),
             "settings": {k: v for k, v in settings.items() if v is not None}, "metrics": metrics}
 
 
-def baseline_from_result(summary: dict, title: str | None = None, source_file: str | None = None,
+def baseline_from_result(summary: ComparisonSummary, title: str | None = None, source_file: str | None = None,
                          entry_id: str | None = None) -> dict:
     """A whole baseline document (valid against the schema) from one qeval result."""
     return baseline_from_results([summary], title, source_file, entry_id)
 
 
-def baseline_from_results(summaries: list[dict], title: str | None = None, source_file: str | None = None,
+def baseline_from_results(summaries: list[ComparisonSummary], title: str | None = None, source_file: str | None = None,
                           entry_id: str | None = None) -> dict:
     """One baseline document with an entry per qeval result (e.g. every pair of a matrix)."""
-    ref, cand = summaries[0]["reference"], summaries[0]["candidate"]
-    what = cand.get("label") if len(summaries) == 1 else f"{len(summaries)} candidates"
+    ref, cand = summaries[0].reference, summaries[0].candidate
+    what = cand.label if len(summaries) == 1 else f"{len(summaries)} candidates"
     doc = {
         "schema": SCHEMA,
-        "title": title or f"qeval result: {what} against {ref.get('label')}",
-        "source": {"title": f"qeval {__version__} comparison {what} vs {ref.get('label')}",
+        "title": title or f"qeval result: {what} against {ref.label}",
+        "source": {"title": f"qeval {__version__} comparison {what} vs {ref.label}",
                    "file": source_file, "note": "converted from qeval results by qeval.orchestrate.baselines.baseline_from_results"},
         "entries": [entry_from_result(s, entry_id if len(summaries) == 1 else None) for s in summaries],
     }
@@ -312,7 +305,7 @@ def result_to_baseline_file(result_path: str | os.PathLike, out: str | os.PathLi
 
 
 # --------------------------------------------------------------------------------------------------
-# matching a run to an entry, and the table
+# matching a run to an entry, and showing a baseline
 # --------------------------------------------------------------------------------------------------
 def _norm(x: str | None) -> str | None:
     return x.lower() if isinstance(x, str) else None
@@ -325,10 +318,10 @@ def _kv_norm(kv: str | None) -> str | None:
     return k if v in ("", k) else f"{k}/{v}"
 
 
-def matching_entries(baseline: Baseline, summary: dict) -> list[Entry]:
-    """Entries about this run's candidate: same label, or same quant (and KV type, reference quant
+def matching_entries(baseline: Baseline, candidate: Side, reference: Side) -> list[Entry]:
+    """Entries about a run's candidate: same label, or same quant (and KV type, reference quant
     where the entry states them)."""
-    cand, ref = _side(summary["candidate"]), _side(summary["reference"])
+    cand, ref = _side(candidate), _side(reference)
     by_label = [e for e in baseline.entries if e.candidate.get("label") and e.candidate.get("label") == cand.get("label")]
     if by_label:
         return by_label
@@ -345,13 +338,15 @@ def matching_entries(baseline: Baseline, summary: dict) -> list[Entry]:
     return out
 
 
-def pick_entry(baseline: Baseline, summary: dict, entry_id: str | None = None) -> Entry:
+def pick_entry(baseline: Baseline, candidate: Side, reference: Side, entry_id: str | None = None) -> Entry:
+    """The entry a run of `candidate` against `reference` is held to: `entry_id`, the only one, or the one
+    matching_entries finds."""
     if entry_id:
         return baseline.entry(entry_id)
     if len(baseline.entries) == 1:
         return baseline.entries[0]
-    found = matching_entries(baseline, summary)
-    cand = _side(summary["candidate"])
+    found = matching_entries(baseline, candidate, reference)
+    cand = _side(candidate)
     if len(found) == 1:
         return found[0]
     what = f"candidate {cand.get('label')!r} (quant {cand.get('quant', '?')}, KV {cand.get('kv', 'f16')})"
@@ -360,50 +355,6 @@ def pick_entry(baseline: Baseline, summary: dict, entry_id: str | None = None) -
                          f"({', '.join(baseline.ids())})")
     raise QevalError(f"{len(found)} entries of baseline {baseline.name} match {what}; choose one with "
                      f"--baseline-entry ({', '.join(e.id for e in found)})")
-
-
-def _as_printed(x: float) -> str | None:
-    """A published number as its source printed it (short reprs only: 97.674, 0.0282, 2e-07 -> None)."""
-    r = repr(float(x))
-    return r if "e" not in r and len(r.lstrip("-").replace(".", "")) <= 8 else None
-
-
-def format_value(key: str, mv: MetricValue | None, as_printed: bool = False) -> str:
-    """`as_printed`: keep a short published value's own digits (97.674, not 97.67)."""
-    if mv is None:
-        return ""
-    dec = metric_registry.lookup(key).decimals(mv.value)
-    v = _as_printed(mv.value) if as_printed else None
-    se = _as_printed(mv.se) if as_printed and mv.se is not None else None
-    s = f"{'~' if mv.approx else ''}{v or f'{mv.value:.{dec}f}'}"
-    if mv.se is not None:
-        s += f" ± {se or f'{mv.se:.{dec}f}'}"
-    return s
-
-
-def _settings_text(s: dict) -> str:
-    bits = []
-    if s.get("n_ctx"):
-        bits.append(f"ctx {s['n_ctx']}")
-    if s.get("chunks"):
-        bits.append(f"{s['chunks']} chunks")
-    bits.append(s.get("corpus") or "corpus ?")
-    if s.get("llama_cpp_build"):
-        bits.append(f"llama.cpp {s['llama_cpp_build']}")
-    elif s.get("tool"):
-        bits.append(s["tool"])
-    return ", ".join(bits)
-
-
-def _side_text(side: dict | None) -> str:
-    if not side:
-        return "-"
-    s = side.get("quant") or side.get("label")
-    if side.get("kv"):
-        s += f" KV {side['kv']}"
-    if side.get("imatrix"):
-        s += f" (imatrix {side['imatrix']})"
-    return s
 
 
 def baseline_json(b: Baseline) -> dict:
@@ -425,10 +376,7 @@ def show_report(spec: str | None = None, run: str | None = None, entry_id: str |
         for p in available():
             b = load_baseline(p)
             rows.append({"name": b.name, "path": str(p), "title": b.title, "entries": len(b.entries)})
-        text = "\n".join([f"{'name':<40} entries  title"] +
-                         [f"{r['name']:<40} {r['entries']:>7}  {r['title']}" for r in rows]) if rows else \
-            f"no baselines in {', '.join(map(str, baseline_dirs()))}"
-        return {"baselines": rows}, text
+        return {"baselines": rows}, baselines_text.listing_text(rows, baseline_dirs())
     b = load_baseline(spec)
     result = baseline_json(b)
     run_summary, matched = None, set()
@@ -439,44 +387,11 @@ def show_report(spec: str | None = None, run: str | None = None, entry_id: str |
         if entry_id:
             matched = {b.entry(entry_id).id}
         else:
-            matched = {e.id for e in (b.entries if len(b.entries) == 1 else matching_entries(b, run_summary))}
-        run_metrics = metric_registry.read(run_summary)
-        result["run"] = {"path": str(run), "candidate": run_summary["candidate"]["label"],
-                         "reference": run_summary["reference"]["label"], "matched_entries": sorted(matched),
-                         "metrics": {k: {"value": v.value, "se": v.se} for k, v in run_metrics.items()}}
-    return result, baseline_text(b, run_summary, matched)
+            matched = {e.id for e in (b.entries if len(b.entries) == 1 else
+                                  matching_entries(b, run_summary.candidate, run_summary.reference))}
+        result["run"] = {"path": str(run), "candidate": run_summary.candidate.label,
+                         "reference": run_summary.reference.label, "matched_entries": sorted(matched),
+                         "metrics": {k: {"value": v.value, "se": v.se} for k, v in run_summary.measured().items()}}
+    return result, baselines_text.baseline_text(b, run_summary, matched)
 
 
-def baseline_text(b: Baseline, run_summary: dict | None = None, matched: set | None = None) -> str:
-    src = b.source
-    who = src.get("author") or "author not named"
-    lines = [f"baseline  : {b.name} — {b.title}",
-             f"source    : {src.get('file') or '-'}: \"{src['title']}\" ({who}"
-             f"{', ' + src['date'] if src.get('date') else ''}){' via ' + src['via'] if src.get('via') else ''}"]
-    if src.get("url"):
-        lines.append(f"url       : {src['url']}")
-    run_metrics = metric_registry.read(run_summary) if run_summary else None
-    if run_summary:
-        rc, rr = run_summary["candidate"], run_summary["reference"]
-        lines.append(f"run       : {rc['label']} against {rr['label']}, {run_summary['chunks']} chunks of n_ctx "
-                     f"{rr['n_ctx']}, {run_summary['scored_tokens']} scored tokens"
-                     + ("" if matched else " — no entry matches its quant/KV (use --entry ID)"))
-    header = ["entry", "model", "candidate", "reference", "metric", "value", "unit", "settings"]
-    if run_summary:
-        header += [f"run {run_summary['candidate']['label']}", "run − baseline"]
-    rows = []
-    for e in b.entries:
-        for key, mv in e.metrics.items():
-            row = [e.id, e.model or "", _side_text(e.candidate), _side_text(e.reference), key, format_value(key, mv, as_printed=True),
-                   metric_registry.lookup(key).unit, _settings_text(e.settings)]
-            if run_summary:
-                rv = run_metrics.get(key) if e.id in matched else None
-                diff = "" if rv is None else f"{rv.value - mv.value:+.{metric_registry.lookup(key).decimals(mv.value)}f}"
-                row += [format_value(key, rv), diff]
-            rows.append(row)
-    lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    notes = [f"{e.id}: {e.note}" for e in b.entries if e.note]
-    if notes:
-        lines += ["", "notes:", *[f"- {n}" for n in notes]]
-    return "\n".join(lines)

@@ -19,59 +19,22 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from dataclasses import asdict, dataclass, field
 
 from qeval.compare import metric_registry, sampler
 from qeval.compare.depth import parse_depth
+from qeval.compare.gate_checks import Check, GateResult
 from qeval.compare.metric_registry import METRICS, Metric, MetricValue
+from qeval.compare.summary import ComparisonSummary, Side
 from qeval.errors import QevalError
 from qeval.orchestrate import baselines
 from qeval.orchestrate.measured import Measured, is_result_spec, measure
+from qeval.present.gate_text import gate_text
 
 Z = 1.96  # two-sided 95 %; each check is one-sided at 97.5 %
 
 
-@dataclass
-class Check:
-    name: str  # the option or "baseline:<metric>"
-    metric: str
-    passed: bool
-    value: float
-    se: float | None
-    limit: float
-    bound: float | None  # the favourable end of the interval that was compared with the limit
-    reason: str
-    judged: bool = True  # False: shown for information only (no error bar on either side)
-
-
-@dataclass
-class GateResult:
-    passed: bool
-    candidate: str
-    reference: str
-    chunks: int
-    scored_tokens: int
-    z: float
-    checks: list[Check]
-    notes: list[str] = field(default_factory=list)
-    baseline: dict | None = None
-
-    def to_json(self) -> dict:
-        d = asdict(self)
-        d["checks"] = [asdict(c) for c in self.checks]
-        return d
-
-
 def _fmt(m: Metric, x: float) -> str:
-    return m.number(x) + _percent(m)
-
-
-def _percent(m: Metric) -> str:
-    return " %" if m.unit == "%" else ""
-
-
-def _pm(m: Metric, value: float, se: float | None) -> str:
-    return _fmt(m, value) if se is None else f"{m.number(value)} ± {m.number(se)}{_percent(m)}"
+    return m.number(x) + m.percent
 
 
 def option(m: Metric) -> str:
@@ -99,8 +62,8 @@ def limit_check(m: Metric, measured: MetricValue, limit: float) -> Check:
     over = value > limit if better == "lower" else value < limit
     cmp_ok, cmp_bad = ("≤", ">") if better == "lower" else ("≥", "<")
     side = "lower" if better == "lower" else "upper"
-    shown = f"{m.title} {_pm(m, value, se if has_se else None)}"
-    lim = f"{limit:g}{_percent(m)}"
+    shown = f"{m.title} {m.text(value, se if has_se else None)}"
+    lim = f"{limit:g}{m.percent}"
     if not has_se:
         reason = (f"{shown} {cmp_bad if worse else cmp_ok} limit {lim} "
                   f"(a percentile has no standard error: compared directly)")
@@ -126,8 +89,8 @@ def baseline_check(key: str, run: MetricValue, base: MetricValue, entry_id: str,
     se = None if direct else math.sqrt((se_run or 0.0) ** 2 + (se_base or 0.0) ** 2)
     margin = worse_by - (0.0 if direct else Z * se)
     fails = margin > 0.0
-    shown = (f"{key} {_pm(m, run.value, se_run)} vs baseline {entry_id} "
-             f"{'~' if base.approx else ''}{_pm(m, base.value, se_base)}")
+    shown = (f"{key} {m.text(run.value, se_run)} vs baseline {entry_id} "
+             f"{'~' if base.approx else ''}{m.text(base.value, se_base)}")
     if direct and not judge_direct:
         reason = (f"{shown}: {'worse' if worse_by > 0 else 'not worse'} (no standard error on either side: shown, "
                   f"not judged; judge it with --baseline-metric {key})")
@@ -173,20 +136,20 @@ def _nothing_to_check() -> QevalError:
     return QevalError(f"nothing to check: give at least one of {options}, --baseline")
 
 
-def run_checks(summary: dict, baseline: baselines.Baseline | None = None, baseline_entry: str | None = None,
+def run_checks(summary: ComparisonSummary, baseline: baselines.Baseline | None = None, baseline_entry: str | None = None,
                baseline_metrics: list[str] | None = None, samplers: list[str] | None = None,
                **limits: float | None) -> GateResult:
-    """Judge one comparison summary (the JSON of `qeval kld --json`); `limits` by keyword (max_kld=0.05).
+    """Judge one comparison summary; `limits` by keyword (max_kld=0.05).
     A sampler threshold (max_tvd) applies to each of `samplers` (names; default: every sampler the summary holds)."""
     given = validate_limits(limits)
-    measured = metric_registry.read(summary)
+    measured = summary.measured()
     checks = []
     for key, limit in given.items():
         if not metric_registry.is_sampler_template(key):
             checks.append(limit_check(METRICS[key], _held(measured, key, summary), limit))
             continue
         template = next(m for m in metric_registry.SAMPLER_GATES if m.key == key)
-        names = list(samplers) if samplers else list(summary.get("samplers") or {})
+        names = list(samplers) if samplers else list(summary.samplers)
         if not names:
             raise QevalError(f"{option(template)} needs sampler figures: give --sampler NAME (or check a result "
                              "saved by `qeval kld --sampler NAME --save-result`)")
@@ -195,7 +158,7 @@ def run_checks(summary: dict, baseline: baselines.Baseline | None = None, baseli
             checks.append(limit_check(m, _held(measured, m.key, summary), limit))
     notes, base_info = [], None
     if baseline is not None:
-        entry = baselines.pick_entry(baseline, summary, baseline_entry)
+        entry = baselines.pick_entry(baseline, summary.candidate, summary.reference, baseline_entry)
         keys = [k for k in entry.metrics if metric_registry.lookup(k).better is not None]
         if baseline_metrics:
             unknown = [k for k in baseline_metrics if k not in entry.metrics]
@@ -217,29 +180,29 @@ def run_checks(summary: dict, baseline: baselines.Baseline | None = None, baseli
     if not any(c.judged for c in checks):
         raise QevalError("nothing to judge: the baseline's metrics have no standard error on either side; name "
                          "them with --baseline-metric to compare them directly, or give a threshold")
-    return GateResult(all(c.passed for c in checks), summary["candidate"]["label"], summary["reference"]["label"],
-                      int(summary["chunks"]), int(summary["scored_tokens"]), Z, checks, notes, base_info)
+    return GateResult(all(c.passed for c in checks), summary.candidate.label, summary.reference.label,
+                      int(summary.chunks), int(summary.scored_tokens), Z, checks, notes, base_info)
 
 
-def _held(measured: dict[str, MetricValue], key: str, summary: dict) -> MetricValue:
+def _held(measured: dict[str, MetricValue], key: str, summary: ComparisonSummary) -> MetricValue:
     if key not in measured:
-        raise QevalError(f"the comparison of {summary['candidate']['label']!r} holds no {key} (computed before qeval "
+        raise QevalError(f"the comparison of {summary.candidate.label!r} holds no {key} (computed before qeval "
                          "measured it): recompute it")
     return measured[key]
 
 
-def _setting_notes(entry: baselines.Entry, summary: dict) -> list[str]:
+def _setting_notes(entry: baselines.Entry, summary: ComparisonSummary) -> list[str]:
     """Where the baseline was measured differently from this run (its numbers may not transfer)."""
-    ref = summary["reference"]
+    ref = summary.reference
     notes = []
-    run = {"n_ctx": ref.get("n_ctx"), "chunks": summary.get("chunks"), "corpus": (ref.get("corpus") or {}).get("name")}
+    run = {"n_ctx": ref.n_ctx, "chunks": summary.chunks, "corpus": (ref.corpus or {}).get("name")}
     for key, what in (("n_ctx", "n_ctx"), ("chunks", "chunks"), ("corpus", "corpus")):
         b = entry.settings.get(key)
         if b is None:
             notes.append(f"baseline {entry.id} does not state its {what}")
         elif run[key] is not None and b != run[key]:
             notes.append(f"baseline {entry.id} used {what} {b}, this run {run[key]}")
-    run_model = (summary["candidate"].get("model") or {}).get("name")
+    run_model = summary.candidate.facts.get("name")
     if entry.model and run_model and entry.model.lower() != run_model.lower():
         notes.append(f"baseline model {entry.model}, this run {run_model}")
     return notes
@@ -248,32 +211,16 @@ def _setting_notes(entry: baselines.Entry, summary: dict) -> list[str]:
 def _pick_early(base: baselines.Baseline, ref: str, cand: str, runs_dir) -> None:
     """Refuse an ambiguous or unmatched baseline from the stores' headers, before a long comparison."""
     from qeval.orchestrate import sources  # noqa: PLC0415 - sources imports the capture engine
-    from qeval.present import report  # noqa: PLC0415
 
     if is_result_spec(cand) or sources.is_model_file(cand):
         return  # a saved result is read at once; a live model's quant is known only once loaded
     try:
         with contextlib.closing(sources.open_source(ref, runs_dir)) as r, \
                 contextlib.closing(sources.open_source(cand, runs_dir)) as c:
-            head = {"reference": report.describe(r), "candidate": report.describe(c)}
+            reference, candidate = Side.of_source(r), Side.of_source(c)
     except QevalError:
         return  # the comparison itself reports bad stores
-    baselines.pick_entry(base, head)
-
-
-def gate_text(r: GateResult) -> str:
-    lines = [f"{r.candidate} against {r.reference}: {r.chunks} chunks, {r.scored_tokens} scored tokens"]
-    if r.baseline:
-        lines.append(f"baseline {r.baseline['name']}, entry {r.baseline['entry']}")
-    width = max(len(c.name) for c in r.checks)
-    for c in r.checks:
-        lines.append(f"{'INFO' if not c.judged else 'PASS' if c.passed else 'FAIL'}  {c.name:<{width}}  {c.reason}")
-    lines += [f"note: {n}" for n in r.notes]
-    failed = sum(not c.passed for c in r.checks)
-    n = sum(c.judged for c in r.checks)
-    lines.append((f"PASSED: all {n} checks" if n > 1 else "PASSED: 1 check") if r.passed else
-                 f"FAILED: {failed} of {n} check{'s' if n > 1 else ''}")
-    return "\n".join(lines)
+    baselines.pick_entry(base, candidate, reference)
 
 
 def check_report(ref: str, cand: str, chunks: int | None = None, runs_dir: str | os.PathLike | None = None,

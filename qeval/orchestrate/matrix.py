@@ -22,9 +22,10 @@ from qeval.capture.modelinfo import model_facts
 from qeval.capture.taskfiles import load_tasks
 from qeval.capture.taskscore import TaskSettings
 from qeval.compare import metrics, sampler
+from qeval.compare.summary import ComparisonSummary
 from qeval.errors import QevalError
 from qeval.orchestrate import tasks as taskrun
-from qeval.present import report, results, task_flips
+from qeval.present import board, report, results
 from qeval.storage import runs
 from qeval.storage.codec import SqrtLogCode
 from qeval.storage.scoring import Scoring
@@ -238,10 +239,10 @@ class MatrixRun:
 
     reference_text: str
     lines: list[str]
-    summaries: list[dict]
+    summaries: list[ComparisonSummary]
 
 
-def saved_summaries(plan: MatrixPlan) -> list[dict]:
+def saved_summaries(plan: MatrixPlan) -> list[ComparisonSummary]:
     result_dir = plan.directory / results.RESULTS_SUBDIR
     return [results.load_result(results.result_path(result_dir, p.label, plan.reference.label),
                                 with_per_token=False).summary for p in plan.pairs]
@@ -279,18 +280,18 @@ def run_tasks(plan: MatrixPlan, on_plan: Callable[[int, int], None] | None = Non
 
 
 def matrix_result(plan: MatrixPlan, run: MatrixRun, task_lines: list[str] = ()) -> tuple[dict, str]:
-    rows_json = run.summaries
-    tasks_root = plan.directory / TASKS_SUBDIR
+    """(JSON, text) of a finished matrix: the PPL matrix and the board of every pair, with the task flips of the
+    plan's task sets."""
+    summaries = run.summaries
     names = {t.name for t in plan.tasks}
-    rows = [{**report.leaderboard_row(r, plan.samplers),
-             **task_flips.row_figures(task_flips.task_flips(r, tasks_root, names=names))} for r in rows_json]
-    tasks = task_flips.common_tasks(rows)
+    rows = [board.row_with_flips(s, plan.samplers, plan.directory / TASKS_SUBDIR, names=names) for s in summaries]
     ref_label = plan.reference.label
     text = "\n".join([run.reference_text, *run.lines, *task_lines, "",
-                      f"reference {ref_label}: {rows_json[0]['chunks']} chunks of {plan.reference.n_ctx}, "
-                      f"{rows_json[0]['scored_tokens']} scored tokens" if rows_json else "",
+                      f"reference {ref_label}: {summaries[0].chunks} chunks of {plan.reference.n_ctx}, "
+                      f"{summaries[0].scored_tokens} scored tokens" if summaries else "",
                       "", "PPL matrix (rows: model, columns: KV cache)",
-                      report.ppl_matrix_markdown(plan.cells(), rows_json),
+                      report.ppl_matrix_markdown(plan.cells(), summaries),
                       "", "Leaderboard (sorted by mean KLD)",
-                      report.leaderboard_markdown(rows, samplers=plan.samplers, tasks=tasks)])
-    return {"reference": ref_label, "rows": rows, "results": rows_json}, text
+                      board.leaderboard_markdown(rows, plan.samplers, board.common_tasks(rows))])
+    return {"reference": ref_label, "rows": [r.to_json() for r in rows],
+            "results": [s.to_json() for s in summaries]}, text

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from qeval.compare.summary import summarize
 from qeval.errors import MismatchError, QevalError
 from qeval.identity import changes, reference_identity
 from qeval.present import results
@@ -33,17 +34,16 @@ def measure(ref: str, cand: str, chunks: int | None = None, runs_dir: str | os.P
     if is_result_spec(cand):
         need = need_per_token or chunks is not None or depth is not None
         res = _from_result(ref, Path(cand), chunks, runs_dir, need).at_depth(depth)
-        missing = [s for s in samplers if s not in (res.summary.get("samplers") or {})]
+        missing = [s for s in samplers if s not in res.summary.samplers]
         if missing:
             raise QevalError(f"{cand} holds no figures for sampler {', '.join(missing)}: recompute it (qeval kld "
                              f"--ref {res.ref_label} --cand {res.label} "
                              f"{' '.join('--sampler ' + s for s in samplers)} --save-result)")
         return res
     from qeval.orchestrate import sources  # noqa: PLC0415 - sources imports the capture engine
-    from qeval.present import report  # noqa: PLC0415
 
     cmp = sources.compare(ref, cand, chunks, runs_dir, threads=threads, progress=progress, samplers=samplers)
-    return Measured(report.comparison_json(cmp), cmp.per_token, None).at_depth(depth)
+    return Measured(summarize(cmp), cmp.per_token, None).at_depth(depth)
 
 
 def _from_result(ref: str, path: Path, chunks: int | None, runs_dir, need_per_token: bool) -> Measured:
@@ -55,7 +55,7 @@ def _from_result(ref: str, path: Path, chunks: int | None, runs_dir, need_per_to
                          "`qeval matrix`)")
     _check_reference(ref, res, runs_dir)
     if chunks is not None:
-        have = int(res.summary["chunks"])
+        have = int(res.summary.chunks)
         if not 1 <= chunks <= have:
             raise QevalError(f"--chunks {chunks} is outside the {have} chunks of {path}")
         res = res.restricted(np.arange(chunks))
@@ -69,6 +69,6 @@ def _check_reference(ref: str, res: results.Result, runs_dir) -> None:
     with contextlib.closing(runs.open_source(ref, runs.runs_dir(runs_dir))) as source:
         differences = changes(saved.reference, reference_identity(source, saved.chunks), "reference")
     if differences:
-        rd = res.summary["reference"]
-        raise MismatchError(f"{res.path} was measured against reference {rd.get('label')!r} ({rd.get('path')}), "
+        rd = res.summary.reference
+        raise MismatchError(f"{res.path} was measured against reference {rd.label!r} ({rd.path}), "
                             f"not {ref!r}: {'; '.join(differences)} (saved vs named)")

@@ -25,80 +25,29 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import numpy as np
-from scipy import stats as sps
 
 from qeval.compare import metric_registry, sampler
 from qeval.compare.depth import parse_depth
 from qeval.compare.metric_registry import METRICS, Metric
+from qeval.compare.paired_stats import (
+    BOOT_SEED,
+    CONFIDENCE,
+    N_BOOT,
+    PairedDifference,
+    chunk_means,
+    interval_bootstrap,
+    interval_t,
+)
 from qeval.errors import MismatchError, QevalError
 from qeval.orchestrate.measured import Measured, measure
+from qeval.present.paired_text import paired_text, verdict
 
-CONFIDENCE = 0.95
-N_BOOT = 10_000
-BOOT_SEED = 0
 METHODS = ("t", "bootstrap")
 
 PAIRED_METRICS = {key: m for key, m in METRICS.items() if m.paired}
-
-
-@dataclass
-class PairedDifference:
-    metric: str  # its qeval.compare.metric_registry key
-    unit: str  # of the difference
-    better: str  # "lower" or "higher"
-    mean_a: float  # per-token means, in the metric's unit
-    mean_b: float
-    diff: float  # mean over chunks of the per-chunk mean difference A - B
-    se: float  # of diff: sd(chunk differences) / sqrt(n_chunks) (t) or bootstrap sd
-    ci_low: float
-    ci_high: float
-    p_value: float
-    n_chunks: int
-    n_tokens: int
-    method: str
-    confidence: float
-    token_se: float  # the naive per-token SE, for comparison (too small when tokens are correlated)
-    significant: bool
-    verdict: str
-
-
-def chunk_means(values: np.ndarray, chunk: np.ndarray) -> np.ndarray:
-    """Mean of `values` within each chunk, in chunk-id order."""
-    ids, inverse, counts = np.unique(np.asarray(chunk), return_inverse=True, return_counts=True)
-    sums = np.bincount(inverse, weights=np.asarray(values, dtype=np.float64), minlength=len(ids))
-    return sums / counts
-
-
-def interval_t(d: np.ndarray, confidence: float = CONFIDENCE) -> tuple[float, float, float, float, float]:
-    """(mean, se, low, high, p) of a one-sample t-interval / two-sided t-test of mean(d) = 0."""
-    n = len(d)
-    mean = float(np.mean(d))
-    sd = float(np.std(d, ddof=1))
-    se = sd / math.sqrt(n)
-    if se == 0.0:  # every chunk differs by exactly the same amount (often: not at all)
-        return mean, 0.0, mean, mean, (1.0 if mean == 0.0 else 0.0)
-    q = float(sps.t.ppf(0.5 + confidence / 2.0, n - 1))
-    p = float(2.0 * sps.t.sf(abs(mean) / se, n - 1))
-    return mean, se, mean - q * se, mean + q * se, p
-
-
-def interval_bootstrap(d: np.ndarray, confidence: float = CONFIDENCE, n_boot: int = N_BOOT,
-                       seed: int = BOOT_SEED) -> tuple[float, float, float, float, float]:
-    """(mean, se, low, high, p) from resampling whole chunks with replacement (percentile interval)."""
-    n = len(d)
-    mean = float(np.mean(d))
-    rng = np.random.default_rng(seed)
-    boot = d[rng.integers(0, n, size=(n_boot, n))].mean(axis=1)
-    alpha = 1.0 - confidence
-    low, high = np.quantile(boot, [alpha / 2.0, 1.0 - alpha / 2.0])
-    if np.all(boot == boot[0]):
-        return mean, 0.0, mean, mean, (1.0 if mean == 0.0 else 0.0)
-    below, above = np.count_nonzero(boot <= 0.0), np.count_nonzero(boot >= 0.0)
-    p = min(1.0, 2.0 * (min(below, above) + 1) / (n_boot + 1))
-    return mean, float(np.std(boot, ddof=1)), float(low), float(high), p
 
 
 def difference_unit(m: Metric) -> str:
@@ -137,44 +86,6 @@ def paired_difference(a: np.ndarray, b: np.ndarray, chunk: np.ndarray, metric: s
     return out
 
 
-def _decimals(x: float) -> int:
-    """Decimals that show about two significant digits of `x` (a CI half-width)."""
-    if not math.isfinite(x) or x <= 0.0:
-        return 4
-    return int(min(8, max(1, 1 - math.floor(math.log10(x)))))
-
-
-def _signed(x: float, dec: int) -> str:
-    s = f"{x:+.{dec}f}"
-    return ("−" + s[1:]) if s.startswith("-") else s
-
-
-def format_p(p: float) -> str:
-    if p < 0.001:
-        return "p < 0.001"
-    return f"p = {p:.2g}" if p < 0.1 else f"p = {p:.2f}"
-
-
-def verdict(r: PairedDifference, name_a: str = "A", name_b: str = "B") -> str:
-    """One plain sentence: which candidate is better on this metric, or that the data can't tell."""
-    what = metric_registry.lookup(r.metric).title.removeprefix("mean ")  # the per-token values: "A has lower KLD than B"
-    dec = _decimals((r.ci_high - r.ci_low) / 2.0 if r.ci_high > r.ci_low else abs(r.diff))
-    numbers = (f"difference {_signed(r.diff, dec)} {r.unit}, {100 * r.confidence:g} % CI "
-               f"[{_signed(r.ci_low, dec)}, {_signed(r.ci_high, dec)}], {format_p(r.p_value)} over {r.n_chunks} chunks")
-    if r.metric == "nll_mean":
-        numbers += f"; PPL ratio {name_a}/{name_b} {math.exp(r.diff):.4f}"
-    if r.diff == 0.0 and r.se == 0.0:
-        return f"no significant difference in {what} between {name_a} and {name_b}: identical on all " \
-               f"{r.n_tokens} tokens"
-    if not r.significant:
-        return f"no significant difference in {what} between {name_a} and {name_b}: {numbers}"
-    if r.metric == "same_top1_pct":
-        claim = f"{name_a} keeps the reference's top-1 token {'more' if r.diff > 0 else 'less'} often than {name_b}"
-    else:
-        claim = f"{name_a} has {'lower' if r.diff < 0 else 'higher'} {what} than {name_b}"
-    return f"{claim}: {numbers}"
-
-
 def compare_measured(a: Measured, b: Measured, method: str = "t", confidence: float = CONFIDENCE,
                      samplers: list[str] | None = None) -> dict:
     """Paired differences of two measurements of the same reference tokens (A - B, per metric), then the TVD of
@@ -182,10 +93,10 @@ def compare_measured(a: Measured, b: Measured, method: str = "t", confidence: fl
     for m in (a, b):
         if m.per_token is None:
             raise QevalError(f"{m.origin}: a paired comparison needs per-token values")
-    ra, rb = a.summary["reference"], b.summary["reference"]
-    if ra.get("label") != rb.get("label") or ra.get("n_ctx") != rb.get("n_ctx"):
-        raise MismatchError(f"A and B were measured against different references: {ra.get('label')!r} "
-                            f"(n_ctx {ra.get('n_ctx')}) and {rb.get('label')!r} (n_ctx {rb.get('n_ctx')})")
+    ra, rb = a.summary.reference, b.summary.reference
+    if ra.label != rb.label or ra.n_ctx != rb.n_ctx:
+        raise MismatchError(f"A and B were measured against different references: {ra.label!r} "
+                            f"(n_ctx {ra.n_ctx}) and {rb.label!r} (n_ctx {rb.n_ctx})")
     notes = []
     common = np.intersect1d(a.chunk_ids, b.chunk_ids)
     if len(common) == 0:
@@ -211,8 +122,8 @@ def compare_measured(a: Measured, b: Measured, method: str = "t", confidence: fl
                                          confidence, names)
     first = next(iter(diffs.values()))
     return {
-        "reference": a.summary["reference"],
-        "a": a.summary["candidate"], "b": b.summary["candidate"],
+        "reference": a.summary.reference.to_json(),
+        "a": a.summary.candidate.to_json(), "b": b.summary.candidate.to_json(),
         "a_origin": a.origin, "b_origin": b.origin,
         "chunks": first.n_chunks, "scored_tokens": first.n_tokens,
         "method": method, "confidence": confidence,
@@ -249,26 +160,3 @@ def paired_report(ref: str, cand_a: str, cand_b: str, chunks: int | None = None,
     return result, paired_text(result)
 
 
-def paired_text(result: dict) -> str:
-    ref, a, b = result["reference"], result["a"], result["b"]
-    how = ("a t-interval over per-chunk mean differences" if result["method"] == "t"
-           else f"a block bootstrap over chunks ({N_BOOT} draws, seed {BOOT_SEED})")
-    lines = [f"reference : {ref['label']} ({ref['path']})",
-             f"A         : {a['label']} ({a['path']})",
-             f"B         : {b['label']} ({b['path']})",
-             f"paired    : {result['chunks']} chunks of n_ctx {ref['n_ctx']}, {result['scored_tokens']} scored tokens, "
-             f"the same tokens for A and B",
-             *([f"depth     : only scored tokens at logit positions {result['depth']['lo']}:{result['depth']['hi']}"]
-               if "depth" in result else []),
-             f"intervals : {100 * result['confidence']:g} % from {how}", *[f"note      : {n}" for n in result["notes"]],
-             "",
-             f"{'metric':<14} {'A':>12} {'B':>12} {'A − B':>12}   {'CI':<27} p"]
-    for key, d in result["differences"].items():
-        dec = _decimals((d["ci_high"] - d["ci_low"]) / 2.0 if d["ci_high"] > d["ci_low"] else abs(d["diff"]))
-        m = metric_registry.lookup(key)
-        ci = f"[{_signed(d['ci_low'], dec)}, {_signed(d['ci_high'], dec)}]"
-        means = f"{d['mean_a']:>12{m.fmt}} {d['mean_b']:>12{m.fmt}}"
-        lines.append(f"{m.heading:<14} {means} {_signed(d['diff'], dec):>12}   "
-                     f"{ci:<27} {format_p(d['p_value'])[2:]}")
-    lines += ["", *[f"- {v}" for v in result["verdicts"]]]
-    return "\n".join(lines)

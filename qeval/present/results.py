@@ -22,9 +22,9 @@ import numpy as np
 
 from qeval.compare import depth, sampler
 from qeval.compare.metrics import PER_TOKEN_FIELDS, Comparison
+from qeval.compare.summary import ComparisonSummary, of_figures, summarize
 from qeval.errors import QevalError
 from qeval.identity import METRICS_VERSION, ComparisonRequest
-from qeval.present.report import comparison_json
 
 RESULTS_SUBDIR = "results"
 
@@ -33,17 +33,17 @@ RESULTS_SUBDIR = "results"
 class Result:
     """One candidate measured against a reference: loaded from a file, or computed just now."""
 
-    summary: dict  # comparison JSON (reference, candidate, perplexity, kld, ...)
+    summary: ComparisonSummary
     per_token: dict[str, np.ndarray] | None
     path: Path | None  # None when computed from stores, not loaded
 
     @property
     def label(self) -> str:
-        return self.summary["candidate"]["label"]
+        return self.summary.candidate.label
 
     @property
     def ref_label(self) -> str:
-        return self.summary["reference"]["label"]
+        return self.summary.reference.label
 
     @property
     def origin(self) -> str:
@@ -59,8 +59,7 @@ class Result:
             raise QevalError(f"{self.origin} has no per-token values: it cannot be cut to fewer chunks")
         keep = np.isin(self.per_token["chunk"], np.asarray(chunk_ids))
         per_token = {k: v[keep] for k, v in self.per_token.items()}
-        return Result(summarize(self.summary, per_token), per_token, self.path)
-
+        return Result(recomputed(self.summary, per_token), per_token, self.path)
 
     def at_depth(self, band: tuple[int, int] | None) -> "Result":
         """The same measurement over only the scored tokens at logit positions [lo, hi) (None: all)."""
@@ -69,17 +68,17 @@ class Result:
         if self.per_token is None:
             raise QevalError(f"{self.origin} has no per-token values: it cannot be cut to a depth band")
         per_token = depth.select_depth(self.per_token, band, f"{self.label} vs {self.ref_label}")
-        summary = summarize(self.summary, per_token)
-        summary["depth"] = {"lo": band[0], "hi": band[1]}
+        summary = recomputed(self.summary, per_token)
+        summary.depth = {"lo": band[0], "hi": band[1]}
         return Result(summary, per_token, self.path)
 
 
-def summarize(head: dict, per_token: dict[str, np.ndarray]) -> dict:
-    """Comparison JSON (reference/candidate descriptions from `head`) recomputed from per-token values."""
+def recomputed(head: ComparisonSummary, per_token: dict[str, np.ndarray]) -> ComparisonSummary:
+    """The summary of these per-token values, its reference and candidate those of `head`."""
     chunks = [int(c) for c in np.unique(per_token["chunk"])]
-    bands = depth.parse_bands(None, head["reference"]["n_ctx"])
+    bands = depth.parse_bands(None, head.reference.n_ctx)
     body = Comparison(None, None, chunks, per_token).summary(bands)  # reads only per_token and chunks then
-    return {"reference": head["reference"], "candidate": head["candidate"], **body}
+    return of_figures(head.reference, head.candidate, body)
 
 
 def result_stem(cand_label: str, ref_label: str) -> str:
@@ -102,14 +101,14 @@ def saved_request(path: Path) -> ComparisonRequest | None:
 def require_current(res: Result) -> ComparisonRequest:
     """The request a saved result answers; a result that records none (an older qeval) or was computed
     with other formulas (METRICS_VERSION) is refused: its numbers may not be what this qeval computes."""
-    request = ComparisonRequest.from_summary(res.summary)
+    request = res.summary.comparison_request()
     redo = (f"recompute it (qeval kld --ref {res.ref_label} --cand {res.label} --save-result, or re-run "
             "qeval matrix)")
     if request is None:
         raise QevalError(f"{res.origin} was saved by an older qeval that did not record what it measured; {redo}")
     if request.metrics_version != METRICS_VERSION:
         raise QevalError(f"{res.origin} was computed with metrics version {request.metrics_version} (qeval "
-                         f"{res.summary.get('qeval_version', '?')}); this qeval computes version {METRICS_VERSION}: "
+                         f"{res.summary.qeval_version or '?'}); this qeval computes version {METRICS_VERSION}: "
                          f"{redo}")
     return request
 
@@ -118,13 +117,13 @@ def save_result(cmp: Comparison, directory: str | os.PathLike) -> Path:
     """Write the summary JSON and per-token npz; returns the JSON path."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    summary = comparison_json(cmp)
-    path = result_path(directory, summary["candidate"]["label"], summary["reference"]["label"])
+    summary = summarize(cmp)
+    path = result_path(directory, summary.candidate.label, summary.reference.label)
     npz = path.with_suffix(".npz")
     np.savez_compressed(npz, **cmp.per_token)
-    summary["per_token_file"] = npz.name
+    summary.per_token_file = npz.name
     tmp = path.with_suffix(".json.part")
-    tmp.write_text(json.dumps(summary, indent=2))
+    tmp.write_text(json.dumps(summary.to_json(), indent=2))
     tmp.replace(path)
     return path
 
@@ -139,9 +138,10 @@ def load_result(path: str | os.PathLike, with_per_token: bool = True) -> Result:
         raise QevalError(f"{path} is not a qeval result (invalid JSON: {exc})") from None
     if not isinstance(summary, dict) or not {"reference", "candidate", "kld", "perplexity"} <= summary.keys():
         raise QevalError(f"{path} is not a qeval result (expected the JSON of `qeval kld --json`)")
+    summary = ComparisonSummary.from_json(summary)
     per_token = None
-    if with_per_token and summary.get("per_token_file"):
-        npz = path.parent / summary["per_token_file"]
+    if with_per_token and summary.per_token_file:
+        npz = path.parent / summary.per_token_file
         try:
             with np.load(npz) as data:
                 fields = (*PER_TOKEN_FIELDS, *filter(sampler.is_column, data.files))  # samplers' columns too

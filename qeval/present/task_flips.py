@@ -11,19 +11,48 @@ is refused with a message, never shown beside a KLD it does not belong to.
 from __future__ import annotations
 
 import functools
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from qeval.compare import flips as flipmath
+from qeval.compare.summary import ComparisonSummary
 from qeval.errors import MismatchError
 from qeval.identity import changes
 from qeval.storage.taskstore import STORE_SUFFIX, TASKS_SUBDIR, TaskStore
 
-# the figures of compare.flips.flips that a row carries, per task set, as `<key>@<task set>`
-FLIP_FIGURES = ("flips_pct", "flips", "correct_to_wrong", "wrong_to_correct", "mcnemar_p", "n_tasks")
-ROW_KEYS = (*FLIP_FIGURES, "accuracy_pct", "ref_accuracy_pct")  # accuracies: the candidate's, the reference's
+
+@dataclass(frozen=True)
+class FlipFigures:
+    """What a board row shows of one task set: compare.flips.between's figures and both accuracies."""
+
+    flips_pct: float
+    flips: int
+    correct_to_wrong: int
+    wrong_to_correct: int
+    mcnemar_p: float
+    n_tasks: int
+    accuracy_pct: float  # the candidate's
+    ref_accuracy_pct: float  # the reference's
+
+    @classmethod
+    def of(cls, between: dict) -> "FlipFigures":
+        """From compare.flips.between(reference's store, candidate's store)."""
+        own = {f.name: between[f.name] for f in fields(cls) if f.name in between}
+        return cls(**own, accuracy_pct=between["candidate"]["accuracy_pct"],
+                   ref_accuracy_pct=between["reference"]["accuracy_pct"])
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def cell(self) -> str:
+        return f"{self.flips_pct:.2f} ({self.correct_to_wrong}↓ {self.wrong_to_correct}↑, p {self.mcnemar_p:.2g})"
+
+
+ROW_KEYS = tuple(f.name for f in fields(FlipFigures))
 
 
 def row_key(key: str, task: str) -> str:
+    """A written column (CSV, JSON) of one figure of one task set."""
     return f"{key}@{task}"
 
 
@@ -56,13 +85,12 @@ def _read_version(path: str, mtime_ns: int, size: int) -> TaskStore:
     return TaskStore.open(path)
 
 
-def task_flips(summary: dict, root: Path, origin: str = "the comparison", bins: int = 4,
+def task_flips(summary: ComparisonSummary, root: Path, origin: str = "the comparison", bins: int = 4,
                names: set[str] | None = None) -> dict[str, dict]:
     """task set -> compare.flips.between(reference's store, candidate's store), for every task set under `root`
-    (of `names` only, when given) holding a store of both labels of comparison `summary` (its JSON, with its
-    request)."""
-    request = summary.get("request") or {}
-    ref_label, cand_label = summary["reference"]["label"], summary["candidate"]["label"]
+    (of `names` only, when given) holding a store of both labels of comparison `summary` (with its request)."""
+    request = summary.request or {}
+    ref_label, cand_label = summary.reference.label, summary.candidate.label
     out = {}
     for folder in sorted(p for p in root.iterdir() if p.is_dir() and (names is None or p.name in names)) \
             if root.is_dir() else []:
@@ -76,33 +104,15 @@ def task_flips(summary: dict, root: Path, origin: str = "the comparison", bins: 
     return out
 
 
-def row_figures(by_task: dict[str, dict]) -> dict:
-    """The row entries `<key>@<task set>` of task_flips' results."""
-    row = {}
-    for task, r in by_task.items():
-        figures = {**{k: r[k] for k in FLIP_FIGURES}, "accuracy_pct": r["candidate"]["accuracy_pct"],
-                   "ref_accuracy_pct": r["reference"]["accuracy_pct"]}
-        row.update((row_key(k, task), v) for k, v in figures.items())
-    return row
-
-
-def common_tasks(rows: list[dict]) -> tuple[str, ...]:
-    """Task sets any row has flips for, in name order: a flips column each."""
-    prefix = ROW_KEYS[0] + "@"
-    return tuple(sorted({k[len(prefix):] for r in rows for k in r if k.startswith(prefix)}))
+def flip_figures(summary: ComparisonSummary, root: Path, origin: str = "the comparison",
+                 names: set[str] | None = None) -> dict[str, FlipFigures]:
+    """task set -> FlipFigures of task_flips(summary, root, origin, names=names)."""
+    return {task: FlipFigures.of(r) for task, r in task_flips(summary, root, origin, names=names).items()}
 
 
 def columns(tasks: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
     """(heading, row key) of the flips columns."""
     return tuple((f"flips % ({task}), McNemar p", row_key("flips_pct", task)) for task in tasks)
-
-
-def cell(row: dict, task: str) -> str:
-    pct = row.get(row_key("flips_pct", task))
-    if pct is None:
-        return ""
-    return (f"{pct:.2f} ({row[row_key('correct_to_wrong', task)]}↓ {row[row_key('wrong_to_correct', task)]}↑, "
-            f"p {row[row_key('mcnemar_p', task)]:.2g})")
 
 
 def keys(tasks: tuple[str, ...]) -> tuple[str, ...]:

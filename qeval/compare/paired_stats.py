@@ -1,0 +1,71 @@
+"""The statistics of paired comparisons (qeval.orchestrate.paired explains the choice): per-chunk means, a
+one-sample t-interval over them, and a block bootstrap over chunks."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import stats as sps
+
+CONFIDENCE = 0.95
+N_BOOT = 10_000
+BOOT_SEED = 0
+
+
+@dataclass
+class PairedDifference:
+    metric: str  # its qeval.compare.metric_registry key
+    unit: str  # of the difference
+    better: str  # "lower" or "higher"
+    mean_a: float  # per-token means, in the metric's unit
+    mean_b: float
+    diff: float  # mean over chunks of the per-chunk mean difference A - B
+    se: float  # of diff: sd(chunk differences) / sqrt(n_chunks) (t) or bootstrap sd
+    ci_low: float
+    ci_high: float
+    p_value: float
+    n_chunks: int
+    n_tokens: int
+    method: str
+    confidence: float
+    token_se: float  # the naive per-token SE, for comparison (too small when tokens are correlated)
+    significant: bool
+    verdict: str
+
+
+def chunk_means(values: np.ndarray, chunk: np.ndarray) -> np.ndarray:
+    """Mean of `values` within each chunk, in chunk-id order."""
+    ids, inverse, counts = np.unique(np.asarray(chunk), return_inverse=True, return_counts=True)
+    sums = np.bincount(inverse, weights=np.asarray(values, dtype=np.float64), minlength=len(ids))
+    return sums / counts
+
+
+def interval_t(d: np.ndarray, confidence: float = CONFIDENCE) -> tuple[float, float, float, float, float]:
+    """(mean, se, low, high, p) of a one-sample t-interval / two-sided t-test of mean(d) = 0."""
+    n = len(d)
+    mean = float(np.mean(d))
+    sd = float(np.std(d, ddof=1))
+    se = sd / math.sqrt(n)
+    if se == 0.0:  # every chunk differs by exactly the same amount (often: not at all)
+        return mean, 0.0, mean, mean, (1.0 if mean == 0.0 else 0.0)
+    q = float(sps.t.ppf(0.5 + confidence / 2.0, n - 1))
+    p = float(2.0 * sps.t.sf(abs(mean) / se, n - 1))
+    return mean, se, mean - q * se, mean + q * se, p
+
+
+def interval_bootstrap(d: np.ndarray, confidence: float = CONFIDENCE, n_boot: int = N_BOOT,
+                       seed: int = BOOT_SEED) -> tuple[float, float, float, float, float]:
+    """(mean, se, low, high, p) from resampling whole chunks with replacement (percentile interval)."""
+    n = len(d)
+    mean = float(np.mean(d))
+    rng = np.random.default_rng(seed)
+    boot = d[rng.integers(0, n, size=(n_boot, n))].mean(axis=1)
+    alpha = 1.0 - confidence
+    low, high = np.quantile(boot, [alpha / 2.0, 1.0 - alpha / 2.0])
+    if np.all(boot == boot[0]):
+        return mean, 0.0, mean, mean, (1.0 if mean == 0.0 else 0.0)
+    below, above = np.count_nonzero(boot <= 0.0), np.count_nonzero(boot >= 0.0)
+    p = min(1.0, 2.0 * (min(below, above) + 1) / (n_boot + 1))
+    return mean, float(np.std(boot, ddof=1)), float(low), float(high), p

@@ -1,0 +1,232 @@
+"""A comparison's summary as one value: what `qeval kld --json` prints and a saved result file holds.
+
+    summary = ComparisonSummary.from_json(json.loads(path.read_text()))   # also a file of an older qeval
+    summary.candidate.label, summary.metrics["kld_mean"].value, summary.by_depth[-1].kld["mean"]
+    summary.to_json()                                                       # the same JSON, key for key
+
+Its JSON, in this order: "reference" and "candidate" (Side: who each store is), "chunks", then the figures of
+the scored tokens (Figures: "scored_tokens", llama-perplexity's statistics blocks, the "metrics" block of
+qeval.compare.metric_registry, the "samplers" block of qeval.compare.sampler), "by_depth" (DepthBand: the same
+figures per band of logit positions), "request" (qeval.identity.ComparisonRequest as recorded), "qeval_version",
+"per_token_file" (a saved result's npz) and "depth" (a comparison cut to one band). A field a summary lacks
+(a file saved before it existed, a comparison cut to fewer chunks) is left out of its JSON again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from qeval import __version__
+from qeval.compare import sampler
+from qeval.compare.metric_registry import MetricValue, known
+from qeval.errors import QevalError
+from qeval.identity import ComparisonRequest, comparison_request
+
+# Side fields, in the order describe() writes them
+_SIDE_FIELDS = ("label", "path", "source", "model", "kv", "corpus", "n_vocab", "n_ctx", "tokens_sha256", "chunks",
+                "complete")
+
+
+def kv_text(kv: dict | None, same_once: bool = False) -> str:
+    """A KV cache's types as "type_k/type_v" ("?" for one not recorded); same_once: one type when V has none of
+    its own or the same (a baseline file's "kv": "q8_0")."""
+    kv = kv or {}
+    k, v = kv.get("type_k", "?"), kv.get("type_v", "?")
+    return k if same_once and kv.get("type_v") in (None, k) else f"{k}/{v}"
+
+
+@dataclass
+class Side:
+    """A store as a comparison describes it: the facts a reader needs to trust the comparison."""
+
+    label: str | None
+    path: str | None = None
+    source: str | None = None
+    model: dict | None = None  # qeval.capture.modelinfo facts (file_name, quant, size_gib, fingerprint ...)
+    kv: dict | None = None  # the KV cache settings (type_k, type_v, flash_attn)
+    corpus: dict | None = None
+    n_vocab: int | None = None
+    n_ctx: int | None = None
+    tokens_sha256: str | None = None
+    chunks: int | None = None
+    complete: bool | None = None
+    absent: frozenset = frozenset()  # fields its JSON did not hold (a hand-made or older summary)
+
+    @classmethod
+    def of_source(cls, source) -> "Side":
+        """A store, or anything read like one."""
+        h = source.header
+        return cls(h.label, str(source.path), h.source, h.model, h.kv, h.corpus, h.n_vocab, h.n_ctx, h.tokens_sha256,
+                   len(source.chunk_indices), bool(source.complete))
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Side":
+        return cls(**{k: d.get(k) for k in _SIDE_FIELDS}, absent=frozenset(k for k in _SIDE_FIELDS if k not in d))
+
+    def to_json(self) -> dict:
+        return {k: getattr(self, k) for k in _SIDE_FIELDS if k not in self.absent}
+
+    @property
+    def facts(self) -> dict:
+        """The model's facts ({} when none are recorded)."""
+        return self.model or {}
+
+    @property
+    def kv_types(self) -> dict:
+        return self.kv or {}
+
+    def kv_text(self, same_once: bool = False) -> str:
+        return kv_text(self.kv, same_once)
+
+
+@dataclass
+class Figures:
+    """Every figure of a set of scored tokens (qeval.compare.metrics.summarize_tokens)."""
+
+    scored_tokens: int | None
+    blocks: dict[str, dict]  # llama-perplexity's statistics blocks (perplexity, kld, delta_p, ...), in order
+    metrics: dict[str, MetricValue] | None  # None: saved by a qeval from before the "metrics" block
+    samplers: dict[str, dict] | None  # sampler name -> its figures; None: measured without samplers
+
+    _TYPED = ("scored_tokens", "metrics", "samplers")
+
+    @classmethod
+    def from_json(cls, d: dict, skip: tuple[str, ...] = ()) -> "Figures":
+        """The figures of `d`; its keys in `skip` belong to whatever holds them."""
+        blocks = {k: v for k, v in d.items() if k not in cls._TYPED and k not in skip}
+        held = d.get("metrics")
+        metrics = {k: MetricValue(v["value"], v.get("se")) for k, v in held.items()} if isinstance(held, dict) \
+            else None
+        return cls(d.get("scored_tokens"), blocks, metrics, d.get("samplers"))
+
+    def to_json(self) -> dict:
+        out = {} if self.scored_tokens is None else {"scored_tokens": self.scored_tokens}
+        out.update(self.blocks)
+        if self.metrics is not None:
+            out["metrics"] = {k: {"value": v.value, "se": v.se} for k, v in self.metrics.items()}
+        if self.samplers is not None:
+            out["samplers"] = self.samplers
+        return out
+
+    @property
+    def perplexity(self) -> dict:
+        return self.blocks["perplexity"]
+
+    @property
+    def kld(self) -> dict:
+        return self.blocks["kld"]
+
+
+@dataclass
+class DepthBand:
+    """The figures of the scored tokens at logit positions [lo, hi) (qeval.compare.depth)."""
+
+    lo: int
+    hi: int
+    n: int
+    figures: Figures
+    se_method: str | None = None
+
+    _OWN = ("lo", "hi", "n", "se_method")
+
+    @classmethod
+    def from_json(cls, d: dict) -> "DepthBand":
+        return cls(d["lo"], d["hi"], d["n"], Figures.from_json(d, skip=cls._OWN), d.get("se_method"))
+
+    def to_json(self) -> dict:
+        out = {"lo": self.lo, "hi": self.hi, "n": self.n, **self.figures.to_json()}
+        if self.se_method is not None:
+            out["se_method"] = self.se_method
+        return out
+
+    @property
+    def kld(self) -> dict:
+        return self.figures.kld
+
+    @property
+    def name(self) -> str:
+        return f"{self.lo}-{self.hi}"
+
+
+@dataclass
+class ComparisonSummary:
+    """One candidate measured against one reference: the summary of a comparison, computed or saved."""
+
+    reference: Side
+    candidate: Side
+    chunks: int | None
+    figures: Figures
+    by_depth: list[DepthBand] | None = None  # None: saved before by-depth figures existed
+    request: dict | None = None  # ComparisonRequest.to_json() as recorded (an older qeval's may not parse)
+    qeval_version: str | None = None
+    per_token_file: str | None = None  # a saved result's per-token arrays, beside it
+    depth: dict | None = None  # {"lo", "hi"}: cut to the scored tokens of one band
+
+    _OWN = ("reference", "candidate", "chunks", "by_depth", "request", "qeval_version", "per_token_file", "depth")
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ComparisonSummary":
+        bands = d.get("by_depth")
+        return cls(Side.from_json(d["reference"]), Side.from_json(d["candidate"]), d.get("chunks"),
+                   Figures.from_json(d, skip=cls._OWN), None if bands is None else list(map(DepthBand.from_json, bands)),
+                   d.get("request"), d.get("qeval_version"), d.get("per_token_file"), d.get("depth"))
+
+    def to_json(self) -> dict:
+        out = {"reference": self.reference.to_json(), "candidate": self.candidate.to_json()}
+        if self.chunks is not None:
+            out["chunks"] = self.chunks
+        out.update(self.figures.to_json())
+        optional = {"by_depth": None if self.by_depth is None else [b.to_json() for b in self.by_depth],
+                    "request": self.request, "qeval_version": self.qeval_version,
+                    "per_token_file": self.per_token_file, "depth": self.depth}
+        out.update((k, v) for k, v in optional.items() if v is not None)
+        return out
+
+    @property
+    def scored_tokens(self) -> int | None:
+        return self.figures.scored_tokens
+
+    @property
+    def perplexity(self) -> dict:
+        return self.figures.perplexity
+
+    @property
+    def samplers(self) -> dict[str, dict]:
+        """Sampler name -> its figures ({} when measured without samplers)."""
+        return self.figures.samplers or {}
+
+    @property
+    def deepest(self) -> DepthBand | None:
+        """The band of the deepest scored positions."""
+        return self.by_depth[-1] if self.by_depth else None
+
+    def comparison_request(self) -> ComparisonRequest | None:
+        """The request it answers; None when it records none (an older qeval)."""
+        return ComparisonRequest.from_summary({"request": self.request})
+
+    def measured(self) -> dict[str, MetricValue]:
+        """The metrics it holds that this qeval knows, by key (a result saved before a metric existed lacks it)."""
+        if self.metrics is None:
+            raise QevalError(f"the comparison of {self.candidate.label!r} was saved by an older qeval and holds no "
+                             "\"metrics\" block: recompute it (qeval kld ... --save-result)")
+        return known(self.metrics)
+
+    @property
+    def metrics(self) -> dict[str, MetricValue] | None:
+        return self.figures.metrics
+
+
+def summarize(cmp, bands: list[tuple[int, int]] | None = None) -> ComparisonSummary:
+    """The summary of a comparison just computed (qeval.compare.metrics.Comparison), with the request it answers
+    (qeval.identity: whether a saved copy may stand for a later request) and this qeval's version.
+    bands: of the by-depth figures (default: powers of 4 from 512)."""
+    request = comparison_request(cmp.ref, cmp.cand, len(cmp.chunks),
+                                 sampler.settings_names(sampler.names_in(cmp.per_token)))
+    return of_figures(Side.of_source(cmp.ref), Side.of_source(cmp.cand), cmp.summary(bands),
+                      request=request.to_json(), qeval_version=__version__)
+
+
+def of_figures(reference: Side, candidate: Side, body: dict, **recorded) -> ComparisonSummary:
+    """A summary from Comparison.summary()'s figures (chunks, figures, by_depth) and what else it records."""
+    return ComparisonSummary.from_json({"reference": reference.to_json(), "candidate": candidate.to_json(), **body,
+                                        **recorded})

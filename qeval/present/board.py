@@ -1,0 +1,215 @@
+"""The leaderboard's rows, each built once from a comparison summary: the board `qeval matrix` prints, the one
+`qeval leaderboard` writes (qeval.present.leaderboard) and the one notebooks/leaderboard.ipynb shows.
+
+A BoardRow keeps a sampler's figures under row.samplers[sampler name] and a task set's under
+row.task_flips[task set]; only its written form (to_json: matrix JSON rows, leaderboard CSV and JSON columns)
+names them `<metric>@<sampler>` and `<figure>@<task set>`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qeval.compare import sampler
+from qeval.compare.metric_registry import METRICS, Metric, MetricValue, plus_minus, sampler_metrics
+from qeval.compare.summary import ComparisonSummary, DepthBand
+from qeval.present import task_flips
+from qeval.present.task_flips import FlipFigures
+from qeval.storage.scoring import Scoring
+
+# The metrics on every leaderboard, in table order; each is a column `key` and, where it has an SE, `key_se`.
+BOARD_METRICS = tuple(m for m in METRICS.values() if m.board)
+DEEPEST_KEYS = ("deepest_band", "kld_deepest", "kld_deepest_se")
+
+
+def sampler_board_metrics(name: str) -> tuple[Metric, ...]:
+    """The board metrics of sampler `name` (its mean TVD)."""
+    return tuple(m for m in sampler_metrics(name) if m.board)
+
+
+def board_metrics(samplers=()) -> tuple[Metric, ...]:
+    """The metrics of a leaderboard's columns: BOARD_METRICS, then the board metrics of each sampler in
+    `samplers` (names)."""
+    return (*BOARD_METRICS, *(m for name in samplers for m in sampler_board_metrics(name)))
+
+
+def board_keys(samplers=()) -> tuple[str, ...]:
+    """The columns of board_metrics(samplers): each metric's key and, where it has an SE, its SE key."""
+    return tuple(k for m in board_metrics(samplers) for k in ((m.key, m.se_key) if m.has_se else (m.key,)))
+
+
+def common_samplers(summaries: list[ComparisonSummary]) -> tuple[str, ...]:
+    """The samplers (as the first comparison names them) whose figures every comparison holds: a leaderboard's
+    sampler columns."""
+    if not summaries:
+        return ()
+    first, *rest = summaries
+    return tuple(name for name in first.samplers if all(sampler.held_as(s.samplers, name) for s in rest))
+
+
+def common_tasks(rows: list[BoardRow]) -> tuple[str, ...]:
+    """Task sets any row has flips for, in name order: a flips column each."""
+    return tuple(sorted({task for r in rows for task in r.task_flips}))
+
+
+@dataclass
+class BoardRow:
+    """One candidate on a board: who it is, its board metrics (None: not held), its deepest band, its task flips,
+    and (on a leaderboard) its place."""
+
+    label: str
+    quant: str
+    kv: str  # "type_k/type_v"
+    model_file: str | None
+    type_k: str | None
+    type_v: str | None
+    size_gib: float | None
+    bpw: float | None
+    metrics: dict[str, MetricValue | None]  # BOARD_METRICS by key
+    samplers: dict[str, dict[str, MetricValue | None]]  # sampler name -> its board metrics by key
+    deepest: DepthBand | None  # the band of the deepest scored positions
+    task_flips: dict[str, FlipFigures] = field(default_factory=dict)  # task set -> its flips
+    rank: int | None = None
+    pareto: bool | None = None  # on the size/KLD Pareto front
+    result: str | None = None  # the result file it was read from
+
+    def value(self, key: str) -> float | None:
+        """The value of board metric `key` ("kld_mean", "ppl")."""
+        mv = self.metrics.get(key)
+        return None if mv is None else mv.value
+
+    @property
+    def kld_mean(self) -> float | None:
+        return self.value("kld_mean")
+
+    def board_values(self) -> list[tuple[Metric, MetricValue | None]]:
+        """Every board metric with its value, in column order: BOARD_METRICS, then each sampler's."""
+        out = [(m, self.metrics.get(m.key)) for m in BOARD_METRICS]
+        for name, held in self.samplers.items():
+            out += [(m, held.get(m.key)) for m in sampler_board_metrics(name)]
+        return out
+
+    def to_json(self) -> dict:
+        """The row as written: one entry per column, a metric's SE under `<key>_se`, a task set's figures under
+        `<figure>@<task set>`."""
+        out = {"label": self.label, "quant": self.quant, "kv": self.kv, "model_file": self.model_file,
+               "type_k": self.type_k, "type_v": self.type_v, "size_gib": self.size_gib, "bpw": self.bpw}
+        for m, mv in self.board_values():
+            out[m.key] = None if mv is None else mv.value
+            if m.has_se:
+                out[m.se_key] = None if mv is None else mv.se
+        deepest = self.deepest
+        out.update(deepest_band=deepest.name if deepest else None, kld_deepest=deepest.kld["mean"] if deepest else None,
+                   kld_deepest_se=deepest.kld["se"] if deepest else None)
+        for task, figures in self.task_flips.items():
+            out.update((task_flips.row_key(k, task), v) for k, v in figures.to_json().items())
+        return out
+
+
+def board_row(summary: ComparisonSummary, samplers=(), flips: dict[str, FlipFigures] | None = None) -> BoardRow:
+    """A comparison's row, with the figures of `samplers` (names; held under that name or another of the same
+    settings) and the task flips `flips`."""
+    cand = summary.candidate
+    model, kv = cand.facts, cand.kv_types
+    held = summary.measured()
+    return BoardRow(cand.label, model.get("quant", "?"), cand.kv_text(), model.get("file_name"), kv.get("type_k"),
+                    kv.get("type_v"), model.get("size_gib"), model.get("bits_per_weight"),
+                    {m.key: held.get(m.key) for m in BOARD_METRICS},
+                    {name: _sampler_figures(summary, held, name) for name in samplers}, summary.deepest, flips or {})
+
+
+def _sampler_figures(summary: ComparisonSummary, held: dict[str, MetricValue], name: str) -> dict:
+    """The board metrics of sampler `name`, held under this name or under another of the same settings."""
+    held_as = sampler.held_as(summary.samplers, name) or name
+    return {m.key: held.get(o.key) for m, o in zip(sampler_board_metrics(name), sampler_board_metrics(held_as))}
+
+
+def row_with_flips(summary: ComparisonSummary, samplers, tasks_root: Path, origin: str = "the comparison",
+                   names: set[str] | None = None) -> BoardRow:
+    """A comparison's row with the flips of every task set under `tasks_root` (of `names` only, when given) that
+    holds stores of both its labels."""
+    return board_row(summary, samplers, task_flips.flip_figures(summary, tasks_root, origin, names))
+
+
+def rank_key(row: BoardRow) -> tuple:
+    """A board's order: lowest mean KLD first."""
+    return row.kld_mean, row.label
+
+
+# --------------------------------------------------------------------------------------------------
+# the table
+# --------------------------------------------------------------------------------------------------
+def leaderboard_columns(samplers=(), tasks=()) -> tuple[tuple[str, str], ...]:
+    """(heading, written column) of the table's columns after the label: a TVD column per sampler, a flips
+    column per task set."""
+    return (("quant", "quant"), ("KV", "kv"), ("size GiB", "size_gib"), ("BPW", "bpw"),
+            *((m.heading + (" ± SE" if m.has_se else ""), m.key) for m in board_metrics(samplers)),
+            ("KLD deepest band ± SE", "kld_deepest"), *task_flips.columns(tasks))
+
+
+def leaderboard_cells(r: BoardRow, tasks=()) -> list[str]:
+    """The formatted cells of one row: label, then leaderboard_columns(its samplers, tasks)."""
+    deepest = "" if r.deepest is None else f"{plus_minus(r.deepest.kld['mean'], r.deepest.kld['se'], '.6f')} " \
+                                           f"({r.deepest.name})"
+    return [r.label, r.quant, r.kv, _num(r.size_gib, ".3f"), _num(r.bpw, ".2f"),
+            *(m.cell(*((mv.value, mv.se) if mv else (None, None))) for m, mv in r.board_values()), deepest,
+            *(r.task_flips[task].cell() if task in r.task_flips else "" for task in tasks)]
+
+
+def leaderboard_markdown(rows: list[BoardRow], samplers=(), tasks=(), pareto: bool = False) -> str:
+    """A paste-ready markdown table, sorted by mean KLD: a TVD column per sampler in `samplers` (names), a flips
+    column per task set in `tasks`, and with `pareto`, a column marking the rows on the Pareto front."""
+    header = ["label", *(name for name, _ in leaderboard_columns(samplers, tasks))] + (["Pareto"] if pareto else [])
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in sorted(rows, key=rank_key):
+        cells = [_md_escape(c) for c in leaderboard_cells(r, tasks)]
+        if pareto:
+            cells.append("✓" if r.pareto else "")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _md_escape(text: str) -> str:
+    return str(text).replace("|", "\\|")
+
+
+def _num(v, fmt: str) -> str:
+    return "?" if v is None else f"{v:{fmt}}"
+
+
+# --------------------------------------------------------------------------------------------------
+# the text around a leaderboard's table (markdown and HTML)
+# --------------------------------------------------------------------------------------------------
+def settings_lines(settings: dict, samplers=()) -> list[tuple[str, str]]:
+    """(name, text) of what every row of a board shares (qeval.present.leaderboard.settings_of)."""
+    ref, corpus = settings["reference"], settings["corpus"]
+    who = ref["label"] or "?"
+    if ref["model_file"]:
+        who += f" ({ref['model_file']}" + (f", {ref['quant']}" if ref["quant"] else "") + ")"
+    if ref["kv"]:
+        who += f", KV {ref['kv']}"
+    corpus_text = corpus["name"] or "?"
+    if corpus["sha256"]:
+        corpus_text += f" (sha256 {corpus['sha256'][:16]}…)"
+    lines = [("Reference", who),
+             ("Reference PPL", plus_minus(ref["ppl"], ref["ppl_se"], ".4f")),
+             ("Corpus", corpus_text),
+             ("Context", f"n_ctx {settings['n_ctx']}, {settings['chunks']} chunks, {settings['scored_tokens']:,} "
+                         f"scored tokens ({Scoring.parse(settings['scoring']).describe()})")]
+    lines += [(f"Sampler {name}", sampler.parse(name).describe()) for name in samplers]
+    if ref["fingerprint"]:
+        lines.append(("Reference model fingerprint", ref["fingerprint"][:16] + "…"))
+    lines.append(("Generated by", f"qeval {settings['qeval_version']}"))
+    return lines
+
+
+def _note(m: Metric) -> str:
+    unit = "" if m.unit in ("%", m.title) else f", in {m.unit}"
+    return f"{m.heading}: {m.description}{unit}" + (f"; {m.better} is better." if m.better else ".")
+
+
+def notes(samplers=(), tasks=()) -> str:
+    """What every column means, under the table."""
+    return " ".join([*map(_note, board_metrics(samplers)), *([task_flips.NOTE] if tasks else []),
+                     "± is one standard error.", "Pareto: no other row is both smaller (GiB) and lower in mean KLD."])

@@ -1,0 +1,313 @@
+"""The leaderboard's plots, drawn on matplotlib Figures with the Agg canvas, without pyplot, so nothing global is
+switched; `board` is a qeval.present.leaderboard.Leaderboard."""
+
+from __future__ import annotations
+
+import io
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+
+from qeval.compare.metric_registry import METRICS
+from qeval.present.board import BoardRow
+
+# KV cache types from most to least precise: the column order of the heatmaps.
+KV_ORDER = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "iq4_nl", "q4_0")
+KV_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "h")
+KLD_FLOOR = 1e-9  # per-token KLDs are drawn on a log axis; exact zeros (and rounding below zero) sit here
+
+PLOTS = {
+    "kld_vs_size": "Mean KLD vs model size, Pareto front marked",
+    "heatmap_ppl": "PPL over model × KV cache type",
+    "heatmap_kld": "Mean KLD over model × KV cache type",
+    "kld_distribution": "Per-token KLD distributions",
+    "kld_by_depth": "Mean and 99 % KLD by context depth (bands of logit position), ±1.96 SE",
+    "flips_vs_kld": "Task answer flips (% of items) vs mean KLD, one point per candidate and task set",
+}
+
+
+def figures(board) -> dict:
+    """name -> matplotlib Figure for every plot of PLOTS (display them in a notebook, or savefig)."""
+    return {"kld_vs_size": plot_kld_vs_size(board), "heatmap_ppl": plot_heatmap(board, "ppl"),
+            "heatmap_kld": plot_heatmap(board, "kld_mean"), "kld_distribution": plot_kld_distribution(board),
+            "kld_by_depth": plot_kld_by_depth(board), "flips_vs_kld": plot_flips_vs_kld(board)}
+
+
+def _figure(width: float, height: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
+    from matplotlib.figure import Figure  # noqa: PLC0415
+
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _colors(n: int) -> list:
+    from matplotlib import colormaps  # noqa: PLC0415
+
+    cmap = colormaps["viridis"]
+    return [cmap(0.05 + 0.85 * i / max(n - 1, 1)) for i in range(n)]
+
+
+def _kv_marker(board) -> dict:
+    kvs = _kv_columns(board)
+    return {kv: KV_MARKERS[i % len(KV_MARKERS)] for i, kv in enumerate(kvs)}
+
+
+def plot_kld_vs_size(board):
+    """Mean KLD (± SE) against model size; Pareto front joined and ringed; every point labelled."""
+    fig = _figure(9.0, 6.0)
+    ax = fig.add_subplot()
+    colors = _colors(len(board.rows))
+    markers = _kv_marker(board)
+    sized = [(r, c) for r, c in zip(board.rows, colors) if r.size_gib is not None]
+    for r, c in sized:
+        se = r.metrics["kld_mean"].se
+        ax.errorbar(r.size_gib, r.kld_mean, yerr=se if math.isfinite(se) else None,
+                    fmt=markers.get(r.type_k or "?", "o"), color=c, ms=8, mec="black", mew=0.6, capsize=3,
+                    zorder=3)
+    # labels of points sharing a size (KV variants of one file) are stacked downwards from the highest
+    stack: dict[float, int] = {}
+    for r, _ in sorted(sized, key=lambda rc: (rc[0].size_gib, -rc[0].kld_mean)):
+        k = stack.get(r.size_gib, 0)
+        stack[r.size_gib] = k + 1
+        ax.annotate(r.label, (r.size_gib, r.kld_mean), xytext=(9, 4 - 11 * k), textcoords="offset points",
+                    fontsize=8, zorder=4)
+    front = sorted((r for r, _ in sized if r.pareto), key=lambda r: (r.size_gib, r.kld_mean))
+    if front:
+        ax.plot([r.size_gib for r in front], [r.kld_mean for r in front], "--", color="#d62728", lw=1.4,
+                zorder=2)
+        ax.scatter([r.size_gib for r in front], [r.kld_mean for r in front], s=260, facecolors="none",
+                   edgecolors="#d62728", linewidths=1.6, zorder=2)
+    if sized and all(r.kld_mean > 0 for r, _ in sized):
+        ax.set_yscale("log")
+    if sized:
+        xs = [r.size_gib for r, _ in sized]
+        pad = 0.08 * (max(xs) - min(xs)) or 0.1 * max(xs) or 0.1
+        ax.set_xlim(min(xs) - pad, max(xs) + 2.5 * pad)
+    else:
+        ax.text(0.5, 0.5, "no result records a model size", ha="center", va="center", transform=ax.transAxes)
+    missing = len(board.rows) - len(sized)
+    ax.set_xlabel("model size (GiB)")
+    ax.set_ylabel("mean KLD (nats, log scale)" if ax.get_yscale() == "log" else "mean KLD (nats)")
+    ax.set_title("Mean KLD vs size (lower left is better)" + (f"; {missing} without a size not shown" if missing else ""))
+    ax.grid(True, which="both", alpha=0.3)
+    if sized:
+        from matplotlib.lines import Line2D  # noqa: PLC0415
+
+        kvs = list(dict.fromkeys(r.type_k or "?" for r, _ in sized))
+        handles = [Line2D([], [], ls="", marker=markers.get(kv, "o"), color="#bbbbbb", mec="black", ms=8,
+                          label=f"KV {kv}") for kv in kvs]
+        if front:
+            handles.append(Line2D([], [], ls="--", color="#d62728", marker="o", mfc="none", ms=12,
+                                  label="Pareto front"))
+        ax.legend(handles=handles, loc="upper right", fontsize=8)
+    return fig
+
+
+def _kv_columns(board) -> list[str]:
+    kvs = {r.type_k or "?" for r in board.rows}
+    ref_kv = (board.settings["reference"]["kv"] or "").split("/")[0]
+    if ref_kv and _ref_row_name(board) in {_model_name(r) for r in board.rows}:
+        kvs.add(ref_kv)
+    known = [k for k in KV_ORDER if k in kvs]
+    return known + sorted(kvs - set(known))
+
+
+def _model_name(row: BoardRow) -> str:
+    return (row.model_file or "").removesuffix(".gguf") or (row.quant if row.quant != "?" else row.label)
+
+
+def _ref_row_name(board) -> str:
+    ref = board.settings["reference"]
+    return (ref["model_file"] or "").removesuffix(".gguf") or ref["quant"] or ref["label"]
+
+
+def heatmap_grid(board, metric: str) -> tuple[list[str], list[str], np.ndarray, dict]:
+    """(model names, KV types, values [models, kvs] with NaN where no result, {(i, j): note}) of metric
+    "ppl" or "kld_mean"."""
+    models: dict[str, float] = {}
+    for r in board.rows:
+        models.setdefault(_model_name(r), r.size_gib if r.size_gib is not None else -1.0)
+    ref = board.settings["reference"]
+    ref_name, ref_kv = _ref_row_name(board), (ref["kv"] or "").split("/")[0]
+    if metric == "ppl" and ref_kv:
+        models.setdefault(ref_name, ref["size_gib"] if ref["size_gib"] is not None else math.inf)
+    names = sorted(models, key=lambda m: (-models[m], m))  # biggest model on top
+    kvs = _kv_columns(board)
+    if metric == "ppl" and ref_kv and ref_kv not in kvs:
+        kvs.append(ref_kv)
+    values = np.full((len(names), len(kvs)), np.nan)
+    notes = {}
+    for r in reversed(board.rows):  # the lowest-KLD row wins a shared cell
+        values[names.index(_model_name(r)), kvs.index(r.type_k or "?")] = r.value(metric)
+    if ref_name in names and ref_kv in kvs:
+        i, j = names.index(ref_name), kvs.index(ref_kv)
+        if np.isnan(values[i, j]):
+            notes[(i, j)] = "ref"
+            if metric == "ppl":
+                values[i, j] = ref["ppl"]
+    return names, kvs, values, notes
+
+
+def plot_heatmap(board, metric: str):
+    """PPL or mean KLD ("ppl", "kld_mean") per model (rows, biggest first) and KV cache type (columns); cells
+    without data blank."""
+    from matplotlib import colormaps  # noqa: PLC0415
+    from matplotlib.colors import LogNorm, Normalize  # noqa: PLC0415
+
+    names, kvs, values, notes = heatmap_grid(board, metric)
+    m = METRICS[metric]
+    fig = _figure(2.6 + 0.12 * max(map(len, names)) + 1.3 * len(kvs), 1.5 + 0.5 * len(names))
+    ax = fig.add_subplot()
+    finite = values[np.isfinite(values)]
+    cmap = colormaps["YlOrRd"].with_extremes(bad="white")
+    if metric == "kld_mean" and finite.size and finite.min() > 0:
+        norm = LogNorm(finite.min(), finite.max()) if finite.max() > finite.min() else None
+    else:
+        norm = Normalize(finite.min(), finite.max()) if finite.size and finite.max() > finite.min() else None
+    im = ax.imshow(np.ma.masked_invalid(values), cmap=cmap, norm=norm, aspect="auto")
+    if norm is not None:
+        fig.colorbar(im, ax=ax, label=m.title if m.unit == m.title else f"{m.title} ({m.unit})")
+    for i in range(len(names)):
+        for j in range(len(kvs)):
+            v = values[i, j]
+            if not np.isfinite(v):
+                continue
+            shade = norm(v) if norm is not None else 0.5
+            text = (f"{v:.3f}" if v < 1000 else f"{v:.4g}") if metric == "ppl" else f"{v:.4g}"
+            if (i, j) in notes:
+                text += f"\n({notes[(i, j)]})"
+            ax.text(j, i, text, ha="center", va="center", fontsize=8, color="white" if shade > 0.6 else "black")
+    for (i, j), note in notes.items():
+        if not np.isfinite(values[i, j]):
+            ax.text(j, i, note, ha="center", va="center", fontsize=8, color="grey")
+    ax.set_xticks(range(len(kvs)), [f"KV {k}" for k in kvs])
+    ax.set_yticks(range(len(names)), names)
+    ax.set_xticks(np.arange(-0.5, len(kvs)), minor=True)
+    ax.set_yticks(np.arange(-0.5, len(names)), minor=True)
+    ax.grid(which="minor", color="#cccccc", lw=0.8)
+    ax.tick_params(which="minor", length=0)
+    ax.set_title(f"{m.title[0].upper()}{m.title[1:]} by model and KV cache type (K)")
+    return fig
+
+
+def plot_kld_distribution(board):
+    """Per candidate, from the per-token arrays: histogram of log KLD and the tail P(KLD > x), both on log x."""
+    fig = _figure(13.0, 5.2)
+    ax_hist, ax_tail = fig.subplots(1, 2)
+    colors = _colors(len(board.rows))
+    series = [(r, res.per_token["kld"], c) for r, res, c in zip(board.rows, board.results, colors)
+              if res.per_token is not None and "kld" in res.per_token and len(res.per_token["kld"])]
+    if not series:
+        for ax in (ax_hist, ax_tail):
+            ax.text(0.5, 0.5, "no per-token data (.npz) found", ha="center", va="center", transform=ax.transAxes)
+        return fig
+    clipped = [np.maximum(np.asarray(k, np.float64), KLD_FLOOR) for _, k, _ in series]
+    lo = max(min(float(np.percentile(k, 0.5)) for k in clipped), KLD_FLOOR)
+    hi = max(float(k.max()) for k in clipped) * 1.5
+    n_bins = int(np.clip(2 * math.sqrt(min(len(k) for k in clipped)), 12, 60))
+    bins = np.logspace(math.log10(lo), math.log10(max(hi, lo * 10)), n_bins + 1)
+    for (r, _, c), k in zip(series, clipped):
+        ax_hist.hist(np.clip(k, bins[0], bins[-1]), bins=bins, histtype="step", lw=1.6, color=c,
+                     label=f"{r.label} (mean {r.kld_mean:.4g})", density=False,
+                     weights=np.full(len(k), 1.0 / len(k)))
+        s = np.sort(k)
+        tail = 1.0 - np.arange(len(s)) / len(s)
+        ax_tail.step(s, tail, where="post", color=c, lw=1.6, label=r.label)
+    ax_hist.set_xscale("log")
+    ax_hist.set_xlabel("per-token KLD (nats, log scale)")
+    ax_hist.set_ylabel("fraction of tokens")
+    ax_hist.set_title("Distribution of per-token KLD")
+    ax_tail.set_xscale("log")
+    ax_tail.set_yscale("log")
+    ax_tail.set_xlabel("per-token KLD x (nats, log scale)")
+    ax_tail.set_ylabel("P(KLD > x)")
+    ax_tail.set_title("Tail: fraction of tokens above x")
+    n = min(len(k) for k in clipped)
+    ax_tail.set_ylim(0.5 / n, 1.05)
+    for ax in (ax_hist, ax_tail):
+        ax.grid(True, which="major", alpha=0.3)
+    ax_hist.legend(fontsize=7, loc="upper left")
+    return fig
+
+
+def plot_kld_by_depth(board):
+    """Per candidate, one line through its by-depth bands (x: band middle, log scale): mean KLD with a
+    ±1.96 SE band (cluster-robust SEs, qeval.compare.depth) and the 99th percentile."""
+    fig = _figure(13.0, 5.2)
+    ax_mean, ax_p99 = fig.subplots(1, 2)
+    series = [(r, res.summary.by_depth or [], c)
+              for r, res, c in zip(board.rows, board.results, _colors(len(board.rows)))]
+    series = [(r, bands, c) for r, bands, c in series if bands]
+    if not series:
+        for ax in (ax_mean, ax_p99):
+            ax.text(0.5, 0.5, "no result holds by-depth figures", ha="center", va="center", transform=ax.transAxes)
+        return fig
+    for r, bands, c in series:
+        x = np.array([(b.lo + b.hi) / 2 for b in bands])
+        mean = np.array([b.kld["mean"] for b in bands])
+        se = np.array([b.kld["se"] for b in bands], dtype=np.float64)
+        ax_mean.plot(x, mean, "o-", color=c, lw=1.6, label=r.label)
+        ax_mean.fill_between(x, np.maximum(mean - 1.96 * se, KLD_FLOOR), mean + 1.96 * se, color=c, alpha=0.15)
+        ax_p99.plot(x, [b.kld["ladder"]["99.0%"] for b in bands], "s-", color=c, lw=1.6, label=r.label)
+    edges = sorted({e for _, bands, _ in series for b in bands for e in (b.lo, b.hi)})
+    for ax, what in ((ax_mean, "mean KLD (nats)"), (ax_p99, "99th percentile KLD (nats)")):
+        ax.set_xscale("symlog", linthresh=max(edges[1] if len(edges) > 1 else 1, 1))
+        ax.set_yscale("log")
+        ax.set_xlabel("context depth: logit position (band middle)")
+        ax.set_ylabel(what)
+        ax.set_xticks(edges)
+        ax.set_xticklabels([f"{e // 1024}K" if e >= 1024 and e % 1024 == 0 else str(e) for e in edges], fontsize=7)
+        ax.grid(True, which="major", alpha=0.3)
+    ax_mean.set_title("Mean KLD by depth")
+    ax_p99.set_title("99 % KLD by depth")
+    ax_mean.legend(fontsize=7, loc="best")
+    return fig
+
+
+def plot_flips_vs_kld(board):
+    """Per task set, every candidate's answer flips (% of items, split into correct→wrong and wrong→correct)
+    against its mean KLD (log axis): do the flips a user notices track the divergence?"""
+    fig = _figure(9.0, 6.0)
+    ax = fig.add_subplot()
+    if not board.tasks:
+        ax.text(0.5, 0.5, "no candidate has task stores beside its result (qeval matrix --task, qeval tasks capture)",
+                ha="center", va="center", transform=ax.transAxes)
+        return fig
+    markers = ("o", "s", "^", "D", "v", "P")
+    for task, marker, color in zip(board.tasks, markers * len(board.tasks), _colors(len(board.tasks))):
+        points = [(r.kld_mean, r.task_flips[task].flips_pct, r) for r in board.rows if task in r.task_flips]
+        x = [max(k, KLD_FLOOR) for k, _, _ in points]
+        ax.plot(x, [f for _, f, _ in points], marker, color=color, ms=8, mec="black", mew=0.6, ls="none",
+                label=f"{task}: flips", zorder=3)
+        ax.plot(x, [100 * r.task_flips[task].correct_to_wrong / r.task_flips[task].n_tasks for _, _, r in points], marker, color=color, ms=5, mfc="none", ls="none",
+                label=f"{task}: correct→wrong only", zorder=3)
+        for xi, (_, f, r) in zip(x, points):
+            ax.annotate(r.label, (xi, f), xytext=(5, 4), textcoords="offset points", fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlabel("mean KLD vs the reference (nats, log scale)")
+    ax.set_ylabel("answers flipped (% of the task set's items)")
+    ax.set_title("Task flips vs mean KLD")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    return fig
+
+
+def save_figure(fig, out: Path, name: str) -> tuple[Path, Path, str]:
+    """PNG and SVG files, plus the SVG markup to inline (XML prolog dropped, ids salted per plot)."""
+    import matplotlib  # noqa: PLC0415
+
+    png, svg = out / f"{name}.png", out / f"{name}.svg"
+    fig.savefig(png, dpi=150)
+    no_meta = {"Creator": None, "Date": None, "Format": None, "Type": None}
+    with matplotlib.rc_context({"svg.hashsalt": f"qeval-{name}", "svg.fonttype": "path"}):
+        buf = io.StringIO()
+        fig.savefig(buf, format="svg", metadata=no_meta)
+    text = buf.getvalue()
+    svg.write_text(text)
+    inline = text[text.index("<svg"):]
+    inline = re.sub(r"<metadata>.*?</metadata>", "", inline, flags=re.S)
+    return png, svg, inline
