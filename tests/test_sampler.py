@@ -533,6 +533,7 @@ def test_a_matrix_pair_is_measured_with_its_samplers_and_reused_only_for_them(tm
     runs, saved = pair.directory, pair.directory / "results" / "CAND.vs.REF.json"
     api.kld_report("REF", "CAND", runs_dir=runs, threads=1, save_result=True)  # without samplers
     # the candidate's model is the one its store was captured from (planning reads no GGUF here)
+    monkeypatch.setattr(matrix, "model_facts", lambda path: {})
     monkeypatch.setattr(identity, "planned_producer", lambda *a, **k: identity.producer(pair.cand.header))
 
     def plan(*samplers) -> tuple[matrix.MatrixPlan, matrix.PairPlan]:
