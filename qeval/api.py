@@ -17,8 +17,7 @@ from qeval.capture.taskscore import TaskSettings  # noqa: F401 - re-exported for
 from qeval.compare import depth, metrics
 from qeval.compare.summary import Side, summarize
 from qeval.errors import QevalError
-from qeval.orchestrate import matrix
-from qeval.orchestrate.distributed import as_executor
+from qeval.orchestrate import matrix, sweep
 from qeval.orchestrate.matrix import TaskRequest, pair_label, pair_settings, parse_model_arg  # noqa: F401 - public
 from qeval.orchestrate.sources import compare, is_model_file, open_source  # noqa: F401 - public here as before
 from qeval.present import report, results
@@ -129,37 +128,13 @@ def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int 
 
     executor: None or "local" runs here; "ray" or a qeval.orchestrate.distributed.RayExecutor runs every capture
     and pair as a Ray task (the runs directory must then be on a shared filesystem)."""
-    directory = runs.runs_dir(runs_dir)
     ref_label, ref_path = parse_model_arg(ref)
-    pairs = []
-    for model in models:
-        label, path = parse_model_arg(model)
-        for kv in kv_types:
-            if not (path == ref_path and kv == "f16"):
-                pairs.append((pair_label(label, kv), path, kv))
     engine = EngineSettings(n_gpu_layers=n_gpu_layers, n_threads=threads, n_batch=n_batch, n_ubatch=n_ubatch,
                             rope_scaling=rope_scaling, rope_scale=rope_scale)
     requests = tuple(t if isinstance(t, matrix.TaskRequest) else matrix.TaskRequest(str(t)) for t in tasks)
-    return run_pairs(ref_label, ref_path, pairs, chunks, n_ctx, corpus, directory, engine, progress, executor, force,
-                     scoring, concat, samplers, requests)
-
-
-def run_pairs(ref_label: str, ref_path: str, pairs: list[tuple[str, str, str]], chunks, n_ctx, corpus,
-              directory: Path, engine: EngineSettings, progress: bool = True, executor=None, force: bool = False,
-              scoring: str = "half", concat: bool = False, samplers=(), tasks=()) -> tuple[dict, str]:
-    """The matrix of reference `ref_path` and (label, model, kv) `pairs` (see matrix_report)."""
-    plan = matrix.plan_matrix(ref_label, ref_path, pairs, chunks, n_ctx, corpus, directory, engine, force, scoring,
-                              concat, samplers, tasks)
-    directory.mkdir(parents=True, exist_ok=True)
-    if executor not in (None, "local"):
-        run = as_executor(executor).run(plan, progress)
-    else:
-        with progress_bar(f"matrix: reference + {len(pairs)} pairs", plan.total_chunks, progress) as advance:
-            run = matrix.run_local(plan, advance)
-    with progress_bar(f"matrix: {len(plan.tasks)} task sets x {1 + len(pairs)} models", None,
-                      progress and bool(plan.tasks)) as advance:
-        task_lines = matrix.run_tasks(plan, on_tasks=advance)
-    return matrix.matrix_result(plan, run, task_lines)
+    return sweep.run_matrix(ref_label, ref_path, matrix.model_kv_pairs(models, kv_types, ref_path), chunks, n_ctx,
+                            corpus, runs.runs_dir(runs_dir), engine, progress, executor, force, scoring, concat,
+                            samplers, requests)
 
 
 def demo_report(chunks: int = 80, runs_dir=None, models_dir=None, n_ctx: int = 512, progress: bool = True,
@@ -169,8 +144,8 @@ def demo_report(chunks: int = 80, runs_dir=None, models_dir=None, n_ctx: int = 5
 
     paths = demo.prepare_models(demo.models_dir(models_dir))
     pairs = [(run.label, str(paths[run.quant]), run.type_k) for run in demo.demo_runs()]
-    result, text = run_pairs(demo.REFERENCE, str(paths[demo.REFERENCE]), pairs, chunks, n_ctx, None,
-                             runs.runs_dir(runs_dir), EngineSettings(n_threads=threads), progress)
+    result, text = sweep.run_matrix(demo.REFERENCE, str(paths[demo.REFERENCE]), pairs, chunks, n_ctx, None,
+                                    runs.runs_dir(runs_dir), EngineSettings(n_threads=threads), progress)
     return result, demo.DERIVATION_NOTE + "\n" + text
 
 

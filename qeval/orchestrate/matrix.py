@@ -50,6 +50,16 @@ def pair_label(model_label: str, kv: str) -> str:
     return model_label if kv == "f16" else f"{model_label}+kv-{kv}"
 
 
+def model_kv_pairs(models: list[str], kv_types: list[str], ref_path: str) -> list[tuple[str, str, str]]:
+    """(label, model path, KV type) of every model (PATH or LABEL=PATH) under every KV type; the reference
+    model under f16 is the reference itself, not a pair."""
+    pairs = []
+    for model in models:
+        label, path = parse_model_arg(model)
+        pairs += [(pair_label(label, kv), path, kv) for kv in kv_types if not (path == ref_path and kv == "f16")]
+    return pairs
+
+
 def _fa_for(kv: str) -> str:
     return "on" if kv not in ("f16", "f32", "bf16") else "auto"
 
