@@ -163,10 +163,12 @@ class EngineSettings:
 
 def check_context(facts: dict, n_ctx: int, settings: EngineSettings) -> float | None:
     """Refuse a window longer than the model's trained context unless RoPE scaling is opted into;
-    the scale factor used (None without scaling)."""
+    the scale factor used (None without scaling). Without --rope-scale the factor stretches the trained
+    context to n_ctx, and never shrinks it: a task context (-c 512 per sequence) under settings that opted
+    in for a long capture keeps the trained positions."""
     trained = facts.get("context_length")
     if settings.rope_scaling:
-        return settings.rope_scale or (n_ctx / trained if trained else 1.0)
+        return settings.rope_scale or (max(1.0, n_ctx / trained) if trained else 1.0)
     if isinstance(trained, int) and n_ctx > trained:
         raise QevalError(f"-c {n_ctx} is beyond {facts.get('file_name') or 'the model'}'s trained context of "
                          f"{trained} tokens: use -c {trained} or less, or opt into RoPE scaling as llama.cpp does "
