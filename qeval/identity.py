@@ -11,6 +11,9 @@ an old label is not.
                             batch shape can move logits) and the code. Not where it ran (-ngl,
                             threads, decode-ahead): those do not choose what is computed.
   capture_identity(header)  a store: its producer plus vocab, tokenizer, top-k and its token windows.
+  task_store_identity(...)  a task store (qeval.capture.tasks): the task set and the tasks selected, the
+                            model (its content fingerprint), its tokenizer and vocab, the task settings
+                            and the version of the scoring code.
   ComparisonRequest         a candidate measured against a reference: the reference's producer,
                             vocab, tokenizer and the tokens of the chunks compared; the candidate's
                             producer; the chunk count; METRICS_VERSION; the samplers computed too
@@ -76,6 +79,17 @@ def capture_identity(header) -> dict:
     """What a capture is, whichever chunk range of it a file holds (shards of one capture share it)."""
     return {**producer(header), "n_vocab": header.n_vocab, "tokenizer_sha256": header.tokenizer_sha256,
             "top_k": header.top_k, "n_chunks": header.n_chunks, "tokens_sha256": header.tokens_sha256}
+
+
+def task_store_identity(tasks, limit: int | None, model, facts: dict, label: str, settings,
+                        scoring_version: int) -> dict:
+    """What a task store of `model` (qeval.capture.taskscore.TaskModel, with model facts `facts`) over the task
+    set `tasks` (qeval.capture.taskfiles.TaskSet) is, `limit` of its tasks scored with TaskSettings `settings`.
+    A limit that takes every task is no limit: such a store is the store of the whole set."""
+    selection = {"limit": limit if limit is not None and limit < len(tasks.items) else None}
+    return {"task": tasks.identity(), "selection": selection, "model": model_identity(facts, "qeval", label),
+            "tokenizer_sha256": model.tokenizer_fingerprint(), "n_vocab": model.n_vocab,
+            "settings": settings.as_json(), "scoring_version": scoring_version}
 
 
 _WINDOW_FIELDS = ("n_chunks", "tokens_sha256")

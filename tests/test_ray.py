@@ -8,9 +8,11 @@ task that fails for good.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -269,15 +271,60 @@ def test_shards_merge_to_the_unsharded_store(local_run, ray_run):
             np.testing.assert_array_equal(a[k], b[k])
 
 
+def dying_on_first_attempt(task, kill_after: dict[str, int]):
+    """Ray task function `task` (capture_task or compare_task) whose first attempt of a task named in kill_after
+    SIGKILLs its worker (a real crash) once it has stored that many chunks. A closure, so that Ray ships it by
+    value: a worker cannot import this test module."""
+    def task_that_dies(spec, name, tracker):
+        import ray
+
+        from qeval.storage.store import StoreWriter
+
+        if name not in kill_after or name in ray.get(tracker.snapshot.remote()):  # not its first attempt
+            return task(spec, name, tracker)
+        write_chunk, stored = StoreWriter.write_chunk, []
+
+        def write_then_die(writer, piece):
+            write_chunk(writer, piece)
+            if piece.first_row + piece.n_tokens == writer.header.n_scored:
+                stored.append(piece.index)
+            if len(stored) == kill_after[name]:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        StoreWriter.write_chunk = write_then_die  # in this worker alone, for this attempt
+        try:
+            return task(spec, name, tracker)
+        finally:
+            StoreWriter.write_chunk = write_chunk
+
+    return task_that_dies
+
+
+@contextlib.contextmanager
+def workers_dying(kill_after: dict[str, int]):
+    """Ray tasks of the names in kill_after (task name -> chunks) die on their first attempt (dying_on_first_attempt)."""
+    from qeval.orchestrate import distributed
+
+    real = {fn: getattr(distributed, fn) for fn in ("capture_task", "compare_task")}
+    for fn, task in real.items():
+        setattr(distributed, fn, dying_on_first_attempt(task, kill_after))
+    try:
+        yield
+    finally:
+        for fn, task in real.items():
+            setattr(distributed, fn, task)
+
+
 def test_killed_tasks_are_retried_and_resume(ray_session, models, local_run, tmp_path):
     """SIGKILL the reference capture's worker after 2 chunks and the pair's after 1: Ray retries
     both, the capture resumes at chunk 2, the comparison reads its saved chunks back."""
     from qeval.orchestrate.distributed import RayExecutor
 
     local_dir, local = local_run
-    ex = RayExecutor(progress_interval=0.5, log=lambda line: None, kill_after={"Q8_0": 2, "Q2_K": 1})
-    result, text = api.matrix_report(f"Q8_0={models['Q8_0']}", [f"Q2_K={models['Q2_K']}"], ["f16"], chunks=CHUNKS,
-                                     n_ctx=N_CTX, runs_dir=tmp_path, progress=False, executor=ex)
+    ex = RayExecutor(progress_interval=0.5, log=lambda line: None)
+    with workers_dying({"Q8_0": 2, "Q2_K": 1}):
+        result, text = api.matrix_report(f"Q8_0={models['Q8_0']}", [f"Q2_K={models['Q2_K']}"], ["f16"],
+                                         chunks=CHUNKS, n_ctx=N_CTX, runs_dir=tmp_path, progress=False, executor=ex)
     assert "Q8_0: 1 failed attempt(s) retried, succeeded on attempt 2, resumed at chunk 2 of 4" in text
     assert "Q2_K: resumed after a failed attempt" in text
     with StoreReader(tmp_path / "Q8_0.qeval", verify_chunks=True) as s, StoreReader(local_dir / "Q8_0.qeval") as w:
@@ -294,9 +341,10 @@ def test_task_that_keeps_dying_is_reported_and_resumable(ray_session, models, lo
     local_dir, _ = local_run
     shutil.copy(local_dir / "Q8_0.qeval", tmp_path / "Q8_0.qeval")  # reference done earlier
     args = (f"Q8_0={models['Q8_0']}", [f"Q2_K={models['Q2_K']}"], ["f16"])
-    ex = RayExecutor(max_retries=0, log=lambda line: None, kill_after={"Q2_K": 1})
+    ex = RayExecutor(max_retries=0, log=lambda line: None)
     # 3 tasks: the reference store is checked by its capture task (it holds the request: nothing captured)
-    with pytest.raises(QevalError, match=r"2 of 3 tasks failed: .*resumable: .*Q2_K.qeval") as exc:
+    failed = r"2 of 3 tasks failed: .*resumable: .*Q2_K.qeval"
+    with workers_dying({"Q2_K": 1}), pytest.raises(QevalError, match=failed) as exc:
         api.matrix_report(args[0], [*args[1], f"BAD={tmp_path / 'missing.gguf'}"], args[2], chunks=CHUNKS,
                           n_ctx=N_CTX, runs_dir=tmp_path, progress=False, executor=ex)
     msg = str(exc.value)

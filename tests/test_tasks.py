@@ -845,6 +845,7 @@ def test_scores_equal_float64_from_llama_cpp_python_logits(models, tmp_path):
 
 
 def test_task_capture_resumes_to_the_same_values(models, tmp_path):
+    from qeval.capture import tasks as taskcapture
     from qeval.capture.engine import EngineSettings
     from qeval.capture.taskscore import TaskSettings
     from qeval.orchestrate import tasks
@@ -862,7 +863,7 @@ def test_task_capture_resumes_to_the_same_values(models, tmp_path):
     with pytest.raises(Stop):
         tasks.capture_tasks(str(models["Q8_0"]), str(WINOGRANDE), limit=8, label="W", runs_dir=tmp_path / "b",
                             settings=settings, on_tasks=stop_after_two)
-    path_b = tasks.store_path(tmp_path / "b", "winogrande-mini", "W")
+    path_b = taskcapture.store_path(tmp_path / "b", "winogrande-mini", "W")
     assert len(TaskStore.open(path_b, tolerate_torn_tail=True).records) == 2  # one batch of two tasks
     resumed, _ = tasks.capture_tasks(str(models["Q8_0"]), str(WINOGRANDE), limit=8, label="W",
                                      runs_dir=tmp_path / "b", settings=settings)

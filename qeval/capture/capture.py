@@ -18,9 +18,8 @@ import zstandard
 
 from qeval import __version__
 from qeval.capture.corpus import load_corpus, make_windows, tokenize_documents
-from qeval.capture.engine import Backend, Engine, EngineSettings, ScoredRows, available_cores, check_model_file
-from qeval.capture.modelinfo import model_facts
-from qeval.capture.probe import ensure_llama_runs
+from qeval.capture.backends import open_backend
+from qeval.capture.engine import Backend, EngineSettings, ScoredRows, available_cores
 from qeval.errors import MismatchError, QevalError
 from qeval.pool import bounded_map
 from qeval.storage.codec import BadLogits, EncodedBlock, SqrtLogCode
@@ -147,18 +146,17 @@ def scored_targets(window: np.ndarray, positions: np.ndarray) -> np.ndarray:
     return window[positions + 1].astype(np.int64)
 
 
-def make_header(engine: Backend, spec_label: str, windows: np.ndarray, chunk_range: tuple[int, int], facts: dict,
-                settings: EngineSettings, corpus_identity: dict, code: SqrtLogCode) -> StoreHeader:
-    import llama_cpp  # noqa: PLC0415
-
+def store_header(backend: Backend, label: str, windows: np.ndarray, chunk_range: tuple[int, int], corpus: dict,
+                 code: SqrtLogCode, **capture_facts) -> StoreHeader:
+    """The header of a store of `backend`'s logits over `windows` (it holds chunks chunk_range of them): a
+    capture's and a live candidate's; capture_facts are added to its capture block."""
     return StoreHeader(
-        n_vocab=engine.n_vocab, n_ctx=engine.n_ctx, n_chunks=len(windows), chunk_start=chunk_range[0],
-        chunk_stop=chunk_range[1], tokens_sha256=tokens_sha256(windows), label=spec_label, codec=code.params(),
-        tokenizer_sha256=engine.tokenizer_fingerprint(), model=facts, kv=settings.as_json(),
-        corpus=corpus_identity, scoring=engine.scoring.rule,
-        capture={"n_batch": engine.n_batch, "n_ubatch": engine.n_ubatch, "n_gpu_layers": settings.n_gpu_layers,
-                 "llama_cpp_python": llama_cpp.__version__, "bos_substituted": engine.add_bos,
-                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "qeval": __version__})
+        n_vocab=backend.n_vocab, n_ctx=backend.n_ctx, n_chunks=len(windows), chunk_start=chunk_range[0],
+        chunk_stop=chunk_range[1], tokens_sha256=tokens_sha256(windows), label=label, codec=code.params(),
+        tokenizer_sha256=backend.tokenizer_fingerprint(), model=backend.facts, kv=backend.settings.as_json(),
+        corpus=corpus, scoring=backend.scoring.rule,
+        capture={"n_batch": backend.n_batch, "n_ubatch": backend.n_ubatch, "bos_substituted": backend.add_bos,
+                 **backend.provenance, "qeval": __version__, **capture_facts})
 
 
 def resolve_range(chunk_range: tuple[int, int] | None, n_windows: int) -> tuple[int, int]:
@@ -175,11 +173,8 @@ def capture(spec: CaptureSpec, on_chunk: Callable[[int], None] | None = None,
     """Write (or resume) the store for `spec`. on_plan(total, already_done); on_chunk(1) per chunk."""
     t0 = time.perf_counter()
     settings = spec.settings.validate()
-    check_model_file(spec.model)
-    corpus = load_corpus(spec.corpus)
-    facts = model_facts(spec.model)  # refuses what qeval cannot evaluate before a child loads it
-    ensure_llama_runs(spec.model)
-    with Engine(spec.model, spec.n_ctx, settings, Scoring.parse(spec.scoring)) as engine:
+    with contextlib.closing(open_backend(spec.model, spec.n_ctx, settings, Scoring.parse(spec.scoring))) as engine:
+        corpus = load_corpus(spec.corpus)
         documents = tokenize_documents(corpus, engine.tokenize, spec.concat)
         windows = make_windows(documents, spec.n_ctx, spec.chunks, f"corpus {corpus.name!r}")
         chunk_range = resolve_range(spec.chunk_range, len(windows))
@@ -187,7 +182,8 @@ def capture(spec: CaptureSpec, on_chunk: Callable[[int], None] | None = None,
                     "chunks_available": int(sum(len(d) // spec.n_ctx for d in documents))}
         if len(corpus.documents) > 1:
             identity["concatenated"] = spec.concat
-        header = make_header(engine, spec.label, windows, chunk_range, facts, settings, identity, spec.code)
+        header = store_header(engine, spec.label, windows, chunk_range, identity, spec.code,
+                              created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         out = Path(spec.out)
         try:
             writer = StoreWriter.open(out, header, windows, spec.code.lut(), replace=spec.replace)
@@ -351,31 +347,22 @@ def open_live(model: str, ref, n_chunks: int | None, settings: EngineSettings, l
     replace: a store at save_path that holds another capture is replaced (see StoreWriter.open).
     coded: code the rows even when nothing is saved (samplers read codes); saving always codes."""
     settings = settings.validate()
-    check_model_file(model)
     rh = ref.header
     stop = rh.chunk_stop if n_chunks is None else n_chunks
     if n_chunks is not None and not 1 <= n_chunks <= rh.chunk_stop:
         raise QevalError(f"--chunks {n_chunks} asks for more than the reference holds ({rh.chunk_stop} chunks)")
     if rh.chunk_start != 0:
         raise QevalError("the reference is a shard (it does not start at chunk 0); merge it first")
-    facts = model_facts(model)  # refuses what qeval cannot evaluate before a child loads it
-    ensure_llama_runs(model)
-    engine = Engine(model, rh.n_ctx, settings, Scoring.parse(rh.scoring))
+    engine = open_backend(model, rh.n_ctx, settings, Scoring.parse(rh.scoring))
     try:
         if engine.n_vocab != rh.n_vocab:
             raise MismatchError(f"vocab size differs: reference {rh.n_vocab}, candidate model {engine.n_vocab} "
                                 "(a model with another tokenizer cannot be compared)")
-        fingerprint = engine.tokenizer_fingerprint()
-        if rh.tokenizer_sha256 and fingerprint != rh.tokenizer_sha256:
+        if rh.tokenizer_sha256 and engine.tokenizer_fingerprint() != rh.tokenizer_sha256:
             raise MismatchError("the candidate model's tokenizer differs from the reference's (same vocab size, "
                                 "different token pieces)")
         windows = np.ascontiguousarray(ref.tokens[:stop])
-        header = StoreHeader(
-            n_vocab=rh.n_vocab, n_ctx=rh.n_ctx, n_chunks=stop, chunk_start=0, chunk_stop=stop,
-            tokens_sha256=tokens_sha256(windows), label=label, codec=code.params(), tokenizer_sha256=fingerprint,
-            model=facts, kv=settings.as_json(), corpus=rh.corpus, scoring=rh.scoring,
-            capture={"live_against": rh.label, "n_batch": engine.n_batch, "n_ubatch": engine.n_ubatch,
-                     "n_gpu_layers": settings.n_gpu_layers, "qeval": __version__, "bos_substituted": engine.add_bos})
+        header = store_header(engine, label, windows, (0, stop), rh.corpus, code, live_against=rh.label)
         writer = None
         if save_path is not None:
             try:

@@ -1,6 +1,11 @@
 """A GGUF model behind llama-cpp-python's low-level API: tokenize, and decode windows returning
 only the logits of scored positions.
 
+LlamaModel is qeval's one llama.cpp wrapper: model and context set-up (RoPE scaling and the trained
+context included), tokenization, the tokenizer fingerprint, decode calls and teardown. Engine decodes
+corpus windows on it (the default Backend of qeval.capture.backends); qeval.capture.taskscore.TaskModel
+decodes task batches on it in a context of its own shape.
+
 Windows are decoded the way llama-perplexity decodes them: KV cache cleared, one sequence per
 window, positions from 0, the first token replaced by BOS when the vocab adds one. With
 n_batch >= n_ctx, n_batch // n_ctx windows go into one llama_decode call as separate sequences
@@ -22,6 +27,7 @@ from typing import Iterator, Protocol
 import numpy as np
 
 from qeval.capture.modelinfo import model_facts, require_decoder_context
+from qeval.capture.probe import ensure_llama_runs
 from qeval.errors import QevalError
 from qeval.storage.scoring import HALF, Scoring
 
@@ -41,6 +47,7 @@ CPU_BATCH = 128
 OFFLOAD_BATCH = 2048
 DEFAULT_UBATCH = 512  # llama.cpp's default n_ubatch
 MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ: windows per call at most
+LLAMA_CPP = "llama.cpp"  # the default backend (qeval.capture.backends): Engine
 
 
 def _llama_cpp():
@@ -103,6 +110,7 @@ class EngineSettings:
     # RoPE scaling, opted into as with llama.cpp's --rope-scaling/--rope-scale: needed beyond the trained context
     rope_scaling: str | None = None  # "linear" or "yarn"
     rope_scale: float | None = None  # context scale factor (rope_freq_scale = 1/rope_scale); None: n_ctx/trained
+    backend: str = LLAMA_CPP  # what computes the logits: a name registered in qeval.capture.backends
 
     def validate(self) -> "EngineSettings":
         if self.rope_scaling not in (None, *ROPE_SCALING):
@@ -148,37 +156,19 @@ class EngineSettings:
         out = {"type_k": self.type_k, "type_v": self.type_v, "flash_attn": self.flash_attn}
         if self.rope_scaling:
             out.update(rope_scaling=self.rope_scaling, rope_scale=self.rope_scale)
+        if self.backend != LLAMA_CPP:  # another backend's logits are another producer's (qeval.identity)
+            out["backend"] = self.backend
         return out
-
-
-def tokenize(lc, vocab, text: str) -> np.ndarray:
-    """common_tokenize(ctx, text, add_special=true, parse_special=false): BOS at the start only."""
-    data = text.encode("utf-8")
-    cap = len(data) + 16
-    for _ in range(2):  # a negative result is the size the tokens need: retry once with it
-        buf = (lc.llama_token * cap)()
-        n = lc.llama_tokenize(vocab, data, len(data), buf, cap, True, False)
-        if n >= 0:
-            return np.ctypeslib.as_array(buf)[:n].astype(np.int32)
-        cap = -n
-    raise QevalError("tokenization failed")
-
-
-def tokenizer_fingerprint(lc, vocab, n_vocab: int, add_bos: bool, bos: int) -> str:
-    """sha256 over every token piece and the BOS setting: equal only for equal tokenizers."""
-    h = hashlib.sha256(f"{n_vocab}:{int(add_bos)}:{bos}\n".encode())
-    for i in range(n_vocab):
-        h.update(lc.llama_vocab_get_text(vocab, i) or b"")
-        h.update(b"\0")
-    return h.hexdigest()
 
 
 def check_context(facts: dict, n_ctx: int, settings: EngineSettings) -> float | None:
     """Refuse a window longer than the model's trained context unless RoPE scaling is opted into;
-    the scale factor used (None without scaling)."""
+    the scale factor used (None without scaling). Without --rope-scale the factor stretches the trained
+    context to n_ctx, and never shrinks it: a task context (-c 512 per sequence) under settings that opted
+    in for a long capture keeps the trained positions."""
     trained = facts.get("context_length")
     if settings.rope_scaling:
-        return settings.rope_scale or (n_ctx / trained if trained else 1.0)
+        return settings.rope_scale or (max(1.0, n_ctx / trained) if trained else 1.0)
     if isinstance(trained, int) and n_ctx > trained:
         raise QevalError(f"-c {n_ctx} is beyond {facts.get('file_name') or 'the model'}'s trained context of "
                          f"{trained} tokens: use -c {trained} or less, or opt into RoPE scaling as llama.cpp does "
@@ -201,25 +191,182 @@ def check_model_file(path: str | os.PathLike) -> Path:
 
 
 @dataclass(frozen=True)
+class ContextShape:
+    """The llama.cpp context a caller decodes in: n_seq sequences of up to n_ctx_seq tokens each."""
+
+    n_ctx_seq: int  # tokens per sequence (a window, a task's -c): what the trained context limits
+    n_seq: int  # sequences (n_seq_max); the KV cache holds n_seq x n_ctx_seq cells
+    n_batch: int
+    n_ubatch: int
+    kv_unified: bool  # one KV cache all sequences share (llama-perplexity's task batches)
+    described: str  # the context and settings as the message naming a context llama.cpp cannot create says them
+
+
+class LlamaModel:
+    """A GGUF model on llama-cpp-python and, given a ContextShape, one context with a batch of shape.n_batch
+    tokens: the one place qeval sets llama.cpp up (Engine decodes windows in it, TaskModel task batches; the Ray
+    planner only tokenizes, with the vocabulary alone). Before a context is made, the model file is checked,
+    refused when qeval cannot evaluate it (qeval.capture.modelinfo), its context checked against the trained
+    one, and this llama.cpp build probed in a child (qeval.capture.probe)."""
+
+    def __init__(self, model_path: str | os.PathLike, settings: EngineSettings = EngineSettings(),
+                 shape: ContextShape | None = None):
+        self.settings = settings.validate()
+        self.model_path = check_model_file(model_path)
+        self.model = self.ctx = self._batch = None
+        self._fingerprint: str | None = None
+        if shape is not None:
+            self.facts = model_facts(self.model_path)  # refuses what qeval cannot evaluate before a child loads it
+            self.rope_scale = check_context(self.facts, shape.n_ctx_seq, self.settings)
+            ensure_llama_runs(self.model_path)
+        fixed_mmap_threshold()
+        quiet_llama()
+        self._lc = _llama_cpp()
+        self.model = self._load_model(vocab_only=shape is None)
+        self.vocab = self._lc.llama_model_get_vocab(self.model)
+        self.n_vocab = self._lc.llama_vocab_n_tokens(self.vocab)
+        self.add_bos = bool(self._lc.llama_vocab_get_add_bos(self.vocab))
+        self.bos = int(self._lc.llama_vocab_bos(self.vocab))
+        if shape is not None:
+            self._open_context(shape)
+
+    def _load_model(self, vocab_only: bool):
+        lc, mparams = self._lc, self._lc.llama_model_default_params()
+        mparams.n_gpu_layers = self.settings.n_gpu_layers
+        mparams.vocab_only = vocab_only
+        model = lc.llama_model_load_from_file(str(self.model_path).encode(), mparams)
+        if not model:
+            raise QevalError(f"llama.cpp could not load the vocabulary of {self.model_path}" if vocab_only else
+                             f"llama.cpp could not load {self.model_path} (corrupt or unsupported GGUF)")
+        return model
+
+    def _open_context(self, shape: ContextShape) -> None:
+        lc = self._lc
+        self.ctx = lc.llama_init_from_model(self.model, self._context_params(shape))
+        if not self.ctx:
+            self.close()
+            raise QevalError(f"llama.cpp could not create a context for {self.model_path.name} {shape.described}: "
+                             "out of memory, or a setting this build does not support")
+        try:  # an encoder decodes without complaint, returning meaningless logits
+            require_decoder_context(lc, self.model, self.ctx, self.model_path)
+        except QevalError:
+            self.close()
+            raise
+        self._batch = lc.llama_batch_init(shape.n_batch, 0, shape.n_seq)
+
+    def _context_params(self, shape: ContextShape):
+        s, cparams = self.settings, self._lc.llama_context_default_params()
+        cparams.n_ctx = shape.n_seq * shape.n_ctx_seq
+        cparams.n_batch = shape.n_batch
+        cparams.n_ubatch = shape.n_ubatch
+        cparams.n_seq_max = shape.n_seq
+        cparams.kv_unified = shape.kv_unified
+        cparams.type_k = KV_TYPES[s.type_k]
+        cparams.type_v = KV_TYPES[s.type_v]
+        cparams.flash_attn_type = FLASH_ATTN[s.flash_attn]
+        # llama.cpp's tools (common_params) keep a sliding-window layer's cache at n_swa + n_ubatch cells;
+        # llama_context_default_params() would hold all n_ctx. Beyond n_swa + n_ubatch tokens (Gemma-3 at 4K)
+        # the two lay out the cache differently and round differently: llama-perplexity's way, for parity.
+        cparams.swa_full = False
+        cparams.n_threads = cparams.n_threads_batch = self.n_threads
+        if s.rope_scaling:
+            cparams.rope_scaling_type = ROPE_SCALING[s.rope_scaling]
+            cparams.rope_freq_scale = 1.0 / self.rope_scale
+        return cparams
+
+    @property
+    def n_threads(self) -> int:
+        return self.settings.n_threads or available_cores()
+
+    # -- vocab -----------------------------------------------------------------------------------
+    def tokenize(self, text: str) -> np.ndarray:
+        """common_tokenize(ctx, text, add_special=true, parse_special=false): BOS at the start only."""
+        lc, data = self._lc, text.encode("utf-8")
+        cap = len(data) + 16
+        for _ in range(2):  # a negative result is the size the tokens need: retry once with it
+            buf = (lc.llama_token * cap)()
+            n = lc.llama_tokenize(self.vocab, data, len(data), buf, cap, True, False)
+            if n >= 0:
+                return np.ctypeslib.as_array(buf)[:n].astype(np.int32)
+            cap = -n
+        raise QevalError("tokenization failed")
+
+    def tokenizer_fingerprint(self) -> str:
+        """sha256 over every token piece and the BOS setting: equal only for equal tokenizers."""
+        if self._fingerprint is None:
+            h = hashlib.sha256(f"{self.n_vocab}:{int(self.add_bos)}:{self.bos}\n".encode())
+            for i in range(self.n_vocab):
+                h.update(self._lc.llama_vocab_get_text(self.vocab, i) or b"")
+                h.update(b"\0")
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
+
+    @property
+    def provenance(self) -> dict:
+        """How it runs, for a store header's capture block (not part of what a store is)."""
+        return {"n_gpu_layers": self.settings.n_gpu_layers, "llama_cpp_python": self._lc.__version__}
+
+    # -- decoding --------------------------------------------------------------------------------
+    def clear_memory(self) -> None:
+        """Forget every sequence: what is decoded next attends to nothing decoded before."""
+        self._lc.llama_memory_clear(self._lc.llama_get_memory(self.ctx), True)
+
+    def decode(self) -> None:
+        """llama_decode of the batch as filled."""
+        rc = self._lc.llama_decode(self.ctx, self._batch)
+        if rc != 0:
+            raise QevalError(f"llama_decode failed with code {rc} (out of memory or KV cache too small)")
+
+    def output_logits(self, n_rows: int) -> np.ndarray:
+        """float32 [n_rows, n_vocab]: the rows the last decode was asked for, in batch order. A view of
+        llama.cpp's own buffer, valid until the next decode."""
+        return np.ctypeslib.as_array(self._lc.llama_get_logits(self.ctx), shape=(n_rows, self.n_vocab))
+
+    def close(self) -> None:
+        """Free the batch, context and model, in that order; safe to repeat."""
+        lc = self._lc
+        if self._batch is not None:
+            lc.llama_batch_free(self._batch)
+            self._batch = None
+        if self.ctx:
+            lc.llama_free(self.ctx)
+            self.ctx = None
+        if self.model:
+            lc.llama_model_free(self.model)
+            self.model = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+@dataclass(frozen=True)
 class ScoredRows:
-    """Logits of scored positions of one window, as produced by one llama_decode call."""
+    """Logits of scored positions of one window, as produced by one decode call."""
 
     window: int  # index into the windows being decoded
-    first_row: int  # its first scored row held here (row r is logit position Engine.positions[r])
+    first_row: int  # its first scored row held here (row r is logit position Backend.positions[r])
     logits: np.ndarray  # float32 [rows, n_vocab]
 
 
 class Backend(Protocol):
-    """What a capture needs of a loaded model (qeval.capture.capture): Engine, on llama-cpp-python, is the one
-    implementation. The scored positions of a window are `positions` (a store's header.positions)."""
+    """What a capture or a live candidate needs of a loaded model (qeval.capture.capture), opened by name through
+    qeval.capture.backends: Engine, on llama-cpp-python, is the default. The scored positions of a window are
+    `positions` (a store's header.positions), as `scoring` picks them."""
 
     settings: EngineSettings
+    scoring: Scoring
     n_ctx: int
     n_vocab: int
     n_batch: int  # tokens per decode call, recorded in the store
     n_ubatch: int
     add_bos: bool  # the first token of a window is replaced by BOS, recorded in the store
     positions: np.ndarray  # the scored logit positions of a window, ascending
+    n_scored: int  # len(positions)
+    facts: dict  # the model's facts (qeval.capture.modelinfo), recorded in the store
+    provenance: dict  # how it runs, recorded in the store's capture block
 
     def tokenize(self, text: str) -> np.ndarray: ...
 
@@ -235,76 +382,33 @@ class Backend(Protocol):
 Span = tuple[int, int, int]  # (window, first position, stop position) submitted in one call
 
 
-class Engine:
+class Engine(LlamaModel):
     """One loaded model and context for windows of `n_ctx` tokens, decoded as `settings` says."""
 
     def __init__(self, model_path: str | os.PathLike, n_ctx: int, settings: EngineSettings = EngineSettings(),
                  scoring: Scoring = HALF):
-        self.settings = settings.validate()
-        self.model_path = check_model_file(model_path)
-        self.rope_scale = check_context(model_facts(self.model_path), n_ctx, self.settings)
-        fixed_mmap_threshold()
-        self.n_ctx = n_ctx
         scoring.check(n_ctx)
+        self.n_ctx = n_ctx
         self.scoring = scoring
         self.positions = scoring.positions(n_ctx)
         self.n_scored = len(self.positions)
         self._scored_mask = np.zeros(n_ctx, dtype=np.int8)  # llama_batch.logits: 1 where logits are wanted
         self._scored_mask[self.positions] = 1
-        self.n_batch, self.n_ubatch = settings.batch_sizes(n_ctx)
+        self.n_batch, self.n_ubatch = settings.validate().batch_sizes(n_ctx)
         self.whole_windows = self.n_batch >= n_ctx  # else each window in pieces of n_batch tokens
         self.windows_per_call = max(1, self.n_batch // n_ctx)
-        quiet_llama()
-        lc = self._lc = _llama_cpp()
-        mparams = lc.llama_model_default_params()
-        mparams.n_gpu_layers = settings.n_gpu_layers
-        self.model = lc.llama_model_load_from_file(str(self.model_path).encode(), mparams)
-        if not self.model:
-            raise QevalError(f"llama.cpp could not load {self.model_path} (corrupt or unsupported GGUF)")
-        self.vocab = lc.llama_model_get_vocab(self.model)
-        self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
-        self.add_bos = bool(lc.llama_vocab_get_add_bos(self.vocab))
-        self.bos = int(lc.llama_vocab_bos(self.vocab))
-        self.ctx = lc.llama_init_from_model(self.model, self._context_params())
-        if not self.ctx:
-            lc.llama_model_free(self.model)
-            raise QevalError(f"llama.cpp could not create a context for {self.model_path.name} with KV "
-                             f"{settings.type_k}/{settings.type_v}, flash attention {settings.flash_attn} "
-                             f"(n_ctx {n_ctx}, -b {self.n_batch}, -ub {self.n_ubatch}): out of memory, or a "
-                             "setting this build does not support")
-        try:  # an encoder decodes without complaint, returning meaningless logits
-            require_decoder_context(lc, self.model, self.ctx, self.model_path)
-        except QevalError:
-            self.close()
-            raise
         self._decoder: ThreadPoolExecutor | None = None  # the decode-ahead thread, once used
+        # As llama-perplexity sets the context up: one sequence (and n_ctx KV cells) per window of a call.
+        super().__init__(model_path, settings, ContextShape(
+            n_ctx, self.windows_per_call, self.n_batch, self.n_ubatch, kv_unified=False,
+            described=f"with KV {settings.type_k}/{settings.type_v}, flash attention {settings.flash_attn} "
+                      f"(n_ctx {n_ctx}, -b {self.n_batch}, -ub {self.n_ubatch})"))
         n = self.n_batch
-        self._batch = lc.llama_batch_init(n, 0, 1)
         self._tokens_view = np.ctypeslib.as_array(self._batch.token, shape=(n,))
         self._pos_view = np.ctypeslib.as_array(self._batch.pos, shape=(n,))
         self._nseq_view = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(n,))
         self._logits_view = np.ctypeslib.as_array(self._batch.logits, shape=(n,))
         self._seq_slots = [self._batch.seq_id[i] for i in range(n)]
-
-    def _context_params(self):
-        """As llama-perplexity sets them: one sequence (and n_ctx KV cells) per window of a call."""
-        s, cparams = self.settings, self._lc.llama_context_default_params()
-        cparams.n_ctx = self.windows_per_call * self.n_ctx
-        cparams.n_batch = self.n_batch
-        cparams.n_ubatch = self.n_ubatch
-        cparams.n_seq_max = self.windows_per_call
-        cparams.type_k = KV_TYPES[s.type_k]
-        cparams.type_v = KV_TYPES[s.type_v]
-        cparams.flash_attn_type = FLASH_ATTN[s.flash_attn]
-        # llama.cpp's tools (common_params) keep a sliding-window layer's cache at n_swa + n_ubatch cells;
-        # llama_context_default_params() would hold all n_ctx. Beyond n_swa + n_ubatch tokens (Gemma-3 at 4K)
-        # the two lay out the cache differently and round differently: llama-perplexity's way, for parity.
-        cparams.swa_full = False
-        cparams.n_threads = cparams.n_threads_batch = s.n_threads or available_cores()
-        if s.rope_scaling:
-            cparams.rope_scaling_type = ROPE_SCALING[s.rope_scaling]
-            cparams.rope_freq_scale = 1.0 / self.rope_scale
-        return cparams
 
     @property
     def max_scored_rows(self) -> int:
@@ -312,14 +416,6 @@ class Engine:
         if self.whole_windows:
             return self.windows_per_call * self.n_scored
         return min(self.n_batch, self.n_scored)
-
-    # -- vocab -----------------------------------------------------------------------------------
-    def tokenize(self, text: str) -> np.ndarray:
-        """Whole-text tokenization with BOS at the start only, like llama-perplexity."""
-        return tokenize(self._lc, self.vocab, text)
-
-    def tokenizer_fingerprint(self) -> str:
-        return tokenizer_fingerprint(self._lc, self.vocab, self.n_vocab, self.add_bos, self.bos)
 
     # -- decoding --------------------------------------------------------------------------------
     def _calls(self, n_windows: int) -> Iterator[list[Span]]:
@@ -355,19 +451,16 @@ class Engine:
         self._batch.n_tokens = at
 
     def _decode(self, windows: np.ndarray, spans: list[Span]) -> list[ScoredRows]:
-        lc = self._lc
         if spans[0][1] == 0:  # new windows: nothing of the previous ones may be attended to
-            lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
+            self.clear_memory()
         self._fill_batch(windows, spans)
-        rc = lc.llama_decode(self.ctx, self._batch)
-        if rc != 0:
-            raise QevalError(f"llama_decode failed with code {rc} (out of memory or KV cache too small)")
+        self.decode()
         parts = [(k, *self._scored_rows(start, stop)) for k, start, stop in spans]
         total = sum(hi - lo for _, lo, hi in parts)
         if not total:
             return []
         # one row per requested position, in batch order (llama.cpp restores it after splitting ubatches)
-        logits = np.ctypeslib.as_array(lc.llama_get_logits(self.ctx), shape=(total, self.n_vocab))
+        logits = self.output_logits(total)
         out, at = [], 0
         for k, lo, hi in parts:
             if hi > lo:
@@ -405,30 +498,10 @@ class Engine:
                 yield rows.first_row, rows.logits
 
     def close(self) -> None:
-        if getattr(self, "_decoder", None) is not None:
+        if self._decoder is not None:
             self._decoder.shutdown(wait=True)  # no decode may run on a freed context
             self._decoder = None
-        free_llama(self)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-def free_llama(holder) -> None:
-    """Free what `holder` holds of llama.cpp (its `_batch`, `ctx`, `model`, in that order); safe to repeat."""
-    lc = holder._lc
-    if getattr(holder, "_batch", None) is not None:
-        lc.llama_batch_free(holder._batch)
-        holder._batch = None
-    if getattr(holder, "ctx", None):
-        lc.llama_free(holder.ctx)
-        holder.ctx = None
-    if getattr(holder, "model", None):
-        lc.llama_model_free(holder.model)
-        holder.model = None
+        super().close()
 
 
 def decode_ahead(calls: Iterator[list[ScoredRows]], decoder: ThreadPoolExecutor, max_rows: int,

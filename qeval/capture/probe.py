@@ -84,7 +84,9 @@ def crash_message(returncode: int, stdout: str, what: str) -> str:
 
 def run_guarded(args: list[str], what: str, timeout: float = 3600) -> subprocess.CompletedProcess:
     """Run `python -m qeval.capture.probe ARGS` in a child; a crash by signal raises one clear QevalError."""
-    proc = subprocess.run(child_command(args), capture_output=True, text=True, timeout=timeout)
+    # the child is the probe: the model it loads must not spawn another one (qeval.capture.engine.LlamaModel)
+    env = {**os.environ, "QEVAL_SKIP_PROBE": "1"}
+    proc = subprocess.run(child_command(args), capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode < 0:
         raise QevalError(crash_message(proc.returncode, proc.stdout, what))
     return proc

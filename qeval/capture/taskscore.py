@@ -46,20 +46,7 @@ from dataclasses import dataclass, field
 import numba
 import numpy as np
 
-from qeval.capture.engine import (
-    FLASH_ATTN,
-    KV_TYPES,
-    EngineSettings,
-    _llama_cpp,
-    available_cores,
-    check_model_file,
-    fixed_mmap_threshold,
-    free_llama,
-    quiet_llama,
-    tokenize,
-    tokenizer_fingerprint,
-)
-from qeval.capture.modelinfo import require_decoder_context
+from qeval.capture.engine import ContextShape, EngineSettings, LlamaModel
 from qeval.capture.taskfiles import TaskItem, TaskSet
 from qeval.errors import QevalError
 
@@ -437,63 +424,23 @@ class _Token:
     key: tuple[int, int, int] = field(default=(0, 0, 0))  # (local item, sequence or -1, position)
 
 
-class TaskModel:
+class TaskModel(LlamaModel):
     """A GGUF model with llama-perplexity's task context: n_parallel sequences over one unified KV
     cache of n_parallel x n_ctx cells."""
 
     def __init__(self, model_path: str | os.PathLike, settings: TaskSettings = TaskSettings()):
-        self.settings = settings.validate()
-        self.model_path = check_model_file(model_path)
-        fixed_mmap_threshold()
-        quiet_llama()
-        lc = self._lc = _llama_cpp()
-        mparams = lc.llama_model_default_params()
-        mparams.n_gpu_layers = settings.engine.n_gpu_layers
-        self.model = lc.llama_model_load_from_file(str(self.model_path).encode(), mparams)
-        self.ctx = None
-        self._batch = None
-        if not self.model:
-            raise QevalError(f"llama.cpp could not load {self.model_path} (corrupt or unsupported GGUF)")
-        self.vocab = lc.llama_model_get_vocab(self.model)
-        self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
-        self.add_bos = bool(lc.llama_vocab_get_add_bos(self.vocab))
-        self.bos = int(lc.llama_vocab_bos(self.vocab))
-        s, e = settings, settings.engine
-        cparams = lc.llama_context_default_params()
-        cparams.n_ctx = s.context
-        cparams.n_batch = s.batch
-        cparams.n_ubatch = s.ubatch
-        cparams.n_seq_max = s.parallel
-        cparams.kv_unified = s.layout == "llama"
-        cparams.swa_full = False  # as common_params: a sliding-window layer keeps n_swa + n_ubatch cells
-        cparams.type_k = KV_TYPES[e.type_k]
-        cparams.type_v = KV_TYPES[e.type_v]
-        cparams.flash_attn_type = FLASH_ATTN[e.flash_attn]
-        cparams.n_threads = cparams.n_threads_batch = e.n_threads or available_cores()
-        self.ctx = lc.llama_init_from_model(self.model, cparams)
-        if not self.ctx:
-            self.close()
-            raise QevalError(f"llama.cpp could not create a context for {self.model_path.name} (n_ctx {s.context}, "
-                             f"-np {s.parallel}, KV {e.type_k}/{e.type_v}, flash attention {e.flash_attn}): out of "
-                             "memory, or a setting this build does not support")
-        try:
-            require_decoder_context(lc, self.model, self.ctx, self.model_path)
-        except QevalError:
-            self.close()
-            raise
-        self.n_ctx = int(lc.llama_n_ctx(self.ctx))  # what llama-perplexity packs into
-        self.n_seq_max = int(lc.llama_n_seq_max(self.ctx))
+        s, e = settings.validate(), settings.engine
+        self.task_settings = s
+        self._scorers: ThreadPoolExecutor | None = None
+        super().__init__(model_path, e, ContextShape(
+            s.n_ctx, s.parallel, s.batch, s.ubatch, kv_unified=s.layout == "llama",
+            described=f"(n_ctx {s.context}, -np {s.parallel}, KV {e.type_k}/{e.type_v}, flash attention "
+                      f"{e.flash_attn})"))
+        self.n_ctx = int(self._lc.llama_n_ctx(self.ctx))  # what llama-perplexity packs into
+        self.n_seq_max = int(self._lc.llama_n_seq_max(self.ctx))
         self.n_batch = s.batch
-        self._batch = lc.llama_batch_init(self.n_batch, 0, self.n_seq_max)
         # log-softmax between decodes on as many threads as the model (llama-perplexity uses every core)
-        self._scorers = ThreadPoolExecutor(max_workers=cparams.n_threads, thread_name_prefix="qeval-logsoftmax")
-
-    # -- vocab -----------------------------------------------------------------------------------
-    def tokenize(self, text: str) -> np.ndarray:
-        return tokenize(self._lc, self.vocab, text)
-
-    def tokenizer_fingerprint(self) -> str:
-        return tokenizer_fingerprint(self._lc, self.vocab, self.n_vocab, self.add_bos, self.bos)
+        self._scorers = ThreadPoolExecutor(max_workers=self.n_threads, thread_name_prefix="qeval-logsoftmax")
 
     # -- decoding --------------------------------------------------------------------------------
     @staticmethod
@@ -522,7 +469,7 @@ class TaskModel:
                 for (seq, pos), tok in terms:
                     needed.setdefault((local, seq, pos), set()).add(tok)
         logprobs: dict[tuple[int, int, int], dict[int, float]] = {}
-        if self.settings.layout == "separate":  # each choice alone in its decode calls, as sequence 0
+        if self.task_settings.layout == "separate":  # each choice alone in its decode calls, as sequence 0
             runs: dict[tuple[int, int], list[_Token]] = {}
             for t in toks:
                 runs.setdefault(t.key[:2], []).append(_Token(t.token, t.pos, (0,), t.output, t.key))
@@ -535,8 +482,7 @@ class TaskModel:
 
     def _decode_batch(self, toks: list[_Token], needed: dict, logprobs: dict) -> None:
         """One llama-perplexity batch: memory cleared, decoded in pieces of n_batch tokens (decode_helper)."""
-        lc = self._lc
-        lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
+        self.clear_memory()
         for a in range(0, len(toks), self.n_batch):
             piece = toks[a:a + self.n_batch]
             b = self._batch
@@ -548,32 +494,23 @@ class TaskModel:
                     b.seq_id[k][m] = sid
                 b.logits[k] = 1 if t.output else 0
             b.n_tokens = len(piece)
-            rc = lc.llama_decode(self.ctx, b)
-            if rc != 0:
-                raise QevalError(f"llama_decode failed with code {rc} (out of memory or KV cache too small)")
+            self.decode()
             out_keys = [t.key for t in piece if t.output]
             if not out_keys:
                 continue
-            # llama.cpp's own buffer, read in place: valid until the next decode
-            logits = np.ctypeslib.as_array(lc.llama_get_logits(self.ctx), shape=(len(out_keys), self.n_vocab))
+            logits = self.output_logits(len(out_keys))  # read in place: valid until the next decode
             targets = [sorted(needed.get(key, ())) for key in out_keys]
             for key, tg, lp in zip(out_keys, targets, log_softmax_at(logits, targets, self._scorers)):
                 if tg:
                     logprobs[key] = dict(zip(tg, lp))
 
     def close(self) -> None:
-        if getattr(self, "_scorers", None) is not None:
+        if self._scorers is not None:
             self._scorers.shutdown()
             self._scorers = None
-        free_llama(self)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+        super().close()
 
 
 def plan_tasks(model: TaskModel, tasks: TaskSet, order: list[int]) -> list[ItemPlan]:
-    s = model.settings
+    s = model.task_settings
     return [plan_item(tasks.kind, tasks.items[i], model.tokenize, tasks.source, s.layout, s.n_ctx) for i in order]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import sys
 import time
@@ -25,10 +24,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
-
 from qeval.capture.capture import CaptureSpec, capture
-from qeval.capture.engine import EngineSettings
+from qeval.capture.engine import EngineSettings, LlamaModel
 from qeval.errors import QevalError
 from qeval.orchestrate.matrix import SKIP, MatrixPlan, MatrixRun, PairPlan, plan_pairs, run_pair, saved_summaries
 from qeval.orchestrate.merge import merge_stores
@@ -70,18 +67,6 @@ def run_compare(spec: CompareSpec, on_chunk: Callable[[int], None] | None = None
     return {"result": str(done.result), "chunks": done.chunks, "resumed_chunks": done.resumed_chunks}
 
 
-def _killer(kill_after: int | None, attempt: int) -> Callable[[int], None]:
-    """Test hook: on the first attempt, SIGKILL this worker after `kill_after` chunks (a real crash)."""
-    state = {"n": 0}
-
-    def on_chunk(n: int = 1) -> None:
-        state["n"] += n
-        if kill_after is not None and attempt == 1 and state["n"] >= kill_after:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return on_chunk
-
-
 def _start(tracker, name: str) -> int:
     if tracker is None:
         return 1
@@ -90,53 +75,30 @@ def _start(tracker, name: str) -> int:
     return ray.get(tracker.start.remote(name))
 
 
-def capture_task(spec: CaptureSpec, name: str, tracker=None, kill_after: int | None = None) -> dict:
+def capture_task(spec: CaptureSpec, name: str, tracker=None) -> dict:
     attempt = _start(tracker, name)
     plan = {}
-    res = capture(spec, on_chunk=_killer(kill_after, attempt),
-                  on_plan=lambda total, done: plan.update(total=total, done=done))
+    res = capture(spec, on_plan=lambda total, done: plan.update(total=total, done=done))
     return {"name": name, "path": str(res.path), "status": res.status, "chunks_total": res.chunks_total,
             "chunks_written": res.chunks_written, "chunks_before": plan.get("done", res.chunks_total),
             "seconds": res.seconds, "attempt": attempt, "host": socket.gethostname()}
 
 
-def compare_task(spec: CompareSpec, name: str, tracker=None, kill_after: int | None = None) -> dict:
+def compare_task(spec: CompareSpec, name: str, tracker=None) -> dict:
     attempt = _start(tracker, name)
     t0 = time.perf_counter()
-    out = run_compare(spec, on_chunk=_killer(kill_after, attempt))
+    out = run_compare(spec)
     return {"name": name, **out, "seconds": time.perf_counter() - t0, "attempt": attempt,
             "host": socket.gethostname()}
 
 
 def count_windows_task(model: str, corpus: str | None, n_ctx: int, concat: bool = False) -> int:
     """Chunks the corpus gives at n_ctx (to plan shards when --chunks is not given): vocab only."""
-    import llama_cpp  # noqa: PLC0415
-
     from qeval.capture.corpus import load_corpus, make_windows, tokenize_documents  # noqa: PLC0415
-    from qeval.capture.engine import check_model_file, quiet_llama  # noqa: PLC0415
 
-    check_model_file(model)
-    quiet_llama()
-    params = llama_cpp.llama_model_default_params()
-    params.vocab_only = True
-    m = llama_cpp.llama_model_load_from_file(str(model).encode(), params)
-    if not m:
-        raise QevalError(f"llama.cpp could not load the vocabulary of {model}")
-
-    def tokenize(text: str) -> np.ndarray:
-        data = text.encode("utf-8")
-        buf = (llama_cpp.llama_token * (len(data) + 16))()
-        n = llama_cpp.llama_tokenize(llama_cpp.llama_model_get_vocab(m), data, len(data), buf, len(data) + 16,
-                                     True, False)
-        if n < 0:
-            raise QevalError("tokenization failed (text too long for one call)")
-        return np.zeros(n, dtype=np.int32)  # only the count matters here
-
-    try:
+    with LlamaModel(model) as vocab:  # no context: the vocabulary alone
         c = load_corpus(corpus)
-        return len(make_windows(tokenize_documents(c, tokenize, concat), n_ctx, None, f"corpus {c.name!r}"))
-    finally:
-        llama_cpp.llama_model_free(m)
+        return len(make_windows(tokenize_documents(c, vocab.tokenize, concat), n_ctx, None, f"corpus {c.name!r}"))
 
 
 class Tracker:
@@ -235,7 +197,7 @@ class RayExecutor:
 
     def __init__(self, address: str | None = None, gpus_per_task: float = 0, cpus_per_task: float = 1,
                  shard_chunks: int = 1, max_retries: int = 3, progress_interval: float = 10.0,
-                 log: Callable[[str], None] | None = None, kill_after: dict[str, int] | None = None):
+                 log: Callable[[str], None] | None = None):
         if gpus_per_task < 0 or cpus_per_task < 0:
             raise QevalError("--gpus-per-task and --cpus-per-task must not be negative")
         if shard_chunks < 1:
@@ -245,7 +207,6 @@ class RayExecutor:
         self.address, self.gpus, self.cpus = address, gpus_per_task, cpus_per_task
         self.shards, self.max_retries, self.interval = shard_chunks, max_retries, progress_interval
         self._log = log
-        self.kill_after = dict(kill_after or {})  # test hook: task name -> chunks before SIGKILL (attempt 1)
         self.report: list[str] = []  # one line per task of the last run: name, state, error
         self.notes: list[str] = []
         self.tasks: list[_Task] = []
@@ -410,7 +371,7 @@ class _Fleet:
     def submit_capture(self, name: str, spec: CaptureSpec, store: Path) -> None:
         chunks = (spec.chunk_range[1] - spec.chunk_range[0]) if spec.chunk_range else spec.chunks
         fn = self.ex._remote(self.ray, capture_task, name)
-        ref = fn.remote(spec, name, self.tracker, self.ex.kill_after.get(name))
+        ref = fn.remote(spec, name, self.tracker)
         self.tasks.append(_Task(name, "capture", store, chunks, ref))
 
     def submit_compare(self, name: str, spec: CompareSpec, store: Path, chunks: int) -> None:
@@ -418,7 +379,7 @@ class _Fleet:
         if self._future_chunks is not None:
             self._future_chunks -= chunks
         fn = self.ex._remote(self.ray, compare_task, name)
-        ref = fn.remote(spec, name, self.tracker, self.ex.kill_after.get(name))
+        ref = fn.remote(spec, name, self.tracker)
         self.tasks.append(_Task(name, "compare", store, chunks, ref))
 
     def failed(self) -> list[_Task]:

@@ -1,94 +1,28 @@
 """Task accuracy and answer flips: capture a model's per-choice scores once, compare stores later.
 
-    capture_tasks   a GGUF over a task set (qeval.capture.taskfiles) -> RUNS_DIR/tasks/<task>/<label>.tasks.jsonl,
-                    scored as llama-perplexity scores it (qeval.capture.taskscore); resumable
+    capture_tasks   task capture (qeval.capture.tasks), then the accuracy of the store it wrote
     show_tasks      accuracy of one task store
     flips_between   accuracy, flips, McNemar and flips by margin between two stores (qeval.compare.flips)
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from pathlib import Path
 
-from qeval.capture.engine import check_model_file
-from qeval.capture.modelinfo import model_facts
-from qeval.capture.probe import ensure_llama_runs
-from qeval.capture.taskfiles import load_tasks
-from qeval.capture.taskscore import SCORING_VERSION, TaskModel, TaskSettings, pack, plan_tasks, task_order
+from qeval.capture import tasks as taskcapture
 from qeval.compare import flips as flipmath
 from qeval.errors import QevalError
-from qeval.identity import model_identity
-from qeval.storage import runs, taskstore
-from qeval.storage.taskstore import (
-    STORE_SUFFIX,
-    TASKS_SUBDIR,
-    TaskStore,
-    TaskStoreComplete,
-    TaskStoreWriter,
-    make_record,
-)
+from qeval.storage import runs
+from qeval.storage.taskstore import STORE_SUFFIX, TASKS_SUBDIR, TaskStore
 
 
-def store_path(directory: Path, task_name: str, label: str) -> Path:
-    return taskstore.store_path(directory, task_name, runs.check_label(label))
-
-
-def capture_tasks(model: str, task: str, kind: str | None = None, limit: int | None = None,
-                  label: str | None = None, runs_dir=None, out: str | None = None,
-                  settings: TaskSettings = TaskSettings(), force: bool = False,
-                  on_plan: Callable[[int, int], None] | None = None, on_tasks: Callable[[int], None] | None = None,
-                  hf_loader: Callable | None = None) -> tuple[dict, str]:
-    """Score every choice of the task set with `model` into a task store (resuming an interrupted one,
-    reusing a complete one). on_plan(total, done) once, on_tasks(n) after every batch."""
-    t0 = time.perf_counter()
-    settings = settings.validate()
-    tasks = load_tasks(task, kind, hf_loader)
-    check_model_file(model)
-    label = runs.check_label(label or Path(model).stem)
-    n = len(tasks.items)
-    order = task_order(tasks.kind, n, limit)
-    selection = {"limit": limit if limit is not None and limit < n else None}
-    path = Path(out) if out else store_path(runs.runs_dir(runs_dir), tasks.name, label)
-    facts = model_facts(model)  # refuses what qeval cannot evaluate before a child loads it
-    ensure_llama_runs(model)
-    status, written = "complete", 0
-    with TaskModel(model, settings) as tm:
-        header = {
-            "identity": {"task": tasks.identity(), "selection": selection,
-                         "model": model_identity(facts, "qeval", label), "tokenizer_sha256": tm.tokenizer_fingerprint(),
-                         "n_vocab": tm.n_vocab, "settings": settings.as_json(), "scoring_version": SCORING_VERSION},
-            "n_selected": len(order), "label": label, "task": tasks.describe(), "model": facts,
-            "run": {"n_gpu_layers": settings.engine.n_gpu_layers, "n_threads": settings.engine.n_threads,
-                    "llama_n_ctx": tm.n_ctx},
-        }
-        try:
-            writer = TaskStoreWriter.open(path, header, replace=force)
-        except TaskStoreComplete:
-            status = "already complete"
-        else:
-            with writer:
-                plans = plan_tasks(tm, tasks, order)
-                groups = pack(tasks.kind, plans, tm.n_ctx, tm.n_seq_max, tasks.source)
-                todo = [g for g in groups if any(plans[i].item.index not in writer.done for i in g)]
-                if on_plan:
-                    on_plan(len(order), len(writer.done))
-                for group in todo:
-                    before = len(writer.done)
-                    scores = tm.decode_group(tasks.kind, plans, group)
-                    writer.write([make_record(tasks.kind, s.index, s.sums, s.counts, s.llama, s.labels)
-                                  for s in scores])
-                    if on_tasks:
-                        on_tasks(len(writer.done) - before)
-                written = writer.n_written
-                path = writer.finish()
-    result, text = show_tasks(str(path), runs_dir)
-    seconds = time.perf_counter() - t0
-    result.update({"status": status, "tasks_scored_now": written, "seconds": seconds})
-    line = (f"{status}: {written} tasks scored now in {seconds:.1f} s" if status == "complete"
-            else f"{path} already holds this capture, complete")
-    return result, f"{text}\n{line}"
+def capture_tasks(*args, **kwargs) -> tuple[dict, str]:
+    """qeval.capture.tasks.capture_tasks (the same arguments), then show_tasks of the store it wrote, with the
+    capture's status, tasks scored now and seconds."""
+    done = taskcapture.capture_tasks(*args, **kwargs)
+    result, text = show_tasks(str(done.path))
+    result.update({"status": done.status, "tasks_scored_now": done.tasks_scored_now, "seconds": done.seconds})
+    return result, f"{text}\n{done.summary_line()}"
 
 
 def open_task_store(spec: str, runs_dir=None, task: str | None = None) -> TaskStore:
