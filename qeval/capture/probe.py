@@ -14,7 +14,6 @@ before it does anything else, so the message can say which of them this CPU lack
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import os
 import signal
@@ -44,7 +43,7 @@ def build_id() -> str:
 
 def child_command(args: list[str]) -> list[str]:
     """The argv of a guarded child; the one seam tests replace with a child that crashes."""
-    return [sys.executable, "-m", "qeval.capture.probe", *args]
+    return [sys.executable, "-m", "qeval.capture.probe_child", *args]
 
 
 def missing_instructions(system_info: str, flags: set[str]) -> list[str]:
@@ -83,7 +82,7 @@ def crash_message(returncode: int, stdout: str, what: str) -> str:
 
 
 def run_guarded(args: list[str], what: str, timeout: float = 3600) -> subprocess.CompletedProcess:
-    """Run `python -m qeval.capture.probe ARGS` in a child; a crash by signal raises one clear QevalError."""
+    """Run `python -m qeval.capture.probe_child ARGS` in a child; a crash by signal raises one clear QevalError."""
     # the child is the probe: the model it loads must not spawn another one (qeval.capture.engine.LlamaModel)
     env = {**os.environ, "QEVAL_SKIP_PROBE": "1"}
     proc = subprocess.run(child_command(args), capture_output=True, text=True, timeout=timeout, env=env)
@@ -116,43 +115,3 @@ def quantize_guarded(src: Path, dst: Path, ftype: int) -> None:
     if proc.returncode != 0:
         detail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise QevalError(f"llama.cpp could not quantize {src.name} to ftype {ftype}: {detail}")
-
-
-# -- the child's side ------------------------------------------------------------------------------
-def _print_system_info() -> None:
-    import llama_cpp  # noqa: PLC0415
-
-    info = llama_cpp.llama_print_system_info().decode(errors="replace").replace("\n", " ")
-    print(SYSTEM_INFO_PREFIX + info, flush=True)
-
-
-def _decode(model: str) -> None:
-    import numpy as np  # noqa: PLC0415
-
-    from qeval.capture.engine import Engine  # noqa: PLC0415
-
-    with Engine(model, 16) as engine:
-        for _ in engine.iter_scored_logits(np.full(16, engine.bos, dtype=np.int32)):
-            pass
-
-
-def _quantize(src: str, dst: str, ftype: str) -> None:
-    import llama_cpp  # noqa: PLC0415
-
-    from qeval.capture.engine import quiet_llama  # noqa: PLC0415
-
-    quiet_llama()
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = int(ftype)
-    params.allow_requantize = True
-    params.nthread = os.cpu_count() or 1
-    rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params))
-    if rc != 0:
-        sys.exit(f"llama_model_quantize returned {rc}")
-
-
-CHILD_JOBS = {"decode": _decode, "quantize": _quantize}
-
-if __name__ == "__main__":
-    _print_system_info()
-    CHILD_JOBS[sys.argv[1]](*sys.argv[2:])

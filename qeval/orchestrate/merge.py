@@ -24,6 +24,7 @@ import numpy as np
 
 from qeval.errors import QevalError, StoreFormatError
 from qeval.identity import capture_identity, short
+from qeval.present import report
 from qeval.present.progress import progress_bar
 from qeval.storage.store import StoreReader, StoreWriter, sync_dir
 
@@ -154,6 +155,4 @@ def merge_report(parts: Sequence[str | os.PathLike], out: str | os.PathLike, lab
         res = merge_stores(parts, out, label, on_chunk=advance)
     d = {"path": str(res.path), "chunks": res.n_chunks, "size_bytes": res.size_bytes,
          "parts": [{"path": str(p), "chunk_range": [a, b]} for p, a, b in res.parts]}
-    text = (f"wrote {res.path}: {res.n_chunks} chunks from {len(res.parts)} parts "
-            f"({', '.join(f'{p.name} {a}:{b}' for p, a, b in res.parts)}), {res.size_bytes:,} bytes")
-    return d, text
+    return d, report.merge_text(d)

@@ -212,3 +212,10 @@ def ppl_matrix_markdown(pairs: list[tuple[str, str, str]], summaries: list[Compa
         cells = [cell.get((path, kv), ref_cell if name == ref_name and kv == "f16" else "") for kv in kvs]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def merge_text(merged: dict) -> str:
+    """The line `qeval merge` prints: the store written and its parts (qeval.orchestrate.merge)."""
+    parts = ", ".join(f"{Path(p['path']).name} {p['chunk_range'][0]}:{p['chunk_range'][1]}" for p in merged["parts"])
+    return (f"wrote {merged['path']}: {merged['chunks']} chunks from {len(merged['parts'])} parts ({parts}), "
+            f"{merged['size_bytes']:,} bytes")
