@@ -156,7 +156,6 @@ def task_capture_report(model: str, task: str, kind: str | None = None, limit: i
     """Score every choice of a task set (HellaSwag, Winogrande, multiple-choice file or hf: dataset) with a GGUF
     model as llama-perplexity does, into RUNS_DIR/tasks/<task>/<label>.tasks.jsonl; resumes, reuses, or refuses
     a store of another capture (`force` replaces it)."""
-    from qeval.capture.taskscore import TaskSettings  # noqa: PLC0415
     from qeval.orchestrate import tasks  # noqa: PLC0415
 
     with contextlib.ExitStack() as stack:

@@ -14,8 +14,8 @@ from conftest import decoded_logprobs, kld64, log_softmax64, make_tokens, realis
 from qeval import api
 from qeval.capture.backends import open_backend
 from qeval.capture.capture import CaptureSpec, capture, open_live
-from qeval.compare import metrics
 from qeval.capture.engine import EngineSettings
+from qeval.compare import metrics
 from qeval.errors import QevalError
 from qeval.storage.scoring import HALF
 from qeval.storage.store import StoreReader

@@ -228,7 +228,7 @@ def assert_same_results(local_dir: Path, other_dir: Path, labels) -> None:
     for label in labels:
         a = results.load_result(local_dir / "results" / f"{label}.vs.Q8_0.json")
         b = results.load_result(other_dir / "results" / f"{label}.vs.Q8_0.json")
-        assert numbers(a.summary) == numbers(b.summary)
+        assert numbers(a.summary.to_json()) == numbers(b.summary.to_json())
         assert a.per_token.keys() == b.per_token.keys()
         for k in a.per_token:
             np.testing.assert_array_equal(a.per_token[k], b.per_token[k])

@@ -17,8 +17,8 @@ import numpy as np
 import zstandard
 
 from qeval import __version__
-from qeval.capture.corpus import load_corpus, make_windows, tokenize_documents
 from qeval.capture.backends import open_backend
+from qeval.capture.corpus import load_corpus, make_windows, tokenize_documents
 from qeval.capture.engine import Backend, EngineSettings, ScoredRows, available_cores
 from qeval.errors import MismatchError, QevalError
 from qeval.pool import bounded_map

@@ -335,6 +335,16 @@ def known(held: dict[str, MetricValue]) -> dict[str, MetricValue]:
     return {key: v for key, v in held.items() if lookup(key) is not None}
 
 
+def board() -> list[Metric]:
+    """The metrics on every leaderboard, in table order; each is a column `key` and, where it has an SE, `key_se`."""
+    return [m for m in METRICS.values() if m.board]
+
+
+def paired() -> list[Metric]:
+    """The metrics `qeval compare` pairs chunk by chunk, in table order (a sampler's TVD pairs too: lookup())."""
+    return [m for m in METRICS.values() if m.paired]
+
+
 def gated() -> list[Metric]:
     """The metrics `qeval check` can hold to a limit, in table order, then the sampler templates (SAMPLER_GATES)."""
     return [m for m in METRICS.values() if m.gate] + list(SAMPLER_GATES)

@@ -31,7 +31,7 @@ import numpy as np
 
 from qeval.compare import metric_registry, sampler
 from qeval.compare.depth import parse_depth
-from qeval.compare.metric_registry import METRICS, Metric
+from qeval.compare.metric_registry import Metric
 from qeval.compare.paired_stats import (
     BOOT_SEED,
     CONFIDENCE,
@@ -46,9 +46,6 @@ from qeval.orchestrate.measured import Measured, measure
 from qeval.present.paired_text import paired_text, verdict
 
 METHODS = ("t", "bootstrap")
-
-PAIRED_METRICS = {key: m for key, m in METRICS.items() if m.paired}
-
 
 def difference_unit(m: Metric) -> str:
     return "percentage points" if m.unit == "%" else m.unit
@@ -65,7 +62,7 @@ def paired_difference(a: np.ndarray, b: np.ndarray, chunk: np.ndarray, metric: s
         raise QevalError(f"confidence must be between 0 and 1, not {confidence}")
     m = metric_registry.lookup(metric)  # a sampler's TVD (tvd_pct@NAME) pairs too
     if m is None or not m.paired:
-        raise QevalError(f"{metric!r} is not a metric paired comparisons apply to ({', '.join(PAIRED_METRICS)}, "
+        raise QevalError(f"{metric!r} is not a metric paired comparisons apply to ({', '.join(m.key for m in metric_registry.paired())}, "
                          "tvd_pct@SAMPLER)")
     scale = m.scale
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
@@ -113,7 +110,7 @@ def compare_measured(a: Measured, b: Measured, method: str = "t", confidence: fl
                                 f"(chunk {int(ta['chunk'][bad])}); they cannot be paired")
     names = _names(a.label, b.label)
     diffs = {}
-    for m in PAIRED_METRICS.values():
+    for m in metric_registry.paired():
         diffs[m.key] = paired_difference(m.column_values(ta), m.column_values(tb), ta["chunk"], m.key, method,
                                          confidence, names)
     for name in samplers or [n for n in sampler.names_in(ta) if n in sampler.names_in(tb)]:

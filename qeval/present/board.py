@@ -11,15 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from qeval.compare import sampler
-from qeval.compare.metric_registry import METRICS, Metric, MetricValue, plus_minus, sampler_metrics
+from qeval.compare import metric_registry, sampler
+from qeval.compare.metric_registry import Metric, MetricValue, plus_minus, sampler_metrics
 from qeval.compare.summary import ComparisonSummary, DepthBand
 from qeval.present import task_flips
 from qeval.present.task_flips import FlipFigures
 from qeval.storage.scoring import Scoring
 
-# The metrics on every leaderboard, in table order; each is a column `key` and, where it has an SE, `key_se`.
-BOARD_METRICS = tuple(m for m in METRICS.values() if m.board)
 DEEPEST_KEYS = ("deepest_band", "kld_deepest", "kld_deepest_se")
 
 
@@ -29,9 +27,9 @@ def sampler_board_metrics(name: str) -> tuple[Metric, ...]:
 
 
 def board_metrics(samplers=()) -> tuple[Metric, ...]:
-    """The metrics of a leaderboard's columns: BOARD_METRICS, then the board metrics of each sampler in
+    """The metrics of a leaderboard's columns: metric_registry.board(), then the board metrics of each sampler in
     `samplers` (names)."""
-    return (*BOARD_METRICS, *(m for name in samplers for m in sampler_board_metrics(name)))
+    return (*metric_registry.board(), *(m for name in samplers for m in sampler_board_metrics(name)))
 
 
 def board_keys(samplers=()) -> tuple[str, ...]:
@@ -66,7 +64,7 @@ class BoardRow:
     type_v: str | None
     size_gib: float | None
     bpw: float | None
-    metrics: dict[str, MetricValue | None]  # BOARD_METRICS by key
+    metrics: dict[str, MetricValue | None]  # metric_registry.board() by key
     samplers: dict[str, dict[str, MetricValue | None]]  # sampler name -> its board metrics by key
     deepest: DepthBand | None  # the band of the deepest scored positions
     task_flips: dict[str, FlipFigures] = field(default_factory=dict)  # task set -> its flips
@@ -84,8 +82,8 @@ class BoardRow:
         return self.value("kld_mean")
 
     def board_values(self) -> list[tuple[Metric, MetricValue | None]]:
-        """Every board metric with its value, in column order: BOARD_METRICS, then each sampler's."""
-        out = [(m, self.metrics.get(m.key)) for m in BOARD_METRICS]
+        """Every board metric with its value, in column order: metric_registry.board(), then each sampler's."""
+        out = [(m, self.metrics.get(m.key)) for m in metric_registry.board()]
         for name, held in self.samplers.items():
             out += [(m, held.get(m.key)) for m in sampler_board_metrics(name)]
         return out
@@ -115,7 +113,7 @@ def board_row(summary: ComparisonSummary, samplers=(), flips: dict[str, FlipFigu
     held = summary.measured()
     return BoardRow(cand.label, model.get("quant", "?"), cand.kv_text(), model.get("file_name"), kv.get("type_k"),
                     kv.get("type_v"), model.get("size_gib"), model.get("bits_per_weight"),
-                    {m.key: held.get(m.key) for m in BOARD_METRICS},
+                    {m.key: held.get(m.key) for m in metric_registry.board()},
                     {name: _sampler_figures(summary, held, name) for name in samplers}, summary.deepest, flips or {})
 
 

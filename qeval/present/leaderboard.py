@@ -15,6 +15,7 @@ compared) with this qeval's metrics version; anything else is refused.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import os
@@ -216,16 +217,24 @@ def _strict(v):
     return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
-def write_csv(board: Leaderboard, path: Path) -> None:
-    with open(path, "w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(board.columns)
-        for r in board.records():
-            w.writerow(["" if v is None else repr(v) if isinstance(v, float) else v for v in r.values()])
+def csv_text(board: Leaderboard) -> str:
+    buffer = io.StringIO(newline="")
+    w = csv.writer(buffer)
+    w.writerow(board.columns)
+    for r in board.records():
+        w.writerow(["" if v is None else repr(v) if isinstance(v, float) else v for v in r.values()])
+    return buffer.getvalue()
+
+
+def json_text(board: Leaderboard) -> str:
+    return json.dumps(leaderboard_json(board), indent=2, allow_nan=False)
+
+
+# The files of a board beside its plots and page: a new output format is one function and one entry here.
+TEXT_OUTPUTS = {"leaderboard.md": markdown_page, "leaderboard.csv": csv_text, "leaderboard.json": json_text}
 
 
 # --------------------------------------------------------------------------------------------------
-# writing everything# --------------------------------------------------------------------------------------------------
 # writing everything
 # --------------------------------------------------------------------------------------------------
 def write(board: Leaderboard, out: str | os.PathLike = DEFAULT_OUT) -> Leaderboard:
@@ -237,12 +246,9 @@ def write(board: Leaderboard, out: str | os.PathLike = DEFAULT_OUT) -> Leaderboa
         inline = {}
         for name, fig in board.figures().items():
             paths[f"{name}.png"], paths[f"{name}.svg"], inline[name] = plots.save_figure(fig, out, name)
-        paths["leaderboard.md"] = out / "leaderboard.md"
-        paths["leaderboard.md"].write_text(markdown_page(board))
-        paths["leaderboard.csv"] = out / "leaderboard.csv"
-        write_csv(board, paths["leaderboard.csv"])
-        paths["leaderboard.json"] = out / "leaderboard.json"
-        paths["leaderboard.json"].write_text(json.dumps(leaderboard_json(board), indent=2, allow_nan=False))
+        for name, render in TEXT_OUTPUTS.items():
+            paths[name] = out / name
+            paths[name].write_text(render(board), newline="")
         paths["leaderboard.html"] = out / "leaderboard.html"
         paths["leaderboard.html"].write_text(leaderboard_html(board, inline))
     except OSError as exc:
