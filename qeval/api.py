@@ -245,3 +245,14 @@ def ray_executor(address: str | None = None, gpus_per_task: float = 0, cpus_per_
 
     return RayExecutor(address=address, gpus_per_task=gpus_per_task, cpus_per_task=cpus_per_task,
                        shard_chunks=shard_chunks)
+
+
+# --- chat templates (qeval.orchestrate.templates) ---------------------------------------------------------------
+def template_report(reference: str, candidates: list[str], corpus: str = "conversations",
+                    template_kwargs: str | None = None, vocab: str | None = None) -> tuple[dict, str, bool]:
+    """Does each candidate's chat template render the sample conversations as the reference's does?
+    (result, text, passed). template_kwargs: JSON of extra template variables (--chat-template-kwargs)."""
+    from qeval.capture.chat import parse_template_kwargs  # noqa: PLC0415
+    from qeval.orchestrate import templates  # noqa: PLC0415
+
+    return templates.template_report(reference, candidates, corpus, parse_template_kwargs(template_kwargs), vocab)

@@ -409,6 +409,24 @@ def flips_cmd(
     _emit(result, text, as_json)
 
 
+@app.command("template")
+def template_cmd(
+    templates: list[str] = typer.Argument(..., metavar="REFERENCE [CANDIDATE...]", help=(
+        "Chat templates: the reference first (the original model's tokenizer_config.json, a .jinja file or a GGUF), "
+        "then those to check against it (GGUFs, .jinja files, tokenizer_config.json).")),
+    model: Optional[list[str]] = typer.Option(None, "--model", "-m", help="Another candidate (repeat: every quant of a release)."),
+    corpus: str = typer.Option("conversations", "--corpus", "-f", help="Sample conversations: a JSONL file, a folder of them, or the shipped suite 'conversations'."),
+    template_kwargs: Optional[str] = typer.Option(None, "--chat-template-kwargs", help="Extra template variables as JSON, on top of enable_thinking true and false, e.g. '{\"reasoning_effort\": \"low\"}'."),
+    vocab: Optional[str] = typer.Option(None, "--vocab", help="GGUF whose tokenizer compares the renderings (default: the first GGUF given; text if none)."),
+    as_json: bool = Json,
+):
+    """Chat template check: exit 0 if every candidate renders the sample conversations as the reference does, 1 if one differs (first difference shown), 2 on bad input."""
+    result, text, passed = api.template_report(templates[0], templates[1:] + (model or []), corpus, template_kwargs,
+                                               vocab)
+    _emit(result, text, as_json)
+    raise typer.Exit(0 if passed else 1)
+
+
 def main(argv: list[str] | None = None) -> None:
     """The `qeval` command; `argv` (default sys.argv[1:]) lets tests run it in-process."""
     api.fixed_mmap_threshold()  # flat peak RSS over long runs (see qeval.capture.engine)

@@ -293,6 +293,14 @@ def models():
     return demo.prepare_models(demo.models_dir())
 
 
+@pytest.fixture(scope="session")
+def gemma_tokenizer(models):
+    """Gemma-3's real tokenizer as GGUF metadata, for the tiny models of tests/tinymodels.py."""
+    import tinymodels  # noqa: PLC0415
+
+    return tinymodels.read_tokenizer(models["Q8_0"])
+
+
 # Fixtures that load a real model (or build one, or start Ray): a test using any of them is `slow`.
 SLOW_FIXTURES = {"models", "tiny", "references", "refused", "gemma_tokenizer"}
 

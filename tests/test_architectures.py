@@ -35,11 +35,6 @@ QUANTS = {"qwen35moe": ("Q8_0", "Q4_0"), "mamba": ("Q8_0",)}
 
 
 @pytest.fixture(scope="session")
-def gemma_tokenizer():
-    return tinymodels.read_tokenizer(demo.prepare_models(demo.models_dir())["Q8_0"])
-
-
-@pytest.fixture(scope="session")
 def tiny(tmp_path_factory, gemma_tokenizer) -> dict[str, dict[str, Path]]:
     """arch -> quant -> model, each quantized from an F16 build by llama.cpp's quantizer."""
     directory = tmp_path_factory.mktemp("tinymodels")

@@ -33,7 +33,7 @@ def test_shipped_baselines_load():
 
 
 @pytest.mark.slow
-def test_baselines_ship_in_a_wheel_install(tmp_path):
+def test_baselines_and_conversations_ship_in_a_wheel_install(tmp_path):
     """`pip install .` (not editable) copies the package out of the checkout: the baselines go with it."""
     import os
     import subprocess
@@ -52,6 +52,12 @@ def test_baselines_ship_in_a_wheel_install(tmp_path):
                            capture_output=True, text=True)
     assert shown.returncode == 0, shown.stderr
     assert all(path.stem in shown.stdout for path in FILES)
+    # the shipped conversation suite and its template are package data too
+    checked = subprocess.run([sys.executable, "-m", "qeval", "template", "conversations/gemma3-tokenizer_config.json",
+                              "conversations/gemma3-chat-template.jinja"], cwd=target / "qeval" / "corpora", env=env,
+                             capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr
+    assert "renderings of conversations" in checked.stdout
 
 
 def _measured_by_qeval(entry) -> bool:

@@ -227,6 +227,7 @@ class LlamaModel:
         self.n_vocab = self._lc.llama_vocab_n_tokens(self.vocab)
         self.add_bos = bool(self._lc.llama_vocab_get_add_bos(self.vocab))
         self.bos = int(self._lc.llama_vocab_bos(self.vocab))
+        self.eos = int(self._lc.llama_vocab_eos(self.vocab))
         if shape is not None:
             self._open_context(shape)
 
@@ -279,17 +280,27 @@ class LlamaModel:
         return self.settings.n_threads or available_cores()
 
     # -- vocab -----------------------------------------------------------------------------------
-    def tokenize(self, text: str) -> np.ndarray:
-        """common_tokenize(ctx, text, add_special=true, parse_special=false): BOS at the start only."""
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> np.ndarray:
+        """common_tokenize(ctx, text, add_special, parse_special). Plain text (the default): BOS at the start
+        only, special-token text as text; a rendered chat parses its special tokens (<start_of_turn>, ...)."""
         lc, data = self._lc, text.encode("utf-8")
         cap = len(data) + 16
         for _ in range(2):  # a negative result is the size the tokens need: retry once with it
             buf = (lc.llama_token * cap)()
-            n = lc.llama_tokenize(self.vocab, data, len(data), buf, cap, True, False)
+            n = lc.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
             if n >= 0:
                 return np.ctypeslib.as_array(buf)[:n].astype(np.int32)
             cap = -n
         raise QevalError("tokenization failed")
+
+    def token_text(self, token: int) -> str:
+        """A token's piece as the vocabulary spells it (special tokens too: "<bos>")."""
+        return (self._lc.llama_vocab_get_text(self.vocab, token) or b"").decode("utf-8", errors="replace")
+
+    def chat_template(self) -> str | None:
+        """The GGUF's tokenizer.chat_template, None when it carries none."""
+        text = self._lc.llama_model_chat_template(self.model, None)
+        return text.decode("utf-8", errors="replace") if text else None
 
     def tokenizer_fingerprint(self) -> str:
         """sha256 over every token piece and the BOS setting: equal only for equal tokenizers."""

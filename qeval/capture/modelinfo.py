@@ -60,6 +60,18 @@ def content_fingerprint(path: Path) -> str:
     return h.hexdigest()
 
 
+def is_model_file(spec: str | os.PathLike) -> bool:
+    """Whether `spec` names a GGUF model (its suffix, or its magic bytes) rather than a store or a text file."""
+    path = Path(spec)
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 def model_facts(path: str | os.PathLike) -> dict:
     """Facts about GGUF model `path`; QevalError if it is no language model qeval can run."""
     facts = _cached_facts(Path(path))

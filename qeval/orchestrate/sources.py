@@ -10,6 +10,7 @@ from pathlib import Path
 
 from qeval.capture.capture import open_live
 from qeval.capture.engine import EngineSettings, available_cores
+from qeval.capture.modelinfo import is_model_file
 from qeval.compare import metrics, sampler
 from qeval.errors import QevalError
 from qeval.present.progress import progress_bar
@@ -19,18 +20,6 @@ from qeval.storage import runs
 def open_source(spec: str, runs_dir: str | os.PathLike | None = None):
     """A store, label or llama.cpp base file, opened for reading."""
     return runs.open_source(spec, runs.runs_dir(runs_dir))
-
-
-def is_model_file(spec: str) -> bool:
-    """Whether `spec` names a GGUF model (to run live) rather than a store."""
-    path = Path(spec)
-    if path.suffix.lower() == ".gguf":
-        return True
-    try:
-        with open(path, "rb") as fh:
-            return fh.read(4) == b"GGUF"
-    except OSError:
-        return False
 
 
 def compare(ref: str, cand: str, chunks: int | None = None, runs_dir=None, threads: int | None = None,
