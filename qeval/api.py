@@ -13,6 +13,7 @@ from pathlib import Path
 
 from qeval.capture.capture import CaptureSpec, capture
 from qeval.capture.engine import EngineSettings, fixed_mmap_threshold  # noqa: F401 - re-exported for the CLI
+from qeval.capture.hub import resolve_model
 from qeval.capture.taskscore import TaskSettings  # noqa: F401 - re-exported for the CLI
 from qeval.compare import depth, metrics
 from qeval.compare.summary import Side, summarize
@@ -93,16 +94,17 @@ def capture_store(model: str, label: str, runs_dir=None, out: str | None = None,
                   chunk_range: tuple[int, int] | None = None,
                   progress: bool = False, on_chunk=None, force: bool = False, scoring: str = "half",
                   concat: bool = False) -> tuple[dict, str]:
-    """Capture `model` into a store, resume an interrupted capture, or reuse one that holds it already.
-    A store there that holds another capture is refused (naming what differs), or replaced with `force`."""
+    """Capture `model` (a GGUF path or an hf: spec) into a store, resume an interrupted capture, or reuse one that
+    holds it already. A store there that holds another capture is refused (naming what differs), or replaced with
+    `force`."""
     directory = runs.runs_dir(runs_dir)
     runs.check_label(label)
     if out is None:
         directory.mkdir(parents=True, exist_ok=True)
         out = str(runs.store_path(label, directory))
-    spec = CaptureSpec(model=model, out=out, label=label, corpus=corpus, n_ctx=n_ctx, chunks=chunks,
-                       chunk_range=chunk_range, settings=settings, replace=force, scoring=Scoring.parse(scoring).rule,
-                       concat=concat)
+    spec = CaptureSpec(model=resolve_model(model), out=out, label=label, corpus=corpus, n_ctx=n_ctx,
+                       chunks=chunks, chunk_range=chunk_range, settings=settings, replace=force,
+                       scoring=Scoring.parse(scoring).rule, concat=concat)
     with contextlib.ExitStack() as stack:
         bar = PlannedProgress(stack, f"capturing {label}", progress, on_chunk)
         result = capture(spec, on_chunk=bar.advance, on_plan=bar.on_plan)
@@ -155,9 +157,10 @@ def task_capture_report(model: str, task: str, kind: str | None = None, limit: i
                         force: bool = False, progress: bool = False, hf_loader=None) -> tuple[dict, str]:
     """Score every choice of a task set (HellaSwag, Winogrande, multiple-choice file or hf: dataset) with a GGUF
     model as llama-perplexity does, into RUNS_DIR/tasks/<task>/<label>.tasks.jsonl; resumes, reuses, or refuses
-    a store of another capture (`force` replaces it)."""
+    a store of another capture (`force` replaces it). model: a GGUF path or an hf: spec."""
     from qeval.orchestrate import tasks  # noqa: PLC0415
 
+    model = resolve_model(model)
     with contextlib.ExitStack() as stack:
         bar = PlannedProgress(stack, f"scoring tasks ({label or Path(model).stem})", progress)
         return tasks.capture_tasks(model, task, kind=kind, limit=limit, label=label, runs_dir=runs_dir, out=out,
@@ -255,4 +258,6 @@ def template_report(reference: str, candidates: list[str], corpus: str = "conver
     from qeval.capture.chat import parse_template_kwargs  # noqa: PLC0415
     from qeval.orchestrate import templates  # noqa: PLC0415
 
+    reference, *candidates = (resolve_model(spec) for spec in (reference, *candidates))  # GGUFs as hf: specs too
+    vocab = vocab and resolve_model(vocab)
     return templates.template_report(reference, candidates, corpus, parse_template_kwargs(template_kwargs), vocab)

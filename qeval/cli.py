@@ -54,7 +54,7 @@ def _emit(result: dict, text: str, as_json: bool) -> None:
 @app.command()
 def kld(
     ref: str = typer.Option(..., "--ref", help="Reference: store path, label, or llama.cpp --kl-divergence-base file."),
-    cand: str = typer.Option(..., "--cand", help="Candidate: store path, label, or llama.cpp base file."),
+    cand: str = typer.Option(..., "--cand", help="Candidate: store path, label, llama.cpp base file, or a GGUF run live (path or hf:USER/REPO[:QUANT])."),
     chunks: Optional[int] = Chunks,
     as_json: bool = Json,
     per_token: Optional[Path] = typer.Option(None, "--per-token", help="Write per-token values (.csv, or .npz)."),
@@ -93,7 +93,7 @@ def kld(
 
 @app.command()
 def capture(
-    model: str = typer.Argument(..., help="GGUF model file."),
+    model: str = typer.Argument(..., help="GGUF model file, or hf:USER/REPO[:QUANT] (as llama.cpp's -hf)."),
     label: str = typer.Option(..., "--label", "-l", help="Name of the store in the runs directory, e.g. Q8_0."),
     ctx: int = typer.Option(512, "-c", "--ctx", "--ctx-size", help="Tokens per window (n_ctx)."),
     chunks: Optional[int] = Chunks,
@@ -169,8 +169,8 @@ def import_llamacpp(
 
 @app.command()
 def matrix(
-    ref: str = typer.Option(..., "--ref", help="Reference GGUF (PATH or LABEL=PATH); captured once."),
-    model: list[str] = typer.Option(..., "--model", "-m", help="Candidate GGUF (PATH or LABEL=PATH); repeat."),
+    ref: str = typer.Option(..., "--ref", help="Reference GGUF (MODEL or LABEL=MODEL, MODEL a path or hf:USER/REPO[:QUANT]); captured once."),
+    model: list[str] = typer.Option(..., "--model", "-m", help="Candidate GGUF (MODEL or LABEL=MODEL, as --ref); repeat."),
     kv: str = typer.Option("f16", "--kv", help="Comma-separated KV cache types for every model, e.g. f16,q8_0,q4_0."),
     chunks: Optional[int] = Chunks,
     ctx: int = typer.Option(512, "-c", "--ctx", help="Tokens per window (n_ctx)."),
@@ -353,7 +353,7 @@ TaskName = typer.Option(None, "--task", help="Task set name (its folder in RUNS_
 
 @tasks_app.command("capture")
 def tasks_capture(
-    model: str = typer.Option(..., "--model", "-m", help="GGUF model file."),
+    model: str = typer.Option(..., "--model", "-m", help="GGUF model file, or hf:USER/REPO[:QUANT]."),
     task: str = typer.Option(..., "--task", "-f", help="Task file (HellaSwag text, Winogrande CSV, llama.cpp multiple-choice binary) or hf:DATASET[/CONFIG][:SPLIT]."),
     kind: Optional[str] = typer.Option(None, "--format", help="hellaswag, winogrande or mc (default: .csv is winogrande, a binary file mc, else hellaswag)."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Score N tasks, the ones llama-perplexity's --hellaswag-tasks / --winogrande-tasks / --multiple-choice-tasks N picks (default: all; llama-perplexity's HellaSwag default is 400)."),
@@ -413,7 +413,8 @@ def flips_cmd(
 def template_cmd(
     templates: list[str] = typer.Argument(..., metavar="REFERENCE [CANDIDATE...]", help=(
         "Chat templates: the reference first (the original model's tokenizer_config.json, a .jinja file or a GGUF), "
-        "then those to check against it (GGUFs, .jinja files, tokenizer_config.json).")),
+        "then those to check against it (GGUFs, .jinja files, tokenizer_config.json); a GGUF may be "
+        "hf:USER/REPO[:QUANT].")),
     model: Optional[list[str]] = typer.Option(None, "--model", "-m", help="Another candidate (repeat: every quant of a release)."),
     corpus: str = typer.Option("conversations", "--corpus", "-f", help="Sample conversations: a JSONL file, a folder of them, or the shipped suite 'conversations'."),
     template_kwargs: Optional[str] = typer.Option(None, "--chat-template-kwargs", help="Extra template variables as JSON, on top of enable_thinking true and false, e.g. '{\"reasoning_effort\": \"low\"}'."),

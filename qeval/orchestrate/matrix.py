@@ -18,6 +18,7 @@ from typing import Callable
 from qeval import identity
 from qeval.capture.capture import CaptureSpec, capture, open_live
 from qeval.capture.engine import EngineSettings, available_cores
+from qeval.capture.hub import hub_label, is_hub_spec, resolve_model
 from qeval.capture.modelinfo import model_facts
 from qeval.capture.taskfiles import load_tasks
 from qeval.capture.taskscore import TaskSettings
@@ -39,10 +40,13 @@ RUN_LIVE = "run live"  # run the model against the reference, saving (or resumin
 
 
 def parse_model_arg(arg: str) -> tuple[str, str]:
-    """`PATH` or `LABEL=PATH` -> (label, path); the default label is the file name without .gguf."""
-    label, sep, path = arg.partition("=")
+    """`MODEL` or `LABEL=MODEL` -> (label, local path), MODEL a path or an hf: spec (downloaded now); the default
+    label is the file name without .gguf, or an hf: spec's quant tag."""
+    label, sep, spec = arg.partition("=")
+    spec = spec if sep else arg
+    path = resolve_model(spec)
     if not sep:
-        path, label = arg, Path(arg).name.removesuffix(".gguf")
+        label = hub_label(spec, path) if is_hub_spec(spec) else Path(spec).name.removesuffix(".gguf")
     return runs.check_label(label), path
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from qeval.capture.capture import open_live
 from qeval.capture.engine import EngineSettings, available_cores
+from qeval.capture.hub import resolve_model
 from qeval.capture.modelinfo import is_model_file
 from qeval.compare import metrics, sampler
 from qeval.errors import QevalError
@@ -25,7 +26,8 @@ def open_source(spec: str, runs_dir: str | os.PathLike | None = None):
 def compare(ref: str, cand: str, chunks: int | None = None, runs_dir=None, threads: int | None = None,
             settings: EngineSettings = EngineSettings(), save: str | None = None,
             progress: bool = False, on_chunk=None, force: bool = False, samplers=()) -> metrics.Comparison:
-    """Compare a candidate (store, label, llama.cpp file, or a GGUF model run live) with a reference.
+    """Compare a candidate (store, label, llama.cpp file, or a GGUF model run live: a path or an hf: spec) with
+    a reference.
 
     save: keep a live candidate's store under this label; a store there that holds another capture is
     refused, or replaced with `force`. samplers: presets or settings strings (qeval.compare.sampler, e.g.
@@ -34,6 +36,7 @@ def compare(ref: str, cand: str, chunks: int | None = None, runs_dir=None, threa
     directory = runs.runs_dir(runs_dir)
     with contextlib.ExitStack() as stack:
         ref_src = stack.enter_context(contextlib.closing(runs.open_source(ref, directory)))
+        cand = resolve_model(cand)
         if is_model_file(cand):
             cand_src = _open_live_candidate(stack, cand, ref_src, chunks, settings, save, directory, force, samplers)
         else:

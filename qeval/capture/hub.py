@@ -1,0 +1,227 @@
+"""`hf:USER/REPO[:QUANT]` model specs: a GGUF on the Hugging Face Hub, picked as llama.cpp's `-hf USER/REPO[:QUANT]`
+picks it and downloaded into huggingface_hub's own cache, so its settings are huggingface_hub's: HF_HOME or
+HF_HUB_CACHE (where), HF_ENDPOINT (which server), HF_TOKEN (gated and private repos), HF_HUB_OFFLINE (the cache
+only), HF_HUB_DISABLE_PROGRESS_BARS. qeval sets none of them.
+
+Which file: llama.cpp's rule, from common/download.cpp (ggml-org/llama.cpp; find_best_model,
+gguf_filename_is_model, get_gguf_split_info, get_split_files):
+  - a model file is a `.gguf` whose base name holds none of _NOT_MODEL_MARKERS (vision projectors,
+    importance matrices, speculative-decoding drafts);
+  - QUANT matches a file whose path holds it followed by '.' or '-', case-insensitively (so `Q4_K` never
+    matches `Q4_K_M`); of a split set only the -00001-of-N shard is considered, and every shard is fetched;
+  - QUANT omitted: Q4_K_M, else Q8_0, else the first model file.
+qeval differs where a silent choice would make a measurement of an unknown file:
+  - QUANT must also start a word (the path's start or after '/', '-', '.'), so `Q6_K` never picks `IQ6_K`;
+  - several model files matching is an error that lists them (llama.cpp takes the first listed);
+  - a QUANT that is a model file's whole path in the repo picks that file (what llama.cpp's --hf-file does),
+    the way out of such an ambiguity.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from qeval.errors import QevalError
+
+PREFIX = "hf:"
+_NOT_MODEL_MARKERS = ("mmproj", "imatrix", "mtp-", "eagle3-", "dflash-", "dspark-")
+DEFAULT_TAGS = ("Q4_K_M", "Q8_0")
+_SPLIT = re.compile(r"^(?P<prefix>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
+# a file's own quant tag, as llama.cpp reads it: the last '-' or '.' separated word of its name
+_FILE_TAG = re.compile(r"[-.]([A-Z0-9_]+)$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class HubSpec:
+    repo: str
+    tag: str  # "" when omitted: llama.cpp's default choice
+
+    def __str__(self) -> str:
+        return f"{PREFIX}{self.repo}" + (f":{self.tag}" if self.tag else "")
+
+
+def is_hub_spec(spec: str | object) -> bool:
+    return str(spec).startswith(PREFIX)
+
+
+def resolve_model(spec: str) -> str:
+    """The local path of an `hf:` spec's model (its first shard if split), downloading what the cache lacks;
+    any other spec unchanged. Says on stderr which file the spec picked."""
+    if not is_hub_spec(spec):
+        return spec
+    hub = parse_hub_spec(spec)
+    files, where = _repo_files(hub.repo)
+    shards = pick_model_files(files, hub, where)
+    split = f", {len(shards)} shards" if len(shards) > 1 else ""
+    default = "" if hub.tag else f" (no QUANT: {', else '.join(DEFAULT_TAGS)}, else the first model file, as llama.cpp)"
+    print(f"qeval: {hub} is {hub.repo}/{shards[0]}{split}{default}", file=sys.stderr)
+    paths = [_download(hub.repo, name) for name in shards]
+    return paths[0]  # llama.cpp loads a split model from its first shard
+
+
+def hub_label(spec: str, path: str) -> str:
+    """The default label of an `hf:` spec's model: its QUANT, or (QUANT omitted) the name of the file it
+    picked without .gguf and a split suffix."""
+    hub = parse_hub_spec(spec)
+    return hub.tag or _set_name(Path(path).name)
+
+
+def parse_hub_spec(spec: str) -> HubSpec:
+    repo, _, tag = spec.removeprefix(PREFIX).partition(":")
+    owner, slash, name = repo.partition("/")
+    if not (owner and slash and name) or "/" in name:
+        raise QevalError(f"bad model {spec!r}: expected hf:USER/REPO or hf:USER/REPO:QUANT, "
+                         "e.g. hf:ggml-org/gemma-3-1b-it-GGUF:Q4_K_M")
+    return HubSpec(repo, tag)
+
+
+def pick_model_files(files: list[str], hub: HubSpec, where: str) -> list[str]:
+    """The repo paths of the model `hub` names among `files` (listed in `where`): one file, or every shard
+    of its split set, the first first."""
+    models = sorted(f for f in files if _is_model_file(f))
+    if not models:
+        raise QevalError(f"{where} holds no GGUF model file ({len(files)} files)")
+    if hub.tag:
+        return _split_set(_only_match(models, hub.tag, where), models, where)
+    for tag in DEFAULT_TAGS:
+        if _matches(models, tag):
+            return _split_set(_only_match(models, tag, where), models, where)
+    return _split_set(_first_shards(models)[0], models, where)
+
+
+def _is_model_file(path: str) -> bool:
+    name = PurePosixPath(path).name.lower()
+    return name.endswith(".gguf") and not any(marker in name for marker in _NOT_MODEL_MARKERS)
+
+
+def _first_shards(models: list[str]) -> list[str]:
+    """Whole files and the first shard of each split set: what a tag may pick."""
+    return [m for m in models if (split := _SPLIT.match(m)) is None or int(split["index"]) == 1]
+
+
+def _matches(models: list[str], tag: str) -> list[str]:
+    word = re.compile(rf"(?:^|[/.-]){re.escape(tag)}[.-]", re.IGNORECASE)
+    return [m for m in _first_shards(models) if m.lower() == tag.lower() or word.search(m)]
+
+
+def _only_match(models: list[str], tag: str, where: str) -> str:
+    found = _matches(models, tag)
+    if len(found) > 1:
+        raise QevalError(f"{tag} matches {len(found)} model files in {where}: {', '.join(found)}; "
+                         "give more of the name, or a file's path, as QUANT")
+    if not found:
+        tags = sorted({_file_tag(m) for m in _first_shards(models)})
+        raise QevalError(f"no model file in {where} matches {tag!r}; its quant tags: {', '.join(tags)}")
+    return found[0]
+
+
+def _set_name(path: str) -> str:
+    """A file's path without .gguf and, for a split shard, without -0000i-of-0000N."""
+    split = _SPLIT.match(path)
+    return split["prefix"] if split else re.sub(r"\.gguf$", "", path, flags=re.IGNORECASE)
+
+
+def _file_tag(path: str) -> str:
+    name = PurePosixPath(_set_name(path)).name
+    tag = _FILE_TAG.search(name)
+    return tag[1].upper() if tag else name
+
+
+def _split_set(first: str, models: list[str], where: str) -> list[str]:
+    """`first` alone, or every shard of the split set it opens, in order (llama.cpp loads a split model from
+    its first shard and finds the others beside it)."""
+    split = _SPLIT.match(first)
+    if split is None:
+        return [first]
+    shards = sorted(m for m in models if (s := _SPLIT.match(m)) and s["prefix"] == split["prefix"]
+                    and s["count"] == split["count"])
+    if len(shards) != int(split["count"]):
+        raise QevalError(f"{where} holds {len(shards)} of the {int(split['count'])} shards of {split['prefix']}")
+    return shards
+
+
+def _repo_files(repo: str) -> tuple[list[str], str]:
+    """The repo's file paths, and where they were listed: the Hub, or with HF_HUB_OFFLINE set the files
+    of it already in the cache (as llama.cpp lists its cache offline)."""
+    from huggingface_hub import HfApi, is_offline_mode  # noqa: PLC0415 - slow import, only for hf: specs
+
+    if is_offline_mode():
+        return _cached_files(repo), f"the cached files of {repo} (HF_HUB_OFFLINE is set)"
+    with _hub_errors(repo):
+        return [sibling.rfilename for sibling in HfApi().model_info(repo).siblings or []], repo
+
+
+def _cached_files(repo: str) -> list[str]:
+    """The files of `repo`'s main revision in the hub cache (huggingface_hub's layout: refs/main names the
+    snapshot folder that holds them)."""
+    from huggingface_hub import constants  # noqa: PLC0415
+    from huggingface_hub.file_download import repo_folder_name  # noqa: PLC0415
+
+    folder = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo, repo_type="model")
+    try:
+        snapshot = folder / "snapshots" / (folder / "refs" / "main").read_text().strip()
+    except OSError:
+        raise QevalError(f"HF_HUB_OFFLINE is set and nothing of {repo} is in the cache {constants.HF_HUB_CACHE}: "
+                         "unset HF_HUB_OFFLINE to download it") from None
+    return [p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file()]
+
+
+def _download(repo: str, filename: str) -> str:
+    """huggingface_hub's hf_hub_download: into its cache, resuming a cut connection, with its progress bar;
+    a file already cached is not fetched again."""
+    from huggingface_hub import hf_hub_download  # noqa: PLC0415
+
+    with _hub_errors(repo, filename):
+        return hf_hub_download(repo, filename)
+
+
+@contextlib.contextmanager
+def _hub_errors(repo: str, filename: str | None = None):
+    """huggingface_hub's exceptions as one-line QevalErrors that say what to do."""
+    try:
+        yield
+    except Exception as exc:
+        message = _hub_error_message(exc, repo, filename)
+        if message is None:
+            raise
+        raise QevalError(message) from None
+
+
+def _hub_error_message(exc: Exception, repo: str, filename: str | None) -> str | None:
+    from httpx2 import TransportError  # noqa: PLC0415 - huggingface_hub's HTTP client
+    from huggingface_hub import constants, errors  # noqa: PLC0415
+
+    page = f"{constants.ENDPOINT}/{repo}"
+    if isinstance(exc, errors.GatedRepoError):
+        return f"{page} is gated: accept its terms there, and set HF_TOKEN to a token of that account"
+    if isinstance(exc, errors.RepositoryNotFoundError):
+        return f"no model repository {page} (a private one needs HF_TOKEN set to a token that can read it)"
+    if isinstance(exc, errors.RemoteEntryNotFoundError):
+        return f"{page} has no file {filename}"
+    if isinstance(exc, errors.HfHubHTTPError) and exc.response is not None:
+        status = exc.response.status_code
+        if status in (401, 403):
+            return f"{page} refused access (HTTP {status}): set HF_TOKEN to a token that can read it"
+        return f"the Hub answered HTTP {status} for {page}"
+    if isinstance(exc, errors.HFValidationError):
+        return f"bad repository name {repo!r}: {str(exc).splitlines()[0]}"
+    if isinstance(exc, errors.LocalEntryNotFoundError) and constants.is_offline_mode():
+        return (f"HF_HUB_OFFLINE is set and {filename} of {repo} is not in the cache {constants.HF_HUB_CACHE}: "
+                "unset HF_HUB_OFFLINE to download it")
+    if isinstance(exc, errors.LocalEntryNotFoundError) and isinstance(exc.__cause__, Exception):
+        # hf_hub_download wraps what stopped it (an HTTP error, a lost connection) when the cache lacks the file
+        return _hub_error_message(exc.__cause__, repo, filename) or _unreachable(exc.__cause__)
+    if isinstance(exc, TransportError):
+        return _unreachable(exc)
+    return None
+
+
+def _unreachable(exc: Exception) -> str:
+    from huggingface_hub import constants  # noqa: PLC0415
+
+    return (f"cannot reach the Hub at {constants.ENDPOINT} ({type(exc).__name__}): check the network, "
+            "or set HF_HUB_OFFLINE=1 to use only models already in the cache")

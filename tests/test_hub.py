@@ -1,0 +1,272 @@
+"""hf:USER/REPO[:QUANT] models (qeval.capture.hub), against a local server that answers as the Hugging Face Hub
+does for the calls huggingface_hub makes: the repo listing (GET /api/models/REPO) and file downloads
+(HEAD then GET /REPO/resolve/main/FILE, with a Range request to resume a cut one). Nothing here reaches the
+internet; the real Hub is not tested."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import socket
+from pathlib import Path
+
+import pytest
+from conftest import assert_cli_error, make_pair, run_cli
+from werkzeug import Request, Response
+
+from qeval.capture import hub
+from qeval.errors import QevalError
+from qeval.orchestrate.matrix import parse_model_arg
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+CUT = 1024  # where a cut download ends: whole chunks of huggingface_hub's, as test_a_cut_download_resumes sets them
+
+
+def fake_gguf(name: str) -> bytes:
+    """Bytes that open like a GGUF (its magic) and differ per file; no model has to run from them."""
+    return b"GGUF" + hashlib.sha256(name.encode()).digest() * 64
+
+
+def repo_of(*names: str) -> dict[str, bytes]:
+    return {name: fake_gguf(name) for name in names}
+
+
+# a release as llama.cpp users meet them: quants, a split set in a folder of its own, a vision projector and
+# an importance matrix whose names also carry a tag (picking either would be an ambiguity error here)
+RELEASE = repo_of("README.md", "model-Q4_K_M.gguf", "model-Q4_K.gguf", "model-IQ4_XS.gguf", "model-F16.gguf",
+                  "Q8_0/model-Q8_0-00001-of-00002.gguf", "Q8_0/model-Q8_0-00002-of-00002.gguf",
+                  "mmproj-model-Q8_0.gguf", "model-Q8_0.imatrix.gguf", "model.imatrix")
+
+
+class FakeHub:
+    """Repos (path -> bytes) served as the Hub serves them; every GET of a file is logged with its Range."""
+
+    def __init__(self, server):
+        self.repos: dict[str, dict[str, bytes]] = {}
+        self.gated: dict[str, int] = {}  # repo -> the status its downloads answer (401 or 403)
+        self.cut: set[str] = set()  # files whose first GET ends after CUT bytes
+        self.gets: list[tuple[str, str | None]] = []
+        server.expect_request(re.compile(r"^/api/models/"), method="GET").respond_with_handler(self._listing)
+        server.expect_request(re.compile(r"^/.+/resolve/main/")).respond_with_handler(self._file)
+
+    def _listing(self, request: Request) -> Response:
+        repo = request.path.removeprefix("/api/models/")
+        if repo not in self.repos:
+            return hub_error(404, "RepoNotFound")
+        body = {"id": repo, "sha": COMMIT, "siblings": [{"rfilename": name} for name in self.repos[repo]]}
+        return Response(json.dumps(body), content_type="application/json")
+
+    def _file(self, request: Request) -> Response:
+        repo, _, name = request.path.removeprefix("/").partition("/resolve/main/")
+        if repo in self.gated:
+            return hub_error(self.gated[repo], "GatedRepo")
+        if repo not in self.repos:
+            return hub_error(404, "RepoNotFound")
+        if name not in self.repos[repo]:
+            return hub_error(404, "EntryNotFound")
+        data = self.repos[repo][name]
+        headers = {"X-Repo-Commit": COMMIT, "ETag": f'"{hashlib.sha256(data).hexdigest()}"', "Accept-Ranges": "bytes"}
+        if request.method == "HEAD":
+            return Response(data, headers=headers)  # werkzeug sends the headers of `data` without the body
+        wanted = request.headers.get("Range")
+        self.gets.append((name, wanted))
+        if wanted:
+            start = int(re.fullmatch(r"bytes=(\d+)-", wanted)[1])
+            span = f"bytes {start}-{len(data) - 1}/{len(data)}"
+            return Response(data[start:], 206, {**headers, "Content-Range": span})
+        if name in self.cut:
+            self.cut.discard(name)
+            # the full length announced, CUT bytes sent, the connection closed: a connection cut mid-download
+            return Response([data[:CUT]], headers={**headers, "Content-Length": str(len(data)),
+                                                               "Connection": "close"})
+        return Response(data, headers=headers)
+
+
+def hub_error(status: int, code: str) -> Response:
+    return Response(json.dumps({"error": code}), status, {"X-Error-Code": code, "X-Error-Message": code},
+                    content_type="application/json")
+
+
+@pytest.fixture
+def fake_hub(httpserver, tmp_path, monkeypatch):
+    """huggingface_hub pointed at the local server, its cache in tmp_path. It reads HF_ENDPOINT, HF_HUB_CACHE and
+    HF_HUB_OFFLINE when it is imported, so they are set where it keeps them."""
+    from huggingface_hub import constants
+
+    endpoint(monkeypatch, httpserver.url_for("").rstrip("/"))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    fake = FakeHub(httpserver)
+    fake.repos["org/release"] = RELEASE
+    return fake
+
+
+def endpoint(monkeypatch, url: str) -> None:
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", url)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")
+
+
+def offline(monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+
+# --- which file: the rule, without a server ------------------------------------------------------------------
+def pick(names, tag: str = "") -> list[str]:
+    return hub.pick_model_files(list(names), hub.HubSpec("org/r", tag), "org/r")
+
+
+def test_a_tag_matches_as_a_whole_word_case_insensitively():
+    assert pick(RELEASE, "Q4_K_M") == ["model-Q4_K_M.gguf"]
+    assert pick(RELEASE, "q4_k_m") == ["model-Q4_K_M.gguf"]
+    assert pick(RELEASE, "Q4_K") == ["model-Q4_K.gguf"]  # not Q4_K_M: a tag ends at '.' or '-'
+    assert pick(RELEASE, "IQ4_XS") == ["model-IQ4_XS.gguf"]
+    with pytest.raises(QevalError, match="no model file in org/r matches 'Q4_XS'"):
+        pick(RELEASE, "Q4_XS")  # it must start a word too: no IQ4_XS
+
+
+def test_a_split_set_is_picked_by_its_first_shard_and_comes_whole():
+    assert pick(RELEASE, "Q8_0") == ["Q8_0/model-Q8_0-00001-of-00002.gguf", "Q8_0/model-Q8_0-00002-of-00002.gguf"]
+    with pytest.raises(QevalError, match="holds 1 of the 2 shards of Q8_0/model-Q8_0"):
+        pick([n for n in RELEASE if not n.endswith("00002-of-00002.gguf")], "Q8_0")
+
+
+def test_projectors_and_importance_matrices_are_never_models():
+    assert pick(["mmproj-model-Q8_0.gguf", "model-Q8_0.imatrix.gguf", "model-Q8_0.gguf"], "Q8_0") == \
+        ["model-Q8_0.gguf"]
+    with pytest.raises(QevalError, match="holds no GGUF model file"):
+        pick(["mmproj-F16.gguf", "imatrix.gguf", "model.imatrix", "README.md"])
+
+
+def test_without_a_tag_llama_cpp_default_q4_k_m_then_q8_0_then_the_first_file():
+    assert pick(RELEASE) == ["model-Q4_K_M.gguf"]
+    assert pick(["b-Q5_K_M.gguf", "b-Q8_0.gguf"]) == ["b-Q8_0.gguf"]
+    assert pick(["b-Q6_K.gguf", "a-Q5_K_M-00002-of-00002.gguf", "a-Q5_K_M-00001-of-00002.gguf"]) == \
+        ["a-Q5_K_M-00001-of-00002.gguf", "a-Q5_K_M-00002-of-00002.gguf"]
+
+
+def test_several_matches_are_listed_and_a_path_picks_one():
+    names = ["model-Q4_K_M.gguf", "model-v2-Q4_K_M.gguf"]
+    with pytest.raises(QevalError, match=r"Q4_K_M matches 2 model files in org/r: model-Q4_K_M.gguf, "
+                                         r"model-v2-Q4_K_M.gguf; give more of the name"):
+        pick(names, "Q4_K_M")
+    with pytest.raises(QevalError, match="Q4_K_M matches 2"):
+        pick(names)  # the default tag too: no silent choice
+    assert pick(names, "v2-Q4_K_M") == ["model-v2-Q4_K_M.gguf"]
+    assert pick(names, "model-Q4_K_M.gguf") == ["model-Q4_K_M.gguf"]
+
+
+def test_no_match_lists_the_quant_tags_there_are():
+    with pytest.raises(QevalError) as err:
+        pick(RELEASE, "Q5_K_M")
+    assert str(err.value) == ("no model file in org/r matches 'Q5_K_M'; its quant tags: "
+                              "F16, IQ4_XS, Q4_K, Q4_K_M, Q8_0")
+
+
+@pytest.mark.parametrize("spec", ["hf:", "hf:org", "hf:/repo", "hf:org/", "hf:a/b/c", "hf:a/b/c:Q8_0"])
+def test_a_malformed_spec_says_what_is_expected(spec):
+    with pytest.raises(QevalError, match="expected hf:USER/REPO or hf:USER/REPO:QUANT"):
+        hub.resolve_model(spec)
+
+
+def test_other_specs_pass_unchanged():
+    assert hub.resolve_model("models/x-Q4_K_M.gguf") == "models/x-Q4_K_M.gguf"
+    assert not hub.is_hub_spec("Q8_0") and hub.is_hub_spec("hf:org/r")
+
+
+# --- download through huggingface_hub, from the local server ------------------------------------------------
+def test_a_tag_downloads_its_file_into_the_hub_cache(fake_hub, tmp_path, capsys):
+    path = Path(hub.resolve_model("hf:org/release:Q4_K_M"))
+    assert path.read_bytes() == RELEASE["model-Q4_K_M.gguf"]
+    assert path.name == "model-Q4_K_M.gguf" and (tmp_path / "hf-cache") in path.parents
+    assert "hf:org/release:Q4_K_M is org/release/model-Q4_K_M.gguf" in capsys.readouterr().err
+    assert fake_hub.gets == [("model-Q4_K_M.gguf", None)]
+
+
+def test_the_default_pick_is_said(fake_hub, capsys):
+    assert Path(hub.resolve_model("hf:org/release")).name == "model-Q4_K_M.gguf"
+    assert "hf:org/release is org/release/model-Q4_K_M.gguf (no QUANT: Q4_K_M, else Q8_0" in capsys.readouterr().err
+
+
+def test_a_split_model_downloads_every_shard_and_returns_the_first(fake_hub):
+    path = Path(hub.resolve_model("hf:org/release:Q8_0"))
+    assert path.name == "model-Q8_0-00001-of-00002.gguf"
+    second = path.with_name("model-Q8_0-00002-of-00002.gguf")  # beside it, where llama.cpp looks
+    assert second.read_bytes() == RELEASE["Q8_0/model-Q8_0-00002-of-00002.gguf"]
+    assert sorted(name for name, _ in fake_hub.gets) == ["Q8_0/model-Q8_0-00001-of-00002.gguf",
+                                                         "Q8_0/model-Q8_0-00002-of-00002.gguf"]
+
+
+def test_a_cut_download_resumes_with_a_range_request(fake_hub, monkeypatch):
+    # huggingface_hub writes what it got chunk by chunk (10 MB ones): smaller chunks so that a cut download of
+    # these small files has some on disk, for the retry to ask only for the rest
+    monkeypatch.setattr("huggingface_hub.constants.DOWNLOAD_CHUNK_SIZE", 256)
+    fake_hub.cut.add("model-F16.gguf")
+    path = Path(hub.resolve_model("hf:org/release:F16"))
+    assert path.read_bytes() == RELEASE["model-F16.gguf"]
+    assert fake_hub.gets == [("model-F16.gguf", None), ("model-F16.gguf", f"bytes={CUT}-")]
+
+
+def test_offline_a_cached_model_is_found_without_a_request(fake_hub, httpserver, monkeypatch):
+    downloaded = hub.resolve_model("hf:org/release:Q8_0")
+    requests = len(httpserver.log)
+    offline(monkeypatch)
+    assert hub.resolve_model("hf:org/release:Q8_0") == downloaded
+    assert len(httpserver.log) == requests
+
+
+def test_offline_a_model_not_cached_is_an_error(fake_hub, monkeypatch):
+    offline(monkeypatch)
+    with pytest.raises(QevalError, match="HF_HUB_OFFLINE is set and nothing of org/release is in the cache"):
+        hub.resolve_model("hf:org/release:Q4_K_M")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    hub.resolve_model("hf:org/release:Q4_K_M")
+    offline(monkeypatch)
+    with pytest.raises(QevalError, match=r"no model file in the cached files of org/release \(HF_HUB_OFFLINE is "
+                                         r"set\) matches 'Q8_0'; its quant tags: Q4_K_M"):
+        hub.resolve_model("hf:org/release:Q8_0")
+
+
+def test_a_missing_repo(fake_hub):
+    with pytest.raises(QevalError, match=r"^no model repository http://\S+/org/nothing \(a private one needs HF_TOKEN"):
+        hub.resolve_model("hf:org/nothing:Q4_K_M")
+
+
+@pytest.mark.parametrize("status", [401, 403])
+def test_a_gated_repo_says_accept_the_terms_and_set_hf_token(fake_hub, status):
+    fake_hub.repos["org/gated"] = repo_of("g-Q4_K_M.gguf")
+    fake_hub.gated["org/gated"] = status
+    with pytest.raises(QevalError, match=r"/org/gated is gated: accept its terms there, and set HF_TOKEN"):
+        hub.resolve_model("hf:org/gated:Q4_K_M")
+
+
+def test_no_network_says_hf_hub_offline_uses_the_cache(fake_hub, monkeypatch):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed once the with ends: nothing listens there
+    endpoint(monkeypatch, f"http://127.0.0.1:{port}")
+    with pytest.raises(QevalError, match=r"cannot reach the Hub at http://127.0.0.1:\d+ \(ConnectError\).*"
+                                         r"set HF_HUB_OFFLINE=1 to use only models already in the cache"):
+        hub.resolve_model("hf:org/release:Q4_K_M")
+
+
+# --- where a model enters -----------------------------------------------------------------------------------
+def test_matrix_model_arguments_take_hf_specs(fake_hub):
+    label, path = parse_model_arg("hf:org/release:Q4_K_M")
+    assert label == "Q4_K_M" and Path(path).name == "model-Q4_K_M.gguf"
+    assert parse_model_arg("mine=hf:org/release:Q4_K_M") == ("mine", path)
+    fake_hub.repos["org/plain"] = repo_of("plain-Q5_K_M-00001-of-00002.gguf", "plain-Q5_K_M-00002-of-00002.gguf")
+    assert parse_model_arg("hf:org/plain")[0] == "plain-Q5_K_M"
+
+
+def test_kld_with_an_hf_candidate_that_is_no_model_is_one_error_line(fake_hub, tmp_path):
+    pair = make_pair(tmp_path / "runs")
+    res = run_cli("kld", "--ref", pair.ref.path, "--cand", "hf:org/release:Q4_K_M", "--runs-dir", pair.directory)
+    assert res.returncode == 2
+    assert_cli_error(res, "model-Q4_K_M.gguf")
+    assert res.stderr.count("qeval: error:") == 1
