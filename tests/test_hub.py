@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -44,7 +47,7 @@ class FakeHub:
 
     def __init__(self, server):
         self.repos: dict[str, dict[str, bytes]] = {}
-        self.gated: dict[str, int] = {}  # repo -> the status its downloads answer (401 or 403)
+        self.refused: dict[str, tuple[int, str | None]] = {}  # repo -> status and X-Error-Code of its downloads
         self.cut: set[str] = set()  # files whose first GET ends after CUT bytes
         self.gets: list[tuple[str, str | None]] = []
         server.expect_request(re.compile(r"^/api/models/"), method="GET").respond_with_handler(self._listing)
@@ -59,8 +62,8 @@ class FakeHub:
 
     def _file(self, request: Request) -> Response:
         repo, _, name = request.path.removeprefix("/").partition("/resolve/main/")
-        if repo in self.gated:
-            return hub_error(self.gated[repo], "GatedRepo")
+        if repo in self.refused:
+            return hub_error(*self.refused[repo])
         if repo not in self.repos:
             return hub_error(404, "RepoNotFound")
         if name not in self.repos[repo]:
@@ -83,9 +86,9 @@ class FakeHub:
         return Response(data, headers=headers)
 
 
-def hub_error(status: int, code: str) -> Response:
-    return Response(json.dumps({"error": code}), status, {"X-Error-Code": code, "X-Error-Message": code},
-                    content_type="application/json")
+def hub_error(status: int, code: str | None) -> Response:
+    headers = {"X-Error-Code": code, "X-Error-Message": code} if code else {}
+    return Response(json.dumps({"error": code or "refused"}), status, headers, content_type="application/json")
 
 
 @pytest.fixture
@@ -240,9 +243,16 @@ def test_a_missing_repo(fake_hub):
 @pytest.mark.parametrize("status", [401, 403])
 def test_a_gated_repo_says_accept_the_terms_and_set_hf_token(fake_hub, status):
     fake_hub.repos["org/gated"] = repo_of("g-Q4_K_M.gguf")
-    fake_hub.gated["org/gated"] = status
+    fake_hub.refused["org/gated"] = (status, "GatedRepo")
     with pytest.raises(QevalError, match=r"/org/gated is gated: accept its terms there, and set HF_TOKEN"):
         hub.resolve_model("hf:org/gated:Q4_K_M")
+
+
+def test_a_download_refused_otherwise_says_set_hf_token(fake_hub):
+    fake_hub.repos["org/private"] = repo_of("p-Q4_K_M.gguf")
+    fake_hub.refused["org/private"] = (403, None)
+    with pytest.raises(QevalError, match=r"/org/private refused access \(HTTP 403\): set HF_TOKEN"):
+        hub.resolve_model("hf:org/private:Q4_K_M")
 
 
 def test_no_network_says_hf_hub_offline_uses_the_cache(fake_hub, monkeypatch):
@@ -262,6 +272,21 @@ def test_matrix_model_arguments_take_hf_specs(fake_hub):
     assert parse_model_arg("mine=hf:org/release:Q4_K_M") == ("mine", path)
     fake_hub.repos["org/plain"] = repo_of("plain-Q5_K_M-00001-of-00002.gguf", "plain-Q5_K_M-00002-of-00002.gguf")
     assert parse_model_arg("hf:org/plain")[0] == "plain-Q5_K_M"
+    assert parse_model_arg("hf:org/release:Q8_0/model-Q8_0-00001-of-00002.gguf")[0] == "model-Q8_0"
+
+
+def test_the_hub_settings_are_read_from_the_environment(fake_hub, httpserver, tmp_path):
+    """A fresh process given HF_ENDPOINT and HF_HUB_CACHE downloads from there into there; then given
+    HF_HUB_OFFLINE=1 too, it finds the file in that cache without a request: qeval overrides none of them."""
+    env = {**os.environ, "HF_ENDPOINT": httpserver.url_for("").rstrip("/"),
+           "HF_HUB_CACHE": str(tmp_path / "env-cache"), "PYTHONPATH": str(Path(hub.__file__).parents[2])}
+    resolve = [sys.executable, "-c", "from qeval.capture.hub import resolve_model as r; print(r('hf:org/release:F16'))"]
+    path = subprocess.run(resolve, env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert Path(path).read_bytes() == RELEASE["model-F16.gguf"] and (tmp_path / "env-cache") in Path(path).parents
+    requests = len(httpserver.log)
+    offline_run = subprocess.run(resolve, env={**env, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
+                                 check=True)
+    assert offline_run.stdout.strip() == path and len(httpserver.log) == requests
 
 
 def test_kld_with_an_hf_candidate_that_is_no_model_is_one_error_line(fake_hub, tmp_path):

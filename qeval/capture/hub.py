@@ -3,7 +3,7 @@ picks it and downloaded into huggingface_hub's own cache, so its settings are hu
 HF_HUB_CACHE (where), HF_ENDPOINT (which server), HF_TOKEN (gated and private repos), HF_HUB_OFFLINE (the cache
 only), HF_HUB_DISABLE_PROGRESS_BARS. qeval sets none of them.
 
-Which file: llama.cpp's rule, from common/download.cpp (ggml-org/llama.cpp; find_best_model,
+Which file: llama.cpp's rule, from common/download.cpp (ggml-org/llama.cpp at commit 0216dab; find_best_model,
 gguf_filename_is_model, get_gguf_split_info, get_split_files):
   - a model file is a `.gguf` whose base name holds none of _NOT_MODEL_MARKERS (vision projectors,
     importance matrices, speculative-decoding drafts);
@@ -44,7 +44,7 @@ class HubSpec:
         return f"{PREFIX}{self.repo}" + (f":{self.tag}" if self.tag else "")
 
 
-def is_hub_spec(spec: str | object) -> bool:
+def is_hub_spec(spec: str | Path) -> bool:
     return str(spec).startswith(PREFIX)
 
 
@@ -64,10 +64,10 @@ def resolve_model(spec: str) -> str:
 
 
 def hub_label(spec: str, path: str) -> str:
-    """The default label of an `hf:` spec's model: its QUANT, or (QUANT omitted) the name of the file it
-    picked without .gguf and a split suffix."""
-    hub = parse_hub_spec(spec)
-    return hub.tag or _set_name(Path(path).name)
+    """The default label of an `hf:` spec's model: its QUANT, or (QUANT omitted, or a file's path) the file's
+    name without .gguf and a split suffix."""
+    named = parse_hub_spec(spec).tag or Path(path).name
+    return _set_name(PurePosixPath(named).name)
 
 
 def parse_hub_spec(spec: str) -> HubSpec:
