@@ -23,7 +23,9 @@ from conftest import REPO, assert_cli_error, make_tokens, perturb, run_cli, synt
 from qeval import api
 from qeval.compare import metric_registry
 from qeval.errors import QevalError
+from qeval.compare.metric_registry import MetricValue
 from qeval.present import leaderboard, plots
+from qeval.present.board import BoardRow
 from qeval.storage.scoring import half_span
 
 N_CHUNKS, N_CTX, N_VOCAB = 6, 64, 512
@@ -37,9 +39,12 @@ FILES = ("leaderboard.md", "leaderboard.csv", "leaderboard.json", "leaderboard.h
          *(f"{name}.{ext}" for name in plots.PLOTS for ext in ("png", "svg")))
 
 
+KV_GEOMETRY = {"attention_layers": 2, "k_values_per_token": 1024, "v_values_per_token": 512}
+
+
 def _model(file_name: str, quant: str, size: float, bpw: float) -> dict:
     return {"file_name": file_name, "quant": quant, "size_gib": size, "bits_per_weight": bpw,
-            "fingerprint": (quant.lower().encode().hex() * 64)[:64]}
+            "fingerprint": (quant.lower().encode().hex() * 64)[:64], "kv_cache": KV_GEOMETRY}
 
 
 def build_results(runs: Path, candidates=CANDIDATES, seed: int = 0, ref_label: str = "REF",
@@ -222,9 +227,32 @@ def test_pareto_front_on_hand_made_points():
     assert leaderboard.pareto_front([1.0, float("nan")], [0.1, 0.01]) == [True, False]
 
 
-def test_pareto_front_of_the_synthetic_board(board):
-    assert board.pareto == ["Q2_K", "Q4_0", "Q8_0"]  # the KV q8_0 variant is as big as Q4_0 but worse
-    assert {r.label: r.pareto for r in board.rows}["Q4_0+kv-q8_0"] is False
+def test_pareto_fronts_of_the_synthetic_board(board):
+    """Weight quants on file size; the KV-cache quant alone on its own front, by memory at the context."""
+    assert board.pareto == ["Q2_K", "Q4_0", "Q8_0", "Q4_0+kv-q8_0"]
+    rows = {r.label: r for r in board.rows}
+    kv_bytes = N_CTX * (1024 + 512) * 34 / 32  # q8_0 keeps 32 values in 34 bytes
+    assert rows["Q4_0+kv-q8_0"].memory_gib == round(0.60 + kv_bytes / 2**30, 4)
+    assert rows["Q4_0"].memory_gib == round(0.60 + N_CTX * (1024 + 512) * 2 / 2**30, 4)
+    assert [r.kv_quant for r in board.rows].count(True) == 1
+    assert "✓ KV" in board.markdown()
+
+
+def _row(label: str, size: float, memory: float, kld: float, kv_quant: bool) -> BoardRow:
+    return BoardRow(label, "?", "?", None, None, None, size, None, {"kld_mean": MetricValue(kld, 0.0)}, {}, None,
+                    kv_quant=kv_quant, memory_gib=memory)
+
+
+def test_kv_cache_quants_never_compete_on_file_size():
+    """A KV-cache quant of a big file with a low KLD would push the big file's weight quants off a single
+    size front (the demo board once marked 'Q8_0 + KV q8_0' Pareto at the Q8_0 file's size)."""
+    rows = [_row("Q8_0", 1.0, 1.5, 0.10, False), _row("Q4_0", 0.6, 1.1, 0.30, False),
+            _row("Q8_0+kv-q8_0", 1.0, 1.25, 0.09, True), _row("Q8_0+kv-q4_0", 1.0, 1.12, 0.40, True),
+            _row("Q4_0+kv-q8_0", 0.6, 0.85, 0.35, True), _row("Q4_0+kv-q4_0", 0.6, 0.9, 0.50, True)]
+    leaderboard.mark_pareto_fronts(rows)
+    assert {r.label: r.pareto for r in rows} == {"Q8_0": True, "Q4_0": True, "Q8_0+kv-q8_0": True,
+                                                  "Q8_0+kv-q4_0": False, "Q4_0+kv-q8_0": True,
+                                                  "Q4_0+kv-q4_0": False}
 
 
 def test_same_file_twice_counts_once_but_a_second_result_for_a_label_is_refused(runs, tmp_path):

@@ -21,7 +21,7 @@ from qeval.errors import QevalError
 
 FINGERPRINT_BLOCKS = 64
 FINGERPRINT_BLOCK_BYTES = 1 << 20
-FACTS_VERSION = 2  # part of the cache key: bump it when _read_facts changes what it returns
+FACTS_VERSION = 3  # part of the cache key: bump it when _read_facts changes what it returns
 
 # Why a GGUF cannot be evaluated, one sentence each ({name}: the file, {arch}: its architecture).
 REFUSALS = {
@@ -179,4 +179,43 @@ def _read_facts(path: Path) -> dict:
         "context_length": field(f"{arch}.context_length"),
         "gguf_type": field("general.type") or "model",
         "causal_attention": field(f"{arch}.attention.causal") is not False,
+        "kv_cache": kv_geometry(field, arch),
     }
+
+
+def kv_geometry(field, arch: str) -> dict | None:
+    """Values the KV cache holds per token of context, K and V apart (their cache types may differ), over the
+    layers that have one: a per-layer head_count_kv of 0, or a recurrent layer of a hybrid (llama.cpp's
+    full_attention_interval: every Nth layer attends), holds none. None for a model without attention layers.
+    Sliding-window layers count as full: beyond their window this is an upper bound."""
+    n_layer, heads_kv = field(f"{arch}.block_count"), field(f"{arch}.attention.head_count_kv")
+    heads, n_embd = field(f"{arch}.attention.head_count"), field(f"{arch}.embedding_length")
+    if not n_layer or not heads_kv or not heads:
+        return None
+    per_layer = list(heads_kv) if isinstance(heads_kv, list) else [heads_kv] * n_layer
+    interval = field(f"{arch}.full_attention_interval")
+    if interval:
+        per_layer = [h if (i + 1) % interval == 0 else 0 for i, h in enumerate(per_layer)]
+    n_head = max(heads) if isinstance(heads, list) else heads
+    k_len = field(f"{arch}.attention.key_length") or n_embd // n_head
+    v_len = field(f"{arch}.attention.value_length") or n_embd // n_head
+    if not sum(per_layer):
+        return None
+    return {"attention_layers": sum(1 for h in per_layer if h), "k_values_per_token": int(sum(per_layer) * k_len),
+            "v_values_per_token": int(sum(per_layer) * v_len)}
+
+
+# Bytes per cached value of each KV cache type (ggml's block sizes: q8_0 is 34 bytes per 32 values, ...).
+KV_BYTES_PER_VALUE = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
+                      "q5_0": 22 / 32, "q5_1": 24 / 32, "iq4_nl": 18 / 32}
+
+
+def kv_cache_gib(facts: dict, type_k: str | None, type_v: str | None, n_ctx: int) -> float | None:
+    """The KV cache's size at n_ctx tokens of context for these cache types (kv_geometry), None when the facts
+    or types do not tell."""
+    geometry = facts.get("kv_cache") if facts else None
+    if geometry is None or type_k not in KV_BYTES_PER_VALUE or type_v not in KV_BYTES_PER_VALUE:
+        return None
+    per_token = (geometry["k_values_per_token"] * KV_BYTES_PER_VALUE[type_k]
+                 + geometry["v_values_per_token"] * KV_BYTES_PER_VALUE[type_v])
+    return per_token * n_ctx / 2**30

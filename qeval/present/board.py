@@ -13,6 +13,7 @@ from pathlib import Path
 
 from qeval.compare import metric_registry, sampler
 from qeval.compare.metric_registry import Metric, MetricValue, plus_minus, sampler_metrics
+from qeval.capture.modelinfo import kv_cache_gib
 from qeval.compare.summary import ComparisonSummary, DepthBand
 from qeval.present import task_flips
 from qeval.present.task_flips import FlipFigures
@@ -68,8 +69,10 @@ class BoardRow:
     samplers: dict[str, dict[str, MetricValue | None]]  # sampler name -> its board metrics by key
     deepest: DepthBand | None  # the band of the deepest scored positions
     task_flips: dict[str, FlipFigures] = field(default_factory=dict)  # task set -> its flips
+    kv_quant: bool = False  # its KV cache types differ from the reference's: a KV-cache candidate
+    memory_gib: float | None = None  # its file plus its KV cache at the comparison's n_ctx
     rank: int | None = None
-    pareto: bool | None = None  # on the size/KLD Pareto front
+    pareto: bool | None = None  # on its Pareto front: weight quants by file size, KV-cache quants by memory_gib
     result: str | None = None  # the result file it was read from
 
     def value(self, key: str) -> float | None:
@@ -92,7 +95,8 @@ class BoardRow:
         """The row as written: one entry per column, a metric's SE under `<key>_se`, a task set's figures under
         `<figure>@<task set>`."""
         out = {"label": self.label, "quant": self.quant, "kv": self.kv, "model_file": self.model_file,
-               "type_k": self.type_k, "type_v": self.type_v, "size_gib": self.size_gib, "bpw": self.bpw}
+               "type_k": self.type_k, "type_v": self.type_v, "size_gib": self.size_gib, "bpw": self.bpw,
+               "memory_gib": self.memory_gib}
         for m, mv in self.board_values():
             out[m.key] = None if mv is None else mv.value
             if m.has_se:
@@ -111,10 +115,15 @@ def board_row(summary: ComparisonSummary, samplers=(), flips: dict[str, FlipFigu
     cand = summary.candidate
     model, kv = cand.facts, cand.kv_types
     held = summary.measured()
-    return BoardRow(cand.label, model.get("quant", "?"), cand.kv_text(), model.get("file_name"), kv.get("type_k"),
-                    kv.get("type_v"), model.get("size_gib"), model.get("bits_per_weight"),
-                    {m.key: held.get(m.key) for m in metric_registry.board()},
-                    {name: _sampler_figures(summary, held, name) for name in samplers}, summary.deepest, flips or {})
+    size = model.get("size_gib")
+    types = (kv.get("type_k"), kv.get("type_v"))
+    kv_gib = kv_cache_gib(model, *types, summary.reference.n_ctx or 0)
+    ref_kv = summary.reference.kv_types
+    return BoardRow(cand.label, model.get("quant", "?"), cand.kv_text(), model.get("file_name"), *types, size,
+                    model.get("bits_per_weight"), {m.key: held.get(m.key) for m in metric_registry.board()},
+                    {name: _sampler_figures(summary, held, name) for name in samplers}, summary.deepest, flips or {},
+                    kv_quant=types != (ref_kv.get("type_k"), ref_kv.get("type_v")),
+                    memory_gib=None if size is None or kv_gib is None else round(size + kv_gib, 4))
 
 
 def _sampler_figures(summary: ComparisonSummary, held: dict[str, MetricValue], name: str) -> dict:
@@ -163,7 +172,7 @@ def leaderboard_markdown(rows: list[BoardRow], samplers=(), tasks=(), pareto: bo
     for r in sorted(rows, key=rank_key):
         cells = [_md_escape(c) for c in leaderboard_cells(r, tasks)]
         if pareto:
-            cells.append("✓" if r.pareto else "")
+            cells.append(("✓ KV" if r.kv_quant else "✓") if r.pareto else "")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -210,4 +219,11 @@ def _note(m: Metric) -> str:
 def notes(samplers=(), tasks=()) -> str:
     """What every column means, under the table."""
     return " ".join([*map(_note, board_metrics(samplers)), *([task_flips.NOTE] if tasks else []),
-                     "± is one standard error.", "Pareto: no other row is both smaller (GiB) and lower in mean KLD."])
+                     "± is one standard error.", PARETO_NOTE])
+
+
+# Weight quants and KV-cache quants save different memory: each is ranked against its own kind.
+PARETO_NOTE = ("Pareto: a weight quant (KV cache as the reference's) that no other weight quant beats in both file "
+               "size and mean KLD; a KV-cache quant (✓ KV) that no other KV-cache quant beats in both memory at the "
+               "context (file plus KV cache at n_ctx, memory_gib; sliding-window layers counted in full) and mean "
+               "KLD.")

@@ -46,9 +46,10 @@ class Leaderboard:
 
     @property
     def pareto(self) -> list[str]:
-        """Labels on the size/KLD Pareto front, smallest model first."""
+        """Labels on a Pareto front: weight quants, smallest file first, then KV-cache quants, least memory first."""
         front = [r for r in self.rows if r.pareto]
-        return [r.label for r in sorted(front, key=lambda r: (r.size_gib, r.kld_mean))]
+        return [r.label for r in sorted(front, key=lambda r: (r.kv_quant, r.memory_gib if r.kv_quant else r.size_gib,
+                                                               r.kld_mean))]
 
     def markdown(self) -> str:
         return markdown_page(self)
@@ -59,7 +60,7 @@ class Leaderboard:
     @property
     def columns(self) -> tuple[str, ...]:
         """The columns of the CSV and of the JSON rows (a TVD column per sampler, flips figures per task set)."""
-        return ("rank", "label", "quant", "model_file", "type_k", "type_v", "size_gib", "bpw",
+        return ("rank", "label", "quant", "model_file", "type_k", "type_v", "size_gib", "bpw", "memory_gib",
                 *boardrows.board_keys(self.samplers), *boardrows.DEEPEST_KEYS, *task_flips.keys(self.tasks),
                 "pareto", "result")
 
@@ -162,6 +163,14 @@ def pareto_front(sizes: list, values: list) -> list[bool]:
     return out
 
 
+def mark_pareto_fronts(rows: list[BoardRow]) -> None:
+    """Like with like: weight quants on file size, KV-cache quants on memory at the context (board.PARETO_NOTE)."""
+    for kv_quant, axis in ((False, "size_gib"), (True, "memory_gib")):
+        kind = [r for r in rows if r.kv_quant == kv_quant]
+        for row, on_front in zip(kind, pareto_front([getattr(r, axis) for r in kind], [r.kld_mean for r in kind])):
+            row.pareto = on_front
+
+
 def build(runs: list[str | os.PathLike] | None = None, title: str | None = None,
           loaded: list[results.Result] | None = None) -> Leaderboard:
     """Load results (paths or directories), check that they share a reference and tokens, compute the rows."""
@@ -173,9 +182,9 @@ def build(runs: list[str | os.PathLike] | None = None, title: str | None = None,
     samplers = boardrows.common_samplers([r.summary for r in loaded])
     pairs = sorted(((_row(r, samplers), r) for r in loaded), key=lambda pr: boardrows.rank_key(pr[0]))
     rows = [row for row, _ in pairs]
-    front = pareto_front([r.size_gib for r in rows], [r.kld_mean for r in rows])
-    for rank, (row, on_front, (_, res)) in enumerate(zip(rows, front, pairs), 1):
-        row.rank, row.pareto, row.result = rank, on_front, str(res.path)
+    mark_pareto_fronts(rows)
+    for rank, (row, (_, res)) in enumerate(zip(rows, pairs), 1):
+        row.rank, row.result = rank, str(res.path)
     settings = {**settings_of(loaded), "samplers": {name: sampler.parse(name).settings() for name in samplers}}
     if title is None:
         ref = settings["reference"]

@@ -57,54 +57,66 @@ def _kv_marker(board) -> dict:
 
 
 def plot_kld_vs_size(board):
-    """Mean KLD (± SE) against model size; Pareto front joined and ringed; every point labelled."""
-    fig = _figure(9.0, 6.0)
-    ax = fig.add_subplot()
-    colors = _colors(len(board.rows))
+    """Mean KLD (± SE) against what each candidate costs, like with like: weight quants against file size, and
+    (in a second panel, when the board has any) KV-cache quants against memory at the context (file + KV cache
+    at n_ctx); each panel's Pareto front joined and ringed; every point labelled."""
+    weights = [r for r in board.rows if not r.kv_quant]
+    kv_quants = [r for r in board.rows if r.kv_quant]
+    panels = [(weights, "size_gib", "weight quants: model file (GiB)")] if weights or not kv_quants else []
+    if kv_quants:
+        n_ctx = board.settings.get("n_ctx")
+        panels.append((kv_quants, "memory_gib", f"KV-cache quants: file + KV cache at n_ctx {n_ctx} (GiB)"))
+    fig = _figure(9.0 * len(panels), 6.0)
     markers = _kv_marker(board)
-    sized = [(r, c) for r, c in zip(board.rows, colors) if r.size_gib is not None]
-    for r, c in sized:
+    colors = dict(zip((r.label for r in board.rows), _colors(len(board.rows))))
+    for i, (rows, axis, xlabel) in enumerate(panels, 1):
+        _kld_vs_cost_panel(fig.add_subplot(1, len(panels), i), rows, axis, xlabel, markers, colors)
+    return fig
+
+
+def _kld_vs_cost_panel(ax, rows, axis: str, xlabel: str, markers: dict, colors: dict) -> None:
+    placed = [r for r in rows if getattr(r, axis) is not None]
+    for r in placed:
         se = r.metrics["kld_mean"].se
-        ax.errorbar(r.size_gib, r.kld_mean, yerr=se if math.isfinite(se) else None,
-                    fmt=markers.get(r.type_k or "?", "o"), color=c, ms=8, mec="black", mew=0.6, capsize=3,
-                    zorder=3)
-    # labels of points sharing a size (KV variants of one file) are stacked downwards from the highest
+        ax.errorbar(getattr(r, axis), r.kld_mean, yerr=se if math.isfinite(se) else None,
+                    fmt=markers.get(r.type_k or "?", "o"), color=colors[r.label], ms=8, mec="black", mew=0.6,
+                    capsize=3, zorder=3)
+    # labels of points sharing an x (KV variants of one file) are stacked downwards from the highest
     stack: dict[float, int] = {}
-    for r, _ in sorted(sized, key=lambda rc: (rc[0].size_gib, -rc[0].kld_mean)):
-        k = stack.get(r.size_gib, 0)
-        stack[r.size_gib] = k + 1
-        ax.annotate(r.label, (r.size_gib, r.kld_mean), xytext=(9, 4 - 11 * k), textcoords="offset points",
-                    fontsize=8, zorder=4)
-    front = sorted((r for r, _ in sized if r.pareto), key=lambda r: (r.size_gib, r.kld_mean))
+    for r in sorted(placed, key=lambda r: (getattr(r, axis), -r.kld_mean)):
+        x = getattr(r, axis)
+        k = stack.get(x, 0)
+        stack[x] = k + 1
+        ax.annotate(r.label, (x, r.kld_mean), xytext=(9, 4 - 11 * k), textcoords="offset points", fontsize=8,
+                    zorder=4)
+    front = sorted((r for r in placed if r.pareto), key=lambda r: (getattr(r, axis), r.kld_mean))
     if front:
-        ax.plot([r.size_gib for r in front], [r.kld_mean for r in front], "--", color="#d62728", lw=1.4,
-                zorder=2)
-        ax.scatter([r.size_gib for r in front], [r.kld_mean for r in front], s=260, facecolors="none",
-                   edgecolors="#d62728", linewidths=1.6, zorder=2)
-    if sized and all(r.kld_mean > 0 for r, _ in sized):
+        xs, ys = [getattr(r, axis) for r in front], [r.kld_mean for r in front]
+        ax.plot(xs, ys, "--", color="#d62728", lw=1.4, zorder=2)
+        ax.scatter(xs, ys, s=260, facecolors="none", edgecolors="#d62728", linewidths=1.6, zorder=2)
+    if placed and all(r.kld_mean > 0 for r in placed):
         ax.set_yscale("log")
-    if sized:
-        xs = [r.size_gib for r, _ in sized]
+    if placed:
+        xs = [getattr(r, axis) for r in placed]
         pad = 0.08 * (max(xs) - min(xs)) or 0.1 * max(xs) or 0.1
         ax.set_xlim(min(xs) - pad, max(xs) + 2.5 * pad)
     else:
         ax.text(0.5, 0.5, "no result records a model size", ha="center", va="center", transform=ax.transAxes)
-    missing = len(board.rows) - len(sized)
-    ax.set_xlabel("model size (GiB)")
+    missing = len(rows) - len(placed)
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("mean KLD (nats, log scale)" if ax.get_yscale() == "log" else "mean KLD (nats)")
     ax.set_title("Mean KLD vs size (lower left is better)" + (f"; {missing} without a size not shown" if missing else ""))
     ax.grid(True, which="both", alpha=0.3)
-    if sized:
+    if placed:
         from matplotlib.lines import Line2D  # noqa: PLC0415
 
-        kvs = list(dict.fromkeys(r.type_k or "?" for r, _ in sized))
+        kvs = list(dict.fromkeys(r.type_k or "?" for r in placed))
         handles = [Line2D([], [], ls="", marker=markers.get(kv, "o"), color="#bbbbbb", mec="black", ms=8,
                           label=f"KV {kv}") for kv in kvs]
         if front:
             handles.append(Line2D([], [], ls="--", color="#d62728", marker="o", mfc="none", ms=12,
                                   label="Pareto front"))
         ax.legend(handles=handles, loc="upper right", fontsize=8)
-    return fig
 
 
 def _kv_columns(board) -> list[str]:
