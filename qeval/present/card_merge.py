@@ -25,7 +25,7 @@ APPENDED, REPLACED, UNCHANGED = "appended", "replaced", "unchanged"
 
 
 def _marker_lines(text: str, marker: str) -> list[re.Match]:
-    return list(re.finditer(rf"^{re.escape(marker)}(?=\r?$)", text, flags=re.M))
+    return list(re.finditer(rf"^{re.escape(marker)}(?=\r?$)", text, flags=re.MULTILINE))
 
 
 def merged(text: str, body: str, where: str) -> tuple[str, str]:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from qeval import __version__
 from qeval.compare import sampler
+from qeval.compare.metric_registry import METRICS
 from qeval.compare.summary import Side
 from qeval.errors import QevalError
 from qeval.identity import changes
@@ -58,10 +59,19 @@ def of_board(board) -> dict:
         "tokens_sha256": settings["tokens_sha256"],
         "batch": {"n_batch": reference_request.get("n_batch"), "n_ubatch": reference_request.get("n_ubatch")},
         "samplers": settings["samplers"],
+        "candidate_settings": {r.label: candidate_settings(r) for r in board.results},
         "reference_capture": reference_capture(first),
         # qeval records none of these: named so that a reader sees they are missing, not forgotten
         "cpu": None, "gpu": None, "llama_cpp_build": None,
     }
+
+
+def candidate_settings(res: results.Result) -> dict:
+    """How a candidate's logits were made beyond its KV types (the table's KV column): attention and RoPE flags,
+    batch sizes, as its result's request records them."""
+    producer = (res.summary.request or {}).get("candidate") or {}
+    flags = {k: v for k, v in res.summary.candidate.kv_types.items() if k not in ("type_k", "type_v")}
+    return {**flags, "n_batch": producer.get("n_batch"), "n_ubatch": producer.get("n_ubatch")}
 
 
 def reference_capture(res: results.Result) -> dict | None:
@@ -95,10 +105,10 @@ def lines(p: dict) -> list[tuple[str, str]]:
     out = [("Reference", _reference_text(ref)),
            ("Reference model fingerprint", _code(ref["fingerprint"])),
            ("Corpus", _corpus_text(corpus)),
-           ("Context", f"n_ctx {p['n_ctx']}, {p['chunks']} chunks, {p['scored_tokens']:,} scored tokens "
-                       f"(scoring `{p['scoring']}`: {Scoring.parse(p['scoring']).describe()}), token ids sha256 "
-                       f"{_code(p['tokens_sha256'])}"),
+           ("Context", _context_text(p)),
+           ("Reference PPL", METRICS["ppl_ref"].cell(ref["ppl"], ref["ppl_se"])),
            ("Reference settings", _settings_text(ref["kv"], p["batch"], p["reference_capture"])),
+           ("Quant settings", _candidates_text(p["candidate_settings"])),
            ("Hardware and build", _hardware_text(p["reference_capture"]))]
     out += [(f"Sampler {name}", sampler.parse(name).describe()) for name in p["samplers"]]
     versions = ", ".join(p["results_qeval_versions"])
@@ -108,6 +118,11 @@ def lines(p: dict) -> list[tuple[str, str]]:
 
 def _code(value) -> str:
     return f"`{value}`" if value else NOT_RECORDED
+
+
+def _context_text(p: dict) -> str:
+    return (f"n_ctx {p['n_ctx']}, {p['chunks']} chunks, {p['scored_tokens']:,} scored tokens (scoring "
+            f"`{p['scoring']}`: {Scoring.parse(p['scoring']).describe()}), token ids sha256 {_code(p['tokens_sha256'])}")
 
 
 def _reference_text(ref: dict) -> str:
@@ -126,10 +141,22 @@ def _settings_text(kv: dict, batch: dict, capture: dict | None) -> str:
     """KV cache and attention flags, batch sizes, and the capture's flags that change what is decoded."""
     parts = [f"KV {kv.get('type_k', '?')}/{kv.get('type_v', '?')}",
              *(f"{k} {v}" for k, v in kv.items() if k not in ("type_k", "type_v")),
-             *(f"{k} {NOT_RECORDED if v is None else v}" for k, v in batch.items())]
+             _flags_text(batch)]
     if capture and "bos_substituted" in capture:
         parts.append(f"BOS substituted {'yes' if capture['bos_substituted'] else 'no'}")
     return ", ".join(parts)
+
+
+def _flags_text(flags: dict) -> str:
+    return ", ".join(f"{k} {NOT_RECORDED if v is None else v}" for k, v in flags.items())
+
+
+def _candidates_text(by_label: dict[str, dict]) -> str:
+    """One line when every quant ran alike (the usual case), else each quant's own."""
+    texts = {label: _flags_text(flags) for label, flags in by_label.items()}
+    if len(set(texts.values())) == 1:
+        return f"{next(iter(texts.values()))} (every quant; KV types in the table)"
+    return "; ".join(f"{label}: {text}" for label, text in texts.items())
 
 
 UNRECORDED_HARDWARE = f"CPU and GPU model, llama.cpp commit and build flags {NOT_RECORDED} by qeval"
