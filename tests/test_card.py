@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import test_leaderboard
 from conftest import assert_cli_error, make_tokens, perturb, run_cli, synth_logits, write_store
 from synth_runs import make_runs
 
@@ -308,3 +309,23 @@ def test_cli_merges_into_a_model_card_with_links_relative_to_it(runs, tmp_path):
     again = run_cli("card", runs, "--out", out, "--merge", readme, "--title", "Quants of m")
     assert again.returncode == 0 and f"{readme}: card block unchanged" in again.stdout
     assert readme.read_bytes().decode() == text
+
+
+def test_a_flips_column_per_task_set_beside_the_results(tmp_path):
+    """Task stores beside the results (as tests/test_leaderboard.py writes them) give a flips column."""
+    runs = test_leaderboard.build_results(tmp_path / "runs", candidates=test_leaderboard.CANDIDATES[:2], seed=5)
+    base = -np.random.default_rng(1).uniform(0.5, 3.0, (test_leaderboard.N_TASKS, 4))
+    golds = [int(np.argmax(b)) for b in base]
+    answers = test_leaderboard._answers
+    for label, scores in {"REF": base, "Q8_0": answers(2, 0.05, base), "Q4_0": answers(3, 0.3, base)}.items():
+        request = json.loads((runs / "results" / f"{'Q8_0' if label == 'REF' else label}.vs.REF.json").read_text())
+        test_leaderboard._write_task_store(runs, label, request["request"]["reference" if label == "REF" else "candidate"], scores,
+                          golds)
+    c = card.build([runs])
+    board_rows = {r["label"]: r for r in leaderboard.build([runs]).records()}
+    table = {r["label"]: r for r in _table(c.markdown())}
+    for row in c.to_json()["rows"]:
+        flips = row["flips"]["toy-hs"]
+        assert flips["flips_pct"] == board_rows[row["label"]]["flips_pct@toy-hs"] > 0
+        cell = table[row["label"]]["flips % (toy-hs), McNemar p"]
+        assert cell.startswith(f"{flips['flips_pct']:.2f} ({flips['correct_to_wrong']}↓ {flips['wrong_to_correct']}↑")
