@@ -198,6 +198,15 @@ def leaderboard_report(runs: list[Path], out: Path, title: str | None = None):
     return leaderboard.leaderboard(runs, out=out, title=title)
 
 
+def card_report(runs: list[Path], out: Path = Path("card"), merge: Path | None = None,
+                title: str | None = None) -> tuple[dict, str]:
+    """A model-card block of saved results (table, Pareto plot, provenance, JSON sidecar) written under `out`;
+    with `merge`, also put between the card markers of that markdown file (qeval.present.card)."""
+    from qeval.present import card  # noqa: PLC0415 - matplotlib loads only for cards and boards
+
+    return card.report(runs, out=out, merge=merge, title=title)
+
+
 def paired_report(ref: str, cand_a: str, cand_b: str, chunks: int | None = None, runs_dir=None, method: str = "t",
                   progress: bool = False, depth: str | None = None, samplers=()) -> tuple[dict, str]:
     """Is A really better than B? Paired differences on the same reference tokens (qeval.orchestrate.paired)."""

@@ -254,6 +254,19 @@ def leaderboard_cmd(
     typer.echo("wrote " + ", ".join(str(p) for p in board.paths.values()))
 
 
+@app.command("card")
+def card_cmd(
+    run: list[Path] = typer.Argument(..., metavar="RUN", help="Result JSON files, or directories of them (a runs dir or its results/)."),
+    out: Path = typer.Option(Path("card"), "--out", "-o", help="Output directory: card.md, card.json, kld_vs_size.png."),
+    merge: Optional[Path] = typer.Option(None, "--merge", help="Markdown file (a model card's README.md) to put the block into, between its qeval-card markers (appended when it has none); nothing else in it changes."),
+    title: Optional[str] = typer.Option(None, "--title", help="The block's heading."),
+    as_json: bool = Json,
+):
+    """Model-card block: a table per quant, the KLD-vs-size Pareto plot, provenance, and a JSON sidecar."""
+    result, text = api.card_report(run, out=out, merge=merge, title=title)
+    _emit(result, text, as_json)
+
+
 @app.command()
 def version():
     """Print the qeval version."""

@@ -1,0 +1,188 @@
+"""A model-card block from saved results (`qeval card`): a table per quant, the KLD-vs-size Pareto plot beside it,
+where the numbers come from (qeval.present.card_provenance) and a JSON sidecar of the same rows and provenance.
+
+    card = build(["qeval-runs"])              # leaderboard.build's checks, and one corpus
+    card.markdown()                           # the block, without its markers (qeval.present.card_merge adds them)
+    card.to_json()                            # the sidecar
+    result, text = report(["qeval-runs"], "card", merge="README.md")   # what `qeval card` runs
+
+Rows are the leaderboard's (sorted by mean KLD), their numbers formatted by the metric registry.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from qeval.compare.metric_registry import METRICS, Metric, MetricValue
+from qeval.compare.summary import DepthBand
+from qeval.errors import QevalError
+from qeval.present import card_merge, card_provenance, leaderboard, plots, task_flips
+from qeval.present.board import BoardRow
+
+CARD_METRICS = ("kld_mean", "kld_999", "same_top1_pct", "ppl")  # the table's metric columns, in order
+PLOT = "kld_vs_size"  # the leaderboard's figure of mean KLD against size, Pareto front marked
+MARKDOWN, SIDECAR, PLOT_FILE = "card.md", "card.json", f"{PLOT}.png"
+DEFAULT_OUT = "card"
+
+
+@dataclass
+class CardRow:
+    row: BoardRow
+    bands: dict[str, DepthBand]  # by-depth band name ("0-512") -> its figures
+
+
+@dataclass
+class Card:
+    board: leaderboard.Leaderboard
+    rows: list[CardRow]  # in the board's order
+    provenance: dict  # qeval.present.card_provenance.of_board
+    bands: tuple[str, ...]  # by-depth bands with a column each: those every row holds, when there are several
+
+    @property
+    def title(self) -> str:
+        return self.board.title
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        return self.board.tasks
+
+    def markdown(self, plot: str = PLOT_FILE, sidecar: str = SIDECAR) -> str:
+        return markdown(self, plot, sidecar)
+
+    def to_json(self) -> dict:
+        # NaN (an SE over too few tokens) is not JSON: the round trip turns it into null
+        return json.loads(json.dumps({"title": self.title, "provenance": self.provenance,
+                                      "pareto_front": self.board.pareto, "plot": PLOT_FILE,
+                                      "rows": [record(r, self.bands, self.tasks) for r in self.rows]}),
+                          parse_constant=lambda _: None)
+
+
+def card_metrics() -> list[Metric]:
+    return [METRICS[key] for key in CARD_METRICS]
+
+
+def build(runs: list[str | os.PathLike], title: str | None = None) -> Card:
+    """The card of saved results (files or directories): refused as leaderboard.build refuses, and for a corpus
+    that differs between them."""
+    board = leaderboard.build(runs, title=title)
+    card_provenance.check_same_corpus(board.results)
+    rows = [CardRow(row, {b.name: b for b in res.summary.by_depth or ()}) for row, res in zip(board.rows, board.results)]
+    return Card(board, rows, card_provenance.of_board(board), depth_columns(rows))
+
+
+def depth_columns(rows: list[CardRow]) -> tuple[str, ...]:
+    """The bands every row holds; none when there is one band only (it is every scored token: the mean KLD)."""
+    common = [name for name in rows[0].bands if all(name in r.bands for r in rows)]
+    return tuple(common) if len(common) > 1 else ()
+
+
+# --------------------------------------------------------------------------------------------------
+# rows: the sidecar's numbers and the table's cells
+# --------------------------------------------------------------------------------------------------
+def _value_se(mv: MetricValue | None) -> tuple[float | None, float | None]:
+    return (None, None) if mv is None else (mv.value, mv.se)
+
+
+def record(r: CardRow, bands: tuple[str, ...], tasks: tuple[str, ...]) -> dict:
+    """A row of the sidecar: the table's numbers unformatted (a metric's SE under `<key>_se`)."""
+    row = r.row
+    out = {"rank": row.rank, "label": row.label, "quant": row.quant, "model_file": row.model_file, "kv": row.kv,
+           "size_gib": row.size_gib, "bpw": row.bpw}
+    for m in card_metrics():
+        value, se = _value_se(row.metrics.get(m.key))
+        out[m.key] = value
+        if m.has_se:
+            out[m.se_key] = se
+    out["by_depth"] = {name: {"kld_mean": r.bands[name].kld["mean"], "kld_mean_se": r.bands[name].kld["se"]}
+                       for name in bands}
+    out["flips"] = {task: row.task_flips[task].to_json() for task in tasks if task in row.task_flips}
+    out.update(pareto=row.pareto, result=row.result)
+    return out
+
+
+def header(bands: tuple[str, ...], tasks: tuple[str, ...]) -> list[str]:
+    return ["label", "file", "KV", "size GiB", "BPW", *(m.heading + (" ± SE" if m.has_se else "") for m in card_metrics()),
+            *(f"mean KLD, positions {name} ± SE" for name in bands), *(h for h, _ in task_flips.columns(tasks)),
+            "Pareto"]
+
+
+def cells(r: CardRow, bands: tuple[str, ...], tasks: tuple[str, ...]) -> list[str]:
+    row, kld = r.row, METRICS["kld_mean"]
+    return [row.label, row.model_file or "?", row.kv, _fixed(row.size_gib, ".3f"), _fixed(row.bpw, ".2f"),
+            *(m.cell(*_value_se(row.metrics.get(m.key))) for m in card_metrics()),
+            *(kld.cell(r.bands[name].kld["mean"], r.bands[name].kld["se"]) for name in bands),
+            *(row.task_flips[task].cell() if task in row.task_flips else "" for task in tasks),
+            "✓" if row.pareto else ""]
+
+
+def _fixed(v: float | None, fmt: str) -> str:
+    return "?" if v is None else f"{v:{fmt}}"
+
+
+def table(card: Card) -> str:
+    head = header(card.bands, card.tasks)
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in card.rows:
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells(r, card.bands, card.tasks)) + " |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------
+# the block
+# --------------------------------------------------------------------------------------------------
+NOTE = ("Rows are sorted by mean KLD, KL(reference ‖ quant) in nats per scored token; 99.9% KLD is that percentile "
+        "of the per-token KLD; same top-1: share of tokens where both models' most likely token is the same; ± is "
+        "one standard error; Pareto ✓: no other row is both smaller and lower in mean KLD.")
+
+
+def markdown(card: Card, plot: str = PLOT_FILE, sidecar: str = SIDECAR) -> str:
+    """The block: heading, table, plot, provenance; plot and sidecar are links relative to where it is read."""
+    out = [f"## {card.title}", "", table(card), "", NOTE, "",
+           f"![Mean KLD against model size, Pareto front marked]({plot})", "",
+           f"**Provenance** (as JSON: [{Path(sidecar).name}]({sidecar}))", ""]
+    out += [f"- **{k}:** {v}" for k, v in card_provenance.lines(card.provenance)]
+    return "\n".join(out) + "\n"
+
+
+def _relative(target: Path, start: Path) -> str:
+    """A link from a file in `start` to `target` (markdown wants forward slashes)."""
+    return Path(os.path.relpath(target.resolve(), start.resolve())).as_posix()
+
+
+# --------------------------------------------------------------------------------------------------
+# files and `qeval card`
+# --------------------------------------------------------------------------------------------------
+def write(card: Card, out: str | os.PathLike = DEFAULT_OUT) -> dict[str, Path]:
+    """card.md, card.json and the plot (PNG, and the SVG plots.save_figure writes with it) into `out`."""
+    out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        png, svg, _ = plots.save_figure(card.board.figures()[PLOT], out, PLOT)
+        paths = {MARKDOWN: out / MARKDOWN, SIDECAR: out / SIDECAR, PLOT_FILE: png, svg.name: svg}
+        paths[MARKDOWN].write_text(f"{card_merge.BEGIN}\n{card.markdown()}{card_merge.END}\n")
+        paths[SIDECAR].write_text(json.dumps(card.to_json(), indent=2, allow_nan=False) + "\n")
+    except OSError as exc:
+        raise QevalError(f"cannot write the card into {out}: {exc.strerror or exc}") from None
+    return paths
+
+
+def report(runs: list[str | os.PathLike], out: str | os.PathLike = DEFAULT_OUT, merge: str | os.PathLike | None = None,
+           title: str | None = None) -> tuple[dict, str]:
+    """Build the card, write its files into `out`, and with `merge`, put the block into that markdown file (its
+    links relative to it). A merge that would be refused is refused before anything is written."""
+    card, out = build(runs, title), Path(out)
+    pending = None
+    if merge is not None:
+        where = Path(merge).parent
+        pending = card_merge.prepare(merge, card.markdown(_relative(out / PLOT_FILE, where),
+                                                          _relative(out / SIDECAR, where)))
+    paths = write(card, out)
+    merged = None if pending is None else {"file": str(pending.path), "action": pending.apply()}
+    result = {**card.to_json(), "paths": {name: str(p) for name, p in paths.items()}, "merge": merged}
+    lines = [paths[MARKDOWN].read_text(), "wrote " + ", ".join(map(str, paths.values()))]
+    if merged:
+        lines.append(f"{merged['file']}: card block {merged['action']}")
+    return result, "\n".join(lines)
