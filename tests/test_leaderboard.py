@@ -22,8 +22,8 @@ from conftest import REPO, assert_cli_error, make_tokens, perturb, run_cli, synt
 
 from qeval import api
 from qeval.compare import metric_registry
-from qeval.errors import QevalError
 from qeval.compare.metric_registry import MetricValue
+from qeval.errors import QevalError
 from qeval.present import leaderboard, plots
 from qeval.present.board import BoardRow
 from qeval.storage.scoring import half_span

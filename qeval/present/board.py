@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from qeval.capture.modelinfo import kv_cache_gib
 from qeval.compare import metric_registry, sampler
 from qeval.compare.metric_registry import Metric, MetricValue, plus_minus, sampler_metrics
-from qeval.capture.modelinfo import kv_cache_gib
 from qeval.compare.summary import ComparisonSummary, DepthBand
 from qeval.present import task_flips
 from qeval.present.task_flips import FlipFigures
