@@ -62,19 +62,21 @@ def plot_kld_vs_size(board):
     at n_ctx); each panel's Pareto front joined and ringed; every point labelled."""
     weights = [r for r in board.rows if not r.kv_quant]
     kv_quants = [r for r in board.rows if r.kv_quant]
-    panels = [(weights, "size_gib", "weight quants: model file (GiB)")] if weights or not kv_quants else []
+    panels = [(weights, "size_gib", "weight quants: model file (GiB)", "a model size")] if weights or not kv_quants \
+        else []
     if kv_quants:
         n_ctx = board.settings.get("n_ctx")
-        panels.append((kv_quants, "memory_gib", f"KV-cache quants: file + KV cache at n_ctx {n_ctx} (GiB)"))
+        panels.append((kv_quants, "memory_gib", f"KV-cache quants: file + KV cache at n_ctx {n_ctx} (GiB)",
+                       "its KV cache's size (older results record no KV cache geometry)"))
     fig = _figure(9.0 * len(panels), 6.0)
     markers = _kv_marker(board)
     colors = dict(zip((r.label for r in board.rows), _colors(len(board.rows))))
-    for i, (rows, axis, xlabel) in enumerate(panels, 1):
-        _kld_vs_cost_panel(fig.add_subplot(1, len(panels), i), rows, axis, xlabel, markers, colors)
+    for i, (rows, axis, xlabel, unknown) in enumerate(panels, 1):
+        _kld_vs_cost_panel(fig.add_subplot(1, len(panels), i), rows, axis, xlabel, unknown, markers, colors)
     return fig
 
 
-def _kld_vs_cost_panel(ax, rows, axis: str, xlabel: str, markers: dict, colors: dict) -> None:
+def _kld_vs_cost_panel(ax, rows, axis: str, xlabel: str, unknown: str, markers: dict, colors: dict) -> None:
     placed = [r for r in rows if getattr(r, axis) is not None]
     for r in placed:
         se = r.metrics["kld_mean"].se
@@ -101,11 +103,11 @@ def _kld_vs_cost_panel(ax, rows, axis: str, xlabel: str, markers: dict, colors: 
         pad = 0.08 * (max(xs) - min(xs)) or 0.1 * max(xs) or 0.1
         ax.set_xlim(min(xs) - pad, max(xs) + 2.5 * pad)
     else:
-        ax.text(0.5, 0.5, "no result records a model size", ha="center", va="center", transform=ax.transAxes)
+        ax.text(0.5, 0.5, f"no result records {unknown}", ha="center", va="center", transform=ax.transAxes)
     missing = len(rows) - len(placed)
     ax.set_xlabel(xlabel)
     ax.set_ylabel("mean KLD (nats, log scale)" if ax.get_yscale() == "log" else "mean KLD (nats)")
-    ax.set_title("Mean KLD vs size (lower left is better)" + (f"; {missing} without a size not shown" if missing else ""))
+    ax.set_title("Mean KLD vs size (lower left is better)" + (f"; {missing} not shown: no size" if missing else ""))
     ax.grid(True, which="both", alpha=0.3)
     if placed:
         from matplotlib.lines import Line2D  # noqa: PLC0415
