@@ -164,6 +164,11 @@ def leaderboard_cells(r: BoardRow, tasks=()) -> list[str]:
             *(r.task_flips[task].cell() if task in r.task_flips else "" for task in tasks)]
 
 
+def pareto_mark(row: BoardRow) -> str:
+    """The Pareto cell of a row: ✓ on the weight quants' front, ✓ KV on the KV-cache quants' (PARETO_NOTE)."""
+    return ("✓ KV" if row.kv_quant else "✓") if row.pareto else ""
+
+
 def leaderboard_markdown(rows: list[BoardRow], samplers=(), tasks=(), pareto: bool = False) -> str:
     """A paste-ready markdown table, sorted by mean KLD: a TVD column per sampler in `samplers` (names), a flips
     column per task set in `tasks`, and with `pareto`, a column marking the rows on the Pareto front."""
@@ -172,7 +177,7 @@ def leaderboard_markdown(rows: list[BoardRow], samplers=(), tasks=(), pareto: bo
     for r in sorted(rows, key=rank_key):
         cells = [_md_escape(c) for c in leaderboard_cells(r, tasks)]
         if pareto:
-            cells.append(("✓ KV" if r.kv_quant else "✓") if r.pareto else "")
+            cells.append(pareto_mark(r))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from qeval.compare.metric_registry import METRICS, Metric, MetricValue
 from qeval.compare.summary import DepthBand
 from qeval.errors import QevalError
+from qeval.present import board as boardrows
 from qeval.present import card_merge, card_provenance, leaderboard, plots, task_flips
 from qeval.present.board import BoardRow
 
@@ -99,7 +100,7 @@ def record(r: CardRow, bands: tuple[str, ...], tasks: tuple[str, ...]) -> dict:
     out["by_depth"] = {name: {"kld_mean": r.bands[name].kld["mean"], "kld_mean_se": r.bands[name].kld["se"]}
                        for name in bands}
     out["flips"] = {task: row.task_flips[task].to_json() for task in tasks if task in row.task_flips}
-    out.update(pareto=row.pareto, result=row.result)
+    out.update(memory_gib=row.memory_gib, kv_quant=row.kv_quant, pareto=row.pareto, result=row.result)
     return out
 
 
@@ -115,7 +116,7 @@ def cells(r: CardRow, bands: tuple[str, ...], tasks: tuple[str, ...]) -> list[st
             *(m.cell(*_value_se(row.metrics.get(m.key))) for m in card_metrics()),
             *(kld.cell(r.bands[name].kld["mean"], r.bands[name].kld["se"]) for name in bands),
             *(row.task_flips[task].cell() if task in row.task_flips else "" for task in tasks),
-            "✓" if row.pareto else ""]
+            boardrows.pareto_mark(row)]
 
 
 def _fixed(v: float | None, fmt: str) -> str:
@@ -135,7 +136,7 @@ def table(card: Card) -> str:
 # --------------------------------------------------------------------------------------------------
 NOTE = ("Rows are sorted by mean KLD, KL(reference ‖ quant) in nats per scored token; 99.9% KLD is that percentile "
         "of the per-token KLD; same top-1: share of tokens where both models' most likely token is the same; ± is "
-        "one standard error; Pareto ✓: no other row is both smaller and lower in mean KLD.")
+        "one standard error. " + boardrows.PARETO_NOTE)
 
 
 def markdown(card: Card, plot: str = PLOT_FILE, sidecar: str = SIDECAR) -> str:
