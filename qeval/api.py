@@ -117,8 +117,11 @@ def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int 
                   progress: bool = True, executor=None, n_batch: int | None = None,
                   n_ubatch: int | None = None, force: bool = False, scoring: str = "half",
                   concat: bool = False, samplers=(), tasks=(), rope_scaling: str | None = None,
-                  rope_scale: float | None = None) -> tuple[dict, str]:
+                  rope_scale: float | None = None, repos=(), include=(), exclude=()) -> tuple[dict, str]:
     """Capture `ref` once, then every model x KV pair (live, or reusing finished stores and results).
+    models: GGUF paths or hf: specs (LABEL=… to name one); hf:USER/REPO:* and each of `repos` (hf:USER/REPO) stand
+    for every model of the repository, filtered by `include`/`exclude` globs on its file paths and labelled
+    USER.TAG (qeval.orchestrate.matrix.expand_models).
     samplers: presets or settings strings (qeval.compare.sampler) every pair is measured with too; a TVD
     column each in the matrix's leaderboard. tasks: task files (or matrix.TaskRequest) the reference and every
     pair are scored on too, as llama-perplexity scores tasks; a flips column each. rope_scaling, rope_scale:
@@ -131,6 +134,7 @@ def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int 
     executor: None or "local" runs here; "ray" or a qeval.orchestrate.distributed.RayExecutor runs every capture
     and pair as a Ray task (the runs directory must then be on a shared filesystem)."""
     ref_label, ref_path = parse_model_arg(ref)
+    models = matrix.expand_models(models, repos, tuple(include), tuple(exclude))
     engine = EngineSettings(n_gpu_layers=n_gpu_layers, n_threads=threads, n_batch=n_batch, n_ubatch=n_ubatch,
                             rope_scaling=rope_scaling, rope_scale=rope_scale)
     requests = tuple(t if isinstance(t, matrix.TaskRequest) else matrix.TaskRequest(str(t)) for t in tasks)

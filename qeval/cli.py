@@ -170,7 +170,10 @@ def import_llamacpp(
 @app.command()
 def matrix(
     ref: str = typer.Option(..., "--ref", help="Reference GGUF (MODEL or LABEL=MODEL, MODEL a path or hf:USER/REPO[:QUANT]); captured once."),
-    model: list[str] = typer.Option(..., "--model", "-m", help="Candidate GGUF (MODEL or LABEL=MODEL, as --ref); repeat."),
+    model: Optional[list[str]] = typer.Option(None, "--model", "-m", help="Candidate GGUF (MODEL or LABEL=MODEL, as --ref); repeat. hf:USER/REPO:* is every model of a repository (as --repo)."),
+    repo: Optional[list[str]] = typer.Option(None, "--repo", help="hf:USER/REPO: every GGUF model of the repository (split sets whole; mmproj/imatrix skipped), labelled UPLOADER.QUANT; repeat for several uploaders of one base model (they share the reference)."),
+    include: Optional[list[str]] = typer.Option(None, "--include", help="With --repo: only files whose path matches this glob (e.g. '*Q4_K*'); repeat."),
+    exclude: Optional[list[str]] = typer.Option(None, "--exclude", help="With --repo: skip files whose path matches this glob (e.g. '*F16*'); repeat."),
     kv: str = typer.Option("f16", "--kv", help="Comma-separated KV cache types for every model, e.g. f16,q8_0,q4_0."),
     chunks: Optional[int] = Chunks,
     ctx: int = typer.Option(512, "-c", "--ctx", help="Tokens per window (n_ctx)."),
@@ -208,11 +211,14 @@ def matrix(
     if (task_format is not None or task_limit is not None) and not task:
         raise QevalError("--task-format and --task-limit need --task")
     tasks = [TaskRequest(t, task_format, task_limit) for t in task or ()]
-    result, text = api.matrix_report(ref, model, kv_types, chunks=chunks, n_ctx=ctx, corpus=corpus, runs_dir=runs_dir,
+    if not model and not repo:
+        raise QevalError("give the candidates: -m MODEL (repeat) or --repo hf:USER/REPO")
+    result, text = api.matrix_report(ref, model or [], kv_types, chunks=chunks, n_ctx=ctx, corpus=corpus, runs_dir=runs_dir,
                                      threads=threads, n_gpu_layers=n_gpu_layers, executor=run_on, n_batch=batch,
                                      n_ubatch=ubatch, force=force, scoring=score, concat=concat,
                                      samplers=sampler or (), tasks=tasks, rope_scaling=rope_scaling,
-                                     rope_scale=rope_scale)
+                                     rope_scale=rope_scale, repos=repo or (), include=include or (),
+                                     exclude=exclude or ())
     _emit(result, text, as_json)
 
 

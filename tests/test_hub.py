@@ -295,3 +295,44 @@ def test_kld_with_an_hf_candidate_that_is_no_model_is_one_error_line(fake_hub, t
     assert res.returncode == 2
     assert_cli_error(res, "model-Q4_K_M.gguf")
     assert res.stderr.count("qeval: error:") == 1
+
+
+# --------------------------------------------------------------------------------------------------
+# whole repositories (matrix --repo, -m hf:USER/REPO:*)
+# --------------------------------------------------------------------------------------------------
+def test_a_whole_repo_is_every_model_once_labelled_by_uploader(fake_hub):
+    from qeval.orchestrate.matrix import expand_models
+
+    fake_hub.repos["other/release"] = repo_of("x-Q4_K_M.gguf", "x-UD-Q4_K_M.gguf", "mmproj-x-F16.gguf")
+    args = expand_models(["mine=local.gguf"], ["hf:org/release", "hf:other/release:*"])
+    assert args[0] == "mine=local.gguf"
+    assert sorted(args[1:]) == sorted([
+        "org.F16=hf:org/release:model-F16.gguf", "org.IQ4_XS=hf:org/release:model-IQ4_XS.gguf",
+        "org.Q4_K=hf:org/release:model-Q4_K.gguf", "org.Q4_K_M=hf:org/release:model-Q4_K_M.gguf",
+        "org.Q8_0=hf:org/release:Q8_0/model-Q8_0-00001-of-00002.gguf",
+        # one uploader's two files with one tag keep their whole names
+        "other.x-Q4_K_M=hf:other/release:x-Q4_K_M.gguf", "other.x-UD-Q4_K_M=hf:other/release:x-UD-Q4_K_M.gguf"])
+    assert fake_hub.gets == []  # listing only: nothing is downloaded before the matrix runs a model
+    label, path = parse_model_arg(next(a for a in args if a.startswith("org.Q8_0=")))
+    assert label == "org.Q8_0" and path.endswith("model-Q8_0-00001-of-00002.gguf")
+    assert {name for name, _ in fake_hub.gets} == {"Q8_0/model-Q8_0-00001-of-00002.gguf",
+                                                   "Q8_0/model-Q8_0-00002-of-00002.gguf"}
+
+
+def test_include_and_exclude_filter_a_repo(fake_hub):
+    from qeval.orchestrate.matrix import expand_models
+
+    kept = expand_models([], ["hf:org/release"], include=("*Q4_K*", "*Q8_0*"), exclude=("*Q4_K.gguf",))
+    assert [a.partition("=")[0] for a in kept] == ["org.Q8_0", "org.Q4_K_M"]
+    with pytest.raises(QevalError, match=r"no model file of org/release is left .*model-F16.gguf"):
+        expand_models([], ["hf:org/release"], include=("*Q2_K*",))
+    with pytest.raises(QevalError, match="filter whole repositories"):
+        expand_models(["a.gguf"], [], include=("*Q4*",))
+    with pytest.raises(QevalError, match="without a QUANT"):
+        expand_models([], ["hf:org/release:Q4_K_M"])
+
+
+def test_matrix_without_candidates_or_with_a_bad_repo_is_one_message(fake_hub, tmp_path):
+    assert_cli_error(run_cli("matrix", "--ref", tmp_path / "ref.gguf", "--runs-dir", tmp_path), "-m MODEL")
+    assert_cli_error(run_cli("matrix", "--ref", tmp_path / "ref.gguf", "--repo", "hf:org/missing",
+                             "--runs-dir", tmp_path), "org/missing")

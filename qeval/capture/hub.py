@@ -20,6 +20,7 @@ qeval differs where a silent choice would make a measurement of an unknown file:
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import re
 import sys
 from dataclasses import dataclass
@@ -61,6 +62,39 @@ def resolve_model(spec: str) -> str:
     print(f"qeval: {hub} is {hub.repo}/{shards[0]}{split}{default}", file=sys.stderr)
     paths = [_download(hub.repo, name) for name in shards]
     return paths[0]  # llama.cpp loads a split model from its first shard
+
+
+def repo_models(spec: str, include: tuple[str, ...] = (), exclude: tuple[str, ...] = ()) -> list[str]:
+    """Every model of a repo (`hf:USER/REPO`, or `hf:USER/REPO:*`) as an hf: spec naming exactly it (its file's
+    path, a split set's first shard), optionally only paths matching an `include` glob and none of `exclude`;
+    nothing downloaded yet. A repo with no model left is an error that says what the patterns kept."""
+    hub = parse_hub_spec(spec.removesuffix(":*"))
+    if hub.tag:
+        raise QevalError(f"{spec}: a whole repository is hf:USER/REPO (or hf:USER/REPO:*), without a QUANT")
+    files, where = _repo_files(hub.repo)
+    models = _first_shards(sorted(f for f in files if _is_model_file(f)))
+    kept = [m for m in models if (not include or any(fnmatch.fnmatch(m, p) for p in include))
+            and not any(fnmatch.fnmatch(m, p) for p in exclude)]
+    if not kept:
+        raise QevalError(f"no model file of {where} is left by --include {list(include)} --exclude "
+                         f"{list(exclude)}; its models: {', '.join(models) or 'none'}")
+    return [f"{PREFIX}{hub.repo}:{m}" for m in kept]
+
+
+def is_whole_repo(spec: str) -> bool:
+    """`hf:USER/REPO` or `hf:USER/REPO:*` where a model list is taken: every model of the repo."""
+    return is_hub_spec(spec) and (spec.endswith(":*") or ":" not in spec.removeprefix(PREFIX))
+
+
+def uploader_labels(specs: list[str]) -> list[str]:
+    """Labels of models from whole repositories (repo_models): uploader and quant tag, USER.TAG, so the same quant
+    of two uploaders stays apart on one board; where two files of one uploader share a tag (Q4_K_XL and
+    UD-Q4_K_XL), their whole file names instead."""
+    hubs = [parse_hub_spec(s) for s in specs]
+    labels = [f"{h.repo.partition('/')[0]}.{_file_tag(h.tag)}" for h in hubs]
+    return [label if labels.count(label) == 1 else
+            re.sub(r"[^A-Za-z0-9._+-]", "-", f"{h.repo.partition('/')[0]}.{PurePosixPath(_set_name(h.tag)).name}")
+            for label, h in zip(labels, hubs)]
 
 
 def hub_label(spec: str, path: str) -> str:

@@ -18,7 +18,7 @@ from typing import Callable
 from qeval import identity
 from qeval.capture.capture import CaptureSpec, capture, open_live
 from qeval.capture.engine import EngineSettings, available_cores
-from qeval.capture.hub import hub_label, is_hub_spec, resolve_model
+from qeval.capture.hub import hub_label, is_hub_spec, is_whole_repo, repo_models, resolve_model, uploader_labels
 from qeval.capture.modelinfo import model_facts
 from qeval.capture.taskfiles import load_tasks
 from qeval.capture.taskscore import TaskSettings
@@ -48,6 +48,19 @@ def parse_model_arg(arg: str) -> tuple[str, str]:
     if not sep:
         label = hub_label(spec, path) if is_hub_spec(spec) else Path(spec).name.removesuffix(".gguf")
     return runs.check_label(label), path
+
+
+def expand_models(models: list[str], repos: list[str] = (), include: tuple[str, ...] = (),
+                  exclude: tuple[str, ...] = ()) -> list[str]:
+    """The model arguments of a matrix: `models` as given, except that a whole repository (hf:USER/REPO:* among
+    them, or each of `repos`) stands for every model in it, filtered by `include`/`exclude` globs on the file
+    paths, each labelled by its uploader (hub.uploader_labels)."""
+    whole = [m for m in models if is_whole_repo(m)] + list(repos)
+    if (include or exclude) and not whole:
+        raise QevalError("--include and --exclude filter whole repositories: give --repo hf:USER/REPO")
+    specs = [spec for repo in whole for spec in repo_models(repo, include, exclude)]
+    return [m for m in models if not is_whole_repo(m)] + [f"{label}={spec}" for label, spec in
+                                                          zip(uploader_labels(specs), specs)]
 
 
 def pair_label(model_label: str, kv: str) -> str:
