@@ -117,7 +117,8 @@ def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int 
                   progress: bool = True, executor=None, n_batch: int | None = None,
                   n_ubatch: int | None = None, force: bool = False, scoring: str = "half",
                   concat: bool = False, samplers=(), tasks=(), rope_scaling: str | None = None,
-                  rope_scale: float | None = None, repos=(), include=(), exclude=()) -> tuple[dict, str]:
+                  rope_scale: float | None = None, repos=(), include=(), exclude=(),
+                  control: bool = False) -> tuple[dict, str]:
     """Capture `ref` once, then every model x KV pair (live, or reusing finished stores and results).
     models: GGUF paths or hf: specs (LABEL=… to name one); hf:USER/REPO:* and each of `repos` (hf:USER/REPO) stand
     for every model of the repository, filtered by `include`/`exclude` globs on its file paths and labelled
@@ -126,6 +127,9 @@ def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int 
     column each in the matrix's leaderboard. tasks: task files (or matrix.TaskRequest) the reference and every
     pair are scored on too, as llama-perplexity scores tasks; a flips column each. rope_scaling, rope_scale:
     as llama.cpp's --rope-scaling/--rope-scale, needed for n_ctx beyond the models' trained context.
+    control: run the reference model once more under another batch layout, as the pair `control`: the noise
+    floor every other row is read against (qeval.orchestrate.matrix.control_settings); `qeval matrix` asks for it
+    unless --no-control.
 
     A saved result or store is reused only when it answers the pair's request (qeval.identity); else
     the pair is recomputed and its result and store overwritten, and the text says so. A reference store
@@ -140,7 +144,7 @@ def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int 
     requests = tuple(t if isinstance(t, matrix.TaskRequest) else matrix.TaskRequest(str(t)) for t in tasks)
     return sweep.run_matrix(ref_label, ref_path, matrix.model_kv_pairs(models, kv_types, ref_path), chunks, n_ctx,
                             corpus, runs.runs_dir(runs_dir), engine, progress, executor, force, scoring, concat,
-                            samplers, requests)
+                            samplers, requests, control)
 
 
 def demo_report(chunks: int = 80, runs_dir=None, models_dir=None, n_ctx: int = 512, progress: bool = True,

@@ -198,6 +198,7 @@ def matrix(
     task_limit: Optional[int] = typer.Option(None, "--task-limit", help="With --task: score N tasks, the ones llama-perplexity's --*-tasks N picks (default: all)."),
     rope_scaling: Optional[str] = RopeScaling,
     rope_scale: Optional[float] = RopeScale,
+    control: bool = typer.Option(True, "--control/--no-control", help="Also run the reference model live once more under another batch layout (pieces twice as long, or half windows when whole windows go per call), as the pair 'control': the noise floor every row is read against."),
 ):
     """Every model x KV type against one reference: resumable, skips finished pairs."""
     kv_types = [k.strip() for k in kv.split(",") if k.strip()]
@@ -218,7 +219,7 @@ def matrix(
                                      n_ubatch=ubatch, force=force, scoring=score, concat=concat,
                                      samplers=sampler or (), tasks=tasks, rope_scaling=rope_scaling,
                                      rope_scale=rope_scale, repos=repo or (), include=include or (),
-                                     exclude=exclude or ())
+                                     exclude=exclude or (), control=control)
     _emit(result, text, as_json)
 
 

@@ -215,6 +215,19 @@ class ComparisonRequest:
         return changes(old.identity(), self.identity())
 
 
+# What a control may change in the reference's producer: only the batch shapes, which move llama.cpp's logits
+# slightly and choose nothing about the model: what they move is the noise floor of every comparison.
+CONTROL_FREE = ("n_batch", "n_ubatch")
+
+
+def is_control(request: ComparisonRequest | None) -> bool:
+    """Whether a comparison measures the reference against itself recomputed (a control): the candidate's producer
+    is the reference's but for CONTROL_FREE. Whatever it is labelled, its KLD is a floor, not a quantization's."""
+    if request is None:
+        return False
+    return all(request.reference.get(k) == v for k, v in request.candidate.items() if k not in CONTROL_FREE)
+
+
 def comparison_request(ref, cand, n_chunks: int, samplers=()) -> ComparisonRequest:
     """What comparing `cand` with `ref` over their first n_chunks chunks measures (sources read like stores),
     with the samplers of canonical settings strings `samplers` computed too."""

@@ -81,6 +81,19 @@ def _fa_for(kv: str) -> str:
     return "on" if kv not in ("f16", "f32", "bf16") else "auto"
 
 
+CONTROL = "control"  # the control pair's label
+
+
+def control_settings(base: EngineSettings, n_ctx: int) -> EngineSettings:
+    """The reference's settings (`base`) under another batch layout, for the control: where the reference sends a
+    window in pieces of n_batch < n_ctx tokens, the control sends pieces twice as long (at most a window, so at most
+    twice the logits memory); where it decodes whole windows per call, the control sends half windows. n_ubatch is
+    the control's n_batch: one physical batch per call."""
+    n_batch, _ = base.batch_sizes(n_ctx)
+    control = min(2 * n_batch, n_ctx) if n_batch < n_ctx else max(1, n_ctx // 2)
+    return dataclasses.replace(base, n_batch=control, n_ubatch=control)
+
+
 def pair_settings(kv: str, base: EngineSettings = EngineSettings()) -> EngineSettings:
     """How a matrix runs a model with KV cache type `kv` (a quantized V cache needs flash attention); the rest
     (where it runs, batch sizes, RoPE scaling) from `base`."""
@@ -128,15 +141,22 @@ class MatrixPlan:
         """(label, model, kv) of every pair, as the PPL matrix lays them out."""
         return [(p.label, p.model, p.kv) for p in self.pairs]
 
+    def grid(self, summaries: list[ComparisonSummary]) -> tuple[list[tuple[str, str, str]], list[ComparisonSummary]]:
+        """The cells of the PPL matrix and their summaries: every pair but the control, whose cell (the reference
+        model, KV f16) is the reference's own."""
+        kept = [(cell, s) for cell, s in zip(self.cells(), summaries) if cell[0] != CONTROL]
+        return [cell for cell, _ in kept], [s for _, s in kept]
+
 
 def plan_matrix(ref_label: str, ref_path: str, pairs: list[tuple[str, str, str]], chunks: int | None, n_ctx: int,
                 corpus: str | None, directory: Path, engine: EngineSettings = EngineSettings(), force: bool = False,
                 scoring: str = "half", concat: bool = False, samplers=(),
-                tasks: tuple[TaskRequest, ...] = ()) -> MatrixPlan:
+                tasks: tuple[TaskRequest, ...] = (), control: bool = False) -> MatrixPlan:
     """The plan for reference `ref_path` and (label, model, kv) `pairs`, each run with `engine` but its KV cache
     type. Every bad setting, label, sampler or task file is refused here, before hours of work start.
     force: a reference store of another capture is replaced. samplers: presets or settings strings
-    (qeval.compare.sampler) every pair is measured with too; tasks: task sets every model is scored on too."""
+    (qeval.compare.sampler) every pair is measured with too; tasks: task sets every model is scored on too.
+    control: one more pair, CONTROL, the reference model itself under control_settings: the noise floor."""
     chosen = tuple(s.name for s in sampler.parse_all(samplers))
     named = []
     for request in tasks:
@@ -145,6 +165,8 @@ def plan_matrix(ref_label: str, ref_path: str, pairs: list[tuple[str, str, str]]
         # a missing or malformed task file is refused now
         named.append(dataclasses.replace(request, name=load_tasks(request.task, request.kind).name))
     planned = tuple(Pair(label, path, kv, pair_settings(kv, engine).validate()) for label, path, kv in pairs)
+    if control:
+        planned += (Pair(CONTROL, ref_path, "f16", pair_settings("f16", control_settings(engine, n_ctx)).validate()),)
     labels = [p.label for p in planned]
     if len(set(labels)) != len(labels) or ref_label in labels:
         raise QevalError(f"labels must be unique (reference {ref_label}, candidates {', '.join(labels)}); "
@@ -312,13 +334,15 @@ def matrix_result(plan: MatrixPlan, run: MatrixRun, task_lines: list[str] = ()) 
     summaries = run.summaries
     names = {t.name for t in plan.tasks}
     rows = [board.row_with_flips(s, plan.samplers, plan.directory / TASKS_SUBDIR, names=names) for s in summaries]
+    board.compare_with_control(rows)
     ref_label = plan.reference.label
     text = "\n".join([run.reference_text, *run.lines, *task_lines, "",
                       f"reference {ref_label}: {summaries[0].chunks} chunks of {plan.reference.n_ctx}, "
                       f"{summaries[0].scored_tokens} scored tokens" if summaries else "",
                       "", "PPL matrix (rows: model, columns: KV cache)",
-                      report.ppl_matrix_markdown(plan.cells(), summaries),
+                      report.ppl_matrix_markdown(*plan.grid(summaries)),
                       "", "Leaderboard (sorted by mean KLD)",
-                      board.leaderboard_markdown(rows, plan.samplers, board.common_tasks(rows))])
+                      board.leaderboard_markdown(rows, plan.samplers, board.common_tasks(rows)),
+                      *(["", board.CONTROL_NOTE] if board.has_control(rows) else [])])
     return {"reference": ref_label, "rows": [r.to_json() for r in rows],
             "results": [s.to_json() for s in summaries]}, text

@@ -14,17 +14,18 @@ from qeval.present.progress import progress_bar
 
 def run_matrix(ref_label: str, ref_path: str, pairs: list[tuple[str, str, str]], chunks, n_ctx, corpus,
                directory: Path, engine: EngineSettings, progress: bool = True, executor=None, force: bool = False,
-               scoring: str = "half", concat: bool = False, samplers=(), tasks=()) -> tuple[dict, str]:
+               scoring: str = "half", concat: bool = False, samplers=(), tasks=(), control: bool = False
+               ) -> tuple[dict, str]:
     """The matrix of reference `ref_path` and (label, model, kv) `pairs` (see qeval.api.matrix_report)."""
     plan = matrix.plan_matrix(ref_label, ref_path, pairs, chunks, n_ctx, corpus, directory, engine, force, scoring,
-                              concat, samplers, tasks)
+                              concat, samplers, tasks, control)
     directory.mkdir(parents=True, exist_ok=True)
     if executor not in (None, "local"):
         run = as_executor(executor).run(plan, progress)
     else:
-        with progress_bar(f"matrix: reference + {len(pairs)} pairs", plan.total_chunks, progress) as advance:
+        with progress_bar(f"matrix: reference + {len(plan.pairs)} pairs", plan.total_chunks, progress) as advance:
             run = matrix.run_local(plan, advance)
-    with progress_bar(f"matrix: {len(plan.tasks)} task sets x {1 + len(pairs)} models", None,
+    with progress_bar(f"matrix: {len(plan.tasks)} task sets x {1 + len(plan.pairs)} models", None,
                       progress and bool(plan.tasks)) as advance:
         task_lines = matrix.run_tasks(plan, on_tasks=advance)
     return matrix.matrix_result(plan, run, task_lines)

@@ -9,17 +9,23 @@ names them `<metric>@<sampler>` and `<figure>@<task set>`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from math import isfinite, sqrt
 from pathlib import Path
 
 from qeval.capture.modelinfo import kv_cache_gib
 from qeval.compare import metric_registry, sampler
 from qeval.compare.metric_registry import Metric, MetricValue, plus_minus, sampler_metrics
 from qeval.compare.summary import ComparisonSummary, DepthBand
+from qeval.identity import is_control
 from qeval.present import task_flips
 from qeval.present.task_flips import FlipFigures
 from qeval.storage.scoring import Scoring
 
 DEEPEST_KEYS = ("deepest_band", "kld_deepest", "kld_deepest_se")
+CONTROL_KEYS = ("control", "kld_excess", "within_noise")
+# A row is indistinguishable from the control when |kld - kld_control| <= NOISE_SIGMAS * sqrt(se² + se_control²):
+# two SEs of the difference of two independent means, about a 95 % interval.
+NOISE_SIGMAS = 2.0
 
 
 def sampler_board_metrics(name: str) -> tuple[Metric, ...]:
@@ -74,6 +80,9 @@ class BoardRow:
     rank: int | None = None
     pareto: bool | None = None  # on its Pareto front: weight quants by file size, KV-cache quants by memory_gib
     result: str | None = None  # the result file it was read from
+    control: bool = False  # the reference recomputed under another batch layout (qeval.identity.is_control)
+    kld_excess: float | None = None  # mean KLD minus the board's control's; None: the board has no control
+    within_noise: bool | None = None  # its mean KLD is the control's within NOISE_SIGMAS combined SEs
 
     def value(self, key: str) -> float | None:
         """The value of board metric `key` ("kld_mean", "ppl")."""
@@ -104,6 +113,7 @@ class BoardRow:
         deepest = self.deepest
         out.update(deepest_band=deepest.name if deepest else None, kld_deepest=deepest.kld["mean"] if deepest else None,
                    kld_deepest_se=deepest.kld["se"] if deepest else None)
+        out.update(control=self.control, kld_excess=self.kld_excess, within_noise=self.within_noise)
         for task, figures in self.task_flips.items():
             out.update((task_flips.row_key(k, task), v) for k, v in figures.to_json().items())
         return out
@@ -123,7 +133,8 @@ def board_row(summary: ComparisonSummary, samplers=(), flips: dict[str, FlipFigu
                     model.get("bits_per_weight"), {m.key: held.get(m.key) for m in metric_registry.board()},
                     {name: _sampler_figures(summary, held, name) for name in samplers}, summary.deepest, flips or {},
                     kv_quant=types != (ref_kv.get("type_k"), ref_kv.get("type_v")),
-                    memory_gib=None if size is None or kv_gib is None else round(size + kv_gib, 4))
+                    memory_gib=None if size is None or kv_gib is None else round(size + kv_gib, 4),
+                    control=is_control(summary.comparison_request()))
 
 
 def _sampler_figures(summary: ComparisonSummary, held: dict[str, MetricValue], name: str) -> dict:
@@ -140,28 +151,64 @@ def row_with_flips(summary: ComparisonSummary, samplers, tasks_root: Path, origi
 
 
 def rank_key(row: BoardRow) -> tuple:
-    """A board's order: lowest mean KLD first."""
-    return row.kld_mean, row.label
+    """A board's order: its control first (the floor the rest is read against), then lowest mean KLD first."""
+    return not row.control, row.kld_mean, row.label
+
+
+def excess_over(kld: MetricValue | None, control: MetricValue | None) -> tuple[float | None, bool | None]:
+    """(kld - kld_control, whether that is within NOISE_SIGMAS combined SEs); None where a value is missing, and
+    no verdict where an SE is."""
+    if kld is None or control is None:
+        return None, None
+    excess = kld.value - control.value
+    ses = (kld.se, control.se)
+    if not all(se is not None and isfinite(se) for se in ses):
+        return excess, None
+    return excess, abs(excess) <= NOISE_SIGMAS * sqrt(ses[0] ** 2 + ses[1] ** 2)
+
+
+def compare_with_control(rows: list[BoardRow]) -> None:
+    """Fill kld_excess and within_noise of every row against the board's control (the first by rank_key: the lowest
+    mean KLD when several); nothing when it has none."""
+    control = next((r for r in sorted(rows, key=rank_key) if r.control), None)
+    for row in rows:
+        if control is not None and row is not control:
+            row.kld_excess, row.within_noise = excess_over(row.metrics.get("kld_mean"), control.metrics.get("kld_mean"))
+
+
+def has_control(rows: list[BoardRow]) -> bool:
+    return any(r.control for r in rows)
 
 
 # --------------------------------------------------------------------------------------------------
 # the table
 # --------------------------------------------------------------------------------------------------
-def leaderboard_columns(samplers=(), tasks=()) -> tuple[tuple[str, str], ...]:
+def leaderboard_columns(samplers=(), tasks=(), control: bool = False) -> tuple[tuple[str, str], ...]:
     """(heading, written column) of the table's columns after the label: a TVD column per sampler, a flips
-    column per task set."""
+    column per task set, and on a board with a control, the KLD over it (CONTROL_NOTE)."""
     return (("quant", "quant"), ("KV", "kv"), ("size GiB", "size_gib"), ("BPW", "bpw"),
             *((m.heading + (" ± SE" if m.has_se else ""), m.key) for m in board_metrics(samplers)),
+            *((("KLD over control", "kld_excess"),) if control else ()),
             ("KLD deepest band ± SE", "kld_deepest"), *task_flips.columns(tasks))
 
 
-def leaderboard_cells(r: BoardRow, tasks=()) -> list[str]:
-    """The formatted cells of one row: label, then leaderboard_columns(its samplers, tasks)."""
+def leaderboard_cells(r: BoardRow, tasks=(), control: bool = False) -> list[str]:
+    """The formatted cells of one row: label, then leaderboard_columns(its samplers, tasks, control)."""
     deepest = "" if r.deepest is None else f"{plus_minus(r.deepest.kld['mean'], r.deepest.kld['se'], '.6f')} " \
                                            f"({r.deepest.name})"
     return [r.label, r.quant, r.kv, _num(r.size_gib, ".3f"), _num(r.bpw, ".2f"),
-            *(m.cell(*((mv.value, mv.se) if mv else (None, None))) for m, mv in r.board_values()), deepest,
+            *(m.cell(*((mv.value, mv.se) if mv else (None, None))) for m, mv in r.board_values()),
+            *((control_cell(r),) if control else ()), deepest,
             *(r.task_flips[task].cell() if task in r.task_flips else "" for task in tasks)]
+
+
+def control_cell(r: BoardRow) -> str:
+    """"control" on the control's row; else the excess over it, "(noise)" when within NOISE_SIGMAS combined SEs."""
+    if r.control:
+        return "control"
+    if r.kld_excess is None:
+        return ""
+    return f"{r.kld_excess:+.6f}" + (" (noise)" if r.within_noise else "")
 
 
 def pareto_mark(row: BoardRow) -> str:
@@ -172,10 +219,12 @@ def pareto_mark(row: BoardRow) -> str:
 def leaderboard_markdown(rows: list[BoardRow], samplers=(), tasks=(), pareto: bool = False) -> str:
     """A paste-ready markdown table, sorted by mean KLD: a TVD column per sampler in `samplers` (names), a flips
     column per task set in `tasks`, and with `pareto`, a column marking the rows on the Pareto front."""
-    header = ["label", *(name for name, _ in leaderboard_columns(samplers, tasks))] + (["Pareto"] if pareto else [])
+    control = has_control(rows)
+    header = ["label", *(name for name, _ in leaderboard_columns(samplers, tasks, control))] + \
+        (["Pareto"] if pareto else [])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in sorted(rows, key=rank_key):
-        cells = [_md_escape(c) for c in leaderboard_cells(r, tasks)]
+        cells = [_md_escape(c) for c in leaderboard_cells(r, tasks, control)]
         if pareto:
             cells.append(pareto_mark(r))
         lines.append("| " + " | ".join(cells) + " |")
@@ -221,10 +270,16 @@ def _note(m: Metric) -> str:
     return f"{m.heading}: {m.description}{unit}" + (f"; {m.better} is better." if m.better else ".")
 
 
-def notes(samplers=(), tasks=()) -> str:
+def notes(samplers=(), tasks=(), control: bool = False) -> str:
     """What every column means, under the table."""
     return " ".join([*map(_note, board_metrics(samplers)), *([task_flips.NOTE] if tasks else []),
-                     "± is one standard error.", PARETO_NOTE])
+                     *([CONTROL_NOTE] if control else []), "± is one standard error.", PARETO_NOTE])
+
+
+CONTROL_NOTE = ("KLD over control: mean KLD minus the control's, the reference model recomputed live under another "
+                "batch layout (its KLD is the comparison's own noise floor); (noise): within "
+                f"{NOISE_SIGMAS:g}·sqrt(SE² + SE_control²) of it, indistinguishable from numerical noise. The control "
+                "is on no Pareto front.")
 
 
 # Weight quants and KV-cache quants save different memory: each is ranked against its own kind.

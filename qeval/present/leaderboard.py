@@ -58,10 +58,16 @@ class Leaderboard:
         return leaderboard_json(self)
 
     @property
+    def control(self) -> bool:
+        """Whether a control (the reference recomputed: the noise floor) is on the board."""
+        return boardrows.has_control(self.rows)
+
+    @property
     def columns(self) -> tuple[str, ...]:
         """The columns of the CSV and of the JSON rows (a TVD column per sampler, flips figures per task set)."""
         return ("rank", "label", "quant", "model_file", "type_k", "type_v", "size_gib", "bpw", "memory_gib",
                 *boardrows.board_keys(self.samplers), *boardrows.DEEPEST_KEYS, *task_flips.keys(self.tasks),
+                *boardrows.CONTROL_KEYS,
                 "pareto", "result")
 
     def records(self) -> list[dict]:
@@ -164,9 +170,12 @@ def pareto_front(sizes: list, values: list) -> list[bool]:
 
 
 def mark_pareto_fronts(rows: list[BoardRow]) -> None:
-    """Like with like: weight quants on file size, KV-cache quants on memory at the context (board.PARETO_NOTE)."""
+    """Like with like: weight quants on file size, KV-cache quants on memory at the context (board.PARETO_NOTE). A
+    control is on neither: it is the reference itself, and beats every quant at the reference's size."""
+    for row in rows:
+        row.pareto = False
     for kv_quant, axis in ((False, "size_gib"), (True, "memory_gib")):
-        kind = [r for r in rows if r.kv_quant == kv_quant]
+        kind = [r for r in rows if r.kv_quant == kv_quant and not r.control]
         for row, on_front in zip(kind, pareto_front([getattr(r, axis) for r in kind], [r.kld_mean for r in kind])):
             row.pareto = on_front
 
@@ -183,8 +192,10 @@ def build(runs: list[str | os.PathLike] | None = None, title: str | None = None,
     pairs = sorted(((_row(r, samplers), r) for r in loaded), key=lambda pr: boardrows.rank_key(pr[0]))
     rows = [row for row, _ in pairs]
     mark_pareto_fronts(rows)
-    for rank, (row, (_, res)) in enumerate(zip(rows, pairs), 1):
-        row.rank, row.result = rank, str(res.path)
+    boardrows.compare_with_control(rows)
+    ranked = iter(range(1, len(rows) + 1))
+    for row, (_, res) in zip(rows, pairs):
+        row.rank, row.result = None if row.control else next(ranked), str(res.path)  # the control is no contender
     settings = {**settings_of(loaded), "samplers": {name: sampler.parse(name).settings() for name in samplers}}
     if title is None:
         ref = settings["reference"]
@@ -207,7 +218,7 @@ def markdown_page(board: Leaderboard) -> str:
     out = [f"## {board.title}", ""]
     out += [f"- **{k}:** {v}" for k, v in boardrows.settings_lines(board.settings, board.samplers)]
     out += ["", boardrows.leaderboard_markdown(board.rows, board.samplers, board.tasks, pareto=True), "",
-            boardrows.notes(board.samplers, board.tasks), ""]
+            boardrows.notes(board.samplers, board.tasks, board.control), ""]
     return "\n".join(out)
 
 

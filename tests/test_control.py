@@ -1,0 +1,127 @@
+"""The noise floor (issue 19, item 3): a control, the reference model recomputed under another batch layout, on
+every board; each row's mean KLD read against it.
+
+Synthetic: tests/test_leaderboard.py's board plus a control (the reference's model and KV cache, its logits moved by
+tiny noise) and a quant as close to the reference as the control: the control is recognised from its request, not
+its label, shown first, unranked and on no Pareto front; the excess over it and the noise verdict are checked
+against hand computation. Real (slow): `qeval matrix` on Gemma-3-270M runs the control by default, under another
+batch layout, and its KLD is far below Q4_0's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from conftest import run_cli
+from test_leaderboard import CANDIDATES, build_results
+
+from qeval.capture.engine import EngineSettings
+from qeval.compare.metric_registry import MetricValue
+from qeval.orchestrate import matrix
+from qeval.present import board as boardrows
+from qeval.present import leaderboard
+
+# label, model file, quant, size GiB, bpw, KV type, noise sigma: "ctl" is the reference's own model (BF16, KV f16)
+CONTROL = ("ctl", "m-BF16.gguf", "BF16", 2.0, 16.0, "f16", 0.01)
+TWIN = ("Q8_X", "m-Q8_X.gguf", "Q8_X", 1.5, 10.0, "f16", 0.01)  # another model, as close as the control
+
+
+@pytest.fixture(scope="module")
+def board(tmp_path_factory) -> leaderboard.Leaderboard:
+    runs = build_results(tmp_path_factory.mktemp("control") / "runs", candidates=(*CANDIDATES, CONTROL, TWIN))
+    return leaderboard.leaderboard([runs], out=tmp_path_factory.mktemp("board") / "out")
+
+
+def saved(board: leaderboard.Leaderboard) -> dict[str, dict]:
+    """label -> its saved comparison JSON, read independently of the board."""
+    return {res.label: json.loads(res.path.read_text()) for res in board.results}
+
+
+def kld(summary: dict) -> tuple[float, float]:
+    m = summary["metrics"]["kld_mean"]
+    return m["value"], m["se"]
+
+
+def test_the_control_is_known_by_its_request_shown_first_unranked_and_on_no_front(board):
+    assert [r.label for r in board.rows if r.control] == ["ctl"]
+    first = board.rows[0]
+    assert first.label == "ctl" and first.rank is None and first.pareto is False
+    assert [r.rank for r in board.rows[1:]] == list(range(1, len(board.rows)))
+    assert "ctl" not in board.pareto
+    assert first.kld_excess is None and first.within_noise is None
+
+
+def test_excess_and_noise_verdict_match_hand_computation(board):
+    summaries = saved(board)
+    control, control_se = kld(summaries["ctl"])
+    verdicts = {}
+    for row in board.rows[1:]:
+        value, se = kld(summaries[row.label])
+        assert row.kld_excess == pytest.approx(value - control, abs=1e-15)
+        assert row.within_noise == (abs(value - control) <= 2 * math.sqrt(se ** 2 + control_se ** 2))
+        verdicts[row.label] = row.within_noise
+    assert verdicts["Q8_X"] is True  # as close as the control: indistinguishable from it
+    assert verdicts["Q8_0"] is False and verdicts["Q2_K"] is False
+
+
+def test_excess_over_rule_edges():
+    assert boardrows.excess_over(MetricValue(0.5, 0.1), MetricValue(0.2, 0.1)) == (pytest.approx(0.3), False)
+    assert boardrows.excess_over(MetricValue(0.4, 0.1), MetricValue(0.2, 0.1)) == (pytest.approx(0.2), True)
+    assert boardrows.excess_over(MetricValue(0.4, float("nan")), MetricValue(0.2, 0.1)) == (pytest.approx(0.2), None)
+    assert boardrows.excess_over(None, MetricValue(0.2, 0.1)) == (None, None)
+
+
+def test_board_json_csv_and_markdown_show_the_control(board):
+    rows = {r["label"]: r for r in json.loads((board.paths["leaderboard.json"]).read_text())["rows"]}
+    assert rows["ctl"]["control"] is True and rows["ctl"]["rank"] is None and rows["ctl"]["kld_excess"] is None
+    assert rows["Q8_X"]["within_noise"] is True and rows["Q2_K"]["within_noise"] is False
+    assert rows["Q2_K"]["kld_excess"] == pytest.approx(rows["Q2_K"]["kld_mean"] - rows["ctl"]["kld_mean"])
+    header = board.paths["leaderboard.csv"].read_text().splitlines()[0].split(",")
+    assert {"control", "kld_excess", "within_noise"} <= set(header)
+    md = board.paths["leaderboard.md"].read_text()
+    table = [line for line in md.splitlines() if line.startswith("| ")]
+    assert "KLD over control" in table[0]
+    assert table[1].startswith("| ctl |") and "| control |" in table[1]
+    twin = next(line for line in table if line.startswith("| Q8_X |"))
+    assert "(noise)" in twin
+    assert boardrows.CONTROL_NOTE in md
+    assert "KLD over control" in board.paths["leaderboard.html"].read_text()
+
+
+def test_a_board_without_a_control_has_no_control_column(tmp_path):
+    plain = leaderboard.build([build_results(tmp_path / "runs")])
+    assert not plain.control and "KLD over control" not in plain.markdown()
+    assert all(r["kld_excess"] is None and r["control"] is False for r in plain.records())
+
+
+@pytest.mark.parametrize(("n_batch", "n_ctx", "expected"), [(None, 512, 256), (128, 4096, 256), (None, 64, 32),
+                                                            (2048, 512, 256), (300, 512, 512)])
+def test_control_batch_rule(n_batch, n_ctx, expected):
+    base = EngineSettings(n_batch=n_batch)
+    control = matrix.control_settings(base, n_ctx)
+    assert control.batch_sizes(n_ctx) == (expected, expected) != base.batch_sizes(n_ctx)
+
+
+def test_matrix_plans_the_control_as_one_more_pair_of_the_reference(tmp_path):
+    plan = matrix.plan_matrix("R", "r.gguf", [("C", "c.gguf", "f16")], 2, 64, None, tmp_path, control=True)
+    pair = plan.pairs[-1]
+    assert (pair.label, pair.model, pair.kv) == (matrix.CONTROL, "r.gguf", "f16")
+    assert pair.settings.batch_sizes(64) == (32, 32) != plan.reference.settings.batch_sizes(64)
+    assert plan.reference.settings.as_json() == pair.settings.as_json()  # KV and flash attention as the reference's
+    assert [p.label for p in matrix.plan_matrix("R", "r.gguf", [], 2, 64, None, tmp_path).pairs] == []
+
+
+def test_matrix_control_on_gemma(models, tmp_path):
+    """`qeval matrix` runs the control by default: the reference model live under half-window batches."""
+    res = run_cli("matrix", "--ref", f"R={models['Q8_0']}", "-m", f"Q4={models['Q4_0']}", "-c", "64", "--chunks",
+                  "2", "--runs-dir", tmp_path, "--json")
+    assert res.returncode == 0, res.stderr
+    rows = {r["label"]: r for r in json.loads(res.stdout)["rows"]}
+    control, q4 = rows[matrix.CONTROL], rows["Q4"]
+    print(f"control KLD {control['kld_mean']!r} ± {control['kld_mean_se']!r}, Q4_0 {q4['kld_mean']!r}")
+    assert control["control"] is True and q4["control"] is False
+    assert 0 <= control["kld_mean"] < q4["kld_mean"] / 20  # measured: 0.0028 vs 0.33 (2 cores, x86)
+    assert q4["kld_excess"] == pytest.approx(q4["kld_mean"] - control["kld_mean"])
+    assert q4["within_noise"] is False
