@@ -329,3 +329,20 @@ def test_a_flips_column_per_task_set_beside_the_results(tmp_path):
         assert flips["flips_pct"] == board_rows[row["label"]]["flips_pct@toy-hs"] > 0
         cell = table[row["label"]]["flips % (toy-hs), McNemar p"]
         assert cell.startswith(f"{flips['flips_pct']:.2f} ({flips['correct_to_wrong']}↓ {flips['wrong_to_correct']}↑")
+
+
+def test_a_card_shows_the_control_and_each_quants_excess_over_it(tmp_path):
+    from test_control import CONTROL, TWIN  # noqa: PLC0415
+
+    candidates = (*test_leaderboard.CANDIDATES, CONTROL, TWIN)
+    runs = test_leaderboard.build_results(tmp_path / "runs", candidates=candidates)
+    api.card_report([runs], out=tmp_path / "card")
+    block = (tmp_path / "card" / "card.md").read_text()
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in block.splitlines() if line.startswith("| ")}
+    assert "KLD over control" in rows["label"] and "| control |" in rows["ctl"]
+    assert "(noise)" in rows["Q8_X"] and "(noise)" not in rows["Q2_K"]
+    sidecar = {r["label"]: r for r in json.loads((tmp_path / "card" / "card.json").read_text())["rows"]}
+    saved = {s["candidate"]["label"]: s["metrics"]["kld_mean"]["value"]
+             for s in map(json.loads, map(Path.read_text, (runs / "results").glob("*.json")))}
+    assert sidecar["ctl"]["control"] and sidecar["ctl"]["kld_excess"] is None
+    assert sidecar["Q2_K"]["kld_excess"] == pytest.approx(saved["Q2_K"] - saved["ctl"], rel=1e-12)

@@ -50,6 +50,11 @@ class Card:
     def tasks(self) -> tuple[str, ...]:
         return self.board.tasks
 
+    @property
+    def has_control(self) -> bool:
+        """Whether a control row is on the card: then a column of each quant's KLD over it."""
+        return boardrows.has_control([r.row for r in self.rows])
+
     def markdown(self, plot: str = PLOT_FILE, sidecar: str = SIDECAR) -> str:
         return markdown(self, plot, sidecar)
 
@@ -100,20 +105,23 @@ def record(r: CardRow, bands: tuple[str, ...], tasks: tuple[str, ...]) -> dict:
     out["by_depth"] = {name: {"kld_mean": r.bands[name].kld["mean"], "kld_mean_se": r.bands[name].kld["se"]}
                        for name in bands}
     out["flips"] = {task: row.task_flips[task].to_json() for task in tasks if task in row.task_flips}
-    out.update(memory_gib=row.memory_gib, kv_quant=row.kv_quant, pareto=row.pareto, result=row.result)
+    out.update(memory_gib=row.memory_gib, kv_quant=row.kv_quant, control=row.control, kld_excess=row.kld_excess,
+               within_noise=row.within_noise, pareto=row.pareto, result=row.result)
     return out
 
 
-def header(bands: tuple[str, ...], tasks: tuple[str, ...]) -> list[str]:
+def header(bands: tuple[str, ...], tasks: tuple[str, ...], control: bool = False) -> list[str]:
     return ["label", "file", "KV", "size GiB", "BPW", *(m.heading + (" ± SE" if m.has_se else "") for m in card_metrics()),
+            *(["KLD over control"] if control else []),
             *(f"mean KLD, positions {name} ± SE" for name in bands), *(h for h, _ in task_flips.columns(tasks)),
             "Pareto"]
 
 
-def cells(r: CardRow, bands: tuple[str, ...], tasks: tuple[str, ...]) -> list[str]:
+def cells(r: CardRow, bands: tuple[str, ...], tasks: tuple[str, ...], control: bool = False) -> list[str]:
     row, kld = r.row, METRICS["kld_mean"]
     return [row.label, row.model_file or "?", row.kv, _fixed(row.size_gib, ".3f"), _fixed(row.bpw, ".2f"),
             *(m.cell(*_value_se(row.metrics.get(m.key))) for m in card_metrics()),
+            *([boardrows.control_cell(row)] if control else []),
             *(kld.cell(r.bands[name].kld["mean"], r.bands[name].kld["se"]) for name in bands),
             *(row.task_flips[task].cell() if task in row.task_flips else "" for task in tasks),
             boardrows.pareto_mark(row)]
@@ -124,10 +132,12 @@ def _fixed(v: float | None, fmt: str) -> str:
 
 
 def table(card: Card) -> str:
-    head = header(card.bands, card.tasks)
+    control = card.has_control
+    head = header(card.bands, card.tasks, control)
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in card.rows:
-        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells(r, card.bands, card.tasks)) + " |")
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells(r, card.bands, card.tasks, control))
+                     + " |")
     return "\n".join(lines)
 
 
@@ -141,7 +151,8 @@ NOTE = ("Rows are sorted by mean KLD, KL(reference ‖ quant) in nats per scored
 
 def markdown(card: Card, plot: str = PLOT_FILE, sidecar: str = SIDECAR) -> str:
     """The block: heading, table, plot, provenance; plot and sidecar are links relative to where it is read."""
-    out = [f"## {card.title}", "", table(card), "", NOTE, "",
+    note = NOTE + (" " + boardrows.CONTROL_NOTE if card.has_control else "")
+    out = [f"## {card.title}", "", table(card), "", note, "",
            f"![Mean KLD against model size, Pareto front marked]({plot})", "",
            f"**Provenance** (as JSON: [{Path(sidecar).name}]({sidecar}))", ""]
     out += [f"- **{k}:** {v}" for k, v in card_provenance.lines(card.provenance)]
