@@ -226,13 +226,13 @@ def paired_report(ref: str, cand_a: str, cand_b: str, chunks: int | None = None,
 
 def check_report(ref: str, cand: str, chunks: int | None = None, runs_dir=None, baseline: str | None = None,
                  baseline_entry: str | None = None, baseline_metrics=None, progress: bool = False,
-                 depth: str | None = None, samplers=(), **limits) -> tuple[dict, str, bool]:
-    """Release gate (qeval.orchestrate.gate): (result, text, passed)."""
+                 depth: str | None = None, samplers=(), control: str | None = None, **limits) -> tuple[dict, str, bool]:
+    """Release gate (qeval.orchestrate.gate): (result, text, passed); control: report the KLD over a control."""
     from qeval.orchestrate import gate  # noqa: PLC0415
 
     return gate.check_report(ref, cand, chunks=chunks, runs_dir=runs_dir, baseline=baseline,
                              baseline_entry=baseline_entry, baseline_metrics=baseline_metrics, progress=progress,
-                             depth=depth, samplers=samplers, **limits)
+                             depth=depth, samplers=samplers, control=control, **limits)
 
 
 def threshold_options() -> list[tuple[str, str, str]]:

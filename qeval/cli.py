@@ -324,6 +324,7 @@ def check_cmd(
     chunks: Optional[int] = Chunks,
     depth: Optional[str] = typer.Option(None, "--depth", help="Gate only scored tokens at logit positions LO:HI (either side may be empty), e.g. 8192: for beyond 8K."),
     sampler: Optional[list[str]] = typer.Option(None, "--sampler", help="A sampler (preset or settings, as qeval kld --sampler) whose figures --max-tvd judges; repeat for several (default with a saved result: every sampler it holds)."),
+    control: Optional[str] = typer.Option(None, "--control", help="A control against the same reference (the 'control' result or store qeval matrix makes): also report the candidate's mean KLD over it and whether that is within numerical noise."),
     as_json: bool = Json,
     runs_dir: Optional[Path] = RunsDir,
     **limits: Optional[float],
@@ -331,7 +332,8 @@ def check_cmd(
     """Release gate: exit 0 if every check passes, 1 if one fails beyond its error bars, 2 on bad input."""
     result, text, passed = api.check_report(ref, cand, chunks=chunks, runs_dir=runs_dir, baseline=baseline,
                                             baseline_entry=baseline_entry, baseline_metrics=baseline_metric,
-                                            progress=True, depth=depth, samplers=sampler or (), **limits)
+                                            progress=True, depth=depth, samplers=sampler or (), control=control,
+                                            **limits)
     _emit(result, text, as_json)
     raise typer.Exit(0 if passed else 1)
 

@@ -18,6 +18,7 @@ from conftest import run_cli
 from test_leaderboard import CANDIDATES, build_results
 
 from qeval.capture.engine import EngineSettings
+from qeval.compare import paired_stats
 from qeval.compare.metric_registry import MetricValue
 from qeval.orchestrate import matrix
 from qeval.present import board as boardrows
@@ -67,10 +68,10 @@ def test_excess_and_noise_verdict_match_hand_computation(board):
 
 
 def test_excess_over_rule_edges():
-    assert boardrows.excess_over(MetricValue(0.5, 0.1), MetricValue(0.2, 0.1)) == (pytest.approx(0.3), False)
-    assert boardrows.excess_over(MetricValue(0.4, 0.1), MetricValue(0.2, 0.1)) == (pytest.approx(0.2), True)
-    assert boardrows.excess_over(MetricValue(0.4, float("nan")), MetricValue(0.2, 0.1)) == (pytest.approx(0.2), None)
-    assert boardrows.excess_over(None, MetricValue(0.2, 0.1)) == (None, None)
+    assert paired_stats.excess_over(MetricValue(0.5, 0.1), MetricValue(0.2, 0.1)) == (pytest.approx(0.3), False)
+    assert paired_stats.excess_over(MetricValue(0.4, 0.1), MetricValue(0.2, 0.1)) == (pytest.approx(0.2), True)
+    assert paired_stats.excess_over(MetricValue(0.4, float("nan")), MetricValue(0.2, 0.1)) == (pytest.approx(0.2), None)
+    assert paired_stats.excess_over(None, MetricValue(0.2, 0.1)) == (None, None)
 
 
 def test_board_json_csv_and_markdown_show_the_control(board):
@@ -125,3 +126,22 @@ def test_matrix_control_on_gemma(models, tmp_path):
     assert 0 <= control["kld_mean"] < q4["kld_mean"] / 20  # measured: 0.0028 vs 0.33 (2 cores, x86)
     assert q4["kld_excess"] == pytest.approx(q4["kld_mean"] - control["kld_mean"])
     assert q4["within_noise"] is False
+
+
+def test_check_reports_the_excess_over_a_control(tmp_path):
+    runs = build_results(tmp_path / "runs", candidates=(*CANDIDATES, CONTROL, TWIN))
+    res = run_cli("check", "--ref", "REF", "--cand", "Q8_X", "--max-kld", "1", "--control", "ctl", "--json",
+                  "--runs-dir", runs)
+    assert res.returncode == 0, res.stderr
+    over = json.loads(res.stdout)["control"]
+    saved = {s["candidate"]["label"]: s["metrics"]["kld_mean"] for s in
+             (json.loads(p.read_text()) for p in (runs / "results").glob("*.json"))}
+    assert over["kld_mean"] == pytest.approx(saved["ctl"]["value"], rel=1e-12)
+    assert over["kld_excess"] == pytest.approx(saved["Q8_X"]["value"] - saved["ctl"]["value"], abs=1e-12)
+    assert over["within_noise"] is True
+    text = run_cli("check", "--ref", "REF", "--cand", "Q2_K", "--max-kld", "1", "--control", "ctl",
+                   "--runs-dir", runs).stdout
+    assert "control ctl: mean KLD" in text and "beyond numerical noise" in text
+    not_a_control = run_cli("check", "--ref", "REF", "--cand", "Q2_K", "--max-kld", "1", "--control", "Q8_0",
+                            "--runs-dir", runs)
+    assert not_a_control.returncode == 2 and "is not a control" in not_a_control.stderr

@@ -24,11 +24,13 @@ from qeval.compare import metric_registry, sampler
 from qeval.compare.depth import parse_depth
 from qeval.compare.gate_checks import Check, GateResult
 from qeval.compare.metric_registry import METRICS, Metric, MetricValue
+from qeval.compare.paired_stats import excess_over
 from qeval.compare.summary import ComparisonSummary, Side
 from qeval.errors import QevalError
+from qeval.identity import is_control
 from qeval.orchestrate import baselines
 from qeval.orchestrate.measured import Measured, is_result_spec, measure
-from qeval.present.gate_text import gate_text
+from qeval.present.gate_text import control_text, gate_text
 
 Z = 1.96  # two-sided 95 %; each check is one-sided at 97.5 %
 
@@ -208,6 +210,18 @@ def _setting_notes(entry: baselines.Entry, summary: ComparisonSummary) -> list[s
     return notes
 
 
+def over_control(summary, control: Measured, spec: str) -> dict:
+    """The candidate's mean KLD over a control's (qeval.compare.paired_stats.excess_over); a control must be the
+    reference model recomputed (qeval.identity.is_control), else it is no floor."""
+    if not is_control(control.summary.comparison_request()):
+        raise QevalError(f"--control {spec} is not a control: its candidate is not the reference's model and settings "
+                         "under another batch layout (qeval matrix makes one: the 'control' pair)")
+    kld, floor = summary.measured().get("kld_mean"), control.summary.measured().get("kld_mean")
+    excess, within = excess_over(kld, floor)
+    return {"label": control.label, "kld_mean": floor.value if floor else None, "kld_mean_se": floor.se if floor else None,
+            "kld_excess": excess, "within_noise": within}
+
+
 def _pick_early(base: baselines.Baseline, ref: str, cand: str, runs_dir) -> None:
     """Refuse an ambiguous or unmatched baseline from the stores' headers, before a long comparison."""
     from qeval.orchestrate import sources  # noqa: PLC0415 - sources imports the capture engine
@@ -226,10 +240,13 @@ def _pick_early(base: baselines.Baseline, ref: str, cand: str, runs_dir) -> None
 def check_report(ref: str, cand: str, chunks: int | None = None, runs_dir: str | os.PathLike | None = None,
                  threads: int = 2, baseline: str | None = None, baseline_entry: str | None = None,
                  baseline_metrics: list[str] | None = None, progress: bool = False, depth: str | None = None,
-                 samplers=(), **limits: float | None) -> tuple[dict, str, bool]:
+                 samplers=(), control: str | None = None, **limits: float | None) -> tuple[dict, str, bool]:
     """`qeval check`: (JSON, text, passed). Inputs are checked before any long comparison starts.
     depth: "LO:HI", gate only the scored tokens at those logit positions (e.g. "8192:" for beyond 8K).
-    samplers: presets or settings strings (qeval.compare.sampler) whose figures --max-tvd judges."""
+    samplers: presets or settings strings (qeval.compare.sampler) whose figures --max-tvd judges.
+    control: a control against the same reference (a saved result or store of the reference model recomputed
+    under another batch layout, as `matrix` makes it): the candidate's mean KLD over it is reported, and whether
+    that is within numerical noise; limits still judge the candidate's own figures."""
     given = validate_limits(limits)
     chosen = [s.name for s in sampler.parse_all(samplers)]
     per_sampler = [option(m) for m in metric_registry.SAMPLER_GATES if m.key in given]
@@ -250,6 +267,10 @@ def check_report(ref: str, cand: str, chunks: int | None = None, runs_dir: str |
     result = run_checks(measured.summary, base, baseline_entry, baseline_metrics, chosen, **limits)
     out = result.to_json()
     text = gate_text(result)
+    if control is not None:
+        out["control"] = over_control(measured.summary, measure(ref, control, chunks, runs_dir, threads, progress,
+                                                                 need_per_token=False, depth=band), control)
+        text += "\n" + control_text(out["control"])
     if band is not None:
         out["depth"] = {"lo": band[0], "hi": band[1]}
         text = f"depth: only scored tokens at logit positions {band[0]}:{band[1]}\n{text}"

@@ -9,12 +9,12 @@ names them `<metric>@<sampler>` and `<figure>@<task set>`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from math import isfinite, sqrt
 from pathlib import Path
 
 from qeval.capture.modelinfo import kv_cache_gib
 from qeval.compare import metric_registry, sampler
 from qeval.compare.metric_registry import Metric, MetricValue, plus_minus, sampler_metrics
+from qeval.compare.paired_stats import NOISE_SIGMAS, excess_over
 from qeval.compare.summary import ComparisonSummary, DepthBand
 from qeval.identity import is_control
 from qeval.present import task_flips
@@ -23,9 +23,6 @@ from qeval.storage.scoring import Scoring
 
 DEEPEST_KEYS = ("deepest_band", "kld_deepest", "kld_deepest_se")
 CONTROL_KEYS = ("control", "kld_excess", "within_noise")
-# A row is indistinguishable from the control when |kld - kld_control| <= NOISE_SIGMAS * sqrt(se² + se_control²):
-# two SEs of the difference of two independent means, about a 95 % interval.
-NOISE_SIGMAS = 2.0
 
 
 def sampler_board_metrics(name: str) -> tuple[Metric, ...]:
@@ -153,18 +150,6 @@ def row_with_flips(summary: ComparisonSummary, samplers, tasks_root: Path, origi
 def rank_key(row: BoardRow) -> tuple:
     """A board's order: its control first (the floor the rest is read against), then lowest mean KLD first."""
     return not row.control, row.kld_mean, row.label
-
-
-def excess_over(kld: MetricValue | None, control: MetricValue | None) -> tuple[float | None, bool | None]:
-    """(kld - kld_control, whether that is within NOISE_SIGMAS combined SEs); None where a value is missing, and
-    no verdict where an SE is."""
-    if kld is None or control is None:
-        return None, None
-    excess = kld.value - control.value
-    ses = (kld.se, control.se)
-    if not all(se is not None and isfinite(se) for se in ses):
-        return excess, None
-    return excess, abs(excess) <= NOISE_SIGMAS * sqrt(ses[0] ** 2 + ses[1] ** 2)
 
 
 def compare_with_control(rows: list[BoardRow]) -> None:

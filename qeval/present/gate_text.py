@@ -18,3 +18,13 @@ def gate_text(r: GateResult) -> str:
     lines.append((f"PASSED: all {n} checks" if n > 1 else "PASSED: 1 check") if r.passed else
                  f"FAILED: {failed} of {n} check{'s' if n > 1 else ''}")
     return "\n".join(lines)
+
+
+def control_text(over: dict) -> str:
+    """The line `check --control` adds: the candidate's mean KLD over the control's, and whether that is noise."""
+    if over["kld_excess"] is None:
+        return f"control {over['label']}: no mean KLD to compare"
+    verdict = {True: "within numerical noise (2 combined SEs)", False: "beyond numerical noise",
+               None: "no verdict (an SE is missing)"}[over["within_noise"]]
+    return (f"control {over['label']}: mean KLD {over['kld_mean']:.6f} ± {over['kld_mean_se'] or 0:.6f}; the candidate "
+            f"is {over['kld_excess']:+.6f} nats over it, {verdict}")
