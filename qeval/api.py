@@ -93,10 +93,12 @@ def capture_store(model: str, label: str, runs_dir=None, out: str | None = None,
                   n_ctx: int = 512, chunks: int | None = None, settings: EngineSettings = EngineSettings(),
                   chunk_range: tuple[int, int] | None = None,
                   progress: bool = False, on_chunk=None, force: bool = False, scoring: str = "half",
-                  concat: bool = False) -> tuple[dict, str]:
+                  concat: bool = False, chat_template: str | None = None,
+                  chat_template_kwargs: str | None = None) -> tuple[dict, str]:
     """Capture `model` (a GGUF path or an hf: spec) into a store, resume an interrupted capture, or reuse one that
     holds it already. A store there that holds another capture is refused (naming what differs), or replaced with
-    `force`."""
+    `force`. A conversation corpus is scored with scoring "assistant", rendered with the model's chat template or
+    `chat_template` (a file, or "plain"), `chat_template_kwargs` a JSON object of template variables."""
     directory = runs.runs_dir(runs_dir)
     runs.check_label(label)
     if out is None:
@@ -104,7 +106,8 @@ def capture_store(model: str, label: str, runs_dir=None, out: str | None = None,
         out = str(runs.store_path(label, directory))
     spec = CaptureSpec(model=resolve_model(model), out=out, label=label, corpus=corpus, n_ctx=n_ctx,
                        chunks=chunks, chunk_range=chunk_range, settings=settings, replace=force,
-                       scoring=Scoring.parse(scoring).rule, concat=concat)
+                       scoring=Scoring.parse(scoring).rule, concat=concat, chat_template=chat_template,
+                       chat_template_kwargs=chat_template_kwargs)
     with contextlib.ExitStack() as stack:
         bar = PlannedProgress(stack, f"capturing {label}", progress, on_chunk)
         result = capture(spec, on_chunk=bar.advance, on_plan=bar.on_plan)
@@ -118,7 +121,8 @@ def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int 
                   n_ubatch: int | None = None, force: bool = False, scoring: str = "half",
                   concat: bool = False, samplers=(), tasks=(), rope_scaling: str | None = None,
                   rope_scale: float | None = None, repos=(), include=(), exclude=(),
-                  control: bool = False) -> tuple[dict, str]:
+                  control: bool = False, chat_template: str | None = None,
+                  chat_template_kwargs: str | None = None) -> tuple[dict, str]:
     """Capture `ref` once, then every model x KV pair (live, or reusing finished stores and results).
     models: GGUF paths or hf: specs (LABEL=… to name one); hf:USER/REPO:* and each of `repos` (hf:USER/REPO) stand
     for every model of the repository, filtered by `include`/`exclude` globs on its file paths and labelled
@@ -129,7 +133,7 @@ def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int 
     as llama.cpp's --rope-scaling/--rope-scale, needed for n_ctx beyond the models' trained context.
     control: run the reference model once more under another batch layout, as the pair `control`: the noise
     floor every other row is read against (qeval.orchestrate.matrix.control_settings); `qeval matrix` asks for it
-    unless --no-control.
+    unless --no-control. chat_template, chat_template_kwargs: a conversation corpus's (see capture_store).
 
     A saved result or store is reused only when it answers the pair's request (qeval.identity); else
     the pair is recomputed and its result and store overwritten, and the text says so. A reference store
@@ -144,7 +148,7 @@ def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int 
     requests = tuple(t if isinstance(t, matrix.TaskRequest) else matrix.TaskRequest(str(t)) for t in tasks)
     return sweep.run_matrix(ref_label, ref_path, matrix.model_kv_pairs(models, kv_types, ref_path), chunks, n_ctx,
                             corpus, runs.runs_dir(runs_dir), engine, progress, executor, force, scoring, concat,
-                            samplers, requests, control)
+                            samplers, requests, control, (chat_template, chat_template_kwargs))
 
 
 def demo_report(chunks: int = 80, runs_dir=None, models_dir=None, n_ctx: int = 512, progress: bool = True,
@@ -216,23 +220,27 @@ def card_report(runs: list[Path], out: Path = Path("card"), merge: Path | None =
 
 
 def paired_report(ref: str, cand_a: str, cand_b: str, chunks: int | None = None, runs_dir=None, method: str = "t",
-                  progress: bool = False, depth: str | None = None, samplers=()) -> tuple[dict, str]:
+                  progress: bool = False, depth: str | None = None, samplers=(), segment: str | None = None,
+                  category: str | None = None) -> tuple[dict, str]:
     """Is A really better than B? Paired differences on the same reference tokens (qeval.orchestrate.paired)."""
     from qeval.orchestrate import paired  # noqa: PLC0415
 
     return paired.paired_report(ref, cand_a, cand_b, chunks=chunks, runs_dir=runs_dir, method=method,
-                                progress=progress, depth=depth, samplers=samplers)
+                                progress=progress, depth=depth, samplers=samplers, segment=segment,
+                                category=category)
 
 
 def check_report(ref: str, cand: str, chunks: int | None = None, runs_dir=None, baseline: str | None = None,
                  baseline_entry: str | None = None, baseline_metrics=None, progress: bool = False,
-                 depth: str | None = None, samplers=(), control: str | None = None, **limits) -> tuple[dict, str, bool]:
+                 depth: str | None = None, samplers=(), control: str | None = None, segment: str | None = None,
+                 category: str | None = None, **limits) -> tuple[dict, str, bool]:
     """Release gate (qeval.orchestrate.gate): (result, text, passed); control: report the KLD over a control."""
     from qeval.orchestrate import gate  # noqa: PLC0415
 
     return gate.check_report(ref, cand, chunks=chunks, runs_dir=runs_dir, baseline=baseline,
                              baseline_entry=baseline_entry, baseline_metrics=baseline_metrics, progress=progress,
-                             depth=depth, samplers=samplers, control=control, **limits)
+                             depth=depth, samplers=samplers, control=control, segment=segment, category=category,
+                             **limits)
 
 
 def threshold_options() -> list[tuple[str, str, str]]:

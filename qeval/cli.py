@@ -39,8 +39,16 @@ RopeScaling = typer.Option(None, "--rope-scaling", help="RoPE scaling beyond the
 RopeScale = typer.Option(None, "--rope-scale", help="With --rope-scaling: the context scale factor (default: n_ctx / the trained context).")
 Concat = typer.Option(False, "--concat", help="Join the corpus's documents into one token stream, as llama-perplexity does (by default a window never spans two documents).")
 Score = typer.Option("half", "--score", help=(
-    "Which logit positions of each window are scored: half (llama-perplexity's second half, the default), all, or "
-    "every:S (every S-th position: a sparse sample over the whole depth, for long contexts)."))
+    "Which logit positions of each window are scored: half (llama-perplexity's second half, the default), all, "
+    "every:S (every S-th position: a sparse sample over the whole depth, for long contexts), or assistant (a "
+    "conversation corpus: only the tokens the assistant wrote, by segment: thinking, answer, tool_call)."))
+ChatTemplateOption = typer.Option(None, "--chat-template", help=(
+    "Conversations: render them with this template (a .jinja file, the original model's tokenizer_config.json, or "
+    "a GGUF) instead of the model's own tokenizer.chat_template; `plain`: the same texts without turn markup."))
+ChatTemplateKwargs = typer.Option(None, "--chat-template-kwargs", help=(
+    "Conversations: a JSON object of template variables, e.g. '{\"enable_thinking\": false}'."))
+Segment = typer.Option(None, "--segment", help="Conversations: only the assistant's tokens of this segment (thinking, answer, tool_call).")
+Category = typer.Option(None, "--category", help="Conversations: only the tokens of this category's conversations (e.g. code).")
 DecodeAhead = typer.Option(None, "--decode-ahead/--no-decode-ahead", help=(
     "Decode the next call while the last one is coded, on a copy of its logits (one more call's worth of host "
     "memory). Default: on with -ngl, so the GPU never waits for the CPU; off on CPU, where decoding and coding "
@@ -97,11 +105,13 @@ def capture(
     label: str = typer.Option(..., "--label", "-l", help="Name of the store in the runs directory, e.g. Q8_0."),
     ctx: int = typer.Option(512, "-c", "--ctx", "--ctx-size", help="Tokens per window (n_ctx)."),
     chunks: Optional[int] = Chunks,
-    corpus: Optional[str] = typer.Option(None, "--corpus", "-f", help="Text file, folder of *.txt documents, shipped corpus name (or 'shipped': all), wikitext-2, or hf:DATASET[/CONFIG][:SPLIT][#COLUMN]."),
+    corpus: Optional[str] = typer.Option(None, "--corpus", "-f", help="Text file, folder of *.txt documents, shipped corpus name (or 'shipped': all), wikitext-2, or hf:DATASET[/CONFIG][:SPLIT][#COLUMN]; with --score assistant, conversations: a JSONL file, a folder of them, or 'conversations' (the shipped suite)."),
     chunk_range: Optional[str] = typer.Option(None, "--chunk-range", help="Capture only windows A:B (a shard)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Store path (default RUNS_DIR/LABEL.qeval)."),
     score: str = Score,
     concat: bool = Concat,
+    chat_template: Optional[str] = ChatTemplateOption,
+    chat_template_kwargs: Optional[str] = ChatTemplateKwargs,
     type_k: str = TypeK,
     type_v: str = TypeV,
     flash_attn: str = FlashAttn,
@@ -120,7 +130,8 @@ def capture(
                               rope_scaling, rope_scale)
     _, text = api.capture_store(model, label, runs_dir=runs_dir, out=str(out) if out else None, corpus=corpus,
                                 n_ctx=ctx, chunks=chunks, settings=settings, scoring=score, concat=concat,
-                                chunk_range=_parse_range(chunk_range), progress=True, force=force)
+                                chunk_range=_parse_range(chunk_range), progress=True, force=force,
+                                chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
     typer.echo(text)
 
 
@@ -180,6 +191,8 @@ def matrix(
     corpus: Optional[str] = typer.Option(None, "--corpus", "-f", help="Corpus for the reference capture."),
     score: str = Score,
     concat: bool = Concat,
+    chat_template: Optional[str] = ChatTemplateOption,
+    chat_template_kwargs: Optional[str] = ChatTemplateKwargs,
     n_gpu_layers: int = GpuLayers,
     batch: Optional[int] = Batch,
     ubatch: Optional[int] = UBatch,
@@ -219,7 +232,8 @@ def matrix(
                                      n_ubatch=ubatch, force=force, scoring=score, concat=concat,
                                      samplers=sampler or (), tasks=tasks, rope_scaling=rope_scaling,
                                      rope_scale=rope_scale, repos=repo or (), include=include or (),
-                                     exclude=exclude or (), control=control)
+                                     exclude=exclude or (), control=control, chat_template=chat_template,
+                                     chat_template_kwargs=chat_template_kwargs)
     _emit(result, text, as_json)
 
 
@@ -288,6 +302,8 @@ def compare_cmd(
     chunks: Optional[int] = Chunks,
     method: str = typer.Option("t", "--method", help="t (t-interval over per-chunk differences) or bootstrap (over chunks, seed 0)."),
     depth: Optional[str] = typer.Option(None, "--depth", help="Only scored tokens at logit positions LO:HI (either side may be empty), e.g. 8192: for beyond 8K."),
+    segment: Optional[str] = Segment,
+    category: Optional[str] = Category,
     sampler: Optional[list[str]] = typer.Option(None, "--sampler", help="Also pair the TVD after this sampler (preset or settings, as qeval kld --sampler); repeat for several (default with saved results: every sampler both hold)."),
     as_json: bool = Json,
     runs_dir: Optional[Path] = RunsDir,
@@ -296,7 +312,8 @@ def compare_cmd(
     if len(cand) != 2:
         raise QevalError(f"give exactly two candidates: --cand A --cand B (got {len(cand)})")
     result, text = api.paired_report(ref, cand[0], cand[1], chunks=chunks, runs_dir=runs_dir, method=method,
-                                     progress=True, depth=depth, samplers=sampler or ())
+                                     progress=True, depth=depth, samplers=sampler or (), segment=segment,
+                                     category=category)
     _emit(result, text, as_json)
 
 
@@ -323,6 +340,8 @@ def check_cmd(
     baseline_metric: Optional[list[str]] = typer.Option(None, "--baseline-metric", help="Judge only these baseline metrics (repeat)."),
     chunks: Optional[int] = Chunks,
     depth: Optional[str] = typer.Option(None, "--depth", help="Gate only scored tokens at logit positions LO:HI (either side may be empty), e.g. 8192: for beyond 8K."),
+    segment: Optional[str] = Segment,
+    category: Optional[str] = Category,
     sampler: Optional[list[str]] = typer.Option(None, "--sampler", help="A sampler (preset or settings, as qeval kld --sampler) whose figures --max-tvd judges; repeat for several (default with a saved result: every sampler it holds)."),
     control: Optional[str] = typer.Option(None, "--control", help="A control against the same reference (the 'control' result or store qeval matrix makes): also report the candidate's mean KLD over it and whether that is within numerical noise."),
     as_json: bool = Json,
@@ -333,7 +352,7 @@ def check_cmd(
     result, text, passed = api.check_report(ref, cand, chunks=chunks, runs_dir=runs_dir, baseline=baseline,
                                             baseline_entry=baseline_entry, baseline_metrics=baseline_metric,
                                             progress=True, depth=depth, samplers=sampler or (), control=control,
-                                            **limits)
+                                            segment=segment, category=category, **limits)
     _emit(result, text, as_json)
     raise typer.Exit(0 if passed else 1)
 

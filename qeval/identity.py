@@ -76,9 +76,18 @@ def planned_producer(model_facts: dict, settings, n_ctx: int, codec: dict, scori
 
 
 def capture_identity(header) -> dict:
-    """What a capture is, whichever chunk range of it a file holds (shards of one capture share it)."""
+    """What a capture is, whichever chunk range of it a file holds (shards of one capture share it). The
+    per-token labels of a conversation capture (which tokens are scored, their segments) belong to its windows."""
     return {**producer(header), "n_vocab": header.n_vocab, "tokenizer_sha256": header.tokenizer_sha256,
-            "top_k": header.top_k, "n_chunks": header.n_chunks, "tokens_sha256": header.tokens_sha256}
+            "top_k": header.top_k, "n_chunks": header.n_chunks, "tokens_sha256": header.tokens_sha256,
+            **window_labels_identity(header, header.n_chunks)}
+
+
+def window_labels_identity(header, n_chunks: int) -> dict:
+    """The labels of the first n_chunks windows of a conversation capture, as a digest ({} for text windows, so
+    the identities of text captures are what they were before labels existed)."""
+    labels = header.window_labels
+    return {} if labels is None else {"window_labels_sha256": digest(labels.head(n_chunks).to_json())}
 
 
 def task_store_identity(tasks, limit: int | None, model, facts: dict, label: str, settings,
@@ -92,15 +101,17 @@ def task_store_identity(tasks, limit: int | None, model, facts: dict, label: str
             "settings": settings.as_json(), "scoring_version": scoring_version}
 
 
-_WINDOW_FIELDS = ("n_chunks", "tokens_sha256")
+_WINDOW_FIELDS = ("n_chunks", "tokens_sha256", "window_labels_sha256")
 
 
-def holds_windows(header, tokens: np.ndarray, wanted: range, wanted_tokens: np.ndarray) -> bool:
-    """Whether a complete store holds the chunks `wanted` of the token windows `wanted_tokens`: the same
-    windows, though it may hold more of them (a reference of 80 chunks answers for 20)."""
+def holds_windows(header, tokens: np.ndarray, wanted: range, wanted_tokens: np.ndarray, wanted_header) -> bool:
+    """Whether a complete store holds the chunks `wanted` of the token windows `wanted_tokens` (labelled as
+    `wanted_header`'s): the same windows, though it may hold more of them (a reference of 80 chunks answers
+    for 20)."""
     n = len(wanted_tokens)
     return (header.chunk_start <= wanted.start and wanted.stop <= header.chunk_stop and n <= header.n_chunks
-            and np.array_equal(tokens[:n], wanted_tokens))
+            and np.array_equal(tokens[:n], wanted_tokens)
+            and window_labels_identity(header, n) == window_labels_identity(wanted_header, n))
 
 
 def capture_conflicts(old, old_tokens: np.ndarray, old_complete: bool, new, new_tokens: np.ndarray) -> list[str]:
@@ -111,14 +122,14 @@ def capture_conflicts(old, old_tokens: np.ndarray, old_complete: bool, new, new_
     finishes exactly what was asked for.
     """
     a, b = capture_identity(old), capture_identity(new)
-    out = [_conflict(name, old, new) for name in a if name not in _WINDOW_FIELDS and a[name] != b[name]]
+    out = [_conflict(name, old, new) for name in {**a, **b} if name not in _WINDOW_FIELDS and a.get(name) != b.get(name)]
     if old_complete:
-        if not holds_windows(old, old_tokens, new.chunk_range, new_tokens):
+        if not holds_windows(old, old_tokens, new.chunk_range, new_tokens, new):
             out.append(f"token windows differ: it holds chunks {_span(old)} of {old.n_chunks} "
                        f"(tokens {short(old.tokens_sha256)}), chunks {_span(new)} of {new.n_chunks} "
                        f"(tokens {short(new.tokens_sha256)}) were asked for")
         return out
-    out += [_conflict(name, old, new) for name in _WINDOW_FIELDS if a[name] != b[name]]
+    out += [_conflict(name, old, new) for name in _WINDOW_FIELDS if a.get(name) != b.get(name)]
     if old.chunk_range != new.chunk_range:
         out.append(f"chunk range differs: stored {_span(old)}, requested {_span(new)}")
     return out
@@ -169,7 +180,7 @@ def reference_identity(source, n_chunks: int) -> dict:
     """The reference side of a comparison over its first n_chunks windows (a store or anything read like one)."""
     h = source.header
     return {**producer(h), "n_vocab": h.n_vocab, "tokenizer_sha256": h.tokenizer_sha256,
-            "tokens_sha256": tokens_sha256(source.tokens[:n_chunks])}
+            "tokens_sha256": tokens_sha256(source.tokens[:n_chunks]), **window_labels_identity(h, n_chunks)}
 
 
 @dataclass(frozen=True)

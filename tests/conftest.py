@@ -96,7 +96,7 @@ class SynthStore:
     chunks: dict = field(default_factory=dict)  # chunk -> ChunkData as written
 
     def targets(self, c: int) -> np.ndarray:
-        return self.tokens[c, self.header.positions + 1]
+        return self.tokens[c, self.header.positions_of(c) + 1]
 
 
 def make_tokens(rng: np.random.Generator, n_chunks: int, n_ctx: int, n_vocab: int) -> np.ndarray:

@@ -45,8 +45,6 @@ class ReplayBackend:
         self.n_vocab = self.logits.shape[2]
         self.n_batch = self.n_ubatch = n_ctx
         self.add_bos = False
-        self.positions = scoring.positions(n_ctx)
-        self.n_scored = len(self.positions)
         digest = hashlib.sha256(Path(model).read_bytes()).hexdigest()
         self.facts = {"file_name": Path(model).name, "fingerprint": digest}
         self.provenance = {}
@@ -58,10 +56,11 @@ class ReplayBackend:
     def tokenizer_fingerprint(self) -> str:
         return hashlib.sha256(f"{NAME}: token ids 0..{self.n_vocab - 1}".encode()).hexdigest()
 
-    def iter_calls(self, windows: np.ndarray) -> Iterator[list[ScoredRows]]:
+    def iter_calls(self, windows: np.ndarray, scored=None) -> Iterator[list[ScoredRows]]:
         for k, window in enumerate(np.asarray(windows, dtype=np.int32)):
             saved = self._by_tokens[window.tobytes()]
-            yield [ScoredRows(k, 0, self.logits[saved][self.positions])]
+            positions = scored[k] if scored is not None else self.scoring.positions(self.n_ctx)
+            yield [ScoredRows(k, 0, positions, self.logits[saved][positions])]
 
     def close(self) -> None:
         pass

@@ -35,15 +35,17 @@ def windows(models):
 def decoded(model, windows: np.ndarray, flash_attn: str = "off", **batching) -> np.ndarray:
     """All scored logits [windows, n_scored, n_vocab], checking each call's rows come in order."""
     with Engine(model, N_CTX, EngineSettings(flash_attn=flash_attn, **batching)) as engine:
-        out = np.full((len(windows), engine.n_scored, engine.n_vocab), np.nan, dtype=np.float32)
+        positions = engine.scoring.positions(N_CTX)
+        out = np.full((len(windows), len(positions), engine.n_vocab), np.nan, dtype=np.float32)
         expected = (0, 0)  # (window, row) the next rows must start at
         for call in engine.iter_calls(windows):
-            assert sum(len(rows.logits) for rows in call) <= engine.max_scored_rows
+            assert sum(len(rows.logits) for rows in call) <= engine.max_scored_rows([positions])
             for rows in call:
                 assert (rows.window, rows.first_row) == expected
-                out[rows.window, rows.first_row:rows.first_row + len(rows.logits)] = rows.logits
                 end = rows.first_row + len(rows.logits)
-                expected = (rows.window + 1, 0) if end == engine.n_scored else (rows.window, end)
+                np.testing.assert_array_equal(rows.positions, positions[rows.first_row:end])
+                out[rows.window, rows.first_row:end] = rows.logits
+                expected = (rows.window + 1, 0) if end == len(positions) else (rows.window, end)
         assert expected == (len(windows), 0)
     return out
 

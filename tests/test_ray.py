@@ -380,7 +380,9 @@ def test_pair_whose_label_now_names_another_model_is_recomputed(ray_session, mod
 
 
 def test_shard_planning_counts_windows_like_a_capture(models, local_run):
+    from qeval.capture.capture import CaptureSpec
     from qeval.orchestrate.distributed import count_windows_task
 
     with StoreReader(local_run[0] / "Q8_0.qeval") as r:
-        assert count_windows_task(str(models["Q8_0"]), None, N_CTX) == r.header.corpus["chunks_available"]
+        spec = CaptureSpec(str(models["Q8_0"]), "", "", n_ctx=N_CTX)
+        assert count_windows_task(spec) == r.header.corpus["chunks_available"]

@@ -18,12 +18,14 @@ import zstandard
 
 from qeval import __version__
 from qeval.capture.backends import open_backend
+from qeval.capture.chat import parse_template_kwargs
+from qeval.capture.conversation_windows import conversation_windows, is_conversation_corpus
 from qeval.capture.corpus import load_corpus, make_windows, tokenize_documents
 from qeval.capture.engine import Backend, EngineSettings, ScoredRows, available_cores
 from qeval.errors import MismatchError, QevalError
 from qeval.pool import bounded_map
 from qeval.storage.codec import BadLogits, EncodedBlock, SqrtLogCode
-from qeval.storage.scoring import Scoring
+from qeval.storage.scoring import ASSISTANT, Scoring, WindowLabels
 from qeval.storage.store import (
     PIECE_ROWS,
     ChunkBuilder,
@@ -51,6 +53,8 @@ class CaptureSpec:
     chunk_range: tuple[int, int] | None = None  # windows [start, stop) of the corpus, for shards
     scoring: str = "half"  # which logit positions are scored (qeval.storage.scoring)
     concat: bool = False  # join the corpus's documents into one token stream (windows may span two)
+    chat_template: str | None = None  # conversations: a template file or `plain` (default: the model's own)
+    chat_template_kwargs: str | None = None  # conversations: JSON object of template variables
     settings: EngineSettings = field(default_factory=EngineSettings)  # batch sizes included
     threads: int | None = None  # encoder threads (see encoder_threads)
     code: SqrtLogCode = field(default_factory=SqrtLogCode)
@@ -78,9 +82,10 @@ def encoder_threads(threads: int | None, settings: EngineSettings) -> int:
     return threads or settings.n_threads or available_cores()
 
 
-def iter_encoded_blocks(engine: Backend, windows: np.ndarray, indices: list[int], code: SqrtLogCode,
-                        pool: ThreadPoolExecutor) -> Iterator[tuple[int, int, EncodedBlock]]:
-    """Decode windows[j] (chunk indices[j]); yield (chunk, first row, block) in order, ENCODE_BLOCK rows each.
+def iter_encoded_blocks(engine: Backend, windows: np.ndarray, indices: list[int], scored: list[np.ndarray],
+                        code: SqrtLogCode, pool: ThreadPoolExecutor) -> Iterator[tuple[int, int, EncodedBlock]]:
+    """Decode windows[j] (chunk indices[j], scored positions scored[j]); yield (chunk, first row, block) in
+    order, ENCODE_BLOCK rows each.
 
     Blocks are coded on `pool`, one per worker in flight (two per worker is 4 % faster and 60 MB
     larger), straight from the engine's logits, never copied here: a call's rows are valid until the
@@ -89,15 +94,14 @@ def iter_encoded_blocks(engine: Backend, windows: np.ndarray, indices: list[int]
     """
     def encode(job: tuple[ScoredRows, int, int]) -> EncodedBlock:
         rows, start, stop = job
-        logits = rows.logits[start:stop]
-        row0 = rows.first_row + start
         try:
-            return code.encode_block(logits, scored_targets(windows[rows.window], engine.positions[row0:row0 + len(logits)]))
+            return code.encode_block(rows.logits[start:stop], scored_targets(windows[rows.window],
+                                                                             rows.positions[start:stop]))
         except BadLogits as exc:
             raise QevalError(f"chunk {indices[rows.window]}: the model produced invalid logits ({exc}); the model "
                              "file or this llama.cpp build is broken for these settings") from None
 
-    for call in engine.iter_calls(windows):
+    for call in engine.iter_calls(windows, scored):
         jobs = [(rows, start, stop) for rows in call for start, stop in block_spans(rows.first_row, len(rows.logits))]
         for (rows, start, _), block in zip(jobs, bounded_map(pool, encode, jobs, pool._max_workers)):
             yield indices[rows.window], rows.first_row + start, block
@@ -119,17 +123,19 @@ def ends_piece(row_end: int, n_scored: int) -> bool:
     return row_end == n_scored or row_end % PIECE_ROWS == 0
 
 
-def iter_pieces(engine: Backend, windows: np.ndarray, indices: list[int], code: SqrtLogCode,
-                pool: ThreadPoolExecutor, compressor: zstandard.ZstdCompressor) -> Iterator[ChunkData]:
+def iter_pieces(engine: Backend, windows: np.ndarray, indices: list[int], scored: list[np.ndarray],
+                code: SqrtLogCode, pool: ThreadPoolExecutor, compressor: zstandard.ZstdCompressor
+                ) -> Iterator[ChunkData]:
     """windows[j] decoded, coded and compressed into chunk indices[j], in order, piece by piece (a window
     of more than PIECE_ROWS scored rows is never held whole); a chunk's last piece has first_row +
-    n_tokens == n_scored."""
+    n_tokens == len(scored[j])."""
     builder = None
-    for index, row, block in iter_encoded_blocks(engine, windows, indices, code, pool):
+    n_scored = {index: len(positions) for index, positions in zip(indices, scored)}
+    for index, row, block in iter_encoded_blocks(engine, windows, indices, scored, code, pool):
         if builder is None:
             builder = ChunkBuilder(index, compressor=compressor, first_row=row)
         builder.add(block.planes, block.logprob_target, block.logprob_max, block.top_ids)
-        if ends_piece(row + len(block.planes), engine.n_scored):
+        if ends_piece(row + len(block.planes), n_scored[index]):
             yield builder.finish()
             builder = None
 
@@ -137,7 +143,8 @@ def iter_pieces(engine: Backend, windows: np.ndarray, indices: list[int], code: 
 def encode_window(engine: Backend, index: int, window: np.ndarray, code: SqrtLogCode,
                   pool: ThreadPoolExecutor, compressor: zstandard.ZstdCompressor | None = None) -> ChunkData:
     """One window of at most PIECE_ROWS scored rows decoded, coded and compressed into a chunk (benchmarks)."""
-    chunk, = iter_pieces(engine, window[None], [index], code, pool, compressor or zstd_compressor(pool._max_workers))
+    chunk, = iter_pieces(engine, window[None], [index], [engine.scoring.positions(engine.n_ctx)], code, pool,
+                         compressor or zstd_compressor(pool._max_workers))
     return chunk
 
 
@@ -147,14 +154,15 @@ def scored_targets(window: np.ndarray, positions: np.ndarray) -> np.ndarray:
 
 
 def store_header(backend: Backend, label: str, windows: np.ndarray, chunk_range: tuple[int, int], corpus: dict,
-                 code: SqrtLogCode, **capture_facts) -> StoreHeader:
-    """The header of a store of `backend`'s logits over `windows` (it holds chunks chunk_range of them): a
-    capture's and a live candidate's; capture_facts are added to its capture block."""
+                 code: SqrtLogCode, labels: WindowLabels | None = None, **capture_facts) -> StoreHeader:
+    """The header of a store of `backend`'s logits over `windows` (it holds chunks chunk_range of them; `labels`:
+    their per-token labels, a conversation capture's): a capture's and a live candidate's; capture_facts are
+    added to its capture block."""
     return StoreHeader(
         n_vocab=backend.n_vocab, n_ctx=backend.n_ctx, n_chunks=len(windows), chunk_start=chunk_range[0],
         chunk_stop=chunk_range[1], tokens_sha256=tokens_sha256(windows), label=label, codec=code.params(),
         tokenizer_sha256=backend.tokenizer_fingerprint(), model=backend.facts, kv=backend.settings.as_json(),
-        corpus=corpus, scoring=backend.scoring.rule,
+        corpus=corpus, scoring=backend.scoring.rule, windows=labels.to_json() if labels is not None else {},
         capture={"n_batch": backend.n_batch, "n_ubatch": backend.n_ubatch, "bos_substituted": backend.add_bos,
                  **backend.provenance, "qeval": __version__, **capture_facts})
 
@@ -173,16 +181,12 @@ def capture(spec: CaptureSpec, on_chunk: Callable[[int], None] | None = None,
     """Write (or resume) the store for `spec`. on_plan(total, already_done); on_chunk(1) per chunk."""
     t0 = time.perf_counter()
     settings = spec.settings.validate()
-    with contextlib.closing(open_backend(spec.model, spec.n_ctx, settings, Scoring.parse(spec.scoring))) as engine:
-        corpus = load_corpus(spec.corpus)
-        documents = tokenize_documents(corpus, engine.tokenize, spec.concat)
-        windows = make_windows(documents, spec.n_ctx, spec.chunks, f"corpus {corpus.name!r}")
+    scoring = Scoring.parse(spec.scoring)
+    check_corpus_kind(spec.corpus, scoring)
+    with contextlib.closing(open_backend(spec.model, spec.n_ctx, settings, scoring)) as engine:
+        windows, labels, identity = corpus_windows(spec, engine)
         chunk_range = resolve_range(spec.chunk_range, len(windows))
-        identity = {**corpus.identity(), "n_tokens": int(sum(map(len, documents))),
-                    "chunks_available": int(sum(len(d) // spec.n_ctx for d in documents))}
-        if len(corpus.documents) > 1:
-            identity["concatenated"] = spec.concat
-        header = store_header(engine, spec.label, windows, chunk_range, identity, spec.code,
+        header = store_header(engine, spec.label, windows, chunk_range, identity, spec.code, labels,
                               created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         out = Path(spec.out)
         try:
@@ -196,14 +200,45 @@ def capture(spec: CaptureSpec, on_chunk: Callable[[int], None] | None = None,
                 on_plan(chunk_range[1] - chunk_range[0], chunk_range[1] - chunk_range[0] - len(todo))
             threads = encoder_threads(spec.threads, settings)
             with ThreadPoolExecutor(max_workers=threads) as pool, contextlib.closing(
-                    iter_pieces(engine, windows[todo], todo, spec.code, pool, zstd_compressor(threads))) as pieces:
+                    iter_pieces(engine, windows[todo], todo, [header.positions_of(c) for c in todo], spec.code, pool,
+                                zstd_compressor(threads))) as pieces:
                 for piece in pieces:
                     writer.write_chunk(piece)  # a crash loses at most the window being captured
                     if on_chunk:  # progress inside a long window: a piece is its share of the window
-                        on_chunk(piece.n_tokens / header.n_scored)
+                        on_chunk(piece.n_tokens / header.n_scored_of(piece.index))
             writer.finish()
     return CaptureResult(out, "complete", chunk_range[1] - chunk_range[0], len(todo), time.perf_counter() - t0,
                          header)
+
+
+def check_corpus_kind(corpus: str | None, scoring: Scoring) -> None:
+    """Conversations are scored by role (--score assistant), text windows by position: one message otherwise."""
+    conversations = is_conversation_corpus(corpus)
+    if scoring.per_window and not conversations:
+        raise QevalError(f"--score {scoring.rule} scores conversations: --corpus must be a JSONL file of them, a "
+                         f"folder of such files, or `conversations` (the shipped suite), not {corpus or 'the default'}")
+    if conversations and not scoring.per_window:
+        raise QevalError(f"--corpus {corpus} holds conversations: score them with --score {ASSISTANT} (a text "
+                         "corpus is a .txt file or a folder of them)")
+
+
+def corpus_windows(spec: CaptureSpec, engine: Backend) -> tuple[np.ndarray, WindowLabels | None, dict]:
+    """(token windows, their labels (conversations only), the header's corpus block) of a capture."""
+    if Scoring.parse(spec.scoring).per_window:
+        found = conversation_windows(spec.corpus, engine, spec.n_ctx, spec.chunks, spec.chat_template,
+                                     parse_template_kwargs(spec.chat_template_kwargs))
+        return found.windows, found.labels, found.identity
+    if spec.chat_template or spec.chat_template_kwargs:
+        raise QevalError("--chat-template and --chat-template-kwargs render conversations (--score assistant); "
+                         "a text corpus is scored as it is")
+    corpus = load_corpus(spec.corpus)
+    documents = tokenize_documents(corpus, engine.tokenize, spec.concat)
+    windows = make_windows(documents, spec.n_ctx, spec.chunks, f"corpus {corpus.name!r}")
+    identity = {**corpus.identity(), "n_tokens": int(sum(map(len, documents))),
+                "chunks_available": int(sum(len(d) // spec.n_ctx for d in documents))}
+    if len(corpus.documents) > 1:
+        identity["concatenated"] = spec.concat
+    return windows, None, identity
 
 
 class LiveChunk:
@@ -219,7 +254,7 @@ class LiveChunk:
 
     def __init__(self, source: "LiveSource", index: int):
         self.source, self.index = source, index
-        self.n_tokens = source.header.n_scored
+        self.n_tokens = source.header.n_scored_of(index)
         self.logprob_target = self.logprob_max = self.top_ids = None
 
     def iter_planes(self, n_vocab: int, block_tokens: int = 16, buffers: int = 1) -> Iterator[tuple[int, np.ndarray]]:
@@ -255,7 +290,7 @@ class LiveLogitsChunk:
 
     def __init__(self, source: "LiveSource", index: int):
         self.source, self.index = source, index
-        self.n_tokens = source.header.n_scored
+        self.n_tokens = source.header.n_scored_of(index)
 
     def iter_logits(self) -> Iterator[tuple[int, np.ndarray, bool]]:
         """(first row, float32 rows [b, n_vocab], ends_call) in order. Rows are views of the engine's
@@ -292,8 +327,9 @@ class LiveSource:
         self._saved = StoreReader(writer.path, tolerate_torn_tail=True) if self.resumed else None
         todo = [i for i in self.chunk_indices if i not in self.resumed]
         # both decode when read
-        self._items = (iter_encoded_blocks(engine, tokens[todo], todo, code, self.pool) if self.coded
-                       else iter_scored_rows(engine, tokens[todo], todo))
+        scored = [header.positions_of(c) for c in todo]
+        self._items = (iter_encoded_blocks(engine, tokens[todo], todo, scored, code, self.pool) if self.coded
+                       else iter_scored_rows(engine, tokens[todo], todo, scored))
 
     def _items_of(self, index: int) -> Iterator[tuple]:
         """The items (chunk, first row, ...) of chunk `index`, which must be the next live chunk; stops
@@ -303,7 +339,7 @@ class LiveSource:
             if got != index:
                 raise QevalError(f"live chunks are produced in order: chunk {index} was asked for, {got} is next")
             yield item
-            if row + len(rows) == self.header.n_scored:
+            if row + len(rows) == self.header.n_scored_of(index):
                 return
         raise QevalError(f"chunk {index} is not among the chunks this live source runs")
 
@@ -332,10 +368,11 @@ class LiveSource:
             self.writer.close()
 
 
-def iter_scored_rows(engine: Backend, windows: np.ndarray, indices: list[int]
+def iter_scored_rows(engine: Backend, windows: np.ndarray, indices: list[int], scored: list[np.ndarray]
                      ) -> Iterator[tuple[int, int, np.ndarray, bool]]:
-    """(chunk, first row, float32 rows, ends_call) of windows[j] (chunk indices[j]), decoded in order."""
-    for call in engine.iter_calls(windows):
+    """(chunk, first row, float32 rows, ends_call) of windows[j] (chunk indices[j], scored positions
+    scored[j]), decoded in order."""
+    for call in engine.iter_calls(windows, scored):
         for k, rows in enumerate(call):
             yield indices[rows.window], rows.first_row, rows.logits, k == len(call) - 1
 
@@ -362,7 +399,8 @@ def open_live(model: str, ref, n_chunks: int | None, settings: EngineSettings, l
             raise MismatchError("the candidate model's tokenizer differs from the reference's (same vocab size, "
                                 "different token pieces)")
         windows = np.ascontiguousarray(ref.tokens[:stop])
-        header = store_header(engine, label, windows, (0, stop), rh.corpus, code, live_against=rh.label)
+        labels = rh.window_labels.head(stop) if rh.window_labels is not None else None
+        header = store_header(engine, label, windows, (0, stop), rh.corpus, code, labels, live_against=rh.label)
         writer = None
         if save_path is not None:
             try:

@@ -352,20 +352,33 @@ class LlamaModel:
     def __exit__(self, *exc):
         self.close()
 
+    def token_bytes(self, token: int) -> bytes:
+        """A token's detokenized bytes (llama_token_to_piece, special tokens rendered): what it adds to the text,
+        so the pieces of a tokenization join into the bytes that were tokenized."""
+        lc, cap = self._lc, 32
+        for _ in range(2):  # a negative result is the size the piece needs: retry once with it
+            buf = ctypes.create_string_buffer(cap)
+            n = lc.llama_token_to_piece(self.vocab, token, buf, cap, 0, True)
+            if n >= 0:
+                return buf.raw[:n]
+            cap = -n
+        raise QevalError(f"llama_token_to_piece failed for token {token}")
+
 
 @dataclass(frozen=True)
 class ScoredRows:
     """Logits of scored positions of one window, as produced by one decode call."""
 
     window: int  # index into the windows being decoded
-    first_row: int  # its first scored row held here (row r is logit position Backend.positions[r])
+    first_row: int  # its first scored row held here (row r is the window's r-th scored logit position)
+    positions: np.ndarray  # the logit positions of these rows
     logits: np.ndarray  # float32 [rows, n_vocab]
 
 
 class Backend(Protocol):
     """What a capture or a live candidate needs of a loaded model (qeval.capture.capture), opened by name through
-    qeval.capture.backends: Engine, on llama-cpp-python, is the default. The scored positions of a window are
-    `positions` (a store's header.positions), as `scoring` picks them."""
+    qeval.capture.backends: Engine, on llama-cpp-python, is the default. The scored positions of each window are
+    given with the windows (a store's header.positions_of), else `scoring`'s for every window."""
 
     settings: EngineSettings
     scoring: Scoring
@@ -374,8 +387,6 @@ class Backend(Protocol):
     n_batch: int  # tokens per decode call, recorded in the store
     n_ubatch: int
     add_bos: bool  # the first token of a window is replaced by BOS, recorded in the store
-    positions: np.ndarray  # the scored logit positions of a window, ascending
-    n_scored: int  # len(positions)
     facts: dict  # the model's facts (qeval.capture.modelinfo), recorded in the store
     provenance: dict  # how it runs, recorded in the store's capture block
 
@@ -383,14 +394,22 @@ class Backend(Protocol):
 
     def tokenizer_fingerprint(self) -> str: ...
 
-    def iter_calls(self, windows: np.ndarray) -> Iterator[list[ScoredRows]]:
-        """Decode windows [n, n_ctx] in order: the scored rows of each decode call, valid until the next."""
+    def iter_calls(self, windows: np.ndarray, scored: list[np.ndarray] | None = None) -> Iterator[list[ScoredRows]]:
+        """Decode windows [n, n_ctx] in order: the scored rows of each decode call, valid until the next.
+        scored: each window's scored logit positions (ascending); None: the scoring rule's in every window."""
         ...
 
     def close(self) -> None: ...
 
 
 Span = tuple[int, int, int]  # (window, first position, stop position) submitted in one call
+
+
+def scored_mask(positions: np.ndarray, n_ctx: int) -> np.ndarray:
+    """llama_batch.logits of a window: 1 where logits are wanted."""
+    mask = np.zeros(n_ctx, dtype=np.int8)
+    mask[positions] = 1
+    return mask
 
 
 class Engine(LlamaModel):
@@ -401,10 +420,6 @@ class Engine(LlamaModel):
         scoring.check(n_ctx)
         self.n_ctx = n_ctx
         self.scoring = scoring
-        self.positions = scoring.positions(n_ctx)
-        self.n_scored = len(self.positions)
-        self._scored_mask = np.zeros(n_ctx, dtype=np.int8)  # llama_batch.logits: 1 where logits are wanted
-        self._scored_mask[self.positions] = 1
         self.n_batch, self.n_ubatch = settings.validate().batch_sizes(n_ctx)
         self.whole_windows = self.n_batch >= n_ctx  # else each window in pieces of n_batch tokens
         self.windows_per_call = max(1, self.n_batch // n_ctx)
@@ -421,31 +436,30 @@ class Engine(LlamaModel):
         self._logits_view = np.ctypeslib.as_array(self._batch.logits, shape=(n,))
         self._seq_slots = [self._batch.seq_id[i] for i in range(n)]
 
-    @property
-    def max_scored_rows(self) -> int:
+    def max_scored_rows(self, scored: list[np.ndarray]) -> int:
         """Scored rows one llama_decode call returns at most."""
-        if self.whole_windows:
-            return self.windows_per_call * self.n_scored
-        return min(self.n_batch, self.n_scored)
+        most = max(map(len, scored))
+        return self.windows_per_call * most if self.whole_windows else min(self.n_batch, most)
 
     # -- decoding --------------------------------------------------------------------------------
-    def _calls(self, n_windows: int) -> Iterator[list[Span]]:
-        """The spans of each llama_decode call for n_windows windows, in order."""
+    def _calls(self, stops: list[int]) -> Iterator[list[Span]]:
+        """The spans of each llama_decode call for windows decoded up to stops[k], in order."""
         w = self.windows_per_call
         if self.whole_windows:
-            for g in range(0, n_windows, w):
-                yield [(k, 0, self.n_ctx) for k in range(g, min(g + w, n_windows))]
+            for g in range(0, len(stops), w):
+                yield [(k, 0, stops[k]) for k in range(g, min(g + w, len(stops)))]
             return
-        for k in range(n_windows):  # n_batch tokens at a time, as llama-perplexity
-            for start in range(0, self.n_ctx, self.n_batch):
-                yield [(k, start, min(start + self.n_batch, self.n_ctx))]
+        for k, stop in enumerate(stops):  # n_batch tokens at a time, as llama-perplexity
+            for start in range(0, stop, self.n_batch):
+                yield [(k, start, min(start + self.n_batch, stop))]
 
-    def _scored_rows(self, start: int, stop: int) -> tuple[int, int]:
-        """The rows [lo, hi) of the scored positions among positions [start, stop) (lo == hi: none)."""
-        lo, hi = np.searchsorted(self.positions, (start, stop))
-        return int(lo), int(hi)
+    def _decode_stop(self, positions: np.ndarray) -> int:
+        """How far a window is decoded: whole for a rule that scores the same positions in every window (as
+        llama-perplexity), else up to its last scored position: what follows it (a conversation's padding)
+        cannot change an earlier logit, so it is not computed."""
+        return int(positions[-1]) + 1 if self.scoring.per_window else self.n_ctx
 
-    def _fill_batch(self, windows: np.ndarray, spans: list[Span]) -> None:
+    def _fill_batch(self, windows: np.ndarray, spans: list[Span], masks: list[np.ndarray]) -> None:
         """Span i becomes sequence i; logits are asked for scored positions only."""
         at = 0
         for seq, (k, start, stop) in enumerate(spans):
@@ -455,19 +469,21 @@ class Engine(LlamaModel):
                 self._tokens_view[at] = self.bos
             self._pos_view[at:at + n] = np.arange(start, stop, dtype=np.int32)
             self._nseq_view[at:at + n] = 1
-            self._logits_view[at:at + n] = self._scored_mask[start:stop]
+            self._logits_view[at:at + n] = masks[k][start:stop]
             for j in range(at, at + n):
                 self._seq_slots[j][0] = seq
             at += n
         self._batch.n_tokens = at
 
-    def _decode(self, windows: np.ndarray, spans: list[Span]) -> list[ScoredRows]:
+    def _decode(self, windows: np.ndarray, spans: list[Span], scored: list[np.ndarray],
+                masks: list[np.ndarray]) -> list[ScoredRows]:
         if spans[0][1] == 0:  # new windows: nothing of the previous ones may be attended to
             self.clear_memory()
-        self._fill_batch(windows, spans)
+        self._fill_batch(windows, spans, masks)
         self.decode()
-        parts = [(k, *self._scored_rows(start, stop)) for k, start, stop in spans]
-        total = sum(hi - lo for _, lo, hi in parts)
+        # the rows [lo, hi) of each window's scored positions among its positions [start, stop)
+        parts = [(k, *np.searchsorted(scored[k], (start, stop))) for k, start, stop in spans]
+        total = int(sum(hi - lo for _, lo, hi in parts))
         if not total:
             return []
         # one row per requested position, in batch order (llama.cpp restores it after splitting ubatches)
@@ -475,12 +491,13 @@ class Engine(LlamaModel):
         out, at = [], 0
         for k, lo, hi in parts:
             if hi > lo:
-                out.append(ScoredRows(k, lo, logits[at:at + hi - lo]))
+                out.append(ScoredRows(k, int(lo), scored[k][lo:hi], logits[at:at + hi - lo]))
                 at += hi - lo
         return out
 
-    def iter_calls(self, windows: np.ndarray) -> Iterator[list[ScoredRows]]:
+    def iter_calls(self, windows: np.ndarray, scored: list[np.ndarray] | None = None) -> Iterator[list[ScoredRows]]:
         """Decode windows [n, n_ctx] in order; yield the scored rows of every call that has some.
+        scored: each window's scored logit positions (ascending); None: the scoring rule's in every window.
 
         The rows are views of llama.cpp's output buffer, valid until the next iteration (its next
         decode overwrites them), or, with decode-ahead, of one copy of it.
@@ -489,18 +506,25 @@ class Engine(LlamaModel):
         if windows.ndim != 2 or windows.shape[1] != self.n_ctx:
             raise ValueError(f"expected windows of {self.n_ctx} tokens")
         n = len(windows)
+        scored = list(scored) if scored is not None else [self.scoring.positions(self.n_ctx)] * n
+        if len(scored) != n or not all(len(p) for p in scored):
+            raise ValueError("every window needs its scored positions, at least one")
         if self.whole_windows:
             # The last call is filled up with copies of the last window, their rows dropped: every
             # window is then decoded in the same ubatch shapes, so its logits do not depend on the
             # chunk count or a resume point (CPU flash attention and GPU kernels depend on shapes).
-            windows = np.concatenate([windows, np.repeat(windows[-1:], -n % self.windows_per_call, axis=0)])
-        calls = (rows for spans in self._calls(len(windows))
-                 if (rows := [r for r in self._decode(windows, spans) if r.window < n]))
+            fill = -n % self.windows_per_call
+            windows = np.concatenate([windows, np.repeat(windows[-1:], fill, axis=0)])
+            scored = scored + scored[-1:] * fill
+        masks = [scored_mask(p, self.n_ctx) for p in scored]
+        stops = [self._decode_stop(p) for p in scored]
+        calls = (rows for spans in self._calls(stops)
+                 if (rows := [r for r in self._decode(windows, spans, scored, masks) if r.window < n]))
         if not self.settings.decodes_ahead:
             return calls
         if self._decoder is None:
             self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qeval-decode")
-        return decode_ahead(calls, self._decoder, self.max_scored_rows, self.n_vocab)
+        return decode_ahead(calls, self._decoder, self.max_scored_rows(scored), self.n_vocab)
 
     def iter_scored_logits(self, window: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
         """One window: (first scored row, float32 [rows, n_vocab]) per call, valid until the next."""

@@ -1,8 +1,15 @@
-"""Divergence by context depth: the per-token figures of a comparison, grouped into bands of logit position.
+"""Groups of scored tokens: the per-token figures of a comparison by context depth, by segment and by category.
 
-A band [lo, hi) holds the scored tokens whose logit position p satisfies lo <= p < hi (the model had
-seen p + 1 tokens of its window). Each band is summarised by the same function as the whole
-comparison, so its figures sit under the same keys; only the standard errors differ:
+One mechanism serves every grouping: a group is a set of per-token rows, summarised by the same function
+as the whole comparison (its figures sit under the same keys), with cluster-robust standard errors.
+  by_depth     a band [lo, hi) holds the scored tokens whose logit position p satisfies lo <= p < hi (the
+               model had seen p + 1 tokens of its window)
+  by_segment   conversations (--score assistant): the tokens the assistant wrote in one segment (thinking,
+               answer, tool_call), per-token column "segment"
+  by_category  conversations: the tokens of one category's conversations (chat, code, ...), column "category"
+`Selection` restricts a comparison or gate to one depth band, segment and/or category.
+
+Only the standard errors of a group differ from the whole comparison's:
 
 Standard errors within a band respect the correlation of neighbouring tokens of one window. Tokens
 are grouped into blocks of BLOCK_POSITIONS consecutive positions of one window, and the SE of a mean
@@ -16,6 +23,7 @@ design effect: at 32K, where a few long windows carry a band, that matters.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -113,14 +121,77 @@ def band_summary(per_token: dict[str, np.ndarray], summarize: Callable[[dict], d
     return out
 
 
+def grouped(per_token: dict[str, np.ndarray], groups: list[tuple[dict, np.ndarray]],
+            summarize: Callable[[dict], dict]) -> list[dict]:
+    """One object per (key fields, row mask) group that holds scored tokens: its key fields, n and figures."""
+    out = []
+    for fields, keep in groups:
+        if keep.any():
+            rows = {k: v[keep] for k, v in per_token.items()}
+            out.append({**fields, "n": int(keep.sum()), **band_summary(rows, summarize)})
+    return out
+
+
 def by_depth(per_token: dict[str, np.ndarray], bands: list[tuple[int, int]],
              summarize: Callable[[dict], dict]) -> list[dict]:
     """One object per band that holds scored tokens: lo, hi, n and the band's figures."""
-    out = []
     pos = per_token["position"]
-    for lo, hi in bands:
-        keep = (pos >= lo) & (pos < hi)
-        if keep.any():
-            rows = {k: v[keep] for k, v in per_token.items()}
-            out.append({"lo": lo, "hi": hi, "n": int(keep.sum()), **band_summary(rows, summarize)})
-    return out
+    return grouped(per_token, [({"lo": lo, "hi": hi}, (pos >= lo) & (pos < hi)) for lo, hi in bands], summarize)
+
+
+# The label groupings: (summary key, per-token column = key field of each group, names list in label_names).
+LABEL_GROUPS = (("by_segment", "segment", "segments"), ("by_category", "category", "categories"))
+
+
+def by_labels(per_token: dict[str, np.ndarray], label_names: dict | None, summarize: Callable[[dict], dict]) -> dict:
+    """by_segment and by_category of a comparison of conversation windows; label_names: {"segments": [...],
+    "categories": [...]} (WindowLabels.names()), the per-token columns' codes index them. {} for text windows."""
+    if label_names is None:
+        return {}
+    return {key: grouped(per_token, [({column: name}, per_token[column] == k)
+                                     for k, name in enumerate(label_names[names])], summarize)
+            for key, column, names in LABEL_GROUPS}
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The scored tokens a comparison or gate is restricted to: a depth band [lo, hi), a segment, a category."""
+
+    depth: tuple[int, int] | None = None
+    segment: str | None = None
+    category: str | None = None
+
+    @classmethod
+    def parse(cls, depth: str | None = None, segment: str | None = None, category: str | None = None) -> "Selection":
+        return cls(parse_depth(depth), segment or None, category or None)
+
+    def __bool__(self) -> bool:
+        return self.depth is not None or self.segment is not None or self.category is not None
+
+    def labels(self) -> dict:
+        """{"segment": name} and/or {"category": name}."""
+        return {k: v for k, v in (("segment", self.segment), ("category", self.category)) if v is not None}
+
+    def describe(self) -> str:
+        parts = [f"at logit positions {self.depth[0]}:{self.depth[1]}"] if self.depth else []
+        parts += [f"in {k} {v!r}" for k, v in self.labels().items()]
+        return "only scored tokens " + ", ".join(parts)
+
+    def select(self, per_token: dict[str, np.ndarray], label_names: dict | None, what: str = "") -> dict:
+        """The per-token rows selected (QevalError when a name is unknown or nothing is left)."""
+        rows = select_depth(per_token, self.depth, what)
+        for column, names in ((c, n) for _, c, n in LABEL_GROUPS):
+            name = getattr(self, column)
+            if name is None:
+                continue
+            known = (label_names or {}).get(names)
+            if not known:
+                raise QevalError(f"--{column} {name}: {what or 'the comparison'} is not of conversations (--score "
+                                 "assistant): its tokens have no segments or categories")
+            if name not in known:
+                raise QevalError(f"--{column} {name!r}: {what or 'the comparison'} has {names} {', '.join(known)}")
+            keep = rows[column] == known.index(name)
+            if not keep.any():
+                raise QevalError(f"{what or 'the comparison'} has no scored token in {column} {name!r}")
+            rows = {k: v[keep] for k, v in rows.items()}
+        return rows

@@ -17,8 +17,10 @@ import numpy as np
 from qeval.compare import depth, metric_registry, sampler, stats
 from qeval.compare.kernels import N_SUMS, Z_Q, decode_tables, kld_from_sums, pair_sums, pair_sums_logits
 from qeval.errors import MismatchError, QevalError
+from qeval.identity import window_labels_identity
 from qeval.pool import bounded_map
 from qeval.storage.codec import BadLogits, top_k_ids
+from qeval.storage.scoring import WindowLabels
 from qeval.storage.store import TOP_K, ChunkData, StoreHeader, StoreReader
 
 TOPK_AGREEMENT = (5, 10)
@@ -43,6 +45,9 @@ class LogitSource(Protocol):
 # Per-token columns, in this order, in Comparison.per_token and --per-token files.
 PER_TOKEN_FIELDS = ("chunk", "position", "token", "kld", "kld_reverse", "nll_ref", "nll_cand", "p_ref",
                     "p_cand", "same_top1", "top5_agreement", "top10_agreement")
+# Then, in a comparison of conversation windows (--score assistant), each token's group: an index into the
+# reference's WindowLabels.segments and .categories (qeval.compare.depth groups them).
+GROUP_FIELDS = ("segment", "category")
 
 
 @dataclass
@@ -51,6 +56,7 @@ class Comparison:
     cand: LogitSource
     chunks: list[int]
     per_token: dict[str, np.ndarray]
+    label_names: dict | None = None  # conversations: {"segments", "categories"} the GROUP_FIELDS codes index
 
     @property
     def scored_tokens(self) -> int:
@@ -63,7 +69,9 @@ class Comparison:
         if bands is None:
             bands = depth.parse_bands(None, self.ref.header.n_ctx)
         return {"chunks": len(self.chunks), **summarize_tokens(self.per_token),
-                "by_depth": depth.by_depth(self.per_token, bands, summarize_tokens)}
+                "by_depth": depth.by_depth(self.per_token, bands, summarize_tokens),
+                **depth.by_labels(self.per_token, self.label_names, summarize_tokens),
+                **({"labels": self.label_names} if self.label_names else {})}
 
 
 def summarize_tokens(t: dict[str, np.ndarray]) -> dict:
@@ -132,6 +140,9 @@ def select_chunks(ref: LogitSource, cand: LogitSource, n_chunks: int | None) -> 
         stop = n_chunks
     chunks = list(range(stop))
     check_same_tokens(ref.tokens[:stop], cand.tokens[:stop], rh.n_ctx)
+    if window_labels_identity(rh, stop) != window_labels_identity(ch, stop):
+        raise MismatchError("the stores score other tokens of the same conversations (their per-token labels "
+                            "differ: another labelling of the assistant's text)")
     return chunks
 
 
@@ -229,10 +240,12 @@ def logit_sums(ref: ChunkData, cand, targets: np.ndarray, ref_tables, n_vocab: i
 
 def compare_chunk(ref: ChunkData, cand, tokens: np.ndarray, positions: np.ndarray, ref_tables,
                   cand_tables, n_vocab: int, kernel_pool: ThreadPoolExecutor | None = None,
-                  samplers: sampler.Prepared | None = None) -> dict[str, np.ndarray]:
-    """Per-token metrics of one chunk pair. `tokens` is the chunk's n_ctx token ids, `positions` the scored
-    logit positions (header.positions). `cand` is coded (a ChunkData, or read like one) or a live
-    candidate's float32 rows (LiveLogitsChunk: has iter_logits).
+                  samplers: sampler.Prepared | None = None, labels: WindowLabels | None = None
+                  ) -> dict[str, np.ndarray]:
+    """Per-token metrics of one chunk pair. `tokens` is the chunk's n_ctx token ids, `positions` its scored
+    logit positions (header.positions_of). `cand` is coded (a ChunkData, or read like one) or a live
+    candidate's float32 rows (LiveLogitsChunk: has iter_logits). `labels`: a conversation capture's, adding
+    the GROUP_FIELDS columns.
 
     With `kernel_pool`, token blocks go to its threads as they are decompressed (at most two
     blocks per thread in flight, so memory stays bounded). `samplers` (sampler.prepare) adds their
@@ -269,6 +282,9 @@ def compare_chunk(ref: ChunkData, cand, tokens: np.ndarray, positions: np.ndarra
         kk = min(k, ref.top_ids.shape[1], cand_top_ids.shape[1])  # tiny vocabs keep fewer ids
         overlap = (ref.top_ids[:, :kk, None] == cand_top_ids[:, None, :kk]).any(axis=2).sum(axis=1)
         out[f"top{k}_agreement"] = overlap / kk
+    if labels is not None:
+        out["segment"] = labels.segment_codes(ref.index, positions, len(tokens)).astype(np.int16) - 1
+        out["category"] = np.full(n, labels.category_of[ref.index], dtype=np.int16)
     if samplers is not None:
         out.update(sampler.chunk_columns(samplers, sampled, ref.top_ids[:, 0], cand_top_ids[:, 0]))
     return out
@@ -303,8 +319,8 @@ def compare(ref: LogitSource, cand: LogitSource, n_chunks: int | None = None, th
         return source.read_chunk(i, getattr(buffers, slot))
 
     def one(i: int) -> dict[str, np.ndarray]:
-        return compare_chunk(read(ref, i, "ref"), read(cand, i, "cand"), ref.tokens[i], ref.header.positions,
-                             ref_tables, cand_tables, n_vocab, kernel_pool, prepared)
+        return compare_chunk(read(ref, i, "ref"), read(cand, i, "cand"), ref.tokens[i], ref.header.positions_of(i),
+                             ref_tables, cand_tables, n_vocab, kernel_pool, prepared, ref.header.window_labels)
 
     parts = []
     try:
@@ -316,6 +332,8 @@ def compare(ref: LogitSource, cand: LogitSource, n_chunks: int | None = None, th
     finally:  # also on an error: no kernel may outlive the live model whose logits it reads
         if kernel_pool is not None:
             kernel_pool.shutdown(wait=True, cancel_futures=True)
-    fields = (*PER_TOKEN_FIELDS, *(sampler.columns_of(prepared.samplers) if prepared else ()))
+    groups = GROUP_FIELDS if ref.header.window_labels is not None else ()
+    fields = (*PER_TOKEN_FIELDS, *groups, *(sampler.columns_of(prepared.samplers) if prepared else ()))
     per_token = {k: np.concatenate([p[k] for p in parts]) for k in fields}
-    return Comparison(ref, cand, chunks, per_token)
+    labels = ref.header.window_labels
+    return Comparison(ref, cand, chunks, per_token, labels.names() if labels is not None else None)

@@ -118,23 +118,25 @@ class Figures:
 
 
 @dataclass
-class DepthBand:
-    """The figures of the scored tokens at logit positions [lo, hi) (qeval.compare.depth)."""
+class TokenGroup:
+    """The figures of one group of scored tokens (qeval.compare.depth): a band of logit positions [lo, hi)
+    (key {"lo", "hi"}), a segment ({"segment": name}) or a category ({"category": name})."""
 
-    lo: int
-    hi: int
+    key: dict
     n: int
     figures: Figures
     se_method: str | None = None
 
-    _OWN = ("lo", "hi", "n", "se_method")
+    KEYS = {"by_depth": ("lo", "hi"), "by_segment": ("segment",), "by_category": ("category",)}
 
     @classmethod
-    def from_json(cls, d: dict) -> "DepthBand":
-        return cls(d["lo"], d["hi"], d["n"], Figures.from_json(d, skip=cls._OWN), d.get("se_method"))
+    def from_json(cls, d: dict, grouping: str = "by_depth") -> "TokenGroup":
+        fields = cls.KEYS[grouping]
+        return cls({k: d[k] for k in fields}, d["n"], Figures.from_json(d, skip=(*fields, "n", "se_method")),
+                   d.get("se_method"))
 
     def to_json(self) -> dict:
-        out = {"lo": self.lo, "hi": self.hi, "n": self.n, **self.figures.to_json()}
+        out = {**self.key, "n": self.n, **self.figures.to_json()}
         if self.se_method is not None:
             out["se_method"] = self.se_method
         return out
@@ -144,8 +146,20 @@ class DepthBand:
         return self.figures.kld
 
     @property
+    def lo(self) -> int:
+        return self.key["lo"]
+
+    @property
+    def hi(self) -> int:
+        return self.key["hi"]
+
+    @property
     def name(self) -> str:
-        return f"{self.lo}-{self.hi}"
+        """"0-512" for a depth band, else the segment's or category's name."""
+        return f"{self.lo}-{self.hi}" if "lo" in self.key else next(iter(self.key.values()))
+
+
+DepthBand = TokenGroup  # a group by depth
 
 
 @dataclass
@@ -156,29 +170,37 @@ class ComparisonSummary:
     candidate: Side
     chunks: int | None
     figures: Figures
-    by_depth: list[DepthBand] | None = None  # None: saved before by-depth figures existed
+    by_depth: list[TokenGroup] | None = None  # None: saved before by-depth figures existed
     request: dict | None = None  # ComparisonRequest.to_json() as recorded (an older qeval's may not parse)
     qeval_version: str | None = None
     per_token_file: str | None = None  # a saved result's per-token arrays, beside it
     depth: dict | None = None  # {"lo", "hi"}: cut to the scored tokens of one band
+    by_segment: list[TokenGroup] | None = None  # conversations (--score assistant) only
+    by_category: list[TokenGroup] | None = None
+    selection: dict | None = None  # {"segment": name} and/or {"category": name}: cut to those tokens
+    labels: dict | None = None  # conversations: {"segments", "categories"}, the names per-token codes index
 
-    _OWN = ("reference", "candidate", "chunks", "by_depth", "request", "qeval_version", "per_token_file", "depth")
+    _OWN = ("reference", "candidate", "chunks", "by_depth", "request", "qeval_version", "per_token_file", "depth",
+            "by_segment", "by_category", "selection", "labels")
 
     @classmethod
     def from_json(cls, d: dict) -> "ComparisonSummary":
-        bands = d.get("by_depth")
+        groups = {k: None if d.get(k) is None else [TokenGroup.from_json(g, k) for g in d[k]] for k in TokenGroup.KEYS}
         return cls(Side.from_json(d["reference"]), Side.from_json(d["candidate"]), d.get("chunks"),
-                   Figures.from_json(d, skip=cls._OWN), None if bands is None else list(map(DepthBand.from_json, bands)),
-                   d.get("request"), d.get("qeval_version"), d.get("per_token_file"), d.get("depth"))
+                   Figures.from_json(d, skip=cls._OWN), groups["by_depth"], d.get("request"), d.get("qeval_version"),
+                   d.get("per_token_file"), d.get("depth"), groups["by_segment"], groups["by_category"],
+                   d.get("selection"), d.get("labels"))
 
     def to_json(self) -> dict:
         out = {"reference": self.reference.to_json(), "candidate": self.candidate.to_json()}
         if self.chunks is not None:
             out["chunks"] = self.chunks
         out.update(self.figures.to_json())
-        optional = {"by_depth": None if self.by_depth is None else [b.to_json() for b in self.by_depth],
+        optional = {**{k: None if getattr(self, k) is None else [g.to_json() for g in getattr(self, k)]
+                       for k in TokenGroup.KEYS},
                     "request": self.request, "qeval_version": self.qeval_version,
-                    "per_token_file": self.per_token_file, "depth": self.depth}
+                    "per_token_file": self.per_token_file, "depth": self.depth, "selection": self.selection,
+                    "labels": self.labels}
         out.update((k, v) for k, v in optional.items() if v is not None)
         return out
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from qeval.capture.capture import CaptureSpec, capture
+from qeval.capture.capture import CaptureSpec, capture, corpus_windows
 from qeval.capture.engine import EngineSettings, LlamaModel
 from qeval.errors import QevalError
 from qeval.orchestrate.matrix import SKIP, MatrixPlan, MatrixRun, PairPlan, plan_pairs, run_pair, saved_summaries
@@ -92,13 +92,11 @@ def compare_task(spec: CompareSpec, name: str, tracker=None) -> dict:
             "host": socket.gethostname()}
 
 
-def count_windows_task(model: str, corpus: str | None, n_ctx: int, concat: bool = False) -> int:
-    """Chunks the corpus gives at n_ctx (to plan shards when --chunks is not given): vocab only."""
-    from qeval.capture.corpus import load_corpus, make_windows, tokenize_documents  # noqa: PLC0415
-
-    with LlamaModel(model) as vocab:  # no context: the vocabulary alone
-        c = load_corpus(corpus)
-        return len(make_windows(tokenize_documents(c, vocab.tokenize, concat), n_ctx, None, f"corpus {c.name!r}"))
+def count_windows_task(spec: CaptureSpec) -> int:
+    """Chunks the capture's corpus gives (to plan shards when --chunks is not given): vocab only."""
+    with LlamaModel(spec.model) as vocab:  # no context: the vocabulary alone
+        windows, _, _ = corpus_windows(spec, vocab)
+        return len(windows)
 
 
 class Tracker:
@@ -321,7 +319,7 @@ class RayExecutor:
         if n is None:
             counter = ray.remote(count_windows_task).options(num_cpus=min(1, self.cpus), name="count-windows")
             try:
-                n = ray.get(counter.remote(base.model, base.corpus, base.n_ctx, base.concat))
+                n = ray.get(counter.remote(base))
             except Exception as exc:  # noqa: BLE001 - Ray wraps the task's exception
                 raise QevalError(f"planning shards failed: {_describe_error(exc)}") from None
         ranges = shard_ranges(n, self.shards)

@@ -21,7 +21,7 @@ import math
 import os
 
 from qeval.compare import metric_registry, sampler
-from qeval.compare.depth import parse_depth
+from qeval.compare.depth import Selection
 from qeval.compare.gate_checks import Check, GateResult
 from qeval.compare.metric_registry import METRICS, Metric, MetricValue
 from qeval.compare.paired_stats import excess_over
@@ -240,9 +240,11 @@ def _pick_early(base: baselines.Baseline, ref: str, cand: str, runs_dir) -> None
 def check_report(ref: str, cand: str, chunks: int | None = None, runs_dir: str | os.PathLike | None = None,
                  threads: int = 2, baseline: str | None = None, baseline_entry: str | None = None,
                  baseline_metrics: list[str] | None = None, progress: bool = False, depth: str | None = None,
-                 samplers=(), control: str | None = None, **limits: float | None) -> tuple[dict, str, bool]:
+                 samplers=(), control: str | None = None, segment: str | None = None, category: str | None = None,
+                 **limits: float | None) -> tuple[dict, str, bool]:
     """`qeval check`: (JSON, text, passed). Inputs are checked before any long comparison starts.
     depth: "LO:HI", gate only the scored tokens at those logit positions (e.g. "8192:" for beyond 8K).
+    segment, category: gate only the assistant's tokens of one segment or category (conversations).
     samplers: presets or settings strings (qeval.compare.sampler) whose figures --max-tvd judges.
     control: a control against the same reference (a saved result or store of the reference model recomputed
     under another batch layout, as `matrix` makes it): the candidate's mean KLD over it is reported, and whether
@@ -252,7 +254,7 @@ def check_report(ref: str, cand: str, chunks: int | None = None, runs_dir: str |
     per_sampler = [option(m) for m in metric_registry.SAMPLER_GATES if m.key in given]
     if per_sampler and not chosen and not is_result_spec(cand):
         raise QevalError(f"{', '.join(per_sampler)} needs --sampler NAME (the samplers whose figures it judges)")
-    band = parse_depth(depth)
+    selection = Selection.parse(depth, segment, category)
     base = baselines.load_baseline(baseline) if baseline else None
     if base is not None and baseline_entry:
         base.entry(baseline_entry)
@@ -262,16 +264,19 @@ def check_report(ref: str, cand: str, chunks: int | None = None, runs_dir: str |
         raise _nothing_to_check()
     if base is not None and not baseline_entry and len(base.entries) > 1:
         _pick_early(base, ref, cand, runs_dir)
-    measured: Measured = measure(ref, cand, chunks, runs_dir, threads, progress, need_per_token=False, depth=band,
-                                 samplers=chosen)
+    measured: Measured = measure(ref, cand, chunks, runs_dir, threads, progress, need_per_token=False,
+                                 selection=selection, samplers=chosen)
     result = run_checks(measured.summary, base, baseline_entry, baseline_metrics, chosen, **limits)
     out = result.to_json()
     text = gate_text(result)
     if control is not None:
         out["control"] = over_control(measured.summary, measure(ref, control, chunks, runs_dir, threads, progress,
-                                                                 need_per_token=False, depth=band), control)
+                                                                 need_per_token=False, selection=selection), control)
         text += "\n" + control_text(out["control"])
-    if band is not None:
-        out["depth"] = {"lo": band[0], "hi": band[1]}
-        text = f"depth: only scored tokens at logit positions {band[0]}:{band[1]}\n{text}"
+    if selection.depth is not None:
+        out["depth"] = {"lo": selection.depth[0], "hi": selection.depth[1]}
+    if selection.labels():
+        out["selection"] = selection.labels()
+    if selection:
+        text = f"{selection.describe()}\n{text}"
     return out, text, result.passed

@@ -151,12 +151,14 @@ class MatrixPlan:
 def plan_matrix(ref_label: str, ref_path: str, pairs: list[tuple[str, str, str]], chunks: int | None, n_ctx: int,
                 corpus: str | None, directory: Path, engine: EngineSettings = EngineSettings(), force: bool = False,
                 scoring: str = "half", concat: bool = False, samplers=(),
-                tasks: tuple[TaskRequest, ...] = (), control: bool = False) -> MatrixPlan:
+                tasks: tuple[TaskRequest, ...] = (), control: bool = False,
+                chat: tuple[str | None, str | None] = (None, None)) -> MatrixPlan:
     """The plan for reference `ref_path` and (label, model, kv) `pairs`, each run with `engine` but its KV cache
     type. Every bad setting, label, sampler or task file is refused here, before hours of work start.
     force: a reference store of another capture is replaced. samplers: presets or settings strings
     (qeval.compare.sampler) every pair is measured with too; tasks: task sets every model is scored on too.
-    control: one more pair, CONTROL, the reference model itself under control_settings: the noise floor."""
+    control: one more pair, CONTROL, the reference model itself under control_settings: the noise floor.
+    chat: (chat template, its kwargs JSON) of a conversation corpus (qeval.capture.capture.CaptureSpec)."""
     chosen = tuple(s.name for s in sampler.parse_all(samplers))
     named = []
     for request in tasks:
@@ -174,7 +176,8 @@ def plan_matrix(ref_label: str, ref_path: str, pairs: list[tuple[str, str, str]]
     reference = CaptureSpec(model=ref_path, out=str(runs.store_path(runs.check_label(ref_label), directory)),
                             label=ref_label, corpus=corpus, n_ctx=n_ctx, chunks=chunks,
                             settings=pair_settings("f16", engine).validate(), replace=force,
-                            scoring=Scoring.parse(scoring).rule, concat=concat)
+                            scoring=Scoring.parse(scoring).rule, concat=concat, chat_template=chat[0],
+                            chat_template_kwargs=chat[1])
     return MatrixPlan(reference, planned, directory, chosen, tuple(named))
 
 
@@ -242,7 +245,7 @@ def _stored_candidate(path: Path, planned: dict, ref_store, n_chunks: int) -> tu
         with StoreReader(path, tolerate_torn_tail=True) as store:
             differences = identity.changes(identity.producer(store.header), planned)
             holds = store.complete and identity.holds_windows(store.header, store.tokens, range(n_chunks),
-                                                              ref_store.tokens[:n_chunks])
+                                                              ref_store.tokens[:n_chunks], ref_store.header)
             return holds and not differences, differences
     except QevalError:
         return False, ["it is not a readable store"]

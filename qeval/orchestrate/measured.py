@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from qeval.compare.depth import Selection
 from qeval.compare.summary import summarize
 from qeval.errors import MismatchError, QevalError
 from qeval.identity import changes, reference_identity
@@ -27,13 +28,13 @@ def is_result_spec(spec: str) -> bool:
 
 def measure(ref: str, cand: str, chunks: int | None = None, runs_dir: str | os.PathLike | None = None,
             threads: int = 2, progress: bool = False, need_per_token: bool = True,
-            depth: tuple[int, int] | None = None, samplers=()) -> Measured:
+            selection: Selection = Selection(), samplers=()) -> Measured:
     """`cand` against `ref`: a saved result file (`*.json`) is read, anything else compared now.
-    depth: only the scored tokens at logit positions [lo, hi) count (qeval.compare.depth).
+    selection: only the scored tokens of a depth band, a segment, a category count (qeval.compare.depth).
     samplers: sampler names (qeval.compare.sampler) computed too; a saved result must hold them."""
     if is_result_spec(cand):
-        need = need_per_token or chunks is not None or depth is not None
-        res = _from_result(ref, Path(cand), chunks, runs_dir, need).at_depth(depth)
+        need = need_per_token or chunks is not None or bool(selection)
+        res = _from_result(ref, Path(cand), chunks, runs_dir, need).selected(selection)
         missing = [s for s in samplers if s not in res.summary.samplers]
         if missing:
             raise QevalError(f"{cand} holds no figures for sampler {', '.join(missing)}: recompute it (qeval kld "
@@ -43,7 +44,7 @@ def measure(ref: str, cand: str, chunks: int | None = None, runs_dir: str | os.P
     from qeval.orchestrate import sources  # noqa: PLC0415 - sources imports the capture engine
 
     cmp = sources.compare(ref, cand, chunks, runs_dir, threads=threads, progress=progress, samplers=samplers)
-    return Measured(summarize(cmp), cmp.per_token, None).at_depth(depth)
+    return Measured(summarize(cmp), cmp.per_token, None).selected(selection)
 
 
 def _from_result(ref: str, path: Path, chunks: int | None, runs_dir, need_per_token: bool) -> Measured:

@@ -30,7 +30,7 @@ from dataclasses import asdict
 import numpy as np
 
 from qeval.compare import metric_registry, sampler
-from qeval.compare.depth import parse_depth
+from qeval.compare.depth import Selection
 from qeval.compare.metric_registry import Metric
 from qeval.compare.paired_stats import (
     BOOT_SEED,
@@ -137,23 +137,29 @@ def _names(a: str, b: str) -> tuple[str, str]:
 def paired_report(ref: str, cand_a: str, cand_b: str, chunks: int | None = None,
                   runs_dir: str | os.PathLike | None = None, threads: int = 2, method: str = "t",
                   confidence: float = CONFIDENCE, progress: bool = False,
-                  depth: str | None = None, samplers=()) -> tuple[dict, str]:
+                  depth: str | None = None, samplers=(), segment: str | None = None,
+                  category: str | None = None) -> tuple[dict, str]:
     """`qeval compare`: measure A and B against `ref` (or read saved results) and pair them.
     depth: "LO:HI", only scored tokens at those logit positions (is A worse than B beyond 8K? "8192:").
+    segment, category: only the assistant's tokens of one segment (thinking, answer, tool_call) or of one
+    category's conversations (--score assistant comparisons).""
     samplers: presets or settings strings (qeval.compare.sampler): their TVDs are paired too."""
     chosen = [s.name for s in sampler.parse_all(samplers)]
     if method not in METHODS:
         raise QevalError(f"--method must be one of {', '.join(METHODS)}, not {method!r}")
-    band = parse_depth(depth)
+    selection = Selection.parse(depth, segment, category)
     measured = []
     for role, cand in (("A", cand_a), ("B", cand_b)):
         try:
-            measured.append(measure(ref, cand, chunks, runs_dir, threads, progress, depth=band, samplers=chosen))
+            measured.append(measure(ref, cand, chunks, runs_dir, threads, progress, selection=selection,
+                                    samplers=chosen))
         except QevalError as exc:
             raise type(exc)(f"candidate {role} ({cand}): {exc}") from None
     result = compare_measured(*measured, method=method, confidence=confidence, samplers=chosen)
-    if band is not None:
-        result["depth"] = {"lo": band[0], "hi": band[1]}
+    if selection.depth is not None:
+        result["depth"] = {"lo": selection.depth[0], "hi": selection.depth[1]}
+    if selection.labels():
+        result["selection"] = selection.labels()
     return result, paired_text(result)
 
 

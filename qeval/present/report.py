@@ -11,8 +11,8 @@ import numpy as np
 
 from qeval.compare import sampler
 from qeval.compare.metric_registry import KLD_BLOCK, METRICS, PPL_BLOCK, TOKEN_BLOCK, Metric, MetricValue, plus_minus
-from qeval.compare.metrics import PER_TOKEN_FIELDS, Comparison
-from qeval.compare.summary import ComparisonSummary, DepthBand, Side
+from qeval.compare.metrics import GROUP_FIELDS, PER_TOKEN_FIELDS, Comparison
+from qeval.compare.summary import ComparisonSummary, Side, TokenGroup
 from qeval.storage.llamacpp import record_values
 from qeval.storage.store import StoreHeader
 
@@ -52,7 +52,7 @@ def comparison_text(summary: ComparisonSummary) -> str:
             *(f"{name:<7} Δp: {100 * v:6.3f}%" for name, v in dp["ladder"].items()),
             f"RMS Δp    : {_percent_pm(dp['rms'], dp['rms_se'], 6)} %",
             f"Same top p: {_percent_pm(top1['fraction'], top1['se'], 6)} %"]),
-        *depth_lines(summary.by_depth or []),
+        *group_lines(summary),
         *sampler_lines(summary.samplers),
     ]
     return "\n".join(lines)
@@ -79,21 +79,35 @@ def sampler_lines(samplers: dict) -> list[str]:
     return rows
 
 
-def depth_lines(bands: list[DepthBand]) -> list[str]:
-    """The by-depth block: one row per band of logit positions [lo, hi) (qeval.compare.depth)."""
-    if not bands:
-        return []
-    rows = ["", "====== By depth (logit position; SE cluster-robust over 256-position blocks) ======",
-            f"{'depth':>15} {'n':>7}  {'mean KLD':>21}  {'99% KLD':>9} {'99.9% KLD':>9}  {'same top %':>16}  "
-            f"{'PPL(base)':>10} {'PPL(Q)':>10}  {'mean Δp %':>15}"]
-    for b in bands:
-        blocks = b.figures.blocks
-        k, top1, p, dp = blocks["kld"], blocks["same_top1"], blocks["perplexity"], blocks["delta_p"]
-        rows.append(f"{b.lo:>7}-{b.hi:<7} {b.n:>7}  {plus_minus(k['mean'], k['se'], '9.6f')}  "
-                    f"{k['ladder']['99.0%']:9.6f} {k['ladder']['99.9%']:9.6f}  "
-                    f"{_percent_pm(top1['fraction'], top1['se'], 7)}  "
-                    f"{p['ppl_ref']:10.4f} {p['ppl_cand']:10.4f}  {_percent_pm(dp['mean'], dp['se'], 6)}")
+# The blocks of token groups (qeval.compare.depth): summary attribute, heading, column title, how a group is named.
+GROUP_BLOCKS = (("by_depth", "By depth (logit position; SE cluster-robust over 256-position blocks)", "depth",
+                 lambda g: f"{g.lo:>7}-{g.hi:<7}"),
+                ("by_segment", "By segment (the assistant's tokens; SE cluster-robust)", "segment",
+                 lambda g: f"{g.name:>15}"),
+                ("by_category", "By category (conversations; SE cluster-robust)", "category", lambda g: f"{g.name:>15}"))
+
+
+def group_lines(summary: ComparisonSummary) -> list[str]:
+    """The by-depth block, then by segment and by category for conversations: one row per group, one layout."""
+    rows = []
+    for attribute, heading, title, name in GROUP_BLOCKS:
+        groups = getattr(summary, attribute) or []
+        if not groups:
+            continue
+        rows += ["", f"====== {heading} ======",
+                 f"{title:>15} {'n':>7}  {'mean KLD':>21}  {'99% KLD':>9} {'99.9% KLD':>9}  {'same top %':>16}  "
+                 f"{'PPL(base)':>10} {'PPL(Q)':>10}  {'mean Δp %':>15}"]
+        rows += [group_row(name(g), g) for g in groups]
     return rows
+
+
+def group_row(name: str, group: TokenGroup) -> str:
+    blocks = group.figures.blocks
+    k, top1, p, dp = blocks["kld"], blocks["same_top1"], blocks["perplexity"], blocks["delta_p"]
+    return (f"{name} {group.n:>7}  {plus_minus(k['mean'], k['se'], '9.6f')}  "
+            f"{k['ladder']['99.0%']:9.6f} {k['ladder']['99.9%']:9.6f}  "
+            f"{_percent_pm(top1['fraction'], top1['se'], 7)}  "
+            f"{p['ppl_ref']:10.4f} {p['ppl_cand']:10.4f}  {_percent_pm(dp['mean'], dp['se'], 6)}")
 
 
 def _block(name: str, summary: ComparisonSummary, llama_lines: list[str]) -> list[str]:
@@ -131,7 +145,7 @@ def ppl_text(label: str, path: str, ppl: dict, chunks: int, n_tokens: int) -> st
 def info(source) -> dict:
     h: StoreHeader = source.header
     n_chunks = len(source.chunk_indices)
-    scored = n_chunks * h.n_scored
+    scored = sum(h.n_scored_of(c) for c in source.chunk_indices)
     llama_bytes = 20 + 4 * h.n_chunks * h.n_ctx + scored * 2 * record_values(h.n_vocab)
     size = getattr(source, "size_bytes", 0)
     return {
@@ -148,6 +162,16 @@ def info(source) -> dict:
     }
 
 
+def _scored_text(h: dict) -> str:
+    """Which tokens a store scores, from its header's JSON."""
+    if "n_scored" in h:
+        return (f"{h['n_scored']} scored tokens per chunk (--score {h.get('scoring', 'half')}: positions "
+                f"{h['first_scored']}..{h['n_ctx'] - 2})")
+    windows = h["windows"]
+    return (f"--score {h['scoring']}: the assistant's tokens of {len(windows['chunks'])} conversation windows "
+            f"(segments {', '.join(windows['segments'])}; categories {', '.join(windows['categories'])})")
+
+
 def info_text(d: dict) -> str:
     h = d["header"]
     state = "complete" if d["complete"] else "INCOMPLETE (still being written or interrupted)"
@@ -157,9 +181,7 @@ def info_text(d: dict) -> str:
         f"label      : {h['label']}   source: {h['source']}   qeval {h['qeval_version']}, format v{h['format_version']}",
         f"state      : {state}: {d['chunks_present']} of {d['chunks_expected']} chunks "
         f"(chunk range {h['chunk_start']}:{h['chunk_stop']} of {h['n_chunks']})",
-        f"layout     : n_vocab {h['n_vocab']}, n_ctx {h['n_ctx']}, {h['n_scored']} scored tokens per chunk "
-        f"(--score {h.get('scoring', 'half')}: positions {h['first_scored']}..{h['n_ctx'] - 2}), "
-        f"top-{h['top_k']} ids kept",
+        f"layout     : n_vocab {h['n_vocab']}, n_ctx {h['n_ctx']}, {_scored_text(h)}, top-{h['top_k']} ids kept",
         f"code       : {json.dumps(h['codec'], sort_keys=True)}",
     ]
     if model:
@@ -186,7 +208,7 @@ def write_per_token(cmp: Comparison, path: Path) -> None:
         return
     with open(path, "w", newline="") as fh:
         w = csv.writer(fh)
-        fields = (*PER_TOKEN_FIELDS, *filter(sampler.is_column, t))  # then the samplers' columns, if any
+        fields = (*PER_TOKEN_FIELDS, *filter(t.__contains__, GROUP_FIELDS), *filter(sampler.is_column, t))  # if any
         w.writerow(fields)
         cols = [t[k] for k in fields]
         for row in zip(*cols):

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from qeval.compare import depth, sampler
-from qeval.compare.metrics import PER_TOKEN_FIELDS, Comparison
+from qeval.compare.metrics import GROUP_FIELDS, PER_TOKEN_FIELDS, Comparison
 from qeval.compare.summary import ComparisonSummary, of_figures, summarize
 from qeval.errors import QevalError
 from qeval.identity import METRICS_VERSION, ComparisonRequest
@@ -61,15 +61,18 @@ class Result:
         per_token = {k: v[keep] for k, v in self.per_token.items()}
         return Result(recomputed(self.summary, per_token), per_token, self.path)
 
-    def at_depth(self, band: tuple[int, int] | None) -> "Result":
-        """The same measurement over only the scored tokens at logit positions [lo, hi) (None: all)."""
-        if band is None:
+    def selected(self, selection: depth.Selection) -> "Result":
+        """The same measurement over only the scored tokens `selection` picks (a depth band, a segment, a
+        category; an empty selection: all)."""
+        if not selection:
             return self
         if self.per_token is None:
-            raise QevalError(f"{self.origin} has no per-token values: it cannot be cut to a depth band")
-        per_token = depth.select_depth(self.per_token, band, f"{self.label} vs {self.ref_label}")
+            raise QevalError(f"{self.origin} has no per-token values: it cannot be cut to {selection.describe()}")
+        per_token = selection.select(self.per_token, self.summary.labels, f"{self.label} vs {self.ref_label}")
         summary = recomputed(self.summary, per_token)
-        summary.depth = {"lo": band[0], "hi": band[1]}
+        if selection.depth is not None:
+            summary.depth = {"lo": selection.depth[0], "hi": selection.depth[1]}
+        summary.selection = selection.labels() or None
         return Result(summary, per_token, self.path)
 
 
@@ -77,7 +80,7 @@ def recomputed(head: ComparisonSummary, per_token: dict[str, np.ndarray]) -> Com
     """The summary of these per-token values, its reference and candidate those of `head`."""
     chunks = [int(c) for c in np.unique(per_token["chunk"])]
     bands = depth.parse_bands(None, head.reference.n_ctx)
-    body = Comparison(None, None, chunks, per_token).summary(bands)  # reads only per_token and chunks then
+    body = Comparison(None, None, chunks, per_token, head.labels).summary(bands)  # reads only per_token and chunks
     return of_figures(head.reference, head.candidate, body)
 
 
@@ -144,7 +147,8 @@ def load_result(path: str | os.PathLike, with_per_token: bool = True) -> Result:
         npz = path.parent / summary.per_token_file
         try:
             with np.load(npz) as data:
-                fields = (*PER_TOKEN_FIELDS, *filter(sampler.is_column, data.files))  # samplers' columns too
+                # the group columns of conversations and the samplers' columns too
+                fields = (*PER_TOKEN_FIELDS, *GROUP_FIELDS, *filter(sampler.is_column, data.files))
                 per_token = {k: data[k] for k in fields if k in data.files}
         except (OSError, ValueError) as exc:
             raise QevalError(f"cannot read per-token file {npz} of {path}: {exc}") from None

@@ -33,12 +33,13 @@ import zstandard
 from qeval import __version__
 from qeval.errors import MismatchError, QevalError, StoreFormatError
 from qeval.identity import capture_conflicts, tokens_sha256
-from qeval.storage.scoring import HALF, Scoring
+from qeval.storage.scoring import HALF, Scoring, WindowLabels, positions_of
 
 MAGIC = b"QEVALLOG"
 TRAILER_MAGIC = b"QEVALEND"
 FORMAT_VERSION = 2  # 2: the header records its scoring rule (version 1: always half)
-READABLE_VERSIONS = (1, 2)
+LABELLED_VERSION = 3  # 3: the header holds per-token labels (`windows`): a conversation capture, --score assistant
+READABLE_VERSIONS = (1, 2, 3)
 N_CODES = 65536
 TOP_K = 10
 # A chunk (window) of more scored rows is written as pieces of this many rows (one CHNK record each), so
@@ -88,15 +89,42 @@ class StoreHeader:
     qeval_version: str = __version__
     format_version: int = FORMAT_VERSION
     scoring: str = HALF.rule  # which logit positions are scored (qeval.storage.scoring)
+    windows: dict = field(default_factory=dict)  # per-token labels of a conversation capture (WindowLabels JSON)
 
     def __post_init__(self):
         if self.top_k == 0:
             object.__setattr__(self, "top_k", min(TOP_K, self.n_vocab))
+        if self.windows and self.format_version < LABELLED_VERSION:
+            object.__setattr__(self, "format_version", LABELLED_VERSION)
 
     @cached_property
     def positions(self) -> np.ndarray:
-        """The scored logit positions of every window (one definition: qeval.storage.scoring)."""
+        """The scored logit positions of every window, for a rule that scores the same ones in each (one
+        definition: qeval.storage.scoring); see positions_of."""
         return Scoring.parse(self.scoring).positions(self.n_ctx)
+
+    @cached_property
+    def window_labels(self) -> WindowLabels | None:
+        """The per-token labels of a conversation capture (None for text windows)."""
+        return WindowLabels.from_json(self.windows, self.n_ctx, self.n_chunks) if self.windows else None
+
+    def positions_of(self, chunk: int) -> np.ndarray:
+        """The scored logit positions of window `chunk`, ascending."""
+        if self.window_labels is None:
+            return self.positions
+        return positions_of(Scoring.parse(self.scoring), self.window_labels, chunk, self.n_ctx)
+
+    def n_scored_of(self, chunk: int) -> int:
+        """Scored tokens (rows) of window `chunk`."""
+        return self.n_scored if self.window_labels is None else self._labelled_counts[chunk]
+
+    @cached_property
+    def _labelled_counts(self) -> list[int]:
+        return [len(self.positions_of(c)) for c in range(self.n_chunks)]
+
+    @property
+    def per_window(self) -> bool:
+        return self.window_labels is not None
 
     @property
     def first_scored(self) -> int:
@@ -115,8 +143,11 @@ class StoreHeader:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
         if self.format_version == 1:
             del d["scoring"]  # version 1 has no such field: it is half
-        d["n_scored"] = self.n_scored
-        d["first_scored"] = self.first_scored
+        if self.format_version < LABELLED_VERSION:
+            del d["windows"]
+        if not self.per_window:
+            d["n_scored"] = self.n_scored
+            d["first_scored"] = self.first_scored
         return d
 
     @classmethod
@@ -137,7 +168,7 @@ class StoreHeader:
             if not isinstance(v, str):
                 raise StoreFormatError(f"{where}: header field {name!r} must be a string")
             kwargs[name] = v
-        for name in ("codec", "model", "kv", "corpus", "capture"):
+        for name in ("codec", "model", "kv", "corpus", "capture", "windows"):
             v = d.get(name, {})
             if not isinstance(v, dict):
                 raise StoreFormatError(f"{where}: header field {name!r} must be an object")
@@ -148,16 +179,25 @@ class StoreHeader:
         if kwargs["format_version"] == 1 and "scoring" in d:
             raise StoreFormatError(f"{where}: a version-1 header has no scoring field")
         try:
-            Scoring.parse(kwargs["scoring"]).check(kwargs["n_ctx"])
+            scoring = Scoring.parse(kwargs["scoring"])
+            scoring.check(kwargs["n_ctx"])
         except QevalError as exc:
             raise StoreFormatError(f"{where}: header field 'scoring': {exc}") from None
+        if scoring.per_window != bool(kwargs["windows"]) or bool(kwargs["windows"]) != (
+                kwargs["format_version"] >= LABELLED_VERSION):
+            raise StoreFormatError(f"{where}: --score {scoring.rule} in format version {kwargs['format_version']} "
+                                   f"{'with' if kwargs['windows'] else 'without'} per-token labels")
         h = cls(**kwargs)
+        try:
+            h.window_labels
+        except ValueError as exc:
+            raise StoreFormatError(f"{where}: header field 'windows': {exc}") from None
         if h.top_k > h.n_vocab:
             raise StoreFormatError(f"{where}: top_k {h.top_k} exceeds the vocab of {h.n_vocab}")
         if not h.chunk_start < h.chunk_stop <= h.n_chunks:
             raise StoreFormatError(f"{where}: chunk range {h.chunk_start}:{h.chunk_stop} does not fit "
                                    f"{h.n_chunks} chunks")
-        if d.get("n_scored", h.n_scored) != h.n_scored:
+        if not h.per_window and d.get("n_scored", h.n_scored) != h.n_scored:
             raise StoreFormatError(f"{where}: header n_scored disagrees with n_ctx {h.n_ctx}")
         return h
 
@@ -301,7 +341,7 @@ class StoreWriter:
                  replaces: Path | None = None):
         self.path, self.header, self._fh = path, header, fh
         self._pieces = pieces  # chunk -> [(first_row, offset)] of its CHNK records, in row order
-        self._rows = {c: header.n_scored for c in pieces}  # rows written per chunk (resumed chunks are complete)
+        self._rows = {c: header.n_scored_of(c) for c in pieces}  # rows written per chunk (resumed chunks are complete)
         self.replaces = replaces  # the store finish() renames this one over
         self.finished = False
 
@@ -372,24 +412,24 @@ class StoreWriter:
     @property
     def done_chunks(self) -> set[int]:
         """Chunks with every scored row written."""
-        return {c for c, rows in self._rows.items() if rows == self.header.n_scored}
+        return {c for c, rows in self._rows.items() if rows == self.header.n_scored_of(c)}
 
     def write_chunk(self, chunk: ChunkData) -> None:
         """Append a chunk, or the next piece of one: pieces of a chunk come in row order, one chunk at a time."""
         if chunk.index not in self.header.chunk_range:
             raise ValueError(f"chunk {chunk.index} is outside {self.header.chunk_start}:{self.header.chunk_stop}")
-        rows = self._rows.get(chunk.index, 0)
-        if rows == self.header.n_scored:
+        rows, n_scored = self._rows.get(chunk.index, 0), self.header.n_scored_of(chunk.index)
+        if rows == n_scored:
             raise ValueError(f"chunk {chunk.index} is already stored")
-        open_chunks = [c for c, r in self._rows.items() if r != self.header.n_scored and c != chunk.index]
+        open_chunks = [c for c, r in self._rows.items() if r != self.header.n_scored_of(c) and c != chunk.index]
         if open_chunks:
             raise ValueError(f"chunk {open_chunks[0]} is unfinished: its pieces must all come before chunk {chunk.index}")
         if chunk.first_row != rows or chunk.first_row % PIECE_ROWS:
             raise ValueError(f"chunk {chunk.index}: a piece at row {chunk.first_row}, expected row {rows} "
                              f"(pieces start at multiples of {PIECE_ROWS})")
         end = rows + chunk.n_tokens
-        if chunk.n_tokens < 1 or end > self.header.n_scored or (end < self.header.n_scored and end % PIECE_ROWS):
-            raise ValueError(f"chunk {chunk.index}: a piece of rows {rows}:{end} does not fit {self.header.n_scored} "
+        if chunk.n_tokens < 1 or end > n_scored or (end < n_scored and end % PIECE_ROWS):
+            raise ValueError(f"chunk {chunk.index}: a piece of rows {rows}:{end} does not fit {n_scored} "
                              f"scored rows in pieces of {PIECE_ROWS}")
         record = _encode_record(b"CHNK", _chunk_payload(chunk, self.header.top_k))
         self._append(record)
@@ -620,7 +660,7 @@ class StoreReader:
                 raise StoreFormatError(f"{self.path}: chunk index entry points outside the file")
             pieces = self.chunk_pieces.setdefault(int(chunk), [])
             follows = int(first_row) > pieces[-1][0] if pieces else first_row == 0
-            if not follows or first_row % PIECE_ROWS or first_row >= self.header.n_scored:
+            if not follows or first_row % PIECE_ROWS or first_row >= self.header.n_scored_of(int(chunk)):
                 raise StoreFormatError(f"{self.path}: chunk index lists chunk {int(chunk)} at row {int(first_row)}, "
                                        "out of order")
             pieces.append((int(first_row), int(offset)))
@@ -650,7 +690,7 @@ class StoreReader:
             open_chunk, rows = index, first_row + n
             open_pieces.append((first_row, pos))
             pos = end
-            if rows == self.header.n_scored:
+            if rows == self.header.n_scored_of(index):
                 self.chunk_pieces[index] = open_pieces
                 open_chunk, open_pieces, rows = None, [], 0
                 self.end_of_valid_data = pos
@@ -667,9 +707,10 @@ class StoreReader:
         index, rows, _, first_row = _CHUNK_HEAD.unpack(head[_RECORD.size:])
         if index not in self.header.chunk_range or index in self.chunk_pieces:
             raise StoreFormatError(f"{self._where(offset)}: unexpected chunk number {index}")
-        if first_row % PIECE_ROWS or not 0 < rows <= self.header.n_scored - first_row:
+        n_scored = self.header.n_scored_of(index)
+        if first_row % PIECE_ROWS or not 0 < rows <= n_scored - first_row:
             raise StoreFormatError(f"{self._where(offset)}: chunk {index} piece of rows {first_row}:{first_row + rows} "
-                                   f"does not fit {self.header.n_scored} scored rows")
+                                   f"does not fit {n_scored} scored rows")
         if verify:
             self._record_at(offset, b"CHNK")
         return index, rows, first_row, end
@@ -702,13 +743,13 @@ class StoreReader:
 
     def iter_pieces(self, index: int, buffer: bytearray | None = None) -> Iterator[ChunkData]:
         """The pieces of chunk `index` in row order, each checksummed (each valid until the next, with `buffer`)."""
-        pieces, row = self._pieces_of(index), 0
+        pieces, row, n_scored = self._pieces_of(index), 0, self.header.n_scored_of(index)
         for k, (first_row, offset) in enumerate(pieces):
             piece = self._read_piece(index, first_row, offset, buffer)
             row, last = first_row + piece.n_tokens, k == len(pieces) - 1
-            next_row = self.header.n_scored if last else pieces[k + 1][0]
+            next_row = n_scored if last else pieces[k + 1][0]
             if row != next_row:
-                raise StoreFormatError(f"{self.path}: chunk {index} pieces do not cover its {self.header.n_scored} rows")
+                raise StoreFormatError(f"{self.path}: chunk {index} pieces do not cover its {n_scored} rows")
             yield piece
             del piece  # its bytes live in `buffer`, which the next read may have to grow
 
@@ -719,7 +760,8 @@ class StoreReader:
         if len(payload) < _CHUNK_HEAD.size:
             raise StoreFormatError(f"{self.path}: chunk {index} record is too short")
         got_index, n, top_k, got_first = _CHUNK_HEAD.unpack_from(payload)
-        expected_n = h.n_scored if whole else min(h.n_scored - first_row, n)
+        n_scored = h.n_scored_of(index)
+        expected_n = n_scored if whole else min(n_scored - first_row, n)
         if got_index != index or got_first != first_row or n != expected_n or n < 1 or top_k != h.top_k:
             raise StoreFormatError(f"{self.path}: chunk {index} record disagrees with the header "
                                    f"(index {got_index}, rows {got_first}:{got_first + n}, top_k {top_k})")
@@ -757,7 +799,7 @@ class PiecedChunk(ChunkData):
 
     @property
     def n_tokens(self) -> int:
-        return self._reader.header.n_scored
+        return self._reader.header.n_scored_of(self.index)
 
     def iter_planes(self, n_vocab: int, block_tokens: int = 16, buffers: int = 1) -> Iterator[tuple[int, np.ndarray]]:
         scalars = []
