@@ -352,6 +352,18 @@ class LlamaModel:
     def __exit__(self, *exc):
         self.close()
 
+    def token_bytes(self, token: int) -> bytes:
+        """A token's detokenized bytes (llama_token_to_piece, special tokens rendered): what it adds to the text,
+        so the pieces of a tokenization join into the bytes that were tokenized."""
+        lc, cap = self._lc, 32
+        for _ in range(2):  # a negative result is the size the piece needs: retry once with it
+            buf = ctypes.create_string_buffer(cap)
+            n = lc.llama_token_to_piece(self.vocab, token, buf, cap, 0, True)
+            if n >= 0:
+                return buf.raw[:n]
+            cap = -n
+        raise QevalError(f"llama_token_to_piece failed for token {token}")
+
 
 @dataclass(frozen=True)
 class ScoredRows:
