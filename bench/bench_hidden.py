@@ -108,7 +108,8 @@ class HiddenCapture:
             self._fill(window, start, stop)
             if lc.llama_decode(self.ctx, self.batch) != 0:
                 raise RuntimeError("llama_decode failed")
-            rows = eng.positions[(eng.positions >= start) & (eng.positions < stop)] - start
+            positions = eng.scoring.positions(N_CTX)
+            rows = positions[(positions >= start) & (positions < stop)] - start
             if not len(rows):
                 continue
             n = stop - start  # every token is an output row, in batch order

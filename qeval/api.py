@@ -151,15 +151,23 @@ def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int 
                             samplers, requests, control, (chat_template, chat_template_kwargs))
 
 
-def demo_report(chunks: int = 80, runs_dir=None, models_dir=None, n_ctx: int = 512, progress: bool = True,
-                threads: int | None = None) -> tuple[dict, str]:
-    """Gemma-3-270M end to end: derive quants, capture the Q8_0 reference, compare every candidate."""
+def demo_report(chunks: int | None = 80, runs_dir=None, models_dir=None, n_ctx: int = 512, progress: bool = True,
+                threads: int | None = None, conversations: bool = False) -> tuple[dict, str]:
+    """Gemma-3-270M end to end: derive quants, capture the Q8_0 reference, compare every candidate. conversations:
+    over the shipped conversation suite instead, the assistant's tokens by segment and category (in
+    RUNS_DIR/conversations; every conversation unless `chunks`)."""
     from qeval.orchestrate import demo  # noqa: PLC0415
 
     paths = demo.prepare_models(demo.models_dir(models_dir))
     pairs = [(run.label, str(paths[run.quant]), run.type_k) for run in demo.demo_runs()]
-    result, text = sweep.run_matrix(demo.REFERENCE, str(paths[demo.REFERENCE]), pairs, chunks, n_ctx, None,
-                                    runs.runs_dir(runs_dir), EngineSettings(n_threads=threads), progress)
+    directory, corpus, scoring, chat = runs.runs_dir(runs_dir), None, "half", (None, None)
+    if conversations:
+        c = demo.CONVERSATIONS
+        directory, corpus, scoring, n_ctx = directory / c["subdir"], c["corpus"], c["scoring"], c["n_ctx"]
+        chat = (demo.conversation_template(), None)
+    result, text = sweep.run_matrix(demo.REFERENCE, str(paths[demo.REFERENCE]), pairs, chunks, n_ctx, corpus,
+                                    directory, EngineSettings(n_threads=threads), progress, scoring=scoring,
+                                    chat=chat)
     return result, demo.DERIVATION_NOTE + "\n" + text
 
 

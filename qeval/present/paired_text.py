@@ -57,7 +57,7 @@ def paired_text(result: dict) -> str:
              f"the same tokens for A and B",
              *([f"depth     : only scored tokens at logit positions {result['depth']['lo']}:{result['depth']['hi']}"]
                if "depth" in result else []),
-             *([f"tokens    : only the assistant's tokens in " + ", ".join(f"{k} {v!r}" for k, v in
+             *(["tokens    : only the assistant's tokens in " + ", ".join(f"{k} {v!r}" for k, v in
                                                                          result["selection"].items())]
                if "selection" in result else []),
              f"intervals : {100 * result['confidence']:g} % from {how}", *[f"note      : {n}" for n in result["notes"]],
