@@ -193,3 +193,29 @@ def test_a_gguf_without_a_template_is_refused_with_what_to_do(template_ggufs):
     msg = assert_cli_error(run_cli("template", CONFIG, template_ggufs["none"]), "carries no chat template",
                            "--chat-template")
     assert "none.gguf" in msg
+
+
+def test_conversations_from_a_hub_dataset(tmp_path):
+    """Rows of an hf: dataset (through the real `datasets` library, on a local parquet file) as conversations:
+    messages in a column, tools as JSON text or absent, ids and categories from the rows or the dataset's name."""
+    import datasets
+
+    rows = [json.loads(line) for line in (SUITE / "tool_calls.jsonl").read_text().splitlines()[:2]]
+    table = {"conversation": [r["messages"] for r in rows], "tools": [json.dumps(r.get("tools")) for r in rows],
+             "id": [r["id"] for r in rows]}
+    path = tmp_path / "data.parquet"
+    datasets.Dataset.from_dict(table).to_parquet(str(path))
+    calls = []
+
+    def loader(name, config, split):
+        calls.append((name, config, split))
+        return datasets.load_dataset("parquet", data_files=str(path), split="train")
+
+    got = chat.load_conversations("hf:owner/agent-chats/all:train#conversation", hf_loader=loader)
+    assert calls == [("owner/agent-chats", "all", "train")]
+    assert [c.id for c in got] == [r["id"] for r in rows] and {c.category for c in got} == {"agent-chats"}
+    assert got[0].tools == rows[0].get("tools")
+    template = chat.load_template(CONFIG)
+    assert template.render(got[0]) == template.render(chat.load_conversations(str(SUITE / "tool_calls.jsonl"))[0])
+    with pytest.raises(QevalError, match="no column 'messages'"):
+        chat.load_conversations("hf:owner/agent-chats/all", hf_loader=loader)

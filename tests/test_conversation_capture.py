@@ -20,7 +20,7 @@ N_CTX = 256
 TEMPLATE = chat.shipped_dir() / "gemma3-chat-template.jinja"
 # one of each kind: a tool call with its result, a thinking trace, a multi-turn chat, other languages; two of them
 # longer than N_CTX, so they are cut into windows
-IDS = ("tool_calls-001", "thinking-007", "chat-002", "multilingual-001")
+IDS = ("tool_calls-001", "thinking-007", "chat-002", "multilingual-de-001")
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +100,16 @@ def test_refusals(models, conversations, tmp_path):
                              "--chat-template", TEMPLATE, "--chat-template-kwargs", "[1]", "--runs-dir", tmp_path),
                      "must be a JSON object")
     assert not list(tmp_path.glob("*.qeval"))
+
+
+def test_a_matrix_over_conversations_with_its_control(models, conversations, captured):
+    """The matrix reuses the conversation reference and runs a candidate and the control live over its windows."""
+    result, text = api.matrix_report(f"Q8_0={models['Q8_0']}", [f"Q2_K={models['Q2_K']}"], ["f16"], n_ctx=N_CTX,
+                                     corpus=str(conversations), runs_dir=captured, scoring="assistant",
+                                     chat_template=str(TEMPLATE), control=True, progress=False)
+    by_label = {r["candidate"]["label"]: r for r in result["results"]}
+    assert set(by_label) == {"Q2_K", "control"}
+    assert by_label["control"]["kld"]["mean"] < 0.01 * by_label["Q2_K"]["kld"]["mean"]
+    assert {g["segment"] for g in by_label["Q2_K"]["by_segment"]} == {"thinking", "answer", "tool_call"}
+    assert {g["category"] for g in by_label["Q2_K"]["by_category"]} == {"tool_calls", "thinking", "chat",
+                                                                        "multilingual"}

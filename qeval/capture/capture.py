@@ -214,9 +214,10 @@ def capture(spec: CaptureSpec, on_chunk: Callable[[int], None] | None = None,
 def check_corpus_kind(corpus: str | None, scoring: Scoring) -> None:
     """Conversations are scored by role (--score assistant), text windows by position: one message otherwise."""
     conversations = is_conversation_corpus(corpus)
-    if scoring.per_window and not conversations:
+    if scoring.per_window and not (conversations or (corpus or "").startswith("hf:")):
         raise QevalError(f"--score {scoring.rule} scores conversations: --corpus must be a JSONL file of them, a "
-                         f"folder of such files, or `conversations` (the shipped suite), not {corpus or 'the default'}")
+                         f"folder of such files, `conversations` (the shipped suite) or an hf: dataset of messages, "
+                         f"not {corpus or 'the default'}")
     if conversations and not scoring.per_window:
         raise QevalError(f"--corpus {corpus} holds conversations: score them with --score {ASSISTANT} (a text "
                          "corpus is a .txt file or a folder of them)")

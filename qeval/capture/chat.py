@@ -1,7 +1,9 @@
 """Conversations in the OpenAI chat shape, and the chat templates that render them into a model's text.
 
 A conversation corpus is a JSONL file, a folder of them (a row's category is its `category` field, else its
-file's name), or the shipped suite `conversations` (qeval/corpora/conversations). A row:
+file's name), the shipped suite `conversations` (qeval/corpora/conversations), or a Hugging Face dataset
+`hf:DATASET[/CONFIG][:SPLIT][#COLUMN]` whose rows hold the messages in COLUMN (default `messages`) and
+optionally `tools` (a list, or its JSON text), `id` and `category` (else the dataset's name). A row:
 
     {"id": "...", "category": "...", "messages": [...], "tools": [...]}
 
@@ -28,6 +30,7 @@ from functools import cached_property
 from importlib import resources
 from pathlib import Path
 
+from qeval.capture.corpus import parse_hf_spec
 from qeval.capture.engine import LlamaModel
 from qeval.capture.modelinfo import is_model_file
 from qeval.errors import QevalError
@@ -54,8 +57,11 @@ def shipped_dir() -> Path:
     return Path(str(resources.files("qeval.corpora"))) / SHIPPED
 
 
-def load_conversations(spec: str) -> list[Conversation]:
-    """The conversations of a JSONL file, a folder of *.jsonl files, or the shipped suite (`conversations`)."""
+def load_conversations(spec: str, hf_loader=None) -> list[Conversation]:
+    """The conversations of a JSONL file, a folder of *.jsonl files, the shipped suite (`conversations`) or an
+    hf: dataset (hf_loader: datasets.load_dataset's stand-in, for tests)."""
+    if spec.startswith("hf:"):
+        return _unique_ids(load_hf_conversations(spec, hf_loader), spec)
     path = shipped_dir() if spec == SHIPPED else Path(spec)
     if path.is_dir():
         files = sorted(path.glob("*.jsonl"))
@@ -65,12 +71,44 @@ def load_conversations(spec: str) -> list[Conversation]:
         files = [path]
     else:
         raise QevalError(f"conversation corpus {spec!r} is neither a JSONL file, a folder of them, nor {SHIPPED!r}")
-    conversations = [c for f in files for c in _read_jsonl(f)]
+    return _unique_ids([c for f in files for c in _read_jsonl(f)], spec)
+
+
+def _unique_ids(conversations: list[Conversation], spec: str) -> list[Conversation]:
     ids = [c.id for c in conversations]
     repeated = sorted({i for i in ids if ids.count(i) > 1})
     if repeated:
         raise QevalError(f"conversation ids must be unique in {spec}: {', '.join(repeated[:5])} repeat")
     return conversations
+
+
+def load_hf_conversations(spec: str, loader=None) -> list[Conversation]:
+    """The rows of a hub dataset as conversations (see the module docstring)."""
+    dataset, config, split, column = parse_hf_spec(spec, default_column="messages")
+    if loader is None:
+        from datasets import load_dataset as loader  # noqa: PLC0415 - slow import, only when used
+    try:
+        rows = loader(dataset, config, split=split)
+    except Exception as exc:  # datasets raises many types (connection, missing config, ...)
+        raise QevalError(f"could not load hub dataset {dataset}{'/' + config if config else ''} split {split}: "
+                         f"{type(exc).__name__}: {exc}. Without network access, pass a local JSONL file with "
+                         "--corpus instead") from None
+    if column not in rows.column_names:
+        raise QevalError(f"dataset {dataset} has no column {column!r} (columns: {', '.join(rows.column_names)}): "
+                         "name the messages column with hf:DATASET#COLUMN")
+    out = []
+    for n, row in enumerate(rows):
+        where = f"{spec} row {n}"
+        tools = row.get("tools")
+        if isinstance(tools, str):  # datasets often keep tool schemas as JSON text
+            try:
+                tools = json.loads(tools) if tools.strip() else None
+            except json.JSONDecodeError:
+                raise QevalError(f"{where}: `tools` is text but not JSON") from None
+        fields = {"messages": row[column], "tools": tools, "id": row.get("id"), "category": row.get("category")}
+        out.append(parse_conversation(fields, where, default_id=f"{dataset}-{n}",
+                                      default_category=dataset.rsplit("/", 1)[-1]))
+    return out
 
 
 def _read_jsonl(path: Path) -> list[Conversation]:

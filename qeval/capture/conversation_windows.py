@@ -39,7 +39,8 @@ class ConversationWindows:
 
 
 def is_conversation_corpus(spec: str | None) -> bool:
-    """The shipped suite, a .jsonl file, or a folder of them (a folder of *.txt is a text corpus)."""
+    """The shipped suite, a .jsonl file, or a folder of them (a folder of *.txt is a text corpus). An hf: dataset
+    may hold either: --score assistant reads it as conversations."""
     if spec == SHIPPED:
         return True
     path = Path(spec or "")
@@ -89,7 +90,7 @@ def conversation_windows(spec: str, model, n_ctx: int, max_chunks: int | None, c
     windows = np.stack(rows).astype(np.int32)
     window_labels = WindowLabels.from_arrays(np.stack(labels), SEGMENTS, categories, category_of)
     used = sorted({categories[c] for c in category_of}, key=categories.index)
-    identity = {"name": Path(spec).stem if spec != SHIPPED else SHIPPED, "source": spec, "kind": "conversations",
+    identity = {"name": spec if spec in (SHIPPED,) or spec.startswith("hf:") else Path(spec).stem, "source": spec, "kind": "conversations",
                 "conversations": len(conversations), "sha256": conversations_sha256(conversations),
                 "categories": used, "chat_template": {"source": template.source, "sha256": template.sha256,
                                                       "kwargs": template_kwargs},

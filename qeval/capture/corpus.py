@@ -105,7 +105,7 @@ def _read_text(path: Path) -> str:
         raise QevalError(f"cannot read corpus {path}: {exc.strerror}") from None
 
 
-def parse_hf_spec(spec: str) -> tuple[str, str | None, str, str]:
+def parse_hf_spec(spec: str, default_column: str = "text") -> tuple[str, str | None, str, str]:
     body = spec[3:]
     body, _, column = body.partition("#")
     body, _, split = body.partition(":")
@@ -115,7 +115,7 @@ def parse_hf_spec(spec: str) -> tuple[str, str | None, str, str]:
         dataset = owner_name
     if not dataset:
         raise QevalError(f"bad hub corpus spec {spec!r}: expected hf:DATASET[/CONFIG][:SPLIT][#COLUMN]")
-    return dataset, config or None, split or "test", column or "text"
+    return dataset, config or None, split or "test", column or default_column
 
 
 def load_hf_text(dataset: str, config: str | None, split: str, column: str, loader: Callable | None = None) -> str:
