@@ -154,4 +154,10 @@ def test_leaderboard_shows_the_deepest_band_and_draws_kld_by_depth(tmp_path):
     assert (row.deepest.name, row.deepest.kld["mean"]) == (f"{deepest['lo']}-{deepest['hi']}", deepest["kld"]["mean"])
     assert "KLD deepest band" in board.markdown()
     assert (tmp_path / "board" / "kld_by_depth.png").stat().st_size > 0
+    # prose: no segment columns, and the plot by segment and category says why it is empty
+    assert board.segments == () and not any(k.startswith(("kld_thinking", "kld_answer", "kld_tool_call"))
+                                            for k in board.columns)
+    assert "KLD answer" not in board.markdown() and "KLD <segment>" not in board.markdown()
+    assert [t.get_text() for ax in board.figures()["kld_by_group"].axes for t in ax.texts] == \
+        [f"no result holds {g} (conversations scored with --score assistant)" for g in ("segments", "categories")]
     assert "<svg" in (tmp_path / "board" / "kld_by_depth.svg").read_text()

@@ -208,3 +208,79 @@ def test_stores_labelled_differently_are_not_compared(labelled, tmp_path):
                 windows=windows.to_json())
     assert_cli_error(run_cli("kld", "--ref", "REF", "--cand", "OTHER", "--runs-dir", directory),
                      "per-token labels differ")
+
+
+def test_leaderboard_has_a_kld_column_per_segment_and_draws_kld_by_group(labelled, tmp_path):
+    import csv  # noqa: PLC0415
+    import dataclasses  # noqa: PLC0415
+
+    from qeval.present import board as boardrows  # noqa: PLC0415
+    from qeval.present import card, leaderboard, plots  # noqa: PLC0415 - matplotlib
+
+    directory, tokens, labels, _ = labelled
+    rng = np.random.default_rng(5)
+    far = {c: realistic_logits(rng, len(plain_positions(labels[c])), N_VOCAB) for c in range(N_CHUNKS)}
+    with StoreReader(directory / "REF.qeval") as store:
+        windows = store.header.to_json()["windows"]
+    write_store(directory / "FAR.qeval", tokens, far, N_VOCAB, label="FAR", scoring="assistant", windows=windows)
+    for cand in ("CAND", "FAR"):
+        api.kld_report("REF", cand, runs_dir=directory, threads=1, save_result=True)
+    saved = {cand: json.loads((directory / "results" / f"{cand}.vs.REF.json").read_text()) for cand in ("CAND", "FAR")}
+    segments = [g["segment"] for g in saved["CAND"]["by_segment"]]
+    assert segments == [s for s in SEGMENTS if s in segments] and len(segments) > 1
+
+    board = leaderboard.leaderboard([directory / "results"], out=tmp_path / "board")
+    assert board.segments == tuple(segments)
+    keys = [k for name in segments for k in (f"kld_{name}", f"kld_{name}_se")]
+    i = board.columns.index("kld_deepest_se") + 1
+    assert list(board.columns[i:i + len(keys)]) == keys
+    doc = json.loads((tmp_path / "board" / "leaderboard.json").read_text())
+    with open(tmp_path / "board" / "leaderboard.csv", newline="") as f:
+        csv_rows = {r["label"]: r for r in csv.DictReader(f)}
+    md = (tmp_path / "board" / "leaderboard.md").read_text()
+    header = [c.strip() for c in next(line for line in md.splitlines() if line.startswith("| label")).strip("|")
+              .split(" | ")]  # " | ": a cell may hold an escaped \\|
+    at = header.index("KLD deepest band ± SE") + 1
+    assert header[at:at + len(segments)] == [f"KLD {name} ± SE" for name in segments]
+    for row in doc["rows"]:
+        line = next(line for line in md.splitlines() if line.startswith(f"| {row['label']} |"))
+        cells = [c.strip() for c in line.strip("|").split(" | ")]
+        for j, g in enumerate(saved[row["label"]]["by_segment"]):
+            name, mean, se = g["segment"], g["kld"]["mean"], g["kld"]["se"]
+            assert row[f"kld_{name}"] == mean and row[f"kld_{name}_se"] == se
+            assert float(csv_rows[row["label"]][f"kld_{name}"]) == mean
+            assert float(csv_rows[row["label"]][f"kld_{name}_se"]) == se
+            assert cells[at + j] == f"{mean:.6f} ± {se:.6f}"
+    page = board.paths["leaderboard.html"].read_text()
+    assert all(f"<th>KLD {name} ± SE</th>" in page for name in segments) and 'id="plot-kld_by_group"' in page
+    assert (tmp_path / "board" / "kld_by_group.png").stat().st_size > 0
+
+    # a row lacking a segment: an empty cell, null in JSON; the names keep the summaries' order
+    first, *_ = board.rows
+    lacking = dataclasses.replace(first, label="LACKING", segments={k: v for k, v in first.segments.items()
+                                                                    if k != segments[0]})
+    assert boardrows.group_names([lacking, first]) == tuple(segments)
+    cells = boardrows.leaderboard_cells(lacking, segments=segments)
+    assert cells[-len(segments)] == "" and cells[-1] != ""
+    assert lacking.to_json().get(f"kld_{segments[0]}") is None
+
+    # the plot: a panel by segment and one by category, a marker series per candidate at its groups' means
+    fig = board.figures()["kld_by_group"]
+    assert "kld_by_group" in plots.PLOTS and len(fig.axes) == 2
+    for ax, key, column in zip(fig.axes, ("by_segment", "by_category"), ("segment", "category")):
+        names = [g[column] for g in saved["CAND"][key]]
+        assert [t.get_text() for t in ax.get_xticklabels()] == names
+        assert [c.get_label() for c in ax.containers] == [r.label for r in board.rows]
+        for container, r in zip(ax.containers, board.rows):
+            means = [g["kld"]["mean"] for g in saved[r.label][key]]
+            np.testing.assert_allclose(container.lines[0].get_ydata(), means, rtol=1e-12)
+
+    # the model card: a column per segment, the sidecar's by_segment the saved means and SEs
+    c = card.build([directory / "results"])
+    table = c.markdown().splitlines()
+    head = [h.strip() for h in next(line for line in table if line.startswith("| label")).strip("|").split(" | ")]
+    assert [h for h in head if h.startswith("mean KLD, ") and "positions" not in h] == \
+        [f"mean KLD, {name} ± SE" for name in segments]
+    for row in c.to_json()["rows"]:
+        assert row["by_segment"] == {g["segment"]: {"kld_mean": g["kld"]["mean"], "kld_mean_se": g["kld"]["se"]}
+                                     for g in saved[row["label"]]["by_segment"]}

@@ -1,9 +1,10 @@
 """The leaderboard's rows, each built once from a comparison summary: the board `qeval matrix` prints, the one
 `qeval leaderboard` writes (qeval.present.leaderboard) and the one notebooks/leaderboard.ipynb shows.
 
-A BoardRow keeps a sampler's figures under row.samplers[sampler name] and a task set's under
-row.task_flips[task set]; only its written form (to_json: matrix JSON rows, leaderboard CSV and JSON columns)
-names them `<metric>@<sampler>` and `<figure>@<task set>`.
+A BoardRow keeps a sampler's figures under row.samplers[sampler name], a task set's under row.task_flips[task set]
+and (conversations, --score assistant) a segment's under row.segments[segment name]; only its written form (to_json:
+matrix JSON rows, leaderboard CSV and JSON columns) names them `<metric>@<sampler>`, `<figure>@<task set>` and
+`kld_<segment>`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from qeval.capture.modelinfo import kv_cache_gib
 from qeval.compare import metric_registry, sampler
 from qeval.compare.metric_registry import Metric, MetricValue, plus_minus, sampler_metrics
 from qeval.compare.paired_stats import NOISE_SIGMAS, excess_over
-from qeval.compare.summary import ComparisonSummary, DepthBand
+from qeval.compare.summary import ComparisonSummary, DepthBand, TokenGroup
 from qeval.identity import is_control
 from qeval.present import task_flips
 from qeval.present.task_flips import FlipFigures
@@ -55,10 +56,39 @@ def common_tasks(rows: list[BoardRow]) -> tuple[str, ...]:
     return tuple(sorted({task for r in rows for task in r.task_flips}))
 
 
+def group_names(rows: list[BoardRow], grouping: str = "segments") -> tuple[str, ...]:
+    """The groups ("segments" or "categories") any row holds, in the order the rows' summaries list them (a name
+    one row lacks goes where the rows that hold it put it): on a leaderboard, a KLD column per segment."""
+    names: list[str] = []
+    for r in rows:
+        at = 0
+        for name in getattr(r, grouping):
+            if name not in names:
+                names.insert(at, name)
+            at = names.index(name) + 1
+    return tuple(names)
+
+
+def segment_keys(segments=()) -> tuple[str, ...]:
+    """The written columns of the segments `segments` (names): kld_<segment> and kld_<segment>_se each."""
+    return tuple(k for name in segments for k in (f"kld_{name}", f"kld_{name}_se"))
+
+
+def kld_of(group: TokenGroup | None, key: str) -> dict:
+    """{key: the group's mean KLD, key_se: its SE}, both None for a group not held: a depth band's or a segment's
+    written columns."""
+    return {key: None if group is None else group.kld["mean"], f"{key}_se": None if group is None else group.kld["se"]}
+
+
+def kld_cell(group: TokenGroup | None) -> str:
+    """A group's mean KLD ± SE in a leaderboard cell; empty for a group not held."""
+    return "" if group is None else plus_minus(group.kld["mean"], group.kld["se"], ".6f")
+
+
 @dataclass
 class BoardRow:
-    """One candidate on a board: who it is, its board metrics (None: not held), its deepest band, its task flips,
-    and (on a leaderboard) its place."""
+    """One candidate on a board: who it is, its board metrics (None: not held), its deepest band, its segments and
+    categories (conversations), its task flips, and (on a leaderboard) its place."""
 
     label: str
     quant: str
@@ -80,6 +110,8 @@ class BoardRow:
     control: bool = False  # the reference recomputed under another batch layout (qeval.identity.is_control)
     kld_excess: float | None = None  # mean KLD minus the board's control's; None: the board has no control
     within_noise: bool | None = None  # its mean KLD is the control's within NOISE_SIGMAS combined SEs
+    segments: dict[str, TokenGroup] = field(default_factory=dict)  # segment name -> its figures (summary.by_segment)
+    categories: dict[str, TokenGroup] = field(default_factory=dict)  # category name -> its figures (by_category)
 
     def value(self, key: str) -> float | None:
         """The value of board metric `key` ("kld_mean", "ppl")."""
@@ -107,9 +139,9 @@ class BoardRow:
             out[m.key] = None if mv is None else mv.value
             if m.has_se:
                 out[m.se_key] = None if mv is None else mv.se
-        deepest = self.deepest
-        out.update(deepest_band=deepest.name if deepest else None, kld_deepest=deepest.kld["mean"] if deepest else None,
-                   kld_deepest_se=deepest.kld["se"] if deepest else None)
+        out.update(deepest_band=self.deepest.name if self.deepest else None, **kld_of(self.deepest, "kld_deepest"))
+        for name, group in self.segments.items():
+            out.update(kld_of(group, f"kld_{name}"))
         out.update(control=self.control, kld_excess=self.kld_excess, within_noise=self.within_noise)
         for task, figures in self.task_flips.items():
             out.update((task_flips.row_key(k, task), v) for k, v in figures.to_json().items())
@@ -131,7 +163,9 @@ def board_row(summary: ComparisonSummary, samplers=(), flips: dict[str, FlipFigu
                     {name: _sampler_figures(summary, held, name) for name in samplers}, summary.deepest, flips or {},
                     kv_quant=types != (ref_kv.get("type_k"), ref_kv.get("type_v")),
                     memory_gib=None if size is None or kv_gib is None else round(size + kv_gib, 4),
-                    control=is_control(summary.comparison_request()))
+                    control=is_control(summary.comparison_request()),
+                    segments={g.name: g for g in summary.by_segment or ()},
+                    categories={g.name: g for g in summary.by_category or ()})
 
 
 def _sampler_figures(summary: ComparisonSummary, held: dict[str, MetricValue], name: str) -> dict:
@@ -168,22 +202,23 @@ def has_control(rows: list[BoardRow]) -> bool:
 # --------------------------------------------------------------------------------------------------
 # the table
 # --------------------------------------------------------------------------------------------------
-def leaderboard_columns(samplers=(), tasks=(), control: bool = False) -> tuple[tuple[str, str], ...]:
-    """(heading, written column) of the table's columns after the label: a TVD column per sampler, a flips
-    column per task set, and on a board with a control, the KLD over it (CONTROL_NOTE)."""
+def leaderboard_columns(samplers=(), tasks=(), control: bool = False, segments=()) -> tuple[tuple[str, str], ...]:
+    """(heading, written column) of the table's columns after the label: a TVD column per sampler, on a board with
+    a control the KLD over it (CONTROL_NOTE), a KLD column per segment in `segments` (names, group_names), and a
+    flips column per task set."""
     return (("quant", "quant"), ("KV", "kv"), ("size GiB", "size_gib"), ("BPW", "bpw"),
             *((m.heading + (" ± SE" if m.has_se else ""), m.key) for m in board_metrics(samplers)),
             *((("KLD over control", "kld_excess"),) if control else ()),
-            ("KLD deepest band ± SE", "kld_deepest"), *task_flips.columns(tasks))
+            ("KLD deepest band ± SE", "kld_deepest"), *((f"KLD {name} ± SE", f"kld_{name}") for name in segments),
+            *task_flips.columns(tasks))
 
 
-def leaderboard_cells(r: BoardRow, tasks=(), control: bool = False) -> list[str]:
-    """The formatted cells of one row: label, then leaderboard_columns(its samplers, tasks, control)."""
-    deepest = "" if r.deepest is None else f"{plus_minus(r.deepest.kld['mean'], r.deepest.kld['se'], '.6f')} " \
-                                           f"({r.deepest.name})"
+def leaderboard_cells(r: BoardRow, tasks=(), control: bool = False, segments=()) -> list[str]:
+    """The formatted cells of one row: label, then leaderboard_columns(its samplers, tasks, control, segments)."""
+    deepest = "" if r.deepest is None else f"{kld_cell(r.deepest)} ({r.deepest.name})"
     return [r.label, r.quant, r.kv, _num(r.size_gib, ".3f"), _num(r.bpw, ".2f"),
             *(m.cell(*((mv.value, mv.se) if mv else (None, None))) for m, mv in r.board_values()),
-            *((control_cell(r),) if control else ()), deepest,
+            *((control_cell(r),) if control else ()), deepest, *(kld_cell(r.segments.get(name)) for name in segments),
             *(r.task_flips[task].cell() if task in r.task_flips else "" for task in tasks)]
 
 
@@ -202,14 +237,15 @@ def pareto_mark(row: BoardRow) -> str:
 
 
 def leaderboard_markdown(rows: list[BoardRow], samplers=(), tasks=(), pareto: bool = False) -> str:
-    """A paste-ready markdown table, sorted by mean KLD: a TVD column per sampler in `samplers` (names), a flips
-    column per task set in `tasks`, and with `pareto`, a column marking the rows on the Pareto front."""
-    control = has_control(rows)
-    header = ["label", *(name for name, _ in leaderboard_columns(samplers, tasks, control))] + \
+    """A paste-ready markdown table, sorted by mean KLD: a TVD column per sampler in `samplers` (names), a KLD
+    column per segment any row holds, a flips column per task set in `tasks`, and with `pareto`, a column marking
+    the rows on the Pareto front."""
+    control, segments = has_control(rows), group_names(rows)
+    header = ["label", *(name for name, _ in leaderboard_columns(samplers, tasks, control, segments))] + \
         (["Pareto"] if pareto else [])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in sorted(rows, key=rank_key):
-        cells = [_md_escape(c) for c in leaderboard_cells(r, tasks, control)]
+        cells = [_md_escape(c) for c in leaderboard_cells(r, tasks, control, segments)]
         if pareto:
             cells.append(pareto_mark(r))
         lines.append("| " + " | ".join(cells) + " |")
@@ -255,10 +291,16 @@ def _note(m: Metric) -> str:
     return f"{m.heading}: {m.description}{unit}" + (f"; {m.better} is better." if m.better else ".")
 
 
-def notes(samplers=(), tasks=(), control: bool = False) -> str:
+def notes(samplers=(), tasks=(), control: bool = False, segments=()) -> str:
     """What every column means, under the table."""
-    return " ".join([*map(_note, board_metrics(samplers)), *([task_flips.NOTE] if tasks else []),
-                     *([CONTROL_NOTE] if control else []), "± is one standard error.", PARETO_NOTE])
+    return " ".join([*map(_note, board_metrics(samplers)), *([SEGMENT_NOTE] if segments else []),
+                     *([task_flips.NOTE] if tasks else []), *([CONTROL_NOTE] if control else []),
+                     "± is one standard error.", PARETO_NOTE])
+
+
+SEGMENT_NOTE = ("KLD <segment>: mean KLD over the assistant's tokens of that segment (thinking, answer, tool_call) "
+                "of a conversation corpus scored with --score assistant, its SE cluster-robust; empty where a result "
+                "holds no such token.")
 
 
 CONTROL_NOTE = ("KLD over control: mean KLD minus the control's, the reference model recomputed live under another "

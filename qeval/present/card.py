@@ -51,6 +51,11 @@ class Card:
         return self.board.tasks
 
     @property
+    def segments(self) -> tuple[str, ...]:
+        """The segments any row holds (conversations, --score assistant): a column each, as on the leaderboard."""
+        return self.board.segments
+
+    @property
     def has_control(self) -> bool:
         """Whether a control row is on the card: then a column of each quant's KLD over it."""
         return boardrows.has_control([r.row for r in self.rows])
@@ -62,7 +67,8 @@ class Card:
         # NaN (an SE over too few tokens) is not JSON: the round trip turns it into null
         return json.loads(json.dumps({"title": self.title, "provenance": self.provenance,
                                       "pareto_front": self.board.pareto, "plot": PLOT_FILE,
-                                      "rows": [record(r, self.bands, self.tasks) for r in self.rows]}),
+                                      "rows": [record(r, self.bands, self.tasks, self.segments)
+                                               for r in self.rows]}),
                           parse_constant=lambda _: None)
 
 
@@ -92,8 +98,14 @@ def _value_se(mv: MetricValue | None) -> tuple[float | None, float | None]:
     return (None, None) if mv is None else (mv.value, mv.se)
 
 
-def record(r: CardRow, bands: tuple[str, ...], tasks: tuple[str, ...]) -> dict:
-    """A row of the sidecar: the table's numbers unformatted (a metric's SE under `<key>_se`)."""
+def _kld_cell(group: DepthBand | None) -> str:
+    """A depth band's or segment's mean KLD ± SE; empty for a segment the row holds no token of."""
+    return "" if group is None else METRICS["kld_mean"].cell(group.kld["mean"], group.kld["se"])
+
+
+def record(r: CardRow, bands: tuple[str, ...], tasks: tuple[str, ...], segments: tuple[str, ...] = ()) -> dict:
+    """A row of the sidecar: the table's numbers unformatted (a metric's SE under `<key>_se`); "by_segment" only
+    on a card with segment columns."""
     row = r.row
     out = {"rank": row.rank, "label": row.label, "quant": row.quant, "model_file": row.model_file, "kv": row.kv,
            "size_gib": row.size_gib, "bpw": row.bpw}
@@ -102,27 +114,31 @@ def record(r: CardRow, bands: tuple[str, ...], tasks: tuple[str, ...]) -> dict:
         out[m.key] = value
         if m.has_se:
             out[m.se_key] = se
-    out["by_depth"] = {name: {"kld_mean": r.bands[name].kld["mean"], "kld_mean_se": r.bands[name].kld["se"]}
-                       for name in bands}
+    out["by_depth"] = {name: boardrows.kld_of(r.bands[name], "kld_mean") for name in bands}
+    if segments:
+        out["by_segment"] = {name: boardrows.kld_of(row.segments.get(name), "kld_mean") for name in segments}
     out["flips"] = {task: row.task_flips[task].to_json() for task in tasks if task in row.task_flips}
     out.update(memory_gib=row.memory_gib, kv_quant=row.kv_quant, control=row.control, kld_excess=row.kld_excess,
                within_noise=row.within_noise, pareto=row.pareto, result=row.result)
     return out
 
 
-def header(bands: tuple[str, ...], tasks: tuple[str, ...], control: bool = False) -> list[str]:
+def header(bands: tuple[str, ...], tasks: tuple[str, ...], control: bool = False, segments: tuple[str, ...] = ()
+           ) -> list[str]:
     return ["label", "file", "KV", "size GiB", "BPW", *(m.heading + (" ± SE" if m.has_se else "") for m in card_metrics()),
             *(["KLD over control"] if control else []),
-            *(f"mean KLD, positions {name} ± SE" for name in bands), *(h for h, _ in task_flips.columns(tasks)),
+            *(f"mean KLD, positions {name} ± SE" for name in bands), *(f"mean KLD, {name} ± SE" for name in segments),
+            *(h for h, _ in task_flips.columns(tasks)),
             "Pareto"]
 
 
-def cells(r: CardRow, bands: tuple[str, ...], tasks: tuple[str, ...], control: bool = False) -> list[str]:
-    row, kld = r.row, METRICS["kld_mean"]
+def cells(r: CardRow, bands: tuple[str, ...], tasks: tuple[str, ...], control: bool = False,
+          segments: tuple[str, ...] = ()) -> list[str]:
+    row = r.row
     return [row.label, row.model_file or "?", row.kv, _fixed(row.size_gib, ".3f"), _fixed(row.bpw, ".2f"),
             *(m.cell(*_value_se(row.metrics.get(m.key))) for m in card_metrics()),
             *([boardrows.control_cell(row)] if control else []),
-            *(kld.cell(r.bands[name].kld["mean"], r.bands[name].kld["se"]) for name in bands),
+            *(_kld_cell(r.bands[name]) for name in bands), *(_kld_cell(row.segments.get(name)) for name in segments),
             *(row.task_flips[task].cell() if task in row.task_flips else "" for task in tasks),
             boardrows.pareto_mark(row)]
 
@@ -132,12 +148,12 @@ def _fixed(v: float | None, fmt: str) -> str:
 
 
 def table(card: Card) -> str:
-    control = card.has_control
-    head = header(card.bands, card.tasks, control)
+    control, segments = card.has_control, card.segments
+    head = header(card.bands, card.tasks, control, segments)
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in card.rows:
-        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells(r, card.bands, card.tasks, control))
-                     + " |")
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells(r, card.bands, card.tasks, control,
+                                                                             segments)) + " |")
     return "\n".join(lines)
 
 

@@ -42,14 +42,15 @@ footer { color: var(--muted); font-size: 12px; margin-top: 36px; }
 
 def table_html(board) -> str:
     """The leaderboard as an HTML <table> (also handy in a notebook: IPython.display.HTML)."""
-    columns = leaderboard_columns(board.samplers, board.tasks, board.control)
+    segments = board.segments
+    columns = leaderboard_columns(board.samplers, board.tasks, board.control, segments)
     headings = ("#", "label", *(name for name, _ in columns))
     head = "".join(f"<th>{html.escape(c)}</th>" for c in headings)
     klds = [r.kld_mean for r in board.rows if r.kld_mean > 0]
     lo, hi = (math.log10(min(klds)), math.log10(max(klds))) if klds else (0.0, 0.0)
     body = []
     for r in board.rows:
-        cells = leaderboard_cells(r, board.tasks, board.control)
+        cells = leaderboard_cells(r, board.tasks, board.control, segments)
         label = html.escape(cells[0]) + ('<span class="badge" title="on the size/KLD Pareto front">Pareto</span>'
                                          if r.pareto else "")
         tds = [f'<td class="num">{"" if r.rank is None else r.rank}</td>', f"<td>{label}</td>"]
@@ -87,7 +88,7 @@ def leaderboard_html(board, inline_svgs: dict[str, str]) -> str:
 <dl class="settings">{settings}</dl>
 <h2>Leaderboard <small>(sorted by mean KLD, {len(board.rows)} candidates)</small></h2>
 {table_html(board)}
-<p class="notes">{html.escape(notes(board.samplers, board.tasks, board.control))}</p>
+<p class="notes">{html.escape(notes(board.samplers, board.tasks, board.control, board.segments))}</p>
 <p class="notes"><b>Pareto front</b> (smallest first): {html.escape(front)}</p>
 <h2>Plots</h2>
 {figures}

@@ -63,10 +63,17 @@ class Leaderboard:
         return boardrows.has_control(self.rows)
 
     @property
+    def segments(self) -> tuple[str, ...]:
+        """The segments any row holds (conversations, --score assistant): a KLD column each."""
+        return boardrows.group_names(self.rows)
+
+    @property
     def columns(self) -> tuple[str, ...]:
-        """The columns of the CSV and of the JSON rows (a TVD column per sampler, flips figures per task set)."""
+        """The columns of the CSV and of the JSON rows (a TVD column per sampler, KLD and SE per segment, flips
+        figures per task set)."""
         return ("rank", "label", "quant", "model_file", "type_k", "type_v", "size_gib", "bpw", "memory_gib",
-                *boardrows.board_keys(self.samplers), *boardrows.DEEPEST_KEYS, *task_flips.keys(self.tasks),
+                *boardrows.board_keys(self.samplers), *boardrows.DEEPEST_KEYS, *boardrows.segment_keys(self.segments),
+                *task_flips.keys(self.tasks),
                 *boardrows.CONTROL_KEYS,
                 "pareto", "result")
 
@@ -218,7 +225,7 @@ def markdown_page(board: Leaderboard) -> str:
     out = [f"## {board.title}", ""]
     out += [f"- **{k}:** {v}" for k, v in boardrows.settings_lines(board.settings, board.samplers)]
     out += ["", boardrows.leaderboard_markdown(board.rows, board.samplers, board.tasks, pareto=True), "",
-            boardrows.notes(board.samplers, board.tasks, board.control), ""]
+            boardrows.notes(board.samplers, board.tasks, board.control, board.segments), ""]
     return "\n".join(out)
 
 

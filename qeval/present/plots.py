@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from qeval.compare.metric_registry import METRICS
-from qeval.present.board import BoardRow
+from qeval.present.board import BoardRow, group_names
 
 # KV cache types from most to least precise: the column order of the heatmaps.
 KV_ORDER = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "iq4_nl", "q4_0")
@@ -24,6 +24,7 @@ PLOTS = {
     "heatmap_kld": "Mean KLD over model × KV cache type",
     "kld_distribution": "Per-token KLD distributions",
     "kld_by_depth": "Mean and 99 % KLD by context depth (bands of logit position), ±1.96 SE",
+    "kld_by_group": "Mean KLD by segment and by category of a conversation corpus (--score assistant), ±1.96 SE",
     "flips_vs_kld": "Task answer flips (% of items) vs mean KLD, one point per candidate and task set",
 }
 
@@ -32,7 +33,8 @@ def figures(board) -> dict:
     """name -> matplotlib Figure for every plot of PLOTS (display them in a notebook, or savefig)."""
     return {"kld_vs_size": plot_kld_vs_size(board), "heatmap_ppl": plot_heatmap(board, "ppl"),
             "heatmap_kld": plot_heatmap(board, "kld_mean"), "kld_distribution": plot_kld_distribution(board),
-            "kld_by_depth": plot_kld_by_depth(board), "flips_vs_kld": plot_flips_vs_kld(board)}
+            "kld_by_depth": plot_kld_by_depth(board), "kld_by_group": plot_kld_by_group(board),
+            "flips_vs_kld": plot_flips_vs_kld(board)}
 
 
 def _figure(width: float, height: float):
@@ -279,6 +281,38 @@ def plot_kld_by_depth(board):
     ax_mean.set_title("Mean KLD by depth")
     ax_p99.set_title("99 % KLD by depth")
     ax_mean.legend(fontsize=7, loc="best")
+    return fig
+
+
+def plot_kld_by_group(board):
+    """Two panels, mean KLD by segment (thinking, answer, tool_call) and by category of the conversations: per
+    candidate, a marker per group it holds with ±1.96 SE error bars (cluster-robust SEs, qeval.compare.depth),
+    candidates side by side within a group; log y."""
+    fig = _figure(13.0, 5.2)
+    colors = _colors(len(board.rows))
+    for ax, (grouping, one) in zip(fig.subplots(1, 2), (("segments", "segment"), ("categories", "category"))):
+        names = group_names(board.rows, grouping)
+        ax.set_title(f"Mean KLD by {one}")
+        if not names:
+            ax.text(0.5, 0.5, f"no result holds {grouping} (conversations scored with --score assistant)",
+                    ha="center", va="center", transform=ax.transAxes)
+            continue
+        width = 0.7 / len(board.rows)
+        for i, (r, c) in enumerate(zip(board.rows, colors)):
+            held = [(j, getattr(r, grouping)[name].kld) for j, name in enumerate(names) if name in getattr(r, grouping)]
+            if not held:
+                continue
+            x = np.array([j for j, _ in held]) + (i - (len(board.rows) - 1) / 2) * width
+            mean = np.maximum([k["mean"] for _, k in held], KLD_FLOOR)
+            se = np.nan_to_num(np.array([k["se"] for _, k in held], dtype=np.float64))
+            ax.errorbar(x, mean, yerr=[mean - np.maximum(mean - 1.96 * se, KLD_FLOOR), 1.96 * se], fmt="o",
+                        color=c, ms=7, mec="black", mew=0.6, capsize=3, label=r.label)
+        ax.set_xticks(range(len(names)), names)
+        ax.set_xlim(-0.6, len(names) - 0.4)
+        ax.set_yscale("log")
+        ax.set_ylabel("mean KLD (nats, log scale)")
+        ax.grid(True, which="major", axis="y", alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
     return fig
 
 
