@@ -45,19 +45,29 @@ def is_x86_64(machine: str | None = None) -> bool:
     return (machine or platform.machine()).lower() in ("x86_64", "amd64")
 
 
-def cpu_flags(cpuinfo: str | None = None) -> set[str]:
-    """The CPU's feature flags as Linux names them (empty where /proc/cpuinfo is unavailable)."""
+def cpuinfo_field(name: str, cpuinfo: str | None = None) -> str | None:
+    """The first value of a /proc/cpuinfo field (None where it or the file is unavailable)."""
     if cpuinfo is None:
         try:
             with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
                 cpuinfo = fh.read()
         except OSError:
-            return set()
+            return None
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            return set(value.split())
-    return set()
+        if key.strip() == name:
+            return value.strip()
+    return None
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The CPU's feature flags as Linux names them (empty where /proc/cpuinfo is unavailable)."""
+    return set((cpuinfo_field("flags", cpuinfo) or "").split())
+
+
+def cpu_model() -> str | None:
+    """The CPU's name ("model name" in /proc/cpuinfo, else what the platform says; None when neither says)."""
+    return cpuinfo_field("model name") or platform.processor() or None
 
 
 def cmake_options(flags: set[str], machine: str | None = None, gpu: str | None = None) -> list[str]:

@@ -26,6 +26,7 @@ from typing import Iterator, Protocol
 
 import numpy as np
 
+from qeval.capture.buildflags import cpu_model
 from qeval.capture.modelinfo import model_facts, require_decoder_context
 from qeval.capture.probe import ensure_llama_runs
 from qeval.errors import QevalError
@@ -314,8 +315,13 @@ class LlamaModel:
 
     @property
     def provenance(self) -> dict:
-        """How it runs, for a store header's capture block (not part of what a store is)."""
-        return {"n_gpu_layers": self.settings.n_gpu_layers, "llama_cpp_python": self._lc.__version__}
+        """How it runs, for a store header's capture block (not part of what a store is): offload, the
+        llama-cpp-python version, the CPU, and the build's own report of what it was compiled with
+        (llama_print_system_info: the CPU backend's instruction sets, a GPU backend when there is one)."""
+        info = self._lc.llama_print_system_info()
+        return {"n_gpu_layers": self.settings.n_gpu_layers, "llama_cpp_python": self._lc.__version__,
+                "cpu": cpu_model(), "llama_cpp_system_info": (info or b"").decode("utf-8", "replace").strip(" |"),
+                "gpu_offload_supported": bool(self._lc.llama_supports_gpu_offload())}
 
     # -- decoding --------------------------------------------------------------------------------
     def clear_memory(self) -> None:

@@ -7,8 +7,10 @@ and nothing else.
 The results record the reference (model file, quant, fingerprint, KV settings), its corpus (name, source, sha256),
 n_ctx, chunks, the scoring rule, the batch sizes (qeval.identity's request) and the qeval version that computed
 them. The reference store's header adds its capture block (llama-cpp-python version, n_gpu_layers, when it was
-captured), read when that store is still where the result says, or beside the results directory. qeval records
-no CPU or GPU model and no llama.cpp commit or build flags: the card says so instead of guessing.
+captured, the CPU model and llama.cpp's own report of its build: instruction sets, GPU backend), read when that
+store is still where the result says, or beside the results directory. qeval records no GPU model and no llama.cpp
+commit (the llama-cpp-python version pins one): the card says so instead of guessing; a store captured before these
+were recorded shows them as not recorded.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def check_same_corpus(loaded: list[results.Result]) -> None:
 def of_board(board) -> dict:
     """The provenance of a board's results (qeval.present.leaderboard.Leaderboard): strict JSON."""
     settings, first = board.settings, board.results[0]
+    capture = reference_capture(first)
     ref = first.summary.reference
     reference_request = (first.summary.request or {}).get("reference") or {}
     return {
@@ -60,9 +63,10 @@ def of_board(board) -> dict:
         "batch": {"n_batch": reference_request.get("n_batch"), "n_ubatch": reference_request.get("n_ubatch")},
         "samplers": settings["samplers"],
         "candidate_settings": {r.label: candidate_settings(r) for r in board.results},
-        "reference_capture": reference_capture(first),
-        # qeval records none of these: named so that a reader sees they are missing, not forgotten
-        "cpu": None, "gpu": None, "llama_cpp_build": None,
+        "reference_capture": capture,
+        # from the reference's capture block; None where it does not record them (the GPU model: never)
+        "cpu": (capture or {}).get("cpu"), "gpu": None,
+        "llama_cpp_build": (capture or {}).get("llama_cpp_system_info"),
     }
 
 
@@ -159,7 +163,7 @@ def _candidates_text(by_label: dict[str, dict]) -> str:
     return "; ".join(f"{label}: {text}" for label, text in texts.items())
 
 
-UNRECORDED_HARDWARE = f"CPU and GPU model, llama.cpp commit and build flags {NOT_RECORDED} by qeval"
+UNRECORDED_HARDWARE = f"GPU model and llama.cpp commit {NOT_RECORDED} by qeval (the llama-cpp-python version pins the commit)"
 
 
 def _hardware_text(capture: dict | None) -> str:
@@ -168,7 +172,9 @@ def _hardware_text(capture: dict | None) -> str:
     layers = capture.get("n_gpu_layers")
     parts = [f"GPU offload {NOT_RECORDED}" if layers is None else
              "CPU only (n_gpu_layers 0)" if layers == 0 else f"GPU offload (n_gpu_layers {layers})",
-             f"llama-cpp-python {capture.get('llama_cpp_python', NOT_RECORDED)}"]
+             f"llama-cpp-python {capture.get('llama_cpp_python', NOT_RECORDED)}",
+             f"CPU {capture.get('cpu') or NOT_RECORDED}",
+             f"llama.cpp build: {capture.get('llama_cpp_system_info') or NOT_RECORDED}"]
     if "created" in capture:
         parts.append(f"reference captured {capture['created']}")
     return ", ".join(parts) + f"; {UNRECORDED_HARDWARE}"
