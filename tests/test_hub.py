@@ -336,3 +336,37 @@ def test_matrix_without_candidates_or_with_a_bad_repo_is_one_message(fake_hub, t
     assert_cli_error(run_cli("matrix", "--ref", tmp_path / "ref.gguf", "--runs-dir", tmp_path), "-m MODEL")
     assert_cli_error(run_cli("matrix", "--ref", tmp_path / "ref.gguf", "--repo", "hf:org/missing",
                              "--runs-dir", tmp_path), "org/missing")
+
+
+# --------------------------------------------------------------------------------------------------
+# the uploader's path, end to end: a release on the (local) Hub -> matrix -> a card merged into its README
+# --------------------------------------------------------------------------------------------------
+SAMPLE_CARD = "---\nlicense: gemma\ntags:\n- gguf\n---\n\n# gemma-3-270m GGUF\n\nQuants of Gemma-3-270M.\n"
+
+
+def test_the_uploaders_path_from_a_hub_repo_to_a_merged_card(fake_hub, models, tmp_path):
+    """Real Gemma-3-270M GGUFs served as a Hub repository: the reference and every other quant of the repo are
+    downloaded through huggingface_hub, measured with a control row, and the card lands in the repo's README
+    between its markers, every other byte kept; a second merge changes nothing."""
+    quants = ("Q8_0", "Q4_K_M", "Q2_K")
+    fake_hub.repos["demo/gemma-3-270m-GGUF"] = {"README.md": SAMPLE_CARD.encode(),
+                                                **{models[q].name: models[q].read_bytes() for q in quants}}
+    runs = tmp_path / "runs"
+    res = run_cli("matrix", "--ref", "hf:demo/gemma-3-270m-GGUF:Q8_0", "--repo", "hf:demo/gemma-3-270m-GGUF",
+                  "-c", "256", "--chunks", "2", "--json", "--runs-dir", runs)
+    assert res.returncode == 0, res.stderr
+    by_label = {r["candidate"]["label"]: r for r in json.loads(res.stdout)["results"]}
+    assert set(by_label) == {"demo.Q4_K_M", "demo.Q2_K", "control"}  # the reference's own file is no pair
+    assert by_label["control"]["kld"]["mean"] < by_label["demo.Q4_K_M"]["kld"]["mean"] < \
+        by_label["demo.Q2_K"]["kld"]["mean"]
+    readme = tmp_path / "README.md"
+    readme.write_text(SAMPLE_CARD)
+    res = run_cli("card", runs, "--out", tmp_path / "card", "--merge", readme)
+    assert res.returncode == 0, res.stderr
+    merged = readme.read_text()
+    before, _, rest = merged.partition("<!-- qeval-card:begin -->")
+    block, _, after = rest.partition("<!-- qeval-card:end -->")
+    assert before.rstrip("\n") == SAMPLE_CARD.rstrip("\n") and after.strip() == ""
+    assert "| demo.Q4_K_M |" in block and "| control |" in block and models["Q8_0"].name in block
+    assert run_cli("card", runs, "--out", tmp_path / "card", "--merge", readme).returncode == 0
+    assert readme.read_text() == merged
