@@ -229,13 +229,14 @@ def card_report(runs: list[Path], out: Path = Path("card"), merge: Path | None =
 
 def paired_report(ref: str, cand_a: str, cand_b: str, chunks: int | None = None, runs_dir=None, method: str = "t",
                   progress: bool = False, depth: str | None = None, samplers=(), segment: str | None = None,
-                  category: str | None = None) -> tuple[dict, str]:
-    """Is A really better than B? Paired differences on the same reference tokens (qeval.orchestrate.paired)."""
+                  category: str | None = None, control: str | None = None) -> tuple[dict, str]:
+    """Is A really better than B? Paired differences on the same reference tokens (qeval.orchestrate.paired);
+    control: also each candidate's mean KLD over a control."""
     from qeval.orchestrate import paired  # noqa: PLC0415
 
     return paired.paired_report(ref, cand_a, cand_b, chunks=chunks, runs_dir=runs_dir, method=method,
                                 progress=progress, depth=depth, samplers=samplers, segment=segment,
-                                category=category)
+                                category=category, control=control)
 
 
 def check_report(ref: str, cand: str, chunks: int | None = None, runs_dir=None, baseline: str | None = None,

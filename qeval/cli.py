@@ -308,6 +308,7 @@ def compare_cmd(
     depth: Optional[str] = typer.Option(None, "--depth", help="Only scored tokens at logit positions LO:HI (either side may be empty), e.g. 8192: for beyond 8K."),
     segment: Optional[str] = Segment,
     category: Optional[str] = Category,
+    control: Optional[str] = typer.Option(None, "--control", help="A control against the same reference (the 'control' result or store qeval matrix makes): also report each candidate's mean KLD over it and whether that is within numerical noise."),
     sampler: Optional[list[str]] = typer.Option(None, "--sampler", help="Also pair the TVD after this sampler (preset or settings, as qeval kld --sampler); repeat for several (default with saved results: every sampler both hold)."),
     as_json: bool = Json,
     runs_dir: Optional[Path] = RunsDir,
@@ -317,7 +318,7 @@ def compare_cmd(
         raise QevalError(f"give exactly two candidates: --cand A --cand B (got {len(cand)})")
     result, text = api.paired_report(ref, cand[0], cand[1], chunks=chunks, runs_dir=runs_dir, method=method,
                                      progress=True, depth=depth, samplers=sampler or (), segment=segment,
-                                     category=category)
+                                     category=category, control=control)
     _emit(result, text, as_json)
 
 

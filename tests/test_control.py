@@ -14,7 +14,7 @@ import json
 import math
 
 import pytest
-from conftest import run_cli
+from conftest import assert_cli_error, run_cli
 from test_leaderboard import CANDIDATES, build_results
 
 from qeval.capture.engine import EngineSettings
@@ -145,3 +145,21 @@ def test_check_reports_the_excess_over_a_control(tmp_path):
     not_a_control = run_cli("check", "--ref", "REF", "--cand", "Q2_K", "--max-kld", "1", "--control", "Q8_0",
                             "--runs-dir", runs)
     assert not_a_control.returncode == 2 and "is not a control" in not_a_control.stderr
+
+
+def test_compare_reports_each_candidates_excess_over_a_control(tmp_path):
+    runs = build_results(tmp_path / "runs", candidates=(*CANDIDATES, CONTROL, TWIN))
+    res = run_cli("compare", "--ref", "REF", "--cand", "Q8_X", "--cand", "Q2_K", "--control", "ctl", "--json",
+                  "--runs-dir", runs)
+    assert res.returncode == 0, res.stderr
+    over = json.loads(res.stdout)["control"]
+    saved = {s["candidate"]["label"]: s["metrics"]["kld_mean"]["value"] for s in
+             (json.loads(p.read_text()) for p in (runs / "results").glob("*.json"))}
+    assert over["A"]["kld_excess"] == pytest.approx(saved["Q8_X"] - saved["ctl"], abs=1e-12)
+    assert over["B"]["kld_excess"] == pytest.approx(saved["Q2_K"] - saved["ctl"], abs=1e-12)
+    assert (over["A"]["within_noise"], over["B"]["within_noise"]) == (True, False)
+    text = run_cli("compare", "--ref", "REF", "--cand", "Q8_X", "--cand", "Q2_K", "--control", "ctl",
+                   "--runs-dir", runs).stdout
+    assert "- A: control ctl: mean KLD" in text and "- B: control ctl" in text and "beyond numerical noise" in text
+    assert_cli_error(run_cli("compare", "--ref", "REF", "--cand", "Q8_X", "--cand", "Q2_K", "--control", "Q8_0",
+                             "--runs-dir", runs), "is not a control")

@@ -24,12 +24,10 @@ from qeval.compare import metric_registry, sampler
 from qeval.compare.depth import Selection
 from qeval.compare.gate_checks import Check, GateResult
 from qeval.compare.metric_registry import METRICS, Metric, MetricValue
-from qeval.compare.paired_stats import excess_over
 from qeval.compare.summary import ComparisonSummary, Side
 from qeval.errors import QevalError
-from qeval.identity import is_control
 from qeval.orchestrate import baselines
-from qeval.orchestrate.measured import Measured, is_result_spec, measure
+from qeval.orchestrate.measured import Measured, is_result_spec, measure, over_control
 from qeval.present.gate_text import control_text, gate_text
 
 Z = 1.96  # two-sided 95 %; each check is one-sided at 97.5 %
@@ -208,18 +206,6 @@ def _setting_notes(entry: baselines.Entry, summary: ComparisonSummary) -> list[s
     if entry.model and run_model and entry.model.lower() != run_model.lower():
         notes.append(f"baseline model {entry.model}, this run {run_model}")
     return notes
-
-
-def over_control(summary, control: Measured, spec: str) -> dict:
-    """The candidate's mean KLD over a control's (qeval.compare.paired_stats.excess_over); a control must be the
-    reference model recomputed (qeval.identity.is_control), else it is no floor."""
-    if not is_control(control.summary.comparison_request()):
-        raise QevalError(f"--control {spec} is not a control: its candidate is not the reference's model and settings "
-                         "under another batch layout (qeval matrix makes one: the 'control' pair)")
-    kld, floor = summary.measured().get("kld_mean"), control.summary.measured().get("kld_mean")
-    excess, within = excess_over(kld, floor)
-    return {"label": control.label, "kld_mean": floor.value if floor else None, "kld_mean_se": floor.se if floor else None,
-            "kld_excess": excess, "within_noise": within}
 
 
 def _pick_early(base: baselines.Baseline, ref: str, cand: str, runs_dir) -> None:

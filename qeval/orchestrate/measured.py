@@ -13,9 +13,10 @@ from pathlib import Path
 import numpy as np
 
 from qeval.compare.depth import Selection
+from qeval.compare.paired_stats import excess_over
 from qeval.compare.summary import summarize
 from qeval.errors import MismatchError, QevalError
-from qeval.identity import changes, reference_identity
+from qeval.identity import changes, is_control, reference_identity
 from qeval.present import results
 from qeval.storage import runs
 
@@ -73,3 +74,15 @@ def _check_reference(ref: str, res: results.Result, runs_dir) -> None:
         rd = res.summary.reference
         raise MismatchError(f"{res.path} was measured against reference {rd.label!r} ({rd.path}), "
                             f"not {ref!r}: {'; '.join(differences)} (saved vs named)")
+
+
+def over_control(summary, control: Measured, spec: str) -> dict:
+    """The candidate's mean KLD over a control's (qeval.compare.paired_stats.excess_over); a control must be the
+    reference model recomputed (qeval.identity.is_control), else it is no floor."""
+    if not is_control(control.summary.comparison_request()):
+        raise QevalError(f"--control {spec} is not a control: its candidate is not the reference's model and settings "
+                         "under another batch layout (qeval matrix makes one: the 'control' pair)")
+    kld, floor = summary.measured().get("kld_mean"), control.summary.measured().get("kld_mean")
+    excess, within = excess_over(kld, floor)
+    return {"label": control.label, "kld_mean": floor.value if floor else None, "kld_mean_se": floor.se if floor else None,
+            "kld_excess": excess, "within_noise": within}

@@ -42,7 +42,7 @@ from qeval.compare.paired_stats import (
     interval_t,
 )
 from qeval.errors import MismatchError, QevalError
-from qeval.orchestrate.measured import Measured, measure
+from qeval.orchestrate.measured import Measured, measure, over_control
 from qeval.present.paired_text import paired_text, verdict
 
 METHODS = ("t", "bootstrap")
@@ -138,12 +138,13 @@ def paired_report(ref: str, cand_a: str, cand_b: str, chunks: int | None = None,
                   runs_dir: str | os.PathLike | None = None, threads: int = 2, method: str = "t",
                   confidence: float = CONFIDENCE, progress: bool = False,
                   depth: str | None = None, samplers=(), segment: str | None = None,
-                  category: str | None = None) -> tuple[dict, str]:
+                  category: str | None = None, control: str | None = None) -> tuple[dict, str]:
     """`qeval compare`: measure A and B against `ref` (or read saved results) and pair them.
     depth: "LO:HI", only scored tokens at those logit positions (is A worse than B beyond 8K? "8192:").
     segment, category: only the assistant's tokens of one segment (thinking, answer, tool_call) or of one
-    category's conversations (--score assistant comparisons).""
-    samplers: presets or settings strings (qeval.compare.sampler): their TVDs are paired too."""
+    category's conversations (--score assistant comparisons).
+    samplers: presets or settings strings (qeval.compare.sampler): their TVDs are paired too.
+    control: a control against the same reference (as `check --control`): each candidate's mean KLD over it."""
     chosen = [s.name for s in sampler.parse_all(samplers)]
     if method not in METHODS:
         raise QevalError(f"--method must be one of {', '.join(METHODS)}, not {method!r}")
@@ -160,6 +161,9 @@ def paired_report(ref: str, cand_a: str, cand_b: str, chunks: int | None = None,
         result["depth"] = {"lo": selection.depth[0], "hi": selection.depth[1]}
     if selection.labels():
         result["selection"] = selection.labels()
+    if control is not None:
+        floor = measure(ref, control, chunks, runs_dir, threads, progress, need_per_token=False, selection=selection)
+        result["control"] = {role: over_control(m.summary, floor, control) for role, m in zip("AB", measured)}
     return result, paired_text(result)
 
 

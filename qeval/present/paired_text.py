@@ -6,6 +6,7 @@ import math
 
 from qeval.compare import metric_registry
 from qeval.compare.paired_stats import BOOT_SEED, N_BOOT, PairedDifference
+from qeval.present.gate_text import control_text
 
 
 def _decimals(x: float) -> int:
@@ -71,4 +72,6 @@ def paired_text(result: dict) -> str:
         lines.append(f"{m.heading:<14} {means} {_signed(d['diff'], dec):>12}   "
                      f"{ci:<27} {format_p(d['p_value'])[2:]}")
     lines += ["", *[f"- {v}" for v in result["verdicts"]]]
+    for role, over in result.get("control", {}).items():
+        lines.append(f"- {role}: {control_text(over)}")
     return "\n".join(lines)
