@@ -147,6 +147,12 @@ def test_by_segment_and_by_category_match_float64(labelled, tmp_path):
             assert g["same_top1"]["fraction"] == pytest.approx(t["same_top1"][keep].mean(), rel=1e-12)
             assert g["kld"]["se"] == pytest.approx(cluster_se64(kld, t["chunk"][keep], t["position"][keep]), rel=1e-9)
     assert "====== By segment" in text and "====== By category" in text and "tool_call" in text
+    csv_path = tmp_path / "tokens.csv"
+    api.kld_report("REF", "CAND", runs_dir=directory, threads=1, per_token=csv_path)
+    lines = csv_path.read_text().splitlines()
+    header, first = lines[0].split(","), lines[1].split(",")
+    assert header[-2:] == ["segment", "category"]
+    assert first[-2:] == [SEGMENTS[t["segment"][0]], CATEGORIES[t["category"][0]]]  # names, not codes
 
 
 def test_a_saved_result_keeps_its_groups_and_can_be_cut_to_one(labelled):

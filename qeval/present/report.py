@@ -210,9 +210,16 @@ def write_per_token(cmp: Comparison, path: Path) -> None:
         w = csv.writer(fh)
         fields = (*PER_TOKEN_FIELDS, *filter(t.__contains__, GROUP_FIELDS), *filter(sampler.is_column, t))  # if any
         w.writerow(fields)
-        cols = [t[k] for k in fields]
+        cols = [group_names(cmp.label_names, k, t[k]) if k in GROUP_FIELDS else t[k] for k in fields]
         for row in zip(*cols):
-            w.writerow([int(v) if isinstance(v, (np.integer, np.bool_)) else f"{float(v):.9g}" for v in row])
+            w.writerow([v if isinstance(v, str) else int(v) if isinstance(v, (np.integer, np.bool_)) else f"{float(v):.9g}"
+                        for v in row])
+
+
+def group_names(label_names: dict, column: str, codes: np.ndarray) -> list[str]:
+    """A segment or category column as names (the .npz keeps the codes, and the names in the result's labels)."""
+    names = label_names["segments" if column == "segment" else "categories"]
+    return [names[int(c)] for c in codes]
 
 
 def ppl_matrix_markdown(pairs: list[tuple[str, str, str]], summaries: list[ComparisonSummary]) -> str:
