@@ -153,7 +153,8 @@ def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int 
 
 def demo_report(chunks: int | None = 80, runs_dir=None, models_dir=None, n_ctx: int = 512, progress: bool = True,
                 threads: int | None = None, conversations: bool = False) -> tuple[dict, str]:
-    """Gemma-3-270M end to end: derive quants, capture the Q8_0 reference, compare every candidate. conversations:
+    """Gemma-3-270M end to end: derive quants, capture the Q8_0 reference, compare every candidate and the control
+    (the reference recomputed under another batch layout: the board's noise floor). conversations:
     over the shipped conversation suite instead, the assistant's tokens by segment and category (in
     RUNS_DIR/conversations; every conversation unless `chunks`)."""
     from qeval.orchestrate import demo  # noqa: PLC0415
@@ -167,7 +168,7 @@ def demo_report(chunks: int | None = 80, runs_dir=None, models_dir=None, n_ctx: 
         chat = (demo.conversation_template(), None)
     result, text = sweep.run_matrix(demo.REFERENCE, str(paths[demo.REFERENCE]), pairs, chunks, n_ctx, corpus,
                                     directory, EngineSettings(n_threads=threads), progress, scoring=scoring,
-                                    chat=chat)
+                                    control=True, chat=chat)
     return result, demo.DERIVATION_NOTE + "\n" + text
 
 
