@@ -128,16 +128,20 @@ def test_matrix_control_on_gemma(models, tmp_path):
     assert q4["within_noise"] is False
 
 
-def test_check_reports_the_excess_over_a_control(tmp_path):
+def control_run(tmp_path, *args: str) -> tuple:
+    """(runs directory, the "control" block of `qeval ARGS --control ctl --json`, each saved result's mean KLD)."""
     runs = build_results(tmp_path / "runs", candidates=(*CANDIDATES, CONTROL, TWIN))
-    res = run_cli("check", "--ref", "REF", "--cand", "Q8_X", "--max-kld", "1", "--control", "ctl", "--json",
-                  "--runs-dir", runs)
+    res = run_cli(*args, "--control", "ctl", "--json", "--runs-dir", runs)
     assert res.returncode == 0, res.stderr
-    over = json.loads(res.stdout)["control"]
-    saved = {s["candidate"]["label"]: s["metrics"]["kld_mean"] for s in
+    saved = {s["candidate"]["label"]: s["metrics"]["kld_mean"]["value"] for s in
              (json.loads(p.read_text()) for p in (runs / "results").glob("*.json"))}
-    assert over["kld_mean"] == pytest.approx(saved["ctl"]["value"], rel=1e-12)
-    assert over["kld_excess"] == pytest.approx(saved["Q8_X"]["value"] - saved["ctl"]["value"], abs=1e-12)
+    return runs, json.loads(res.stdout)["control"], saved
+
+
+def test_check_reports_the_excess_over_a_control(tmp_path):
+    runs, over, saved = control_run(tmp_path, "check", "--ref", "REF", "--cand", "Q8_X", "--max-kld", "1")
+    assert over["kld_mean"] == pytest.approx(saved["ctl"], rel=1e-12)
+    assert over["kld_excess"] == pytest.approx(saved["Q8_X"] - saved["ctl"], abs=1e-12)
     assert over["within_noise"] is True
     text = run_cli("check", "--ref", "REF", "--cand", "Q2_K", "--max-kld", "1", "--control", "ctl",
                    "--runs-dir", runs).stdout
@@ -148,13 +152,7 @@ def test_check_reports_the_excess_over_a_control(tmp_path):
 
 
 def test_compare_reports_each_candidates_excess_over_a_control(tmp_path):
-    runs = build_results(tmp_path / "runs", candidates=(*CANDIDATES, CONTROL, TWIN))
-    res = run_cli("compare", "--ref", "REF", "--cand", "Q8_X", "--cand", "Q2_K", "--control", "ctl", "--json",
-                  "--runs-dir", runs)
-    assert res.returncode == 0, res.stderr
-    over = json.loads(res.stdout)["control"]
-    saved = {s["candidate"]["label"]: s["metrics"]["kld_mean"]["value"] for s in
-             (json.loads(p.read_text()) for p in (runs / "results").glob("*.json"))}
+    runs, over, saved = control_run(tmp_path, "compare", "--ref", "REF", "--cand", "Q8_X", "--cand", "Q2_K")
     assert over["A"]["kld_excess"] == pytest.approx(saved["Q8_X"] - saved["ctl"], abs=1e-12)
     assert over["B"]["kld_excess"] == pytest.approx(saved["Q2_K"] - saved["ctl"], abs=1e-12)
     assert (over["A"]["within_noise"], over["B"]["within_noise"]) == (True, False)

@@ -30,7 +30,7 @@ from functools import cached_property
 from importlib import resources
 from pathlib import Path
 
-from qeval.capture.corpus import parse_hf_spec
+from qeval.capture.corpus import load_hf_rows, parse_hf_spec
 from qeval.capture.engine import LlamaModel
 from qeval.capture.modelinfo import is_model_file
 from qeval.errors import QevalError
@@ -85,17 +85,7 @@ def _unique_ids(conversations: list[Conversation], spec: str) -> list[Conversati
 def load_hf_conversations(spec: str, loader=None) -> list[Conversation]:
     """The rows of a hub dataset as conversations (see the module docstring)."""
     dataset, config, split, column = parse_hf_spec(spec, default_column="messages")
-    if loader is None:
-        from datasets import load_dataset as loader  # noqa: PLC0415 - slow import, only when used
-    try:
-        rows = loader(dataset, config, split=split)
-    except Exception as exc:  # datasets raises many types (connection, missing config, ...)
-        raise QevalError(f"could not load hub dataset {dataset}{'/' + config if config else ''} split {split}: "
-                         f"{type(exc).__name__}: {exc}. Without network access, pass a local JSONL file with "
-                         "--corpus instead") from None
-    if column not in rows.column_names:
-        raise QevalError(f"dataset {dataset} has no column {column!r} (columns: {', '.join(rows.column_names)}): "
-                         "name the messages column with hf:DATASET#COLUMN")
+    rows = load_hf_rows(dataset, config, split, column, loader, local="a local JSONL file")
     out = []
     for n, row in enumerate(rows):
         where = f"{spec} row {n}"

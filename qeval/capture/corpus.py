@@ -118,8 +118,9 @@ def parse_hf_spec(spec: str, default_column: str = "text") -> tuple[str, str | N
     return dataset, config or None, split or "test", column or default_column
 
 
-def load_hf_text(dataset: str, config: str | None, split: str, column: str, loader: Callable | None = None) -> str:
-    """Rows of one text column joined as they are (wikitext rows keep their own newlines)."""
+def load_hf_rows(dataset: str, config: str | None, split: str, column: str, loader: Callable | None = None,
+                 local: str = "a local text file"):
+    """A hub dataset's split (through `datasets`, or `loader` in its place), checked to hold `column`."""
     if loader is None:
         from datasets import load_dataset as loader  # noqa: PLC0415 - slow import, only when used
     try:
@@ -127,10 +128,16 @@ def load_hf_text(dataset: str, config: str | None, split: str, column: str, load
     except Exception as exc:  # datasets raises many types (connection, missing config, ...)
         raise QevalError(f"could not load hub dataset {dataset}"
                          f"{'/' + config if config else ''} split {split}: {type(exc).__name__}: {exc}. "
-                         "Without network access, pass a local text file with --corpus instead") from None
+                         f"Without network access, pass {local} with --corpus instead") from None
     if column not in rows.column_names:
-        raise QevalError(f"dataset {dataset} has no column {column!r} (columns: {', '.join(rows.column_names)})")
-    return "".join(rows[column])
+        raise QevalError(f"dataset {dataset} has no column {column!r} (columns: {', '.join(rows.column_names)}): "
+                         "name it with hf:DATASET#COLUMN")
+    return rows
+
+
+def load_hf_text(dataset: str, config: str | None, split: str, column: str, loader: Callable | None = None) -> str:
+    """Rows of one text column joined as they are (wikitext rows keep their own newlines)."""
+    return "".join(load_hf_rows(dataset, config, split, column, loader)[column])
 
 
 def tokenize_documents(corpus: Corpus, tokenize: Callable[[str], np.ndarray], concat: bool = False) -> list[np.ndarray]:
