@@ -6,10 +6,12 @@
 
 Its JSON, in this order: "reference" and "candidate" (Side: who each store is), "chunks", then the figures of
 the scored tokens (Figures: "scored_tokens", llama-perplexity's statistics blocks, the "metrics" block of
-qeval.compare.metric_registry, the "samplers" block of qeval.compare.sampler), "by_depth" (DepthBand: the same
-figures per band of logit positions), "request" (qeval.identity.ComparisonRequest as recorded), "qeval_version",
-"per_token_file" (a saved result's npz) and "depth" (a comparison cut to one band). A field a summary lacks
-(a file saved before it existed, a comparison cut to fewer chunks) is left out of its JSON again.
+qeval.compare.metric_registry, the "samplers" block of qeval.compare.sampler), "by_depth", and for conversations
+"by_segment" and "by_category" (TokenGroup: the same figures per band of logit positions, per segment, per
+category), "request" (qeval.identity.ComparisonRequest as recorded), "qeval_version", "per_token_file" (a saved
+result's npz), "depth" and "selection" (a comparison cut to one band, segment or category) and "labels" (the
+segment and category names the per-token codes index). A field a summary lacks (a file saved before it existed, a
+comparison cut to fewer chunks, a text corpus) is left out of its JSON again.
 """
 
 from __future__ import annotations
