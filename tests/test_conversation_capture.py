@@ -99,6 +99,8 @@ def test_refusals(models, conversations, tmp_path):
     assert_cli_error(run_cli("capture", gguf, "-l", "x", "--corpus", conversations, "--score", "assistant",
                              "--chat-template", TEMPLATE, "--chat-template-kwargs", "[1]", "--runs-dir", tmp_path),
                      "must be a JSON object")
+    assert_cli_error(run_cli("capture", gguf, "-l", "x", "--corpus", conversations, "--score", "assistant",
+                             "--chat-template", TEMPLATE, "-c", "7", "--runs-dir", tmp_path), "even number")
     assert not list(tmp_path.glob("*.qeval"))
 
 

@@ -26,6 +26,7 @@ from qeval.capture.chat import (
     template_of_model,
 )
 from qeval.capture.chat_spans import PLAIN, SEGMENTS, plain_template, scored_conversation
+from qeval.capture.corpus import check_ctx
 from qeval.errors import QevalError
 from qeval.identity import digest
 from qeval.storage.scoring import WindowLabels
@@ -65,6 +66,7 @@ def conversation_windows(spec: str, model, n_ctx: int, max_chunks: int | None, c
                          template_kwargs: dict) -> ConversationWindows:
     """The scored windows of the conversation corpus `spec`, rendered for `model` (a qeval.capture.engine
     LlamaModel: tokenizer, template, EOS)."""
+    check_ctx(n_ctx)
     conversations = load_conversations(spec)
     template = chat_template_for(model, chat_template)
     categories = list(dict.fromkeys(c.category for c in conversations))

@@ -147,12 +147,17 @@ def tokenize_documents(corpus: Corpus, tokenize: Callable[[str], np.ndarray], co
     return [tokenize(doc) for doc in corpus.documents]
 
 
+def check_ctx(n_ctx: int) -> None:
+    """A window size every corpus accepts: even (llama-perplexity's half rule) and at least 4 tokens."""
+    if n_ctx < 4 or n_ctx % 2:
+        raise QevalError(f"-c/--ctx must be an even number of at least 4, not {n_ctx}")
+
+
 def make_windows(tokens: np.ndarray | list[np.ndarray], n_ctx: int, max_chunks: int | None,
                  corpus_name: str = "corpus") -> np.ndarray:
     """[n_chunks, n_ctx] token windows, as tokenized (the BOS substitution happens at decode time):
     the windows of each document (an array, or a list of them) in order; no window spans two."""
-    if n_ctx < 4 or n_ctx % 2:
-        raise QevalError(f"-c/--ctx must be an even number of at least 4, not {n_ctx}")
+    check_ctx(n_ctx)
     documents = [tokens] if isinstance(tokens, np.ndarray) else list(tokens)
     per_doc = [len(d) // n_ctx for d in documents]
     available = sum(per_doc)

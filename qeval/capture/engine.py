@@ -522,7 +522,10 @@ class Engine(LlamaModel):
             fill = -n % self.windows_per_call
             windows = np.concatenate([windows, np.repeat(windows[-1:], fill, axis=0)])
             scored = scored + scored[-1:] * fill
-        masks = [scored_mask(p, self.n_ctx) for p in scored]
+        # one mask per distinct positions array: a fixed rule's windows share theirs (n_ctx bytes each otherwise)
+        by_array = {id(p): p for p in scored}
+        mask_of = {key: scored_mask(p, self.n_ctx) for key, p in by_array.items()}
+        masks = [mask_of[id(p)] for p in scored]
         stops = [self._decode_stop(p) for p in scored]
         calls = (rows for spans in self._calls(stops)
                  if (rows := [r for r in self._decode(windows, spans, scored, masks) if r.window < n]))
