@@ -9,6 +9,7 @@ qeval.cli imports nothing but this module (an import contract, tests/test_layers
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 
 from qeval.capture.capture import CaptureSpec, capture
@@ -122,7 +123,8 @@ def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int 
                   concat: bool = False, samplers=(), tasks=(), rope_scaling: str | None = None,
                   rope_scale: float | None = None, repos=(), include=(), exclude=(),
                   control: bool = False, chat_template: str | None = None,
-                  chat_template_kwargs: str | None = None) -> tuple[dict, str]:
+                  chat_template_kwargs: str | None = None, kv_rotation: str = "auto", decode: str = "prompt",
+                  floor: str = "none") -> tuple[dict, str]:
     """Capture `ref` once, then every model x KV pair (live, or reusing finished stores and results).
     models: GGUF paths or hf: specs (LABEL=… to name one); hf:USER/REPO:* and each of `repos` (hf:USER/REPO) stand
     for every model of the repository, filtered by `include`/`exclude` globs on its file paths and labelled
@@ -134,6 +136,10 @@ def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int 
     control: run the reference model once more under another batch layout, as the pair `control`: the noise
     floor every other row is read against (qeval.orchestrate.matrix.control_settings); `qeval matrix` asks for it
     unless --no-control. chat_template, chat_template_kwargs: a conversation corpus's (see capture_store).
+    kv_rotation: llama.cpp's KV rotation (auto, on, off) for KV specs without a `:rot`/`:norot` suffix. decode: prompt
+    (batches, as llama-perplexity) or generate (one token per call after the prompt, as llama-server generates), for
+    the reference and every pair. floor: a row for the reference model on another of llama.cpp's kernel paths, each
+    KV row's cost read against it (qeval.orchestrate.matrix.FLOORS; `qeval matrix` asks for `auto`).
 
     A saved result or store is reused only when it answers the pair's request (qeval.identity); else
     the pair is recomputed and its result and store overwritten, and the text says so. A reference store
@@ -144,11 +150,13 @@ def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int 
     ref_label, ref_path = parse_model_arg(ref)
     models = matrix.expand_models(models, repos, tuple(include), tuple(exclude))
     engine = EngineSettings(n_gpu_layers=n_gpu_layers, n_threads=threads, n_batch=n_batch, n_ubatch=n_ubatch,
-                            rope_scaling=rope_scaling, rope_scale=rope_scale)
+                            rope_scaling=rope_scaling, rope_scale=rope_scale, kv_rotation=kv_rotation, decode=decode)
     requests = tuple(t if isinstance(t, matrix.TaskRequest) else matrix.TaskRequest(str(t)) for t in tasks)
-    return sweep.run_matrix(ref_label, ref_path, matrix.model_kv_pairs(models, kv_types, ref_path), chunks, n_ctx,
-                            corpus, runs.runs_dir(runs_dir), engine, progress, executor, force, scoring, concat,
-                            samplers, requests, control, (chat_template, chat_template_kwargs))
+    request = matrix.MatrixRequest(
+        ref_label, ref_path, tuple(matrix.model_kv_pairs(models, kv_types, ref_path)), runs.runs_dir(runs_dir), chunks,
+        n_ctx, corpus, engine, force, scoring, concat, tuple(samplers), requests, control, floor, chat_template,
+        chat_template_kwargs)
+    return sweep.run_matrix(request, progress, executor)
 
 
 def demo_report(chunks: int | None = 80, runs_dir=None, models_dir=None, n_ctx: int = 512, progress: bool = True,
@@ -161,14 +169,13 @@ def demo_report(chunks: int | None = 80, runs_dir=None, models_dir=None, n_ctx: 
 
     paths = demo.prepare_models(demo.models_dir(models_dir))
     pairs = [(run.label, str(paths[run.quant]), run.type_k) for run in demo.demo_runs()]
-    directory, corpus, scoring, chat = runs.runs_dir(runs_dir), None, "half", (None, None)
+    request = matrix.MatrixRequest(demo.REFERENCE, str(paths[demo.REFERENCE]), tuple(pairs), runs.runs_dir(runs_dir),
+                                   chunks, n_ctx, engine=EngineSettings(n_threads=threads), control=True, floor="auto")
     if conversations:
         c = demo.CONVERSATIONS
-        directory, corpus, scoring, n_ctx = directory / c["subdir"], c["corpus"], c["scoring"], c["n_ctx"]
-        chat = (demo.conversation_template(), None)
-    result, text = sweep.run_matrix(demo.REFERENCE, str(paths[demo.REFERENCE]), pairs, chunks, n_ctx, corpus,
-                                    directory, EngineSettings(n_threads=threads), progress, scoring=scoring,
-                                    control=True, chat=chat)
+        request = dataclasses.replace(request, directory=request.directory / c["subdir"], corpus=c["corpus"],
+                                      scoring=c["scoring"], n_ctx=c["n_ctx"], chat_template=demo.conversation_template())
+    result, text = sweep.run_matrix(request, progress)
     return result, demo.DERIVATION_NOTE + "\n" + text
 
 

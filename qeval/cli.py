@@ -23,6 +23,13 @@ Json = typer.Option(False, "--json", help="Print JSON instead of text.")
 TypeK = typer.Option("f16", "-ctk", "--cache-type-k", help="KV cache type for K: f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, f32.")
 TypeV = typer.Option("f16", "-ctv", "--cache-type-v", help="KV cache type for V (a quantized V cache needs -fa on).")
 FlashAttn = typer.Option("auto", "-fa", "--flash-attn", help="Flash attention: on, off or auto.")
+KvRotation = typer.Option("auto", "--kv-rotation", help=(
+    "llama.cpp's Hadamard rotation of a quantized KV cache: auto (llama.cpp's rule: on for a quantized cache whose "
+    "head size is a multiple of 64, off under LLAMA_ATTN_ROT_DISABLE=1), on, or off. Recorded with the results."))
+Decode = typer.Option("prompt", "--decode", help=(
+    "How scored positions are decoded: prompt (in prompt batches, as llama-perplexity) or generate (the window's "
+    "unscored prefix as one prompt, then one token per call, as llama-server generates: llama.cpp runs other "
+    "kernels; 2-4x slower on CPU). A store or result of one never stands for the other."))
 GpuLayers = typer.Option(0, "-ngl", "--n-gpu-layers", help="Layers to offload to the GPU.")
 Threads = typer.Option(None, "-t", "--threads", help="CPU threads for the model and for coding logits (default: all cores).")
 Batch = typer.Option(None, "-b", "--batch-size", help=(
@@ -78,6 +85,8 @@ def kld(
     type_k: str = TypeK,
     type_v: str = TypeV,
     flash_attn: str = FlashAttn,
+    kv_rotation: str = KvRotation,
+    decode: str = Decode,
     n_gpu_layers: int = GpuLayers,
     batch: Optional[int] = Batch,
     ubatch: Optional[int] = UBatch,
@@ -92,7 +101,7 @@ def kld(
     The candidate may be a GGUF model: it then runs live over exactly the reference's tokens.
     """
     settings = EngineSettings(type_k, type_v, flash_attn, n_gpu_layers, threads, batch, ubatch, decode_ahead,
-                              rope_scaling, rope_scale)
+                              rope_scaling, rope_scale, kv_rotation=kv_rotation, decode=decode)
     result, text = api.kld_report(ref, cand, chunks=chunks, runs_dir=runs_dir, per_token=per_token,
                                   progress=True, settings=settings, save=save, save_result=save_result, force=force,
                                   bands=bands, samplers=sampler or ())
@@ -115,6 +124,8 @@ def capture(
     type_k: str = TypeK,
     type_v: str = TypeV,
     flash_attn: str = FlashAttn,
+    kv_rotation: str = KvRotation,
+    decode: str = Decode,
     n_gpu_layers: int = GpuLayers,
     batch: Optional[int] = Batch,
     ubatch: Optional[int] = UBatch,
@@ -127,7 +138,7 @@ def capture(
 ):
     """Run a model over the corpus and store its scored logits (resumes an interrupted capture)."""
     settings = EngineSettings(type_k, type_v, flash_attn, n_gpu_layers, threads, batch, ubatch, decode_ahead,
-                              rope_scaling, rope_scale)
+                              rope_scaling, rope_scale, kv_rotation=kv_rotation, decode=decode)
     _, text = api.capture_store(model, label, runs_dir=runs_dir, out=str(out) if out else None, corpus=corpus,
                                 n_ctx=ctx, chunks=chunks, settings=settings, scoring=score, concat=concat,
                                 chunk_range=_parse_range(chunk_range), progress=True, force=force,
@@ -185,7 +196,14 @@ def matrix(
     repo: Optional[list[str]] = typer.Option(None, "--repo", help="hf:USER/REPO: every GGUF model of the repository (split sets whole; mmproj/imatrix skipped), labelled UPLOADER.QUANT; repeat for several uploaders of one base model (they share the reference)."),
     include: Optional[list[str]] = typer.Option(None, "--include", help="With --repo: only files whose path matches this glob (e.g. '*Q4_K*'); repeat."),
     exclude: Optional[list[str]] = typer.Option(None, "--exclude", help="With --repo: skip files whose path matches this glob (e.g. '*F16*'); repeat."),
-    kv: str = typer.Option("f16", "--kv", help="Comma-separated KV cache types for every model, e.g. f16,q8_0,q4_0."),
+    kv: str = typer.Option("f16", "--kv", help="Comma-separated KV cache types for every model, e.g. f16,q8_0,q4_0; a "
+                           "type with :rot or :norot sets llama.cpp's KV rotation for it (q4_0,q4_0:norot: both on one board)."),
+    kv_rotation: str = typer.Option("auto", "--kv-rotation", help="The KV rotation of types without :rot/:norot: auto (llama.cpp's rule), on or off."),
+    decode: str = Decode,
+    floor: str = typer.Option("auto", "--floor", help=(
+        "A row for the reference model on another of llama.cpp's kernel paths, every KV row's cost read against it "
+        "(paired, same tokens): decode (the other --decode mode: the one-token path quantized caches always take), "
+        "flash-attn (flash attention flipped), none; auto: decode when a quantized KV cache is on the board.")),
     chunks: Optional[int] = Chunks,
     ctx: int = typer.Option(512, "-c", "--ctx", help="Tokens per window (n_ctx)."),
     corpus: Optional[str] = typer.Option(None, "--corpus", "-f", help="Corpus for the reference capture."),
@@ -233,7 +251,8 @@ def matrix(
                                      samplers=sampler or (), tasks=tasks, rope_scaling=rope_scaling,
                                      rope_scale=rope_scale, repos=repo or (), include=include or (),
                                      exclude=exclude or (), control=control, chat_template=chat_template,
-                                     chat_template_kwargs=chat_template_kwargs)
+                                     chat_template_kwargs=chat_template_kwargs, kv_rotation=kv_rotation,
+                                     decode=decode, floor=floor)
     _emit(result, text, as_json)
 
 

@@ -7,9 +7,12 @@ file names, paths) are not identities: a renamed model file is the same model, a
 an old label is not.
 
   producer(header)          how a store's logits were made: the model (its content fingerprint), KV
-                            cache types and flash attention, n_ctx, the batch sizes (llama.cpp's
-                            batch shape can move logits) and the code. Not where it ran (-ngl,
-                            threads, decode-ahead): those do not choose what is computed.
+                            cache types, their rotation and flash attention, the decode mode, n_ctx,
+                            the batch sizes (llama.cpp's batch shape can move logits), the code, and
+                            llama.cpp's numerics (qeval.capture.numerics: build, environment, layers
+                            offloaded). Not threads or decode-ahead: those do not choose what is
+                            computed. A store from before numerics were recorded holds NOT_RECORDED:
+                            a request, which always knows its numerics, never equals it.
   capture_identity(header)  a store: its producer plus vocab, tokenizer, top-k and its token windows.
   task_store_identity(...)  a task store (qeval.capture.tasks): the task set and the tasks selected, the
                             model (its content fingerprint), its tokenizer and vocab, the task settings
@@ -37,7 +40,10 @@ METRICS_VERSION = 3
 
 # How identity fields read in messages (anything else reads as its own name).
 _NAMES = {"kv": "KV", "tokens_sha256": "token ids sha256", "tokenizer_sha256": "tokenizer",
-          "metrics_version": "metrics version"}
+          "metrics_version": "metrics version", "numerics": "llama.cpp numerics", "rotation": "rotation",
+          "system_info": "build (llama_print_system_info)", "env": "environment", "gpu_layers": "layers offloaded"}
+NOT_RECORDED = "not recorded"  # an identity field a store or result made by an older qeval cannot say
+RECORDED_SINCE = ("numerics", "rotation")  # fields older identities lack: such an identity reads NOT_RECORDED
 
 
 def tokens_sha256(tokens: np.ndarray) -> str:
@@ -63,15 +69,17 @@ def producer(header) -> dict:
     return {"model": model_identity(header.model, header.source, header.label), "kv": header.kv,
             "n_ctx": header.n_ctx, "n_batch": n_batch,
             # stores from before n_ubatch was recorded decoded one physical batch per call
-            "n_ubatch": header.capture.get("n_ubatch", n_batch), "codec": header.codec, "scoring": header.scoring}
+            "n_ubatch": header.capture.get("n_ubatch", n_batch), "codec": header.codec, "scoring": header.scoring,
+            "numerics": header.capture.get("numerics", NOT_RECORDED)}
 
 
-def planned_producer(model_facts: dict, settings, n_ctx: int, codec: dict, scoring: str = "half") -> dict:
+def planned_producer(model_facts: dict, planned: dict, n_ctx: int, codec: dict, scoring: str = "half") -> dict:
     """producer() of the store a run of the GGUF model whose facts (qeval.capture.modelinfo.model_facts) are
-    `model_facts`, with EngineSettings `settings`, would write."""
-    n_batch, n_ubatch = settings.batch_sizes(n_ctx)
-    planned = {"model": model_identity(model_facts, "qeval", ""), "kv": settings.as_json(), "n_ctx": n_ctx,
-               "n_batch": n_batch, "n_ubatch": n_ubatch, "codec": codec, "scoring": scoring}
+    `model_facts` would write, `planned` being what its settings make of the KV block, numerics and batch sizes
+    (qeval.capture.engine.planned_fields)."""
+    planned = {"model": model_identity(model_facts, "qeval", ""), "kv": planned["kv"], "n_ctx": n_ctx,
+               "n_batch": planned["n_batch"], "n_ubatch": planned["n_ubatch"], "codec": codec, "scoring": scoring,
+               "numerics": planned["numerics"]}
     return json.loads(json.dumps(planned))  # as a header read back from its file holds it (no tuples)
 
 
@@ -98,7 +106,9 @@ def task_store_identity(tasks, limit: int | None, model, facts: dict, label: str
     selection = {"limit": limit if limit is not None and limit < len(tasks.items) else None}
     return {"task": tasks.identity(), "selection": selection, "model": model_identity(facts, "qeval", label),
             "tokenizer_sha256": model.tokenizer_fingerprint(), "n_vocab": model.n_vocab,
-            "settings": settings.as_json(), "scoring_version": scoring_version}
+            "settings": settings.as_json(), "scoring_version": scoring_version,
+            # what llama.cpp computed with (qeval.capture.numerics): stores from before lack it and are rescored
+            "numerics": {**model.numerics, "kv_rotation": model.kv_rotation}}
 
 
 _WINDOW_FIELDS = ("n_chunks", "tokens_sha256", "window_labels_sha256")
@@ -140,6 +150,9 @@ def _span(header) -> str:
 
 
 def _conflict(name: str, old, new) -> str:
+    a, b = capture_identity(old).get(name), capture_identity(new).get(name)
+    if name != "model" and isinstance(a, dict) and isinstance(b, dict):  # the leaves that differ, stored vs requested
+        return "; ".join(changes(a, b, _NAMES.get(name, name))) + " (stored vs requested)"
     return f"{_NAMES.get(name, name)} differs: stored {_shown(name, old)}, requested {_shown(name, new)}"
 
 
@@ -171,8 +184,10 @@ def changes(old: dict, new: dict, prefix: str = "") -> list[str]:
         name = f"{prefix} {_NAMES.get(key, key)}".strip()
         if isinstance(a, dict) and isinstance(b, dict):
             out += changes(a, b, name)
-        elif a != b:
-            out.append(f"{name}: {short(a)} vs {short(b)}")
+        elif a != b:  # a field one side lacks was not recorded when it was made (others are left out when empty)
+            shown = [NOT_RECORDED if key in RECORDED_SINCE and key not in side else short(v)
+                     for v, side in ((a, old), (b, new))]
+            out.append(f"{name}: {shown[0]} vs {shown[1]}")
     return out
 
 
@@ -229,14 +244,38 @@ class ComparisonRequest:
 # What a control may change in the reference's producer: only the batch shapes, which move llama.cpp's logits
 # slightly and choose nothing about the model: what they move is the noise floor of every comparison.
 CONTROL_FREE = ("n_batch", "n_ubatch")
+# What the floor row may change besides: the kernel path llama.cpp takes for the same cache (flash attention, one token
+# per call or prompt batches). Its KLD is what llama.cpp's own numerics cost, the floor a KV quant's cost stands on.
+FLOOR_KV_FREE = ("flash_attn", "decode")
+
+
+def _candidate_is_reference_but(request: ComparisonRequest | None, kv_free: tuple[str, ...]) -> bool:
+    """Whether the candidate's producer is the reference's but for CONTROL_FREE and the KV fields kv_free."""
+    if request is None:
+        return False
+    ref = request.reference
+    for key, value in request.candidate.items():
+        if key in CONTROL_FREE:
+            continue
+        if key == "kv" and isinstance(value, dict) and isinstance(ref.get(key), dict):
+            value, held = ({k: v for k, v in d.items() if k not in kv_free} for d in (value, ref[key]))
+            if value != held:
+                return False
+        elif ref.get(key) != value:
+            return False
+    return True
 
 
 def is_control(request: ComparisonRequest | None) -> bool:
     """Whether a comparison measures the reference against itself recomputed (a control): the candidate's producer
     is the reference's but for CONTROL_FREE. Whatever it is labelled, its KLD is a floor, not a quantization's."""
-    if request is None:
-        return False
-    return all(request.reference.get(k) == v for k, v in request.candidate.items() if k not in CONTROL_FREE)
+    return _candidate_is_reference_but(request, ())
+
+
+def is_floor(request: ComparisonRequest | None) -> bool:
+    """Whether a comparison measures the reference model on another of llama.cpp's kernel paths (the numerics floor):
+    the candidate's producer is the reference's but for CONTROL_FREE and FLOOR_KV_FREE, and is no control."""
+    return _candidate_is_reference_but(request, FLOOR_KV_FREE) and not is_control(request)
 
 
 def comparison_request(ref, cand, n_chunks: int, samplers=()) -> ComparisonRequest:

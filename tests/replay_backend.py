@@ -48,6 +48,8 @@ class ReplayBackend:
         digest = hashlib.sha256(Path(model).read_bytes()).hexdigest()
         self.facts = {"file_name": Path(model).name, "fingerprint": digest}
         self.provenance = {}
+        self.kv_rotation = {"k": False, "v": False}  # nothing is quantized: replayed logits
+        self.numerics = {"replayed": True}
         self._by_tokens = {w.tobytes(): i for i, w in enumerate(self.windows.astype(np.int32))}
 
     def tokenize(self, text: str) -> np.ndarray:

@@ -137,7 +137,7 @@ def test_interrupted_store_of_another_capture_is_refused_not_resumed(tmp_path, i
     write_store(path, tokens, logits, V, finish=False, order=[0], model=model("A"), kv=q8)
     before = path.read_bytes()
     wanted = make_header(tokens, V, code, model=model("A"), kv={"type_k": "f16", "type_v": "f16", "flash_attn": "auto"})
-    with pytest.raises(StoreConflict, match=r"KV differs: stored .*q8_0.*requested .*f16"):
+    with pytest.raises(StoreConflict, match=r"KV type_k: q8_0 vs f16; KV type_v: q8_0 vs f16 \(stored vs requested\)"):
         StoreWriter.open(path, wanted, tokens, code.lut())
     assert path.read_bytes() == before
     fewer = make_header(tokens[:2], V, code, model=model("A"), kv=q8)

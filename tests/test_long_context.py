@@ -65,14 +65,15 @@ def test_beyond_the_trained_context_is_refused(models, runs):
 def test_matrix_runs_every_model_with_the_rope_scaling_asked_for(tmp_path):
     from qeval.orchestrate import matrix
 
-    plan = matrix.plan_matrix("R", "r.gguf", [("C", "c.gguf", "q4_0")], None, 65536, None, tmp_path,
-                              EngineSettings(n_threads=1, rope_scaling="yarn", rope_scale=2.0))
+    plan = matrix.plan_matrix(matrix.MatrixRequest("R", "r.gguf", (("C", "c.gguf", "q4_0"),), tmp_path, None, 65536,
+                                                   engine=EngineSettings(n_threads=1, rope_scaling="yarn",
+                                                                         rope_scale=2.0)))
     for settings in (plan.reference.settings, plan.pairs[0].settings):
         assert (settings.rope_scaling, settings.rope_scale, settings.n_threads) == ("yarn", 2.0, 1)
     assert (plan.pairs[0].settings.type_k, plan.pairs[0].settings.flash_attn) == ("q4_0", "on")
     with pytest.raises(QevalError, match="--rope-scale needs --rope-scaling"):
-        matrix.plan_matrix("R", "r.gguf", [("C", "c.gguf", "f16")], None, 512, None, tmp_path,
-                           EngineSettings(rope_scale=2.0))
+        matrix.plan_matrix(matrix.MatrixRequest("R", "r.gguf", (("C", "c.gguf", "f16"),), tmp_path, None, 512,
+                                                engine=EngineSettings(rope_scale=2.0)))
 
 
 def test_matrix_beyond_the_trained_context_is_refused(models, runs):

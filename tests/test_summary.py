@@ -57,7 +57,12 @@ def test_reads_a_summary_of_an_older_qeval():
 
 
 def test_kv_text():
-    assert kv_text({"type_k": "q8_0", "type_v": "q4_0"}) == "q8_0/q4_0"
-    assert kv_text({}) == "?/?"
-    assert kv_text({"type_k": "q8_0", "type_v": "q8_0"}, same_once=True) == "q8_0"
-    assert kv_text({"type_k": "q8_0"}) == "q8_0/?" and kv_text({"type_k": "q8_0"}, same_once=True) == "q8_0"
+    both = {"rotation": {"k": True, "v": True}}
+    assert kv_text({"type_k": "q8_0", "type_v": "q4_0", **both}) == "q8_0/q4_0 rot"
+    assert kv_text({}) == "?/?" and kv_text({"type_k": "f16", "type_v": "f16"}) == "f16/f16"
+    assert kv_text({"type_k": "q8_0", "type_v": "q8_0", **both}, same_once=True) == "q8_0 rot"
+    assert kv_text({"type_k": "q8_0", "rotation": {"k": True}}) == "q8_0/? rot K"
+    assert kv_text({"type_k": "q8_0"}, same_once=True) == "q8_0 rot?"  # made before the rotation was recorded
+    assert kv_text({"type_k": "q4_0", "type_v": "q4_0", "rotation": {"k": False, "v": False}}) == "q4_0/q4_0 norot"
+    assert kv_text({"type_k": "f16", "type_v": "q8_0", "rotation": {"k": False, "v": True}}) == "f16/q8_0 rot V"
+    assert kv_text({"type_k": "f16", "type_v": "f16", "decode": "generate"}) == "f16/f16 gen"

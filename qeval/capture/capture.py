@@ -161,10 +161,11 @@ def store_header(backend: Backend, label: str, windows: np.ndarray, chunk_range:
     return StoreHeader(
         n_vocab=backend.n_vocab, n_ctx=backend.n_ctx, n_chunks=len(windows), chunk_start=chunk_range[0],
         chunk_stop=chunk_range[1], tokens_sha256=tokens_sha256(windows), label=label, codec=code.params(),
-        tokenizer_sha256=backend.tokenizer_fingerprint(), model=backend.facts, kv=backend.settings.as_json(),
+        tokenizer_sha256=backend.tokenizer_fingerprint(), model=backend.facts,
+        kv=backend.settings.kv_block(backend.kv_rotation),
         corpus=corpus, scoring=backend.scoring.rule, windows=labels.to_json() if labels is not None else {},
         capture={"n_batch": backend.n_batch, "n_ubatch": backend.n_ubatch, "bos_substituted": backend.add_bos,
-                 **backend.provenance, "qeval": __version__, **capture_facts})
+                 "numerics": backend.numerics, **backend.provenance, "qeval": __version__, **capture_facts})
 
 
 def resolve_range(chunk_range: tuple[int, int] | None, n_windows: int) -> tuple[int, int]:

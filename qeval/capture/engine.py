@@ -16,6 +16,7 @@ buffers to n_batch rows. The logits agree with llama-perplexity's to the last pr
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -27,6 +28,7 @@ from typing import Iterator, Protocol
 import numpy as np
 
 from qeval.capture.buildflags import cpu_model
+from qeval.capture import numerics
 from qeval.capture.modelinfo import model_facts, require_decoder_context
 from qeval.capture.probe import ensure_llama_runs
 from qeval.errors import QevalError
@@ -37,6 +39,12 @@ KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
 ROPE_SCALING = {"linear": 1, "yarn": 2}  # llama_rope_scaling_type
 UNQUANTIZED_KV = ("f32", "f16", "bf16")
+# How scored positions are decoded. PROMPT: in prompt batches, as llama-perplexity does. GENERATE: a window's
+# unscored prefix as one prompt, then every position from the first scored one a token per llama_decode call, as
+# llama-server generates: llama.cpp then runs other kernels (CPU flash attention: its one-chunk path, not the tiled
+# one), so its logits differ, and a store of either is its own producer.
+PROMPT, GENERATE = "prompt", "generate"
+DECODE_MODES = (PROMPT, GENERATE)
 
 # Default batch sizes. On CPU, windows go in 128-token pieces: llama.cpp's output buffers then hold
 # 128 rows (128 MiB each at a 262K vocab), and a capture of Gemma-3-270M peaks at 0.96 GiB RSS
@@ -60,6 +68,7 @@ def _llama_cpp():
 
 
 _LOG_CALLBACK = None
+_LOG_RECORD: list[str] | None = None  # llama.cpp's log while a context is created (numerics reads it)
 _M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 
 
@@ -81,9 +90,25 @@ def quiet_llama() -> None:
     global _LOG_CALLBACK
     llama_cpp = _llama_cpp()
     if _LOG_CALLBACK is None:
-        _LOG_CALLBACK = llama_cpp.llama_log_callback(lambda level, text, user: None)
+        _LOG_CALLBACK = llama_cpp.llama_log_callback(_record_log)
         llama_cpp.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
         llama_cpp.llama_backend_init()
+
+
+def _record_log(level, text, user) -> None:
+    if _LOG_RECORD is not None and text:
+        _LOG_RECORD.append(text.decode("utf-8", "replace"))
+
+
+@contextlib.contextmanager
+def recorded_log() -> Iterator[list[str]]:
+    """llama.cpp's log lines while the block runs (otherwise they go nowhere)."""
+    global _LOG_RECORD
+    _LOG_RECORD = lines = []
+    try:
+        yield lines
+    finally:
+        _LOG_RECORD = None
 
 
 def available_cores() -> int:
@@ -112,6 +137,8 @@ class EngineSettings:
     rope_scaling: str | None = None  # "linear" or "yarn"
     rope_scale: float | None = None  # context scale factor (rope_freq_scale = 1/rope_scale); None: n_ctx/trained
     backend: str = LLAMA_CPP  # what computes the logits: a name registered in qeval.capture.backends
+    kv_rotation: str = "auto"  # llama.cpp's Hadamard rotation of a quantized cache: auto (its rule), on, off
+    decode: str = PROMPT  # how scored positions are decoded: PROMPT or GENERATE
 
     def validate(self) -> "EngineSettings":
         if self.rope_scaling not in (None, *ROPE_SCALING):
@@ -122,6 +149,11 @@ class EngineSettings:
             if value not in KV_TYPES:
                 raise QevalError(f"unknown KV cache type {value!r} for {name}; choose one of: "
                                  f"{', '.join(KV_TYPES)}")
+        if self.kv_rotation not in numerics.ROTATION_MODES:
+            raise QevalError(f"--kv-rotation must be one of {', '.join(numerics.ROTATION_MODES)}, "
+                             f"not {self.kv_rotation!r}")
+        if self.decode not in DECODE_MODES:
+            raise QevalError(f"--decode must be {' or '.join(DECODE_MODES)}, not {self.decode!r}")
         if self.flash_attn not in FLASH_ATTN:
             raise QevalError(f"-fa must be on, off or auto, not {self.flash_attn!r}")
         if self.type_v not in UNQUANTIZED_KV and self.flash_attn == "off":
@@ -142,12 +174,21 @@ class EngineSettings:
         """(n_batch, n_ubatch) as used for windows of n_ctx tokens.
 
         As llama-perplexity: n_batch >= n_ctx decodes n_batch // n_ctx whole windows per call, so
-        n_batch is rounded down to a multiple of n_ctx; n_ubatch is at most n_batch.
+        n_batch is rounded down to a multiple of n_ctx; n_ubatch is at most n_batch. GENERATE decodes one
+        window at a time (a prompt of at most n_ctx tokens, then single tokens): n_batch is at most n_ctx.
         """
         n_batch = self.n_batch or (OFFLOAD_BATCH if self.offloaded else CPU_BATCH)
-        if n_batch >= n_ctx:
+        if self.decode == GENERATE:
+            n_batch = min(n_batch, n_ctx)
+        elif n_batch >= n_ctx:
             n_batch = min(n_batch // n_ctx, MAX_SEQUENCES) * n_ctx
         return n_batch, min(self.n_ubatch or DEFAULT_UBATCH, n_batch)
+
+    def numerics(self, facts: dict) -> dict:
+        """What this llama.cpp computes with beyond these settings (qeval.capture.numerics): build, environment,
+        layers offloaded."""
+        gpu_layers = numerics.offloaded_layers(facts, self.n_gpu_layers, self.offloaded)
+        return numerics.numerics_block(numerics.build_info(_llama_cpp()), gpu_layers)
 
     @property
     def decodes_ahead(self) -> bool:
@@ -159,7 +200,28 @@ class EngineSettings:
             out.update(rope_scaling=self.rope_scaling, rope_scale=self.rope_scale)
         if self.backend != LLAMA_CPP:  # another backend's logits are another producer's (qeval.identity)
             out["backend"] = self.backend
+        if self.decode != PROMPT:  # left out by default: stores made before decode modes are prompt stores
+            out["decode"] = self.decode
         return out
+
+    def kv_block(self, rotation: dict[str, bool]) -> dict:
+        """The KV cache as a store records it (its header's `kv`): as_json(), and for a quantized cache the rotation
+        llama.cpp applied to each of K and V (what `auto` becomes is what counts, not the flag)."""
+        out = self.as_json()
+        if self.type_k not in UNQUANTIZED_KV or self.type_v not in UNQUANTIZED_KV:
+            out["rotation"] = dict(rotation)
+        return out
+
+
+def planned_fields(facts: dict, settings: EngineSettings, n_ctx: int) -> dict:
+    """What a store of the model with these facts, run with `settings` on windows of n_ctx tokens, would record of
+    how it was computed (qeval.identity.planned_producer): its KV block, numerics and batch sizes, predicted by the
+    rules the engine follows (the KV rotation by llama.cpp's rule; tests hold it equal to what llama.cpp reports)."""
+    settings = settings.validate()
+    rotation = numerics.rotation_rule(facts, settings.type_k, settings.type_v, settings.kv_rotation)
+    n_batch, n_ubatch = settings.batch_sizes(n_ctx)
+    return {"kv": settings.kv_block(rotation), "numerics": settings.numerics(facts), "n_batch": n_batch,
+            "n_ubatch": n_ubatch}
 
 
 def check_context(facts: dict, n_ctx: int, settings: EngineSettings) -> float | None:
@@ -243,8 +305,13 @@ class LlamaModel:
         return model
 
     def _open_context(self, shape: ContextShape) -> None:
-        lc = self._lc
-        self.ctx = lc.llama_init_from_model(self.model, self._context_params(shape))
+        lc, s = self._lc, self.settings
+        rule = numerics.rotation_rule(self.facts, s.type_k, s.type_v, s.kv_rotation)  # `on` it cannot do: refused
+        with numerics.rotation_env(s.kv_rotation), recorded_log() as log:
+            self.ctx = lc.llama_init_from_model(self.model, self._context_params(shape))
+        # what llama.cpp says it did; its rule where it says nothing (no attention cache: nothing to rotate)
+        self.kv_rotation = numerics.reported_rotation("".join(log)) or rule
+        self.numerics = s.numerics(self.facts)
         if not self.ctx:
             self.close()
             raise QevalError(f"llama.cpp could not create a context for {self.model_path.name} {shape.described}: "
@@ -395,6 +462,8 @@ class Backend(Protocol):
     add_bos: bool  # the first token of a window is replaced by BOS, recorded in the store
     facts: dict  # the model's facts (qeval.capture.modelinfo), recorded in the store
     provenance: dict  # how it runs, recorded in the store's capture block
+    kv_rotation: dict  # {"k": bool, "v": bool}: the rotation of each quantized cache (qeval.capture.numerics)
+    numerics: dict  # build, environment, offload (EngineSettings.numerics), recorded in the store
 
     def tokenize(self, text: str) -> np.ndarray: ...
 
@@ -427,8 +496,10 @@ class Engine(LlamaModel):
         self.n_ctx = n_ctx
         self.scoring = scoring
         self.n_batch, self.n_ubatch = settings.validate().batch_sizes(n_ctx)
-        self.whole_windows = self.n_batch >= n_ctx  # else each window in pieces of n_batch tokens
-        self.windows_per_call = max(1, self.n_batch // n_ctx)
+        self.generates = settings.decode == GENERATE
+        # else each window in pieces of n_batch tokens (GENERATE: its prompt), one window at a time
+        self.whole_windows = self.n_batch >= n_ctx and not self.generates
+        self.windows_per_call = max(1, self.n_batch // n_ctx) if self.whole_windows else 1
         self._decoder: ThreadPoolExecutor | None = None  # the decode-ahead thread, once used
         # As llama-perplexity sets the context up: one sequence (and n_ctx KV cells) per window of a call.
         super().__init__(model_path, settings, ContextShape(
@@ -448,16 +519,21 @@ class Engine(LlamaModel):
         return self.windows_per_call * most if self.whole_windows else min(self.n_batch, most)
 
     # -- decoding --------------------------------------------------------------------------------
-    def _calls(self, stops: list[int]) -> Iterator[list[Span]]:
-        """The spans of each llama_decode call for windows decoded up to stops[k], in order."""
+    def _calls(self, firsts: list[int], stops: list[int]) -> Iterator[list[Span]]:
+        """The spans of each llama_decode call for windows decoded up to stops[k] (firsts[k]: its first scored
+        position), in order: prompt batches, or under GENERATE the prompt before firsts[k] and then one token per
+        call. The one schedule both share: only where the single tokens start differs."""
         w = self.windows_per_call
         if self.whole_windows:
             for g in range(0, len(stops), w):
                 yield [(k, 0, stops[k]) for k in range(g, min(g + w, len(stops)))]
             return
-        for k, stop in enumerate(stops):  # n_batch tokens at a time, as llama-perplexity
-            for start in range(0, stop, self.n_batch):
-                yield [(k, start, min(start + self.n_batch, stop))]
+        for k, stop in enumerate(stops):
+            generated = firsts[k] if self.generates else stop
+            for start in range(0, generated, self.n_batch):  # n_batch tokens at a time, as llama-perplexity
+                yield [(k, start, min(start + self.n_batch, generated))]
+            for position in range(generated, stop):  # as llama-server generates: a token per call
+                yield [(k, position, position + 1)]
 
     def _decode_stop(self, positions: np.ndarray) -> int:
         """How far a window is decoded: whole for a rule that scores the same positions in every window (as
@@ -527,7 +603,7 @@ class Engine(LlamaModel):
         mask_of = {key: scored_mask(p, self.n_ctx) for key, p in by_array.items()}
         masks = [mask_of[id(p)] for p in scored]
         stops = [self._decode_stop(p) for p in scored]
-        calls = (rows for spans in self._calls(stops)
+        calls = (rows for spans in self._calls([int(p[0]) for p in scored], stops)
                  if (rows := [r for r in self._decode(windows, spans, scored, masks) if r.window < n]))
         if not self.settings.decodes_ahead:
             return calls

@@ -21,7 +21,7 @@ from qeval.errors import QevalError
 
 FINGERPRINT_BLOCKS = 64
 FINGERPRINT_BLOCK_BYTES = 1 << 20
-FACTS_VERSION = 3  # part of the cache key: bump it when _read_facts changes what it returns
+FACTS_VERSION = 4  # part of the cache key: bump it when _read_facts changes what it returns
 
 # Why a GGUF cannot be evaluated, one sentence each ({name}: the file, {arch}: its architecture).
 REFUSALS = {
@@ -177,6 +177,7 @@ def _read_facts(path: Path) -> dict:
         "tensor_types": dict(sorted(Counter(t.tensor_type.name for t in reader.tensors).items())),
         "vocab_size": len(tokens.data) if tokens is not None else None,
         "context_length": field(f"{arch}.context_length"),
+        "block_count": field(f"{arch}.block_count"),
         "gguf_type": field("general.type") or "model",
         "causal_attention": field(f"{arch}.attention.causal") is not False,
         "kv_cache": kv_geometry(field, arch),
@@ -202,7 +203,8 @@ def kv_geometry(field, arch: str) -> dict | None:
     if not sum(per_layer):
         return None
     return {"attention_layers": sum(1 for h in per_layer if h), "k_values_per_token": int(sum(per_layer) * k_len),
-            "v_values_per_token": int(sum(per_layer) * v_len)}
+            "v_values_per_token": int(sum(per_layer) * v_len),
+            "k_head": int(k_len), "v_head": int(v_len)}  # head sizes: llama.cpp's KV rotation rule reads them
 
 
 # Bytes per cached value of each KV cache type (ggml's block sizes: q8_0 is 34 bytes per 32 values, ...).

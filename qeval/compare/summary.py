@@ -31,10 +31,28 @@ _SIDE_FIELDS = ("label", "path", "source", "model", "kv", "corpus", "n_vocab", "
 
 def kv_text(kv: dict | None, same_once: bool = False) -> str:
     """A KV cache's types as "type_k/type_v" ("?" for one not recorded); same_once: one type when V has none of
-    its own or the same (a baseline file's "kv": "q8_0")."""
+    its own or the same (a baseline file's "kv": "q8_0"). Then what else makes it another computation: a quantized
+    cache's rotation (rotation_text) and " gen" when decoded a token per call (qeval.capture.engine.GENERATE)."""
     kv = kv or {}
     k, v = kv.get("type_k", "?"), kv.get("type_v", "?")
-    return k if same_once and kv.get("type_v") in (None, k) else f"{k}/{v}"
+    text = k if same_once and kv.get("type_v") in (None, k) else f"{k}/{v}"
+    return text + rotation_text(kv) + (" gen" if kv.get("decode") == "generate" else "")
+
+
+_UNQUANTIZED = ("f32", "f16", "bf16", "?")
+
+
+def rotation_text(kv: dict) -> str:
+    """" rot" (K and V rotated), " rot K", " rot V", " norot", or " rot?" for a quantized cache recorded before
+    qeval recorded the rotation; "" for an unquantized cache, which llama.cpp never rotates."""
+    types = {c: kv.get(f"type_{c}", "?") for c in "kv"}
+    if all(t in _UNQUANTIZED for t in types.values()):
+        return ""
+    rotation = kv.get("rotation")
+    if not isinstance(rotation, dict):
+        return " rot?"
+    rotated = [c.upper() for c in "kv" if rotation.get(c)]
+    return " norot" if not rotated else " rot" if len(rotated) == 2 else f" rot {rotated[0]}"
 
 
 @dataclass

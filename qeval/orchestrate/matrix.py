@@ -17,7 +17,14 @@ from typing import Callable
 
 from qeval import identity
 from qeval.capture.capture import CaptureSpec, capture, open_live
-from qeval.capture.engine import EngineSettings, available_cores
+from qeval.capture.engine import (
+    GENERATE,
+    PROMPT,
+    UNQUANTIZED_KV,
+    EngineSettings,
+    available_cores,
+    planned_fields,
+)
 from qeval.capture.hub import hub_label, is_hub_spec, is_whole_repo, repo_models, resolve_model, uploader_labels
 from qeval.capture.modelinfo import model_facts
 from qeval.capture.taskfiles import load_tasks
@@ -63,13 +70,30 @@ def expand_models(models: list[str], repos: list[str] = (), include: tuple[str, 
                                                           zip(uploader_labels(specs), specs)]
 
 
+# A KV spec of `--kv`: a cache type, with `:rot` or `:norot` for llama.cpp's KV rotation on or off (else the matrix's
+# --kv-rotation): `q4_0,q4_0:norot` puts both on one board.
+ROTATION_SUFFIXES = {"rot": "on", "norot": "off"}
+
+
+def parse_kv_spec(spec: str) -> tuple[str, str | None]:
+    """(cache type, rotation mode or None for the matrix's) of a --kv entry."""
+    kv, sep, suffix = spec.partition(":")
+    if sep and suffix not in ROTATION_SUFFIXES:
+        raise QevalError(f"--kv {spec}: the suffix after ':' must be one of {', '.join(ROTATION_SUFFIXES)} "
+                         f"(llama.cpp's KV rotation on or off), not {suffix!r}")
+    return kv, ROTATION_SUFFIXES.get(suffix)
+
+
 def pair_label(model_label: str, kv: str) -> str:
-    return model_label if kv == "f16" else f"{model_label}+kv-{kv}"
+    """`Q4_K_M`, `Q4_K_M+kv-q4_0`, `Q4_K_M+kv-q4_0-norot`."""
+    return model_label if kv == "f16" else f"{model_label}+kv-{kv.replace(':', '-')}"
 
 
 def model_kv_pairs(models: list[str], kv_types: list[str], ref_path: str) -> list[tuple[str, str, str]]:
-    """(label, model path, KV type) of every model (PATH or LABEL=PATH) under every KV type; the reference
+    """(label, model path, KV spec) of every model (PATH or LABEL=PATH) under every KV spec; the reference
     model under f16 is the reference itself, not a pair."""
+    for kv in kv_types:
+        parse_kv_spec(kv)  # refused before any model is downloaded
     pairs = []
     for model in models:
         label, path = parse_model_arg(model)
@@ -78,10 +102,15 @@ def model_kv_pairs(models: list[str], kv_types: list[str], ref_path: str) -> lis
 
 
 def _fa_for(kv: str) -> str:
-    return "on" if kv not in ("f16", "f32", "bf16") else "auto"
+    return "on" if kv not in UNQUANTIZED_KV else "auto"
 
 
 CONTROL = "control"  # the control pair's label
+FLOOR = "floor"  # the numerics-floor pair's label
+# --floor: which other kernel path of llama.cpp the floor row runs the reference on. `decode`: the other decode mode
+# (prompt batches <-> one token per call); `flash-attn`: flash attention flipped; `auto`: `decode` when the board
+# holds a quantized KV cache, none otherwise.
+FLOORS = ("auto", "decode", "flash-attn", "none")
 
 
 def control_settings(base: EngineSettings, n_ctx: int) -> EngineSettings:
@@ -94,10 +123,20 @@ def control_settings(base: EngineSettings, n_ctx: int) -> EngineSettings:
     return dataclasses.replace(base, n_batch=control, n_ubatch=control)
 
 
+def floor_settings(reference: EngineSettings, floor: str) -> EngineSettings:
+    """The reference's settings on another of llama.cpp's kernel paths, for the floor row (FLOORS)."""
+    if floor == "decode":
+        return dataclasses.replace(reference, decode=GENERATE if reference.decode == PROMPT else PROMPT)
+    return dataclasses.replace(reference, flash_attn="off" if reference.flash_attn in ("auto", "on") else "on")
+
+
 def pair_settings(kv: str, base: EngineSettings = EngineSettings()) -> EngineSettings:
-    """How a matrix runs a model with KV cache type `kv` (a quantized V cache needs flash attention); the rest
-    (where it runs, batch sizes, RoPE scaling) from `base`."""
-    return dataclasses.replace(base, type_k=kv, type_v=kv, flash_attn=_fa_for(kv))
+    """How a matrix runs a model with KV spec `kv` (parse_kv_spec; a quantized V cache needs flash attention); the
+    rest (where it runs, batch sizes, RoPE scaling, decode mode, the rotation when the spec names none) from `base`."""
+    cache, rotation = parse_kv_spec(kv)
+    if rotation is None:  # the matrix's --kv-rotation is for its quantized caches; an f16 one has none to set
+        rotation = base.kv_rotation if cache not in UNQUANTIZED_KV else "auto"
+    return dataclasses.replace(base, type_k=cache, type_v=cache, flash_attn=_fa_for(cache), kv_rotation=rotation)
 
 
 @dataclass(frozen=True)
@@ -142,43 +181,72 @@ class MatrixPlan:
         return [(p.label, p.model, p.kv) for p in self.pairs]
 
     def grid(self, summaries: list[ComparisonSummary]) -> tuple[list[tuple[str, str, str]], list[ComparisonSummary]]:
-        """The cells of the PPL matrix and their summaries: every pair but the control, whose cell (the reference
-        model, KV f16) is the reference's own."""
-        kept = [(cell, s) for cell, s in zip(self.cells(), summaries) if cell[0] != CONTROL]
+        """The cells of the PPL matrix and their summaries: every pair but the control and the floor, whose cell (the
+        reference model, KV f16) is the reference's own."""
+        kept = [(cell, s) for cell, s in zip(self.cells(), summaries) if cell[0] not in (CONTROL, FLOOR)]
         return [cell for cell, _ in kept], [s for _, s in kept]
 
 
-def plan_matrix(ref_label: str, ref_path: str, pairs: list[tuple[str, str, str]], chunks: int | None, n_ctx: int,
-                corpus: str | None, directory: Path, engine: EngineSettings = EngineSettings(), force: bool = False,
-                scoring: str = "half", concat: bool = False, samplers=(),
-                tasks: tuple[TaskRequest, ...] = (), control: bool = False,
-                chat: tuple[str | None, str | None] = (None, None)) -> MatrixPlan:
-    """The plan for reference `ref_path` and (label, model, kv) `pairs`, each run with `engine` but its KV cache
-    type. Every bad setting, label, sampler or task file is refused here, before hours of work start.
-    force: a reference store of another capture is replaced. samplers: presets or settings strings
-    (qeval.compare.sampler) every pair is measured with too; tasks: task sets every model is scored on too.
-    control: one more pair, CONTROL, the reference model itself under control_settings: the noise floor.
-    chat: (chat template, its kwargs JSON) of a conversation corpus (qeval.capture.capture.CaptureSpec)."""
-    chosen = tuple(s.name for s in sampler.parse_all(samplers))
+@dataclass(frozen=True)
+class MatrixRequest:
+    """Everything a matrix is asked for, as one value (`qeval matrix`, `qeval demo` and the API build one)."""
+
+    ref_label: str
+    ref_path: str  # a local GGUF
+    pairs: tuple[tuple[str, str, str], ...]  # (label, local GGUF, KV spec) of every pair (model_kv_pairs)
+    directory: Path  # the runs directory
+    chunks: int | None = None  # of the reference; None: every window of the corpus
+    n_ctx: int = 512
+    corpus: str | None = None
+    engine: EngineSettings = EngineSettings()  # every run's, but each pair's KV cache
+    force: bool = False  # a reference store of another capture is replaced
+    scoring: str = "half"
+    concat: bool = False
+    samplers: tuple[str, ...] = ()  # presets or settings strings (qeval.compare.sampler) every pair is measured with
+    tasks: tuple[TaskRequest, ...] = ()  # task sets every model is scored on too
+    control: bool = False  # one more pair, CONTROL: the reference model under control_settings (the noise floor)
+    floor: str = "none"  # one more pair, FLOOR: the reference model on another kernel path (FLOORS)
+    chat_template: str | None = None  # of a conversation corpus (qeval.capture.capture.CaptureSpec)
+    chat_template_kwargs: str | None = None
+
+    def floor_kind(self) -> str | None:
+        """Which floor row the board carries (FLOORS), None for none."""
+        if self.floor not in FLOORS:
+            raise QevalError(f"--floor must be one of {', '.join(FLOORS)}, not {self.floor!r}")
+        if self.floor == "auto":
+            quantized = any(parse_kv_spec(kv)[0] not in UNQUANTIZED_KV for _, _, kv in self.pairs)
+            return "decode" if quantized else None
+        return None if self.floor == "none" else self.floor
+
+
+def plan_matrix(request: MatrixRequest) -> MatrixPlan:
+    """The plan of a matrix request: the reference and every pair, each run with the request's engine settings but
+    its KV cache. Every bad setting, label, sampler or task file is refused here, before hours of work start."""
+    r, engine = request, request.engine
+    chosen = tuple(s.name for s in sampler.parse_all(r.samplers))
     named = []
-    for request in tasks:
-        if request.limit is not None and request.limit < 1:
+    for task in r.tasks:
+        if task.limit is not None and task.limit < 1:
             raise QevalError("--task-limit must be at least 1")
         # a missing or malformed task file is refused now
-        named.append(dataclasses.replace(request, name=load_tasks(request.task, request.kind).name))
-    planned = tuple(Pair(label, path, kv, pair_settings(kv, engine).validate()) for label, path, kv in pairs)
-    if control:
-        planned += (Pair(CONTROL, ref_path, "f16", pair_settings("f16", control_settings(engine, n_ctx)).validate()),)
+        named.append(dataclasses.replace(task, name=load_tasks(task.task, task.kind).name))
+    planned = tuple(Pair(label, path, kv, pair_settings(kv, engine).validate()) for label, path, kv in r.pairs)
+    ref_settings = pair_settings("f16", engine).validate()
+    if r.control:
+        planned += (Pair(CONTROL, r.ref_path, "f16", pair_settings("f16", control_settings(engine, r.n_ctx)).validate()),)
+    floor = r.floor_kind()
+    if floor:
+        planned += (Pair(FLOOR, r.ref_path, "f16", floor_settings(ref_settings, floor).validate()),)
     labels = [p.label for p in planned]
-    if len(set(labels)) != len(labels) or ref_label in labels:
-        raise QevalError(f"labels must be unique (reference {ref_label}, candidates {', '.join(labels)}); "
+    if len(set(labels)) != len(labels) or r.ref_label in labels:
+        raise QevalError(f"labels must be unique (reference {r.ref_label}, candidates {', '.join(labels)}); "
                          "name models with LABEL=PATH")
-    reference = CaptureSpec(model=ref_path, out=str(runs.store_path(runs.check_label(ref_label), directory)),
-                            label=ref_label, corpus=corpus, n_ctx=n_ctx, chunks=chunks,
-                            settings=pair_settings("f16", engine).validate(), replace=force,
-                            scoring=Scoring.parse(scoring).rule, concat=concat, chat_template=chat[0],
-                            chat_template_kwargs=chat[1])
-    return MatrixPlan(reference, planned, directory, chosen, tuple(named))
+    reference = CaptureSpec(model=r.ref_path, out=str(runs.store_path(runs.check_label(r.ref_label), r.directory)),
+                            label=r.ref_label, corpus=r.corpus, n_ctx=r.n_ctx, chunks=r.chunks,
+                            settings=ref_settings, replace=r.force, scoring=Scoring.parse(r.scoring).rule,
+                            concat=r.concat, chat_template=r.chat_template,
+                            chat_template_kwargs=r.chat_template_kwargs)
+    return MatrixPlan(reference, planned, r.directory, chosen, tuple(named))
 
 
 @dataclass(frozen=True)
@@ -209,8 +277,9 @@ def plan_pair(ref_store, n_chunks: int, label: str, model: str, settings: Engine
     the open reference store over its first n_chunks chunks, from what `directory` holds: its result, and its
     store."""
     try:
-        planned = identity.planned_producer(model_facts(model), settings, ref_store.header.n_ctx, SqrtLogCode().params(),
-                                                   ref_store.header.scoring)
+        facts = model_facts(model)
+        planned = identity.planned_producer(facts, planned_fields(facts, settings, ref_store.header.n_ctx),
+                                            ref_store.header.n_ctx, SqrtLogCode().params(), ref_store.header.scoring)
     except (QevalError, OSError):
         return PairPlan(label, model, settings, RUN_LIVE, samplers=samplers)  # running it says what is wrong
     request = identity.ComparisonRequest(identity.reference_identity(ref_store, n_chunks), planned, n_chunks,
@@ -331,6 +400,12 @@ def run_tasks(plan: MatrixPlan, on_plan: Callable[[int, int], None] | None = Non
     return lines
 
 
+def _per_token(plan: MatrixPlan, label: str) -> dict | None:
+    """The per-token columns of a pair's saved result (its paired difference with the floor reads them)."""
+    path = results.result_path(plan.directory / results.RESULTS_SUBDIR, label, plan.reference.label)
+    return results.load_result(path, with_per_token=True).per_token
+
+
 def matrix_result(plan: MatrixPlan, run: MatrixRun, task_lines: list[str] = ()) -> tuple[dict, str]:
     """(JSON, text) of a finished matrix: the PPL matrix and the board of every pair, with the task flips of the
     plan's task sets."""
@@ -338,6 +413,7 @@ def matrix_result(plan: MatrixPlan, run: MatrixRun, task_lines: list[str] = ()) 
     names = {t.name for t in plan.tasks}
     rows = [board.row_with_flips(s, plan.samplers, plan.directory / TASKS_SUBDIR, names=names) for s in summaries]
     board.compare_with_control(rows)
+    board.compare_with_floor(rows, lambda row: _per_token(plan, row.label))
     ref_label = plan.reference.label
     text = "\n".join([run.reference_text, *run.lines, *task_lines, "",
                       f"reference {ref_label}: {summaries[0].chunks} chunks of {plan.reference.n_ctx}, "
@@ -346,6 +422,7 @@ def matrix_result(plan: MatrixPlan, run: MatrixRun, task_lines: list[str] = ()) 
                       report.ppl_matrix_markdown(*plan.grid(summaries)),
                       "", "Leaderboard (sorted by mean KLD)",
                       board.leaderboard_markdown(rows, plan.samplers, board.common_tasks(rows)),
-                      *(["", board.CONTROL_NOTE] if board.has_control(rows) else [])])
+                      *(["", board.CONTROL_NOTE] if board.has_control(rows) else []),
+                      *(["", board.FLOOR_NOTE] if board.has_floor(rows) else [])])
     return {"reference": ref_label, "rows": [r.to_json() for r in rows],
             "results": [s.to_json() for s in summaries]}, text

@@ -4,21 +4,15 @@ both run through here."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from qeval.capture.engine import EngineSettings
 from qeval.orchestrate import matrix
 from qeval.orchestrate.distributed import as_executor
 from qeval.present.progress import progress_bar
 
 
-def run_matrix(ref_label: str, ref_path: str, pairs: list[tuple[str, str, str]], chunks, n_ctx, corpus,
-               directory: Path, engine: EngineSettings, progress: bool = True, executor=None, force: bool = False,
-               scoring: str = "half", concat: bool = False, samplers=(), tasks=(), control: bool = False,
-               chat: tuple[str | None, str | None] = (None, None)) -> tuple[dict, str]:
-    """The matrix of reference `ref_path` and (label, model, kv) `pairs` (see qeval.api.matrix_report)."""
-    plan = matrix.plan_matrix(ref_label, ref_path, pairs, chunks, n_ctx, corpus, directory, engine, force, scoring,
-                              concat, samplers, tasks, control, chat)
+def run_matrix(request: matrix.MatrixRequest, progress: bool = True, executor=None) -> tuple[dict, str]:
+    """The matrix of a request (see qeval.api.matrix_report), here or on `executor`."""
+    plan = matrix.plan_matrix(request)
+    directory = request.directory
     directory.mkdir(parents=True, exist_ok=True)
     if executor not in (None, "local"):
         run = as_executor(executor).run(plan, progress)

@@ -12,18 +12,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from qeval.capture.modelinfo import kv_cache_gib
 from qeval.compare import metric_registry, sampler
 from qeval.compare.metric_registry import Metric, MetricValue, plus_minus, sampler_metrics
-from qeval.compare.paired_stats import NOISE_SIGMAS, excess_over
+from qeval.compare.paired_stats import NOISE_SIGMAS, chunk_means, excess_over, interval_t
 from qeval.compare.summary import ComparisonSummary, DepthBand, TokenGroup
-from qeval.identity import is_control
+from qeval.identity import is_control, is_floor
 from qeval.present import task_flips
 from qeval.present.task_flips import FlipFigures
 from qeval.storage.scoring import Scoring
 
 DEEPEST_KEYS = ("deepest_band", "kld_deepest", "kld_deepest_se")
 CONTROL_KEYS = ("control", "kld_excess", "within_noise")
+FLOOR_KEYS = ("floor", "kld_over_floor", "kld_over_floor_se", "above_floor")
 
 
 def sampler_board_metrics(name: str) -> tuple[Metric, ...]:
@@ -110,6 +113,10 @@ class BoardRow:
     control: bool = False  # the reference recomputed under another batch layout (qeval.identity.is_control)
     kld_excess: float | None = None  # mean KLD minus the board's control's; None: the board has no control
     within_noise: bool | None = None  # its mean KLD is the control's within NOISE_SIGMAS combined SEs
+    floor: bool = False  # the reference model on another of llama.cpp's kernel paths (qeval.identity.is_floor)
+    kld_over_floor: float | None = None  # a KV row's mean KLD minus the floor's, paired on the same tokens
+    kld_over_floor_se: float | None = None  # its SE, chunks as the unit (qeval.compare.paired_stats.interval_t)
+    above_floor: bool | None = None  # its confidence interval lies above 0: the KV quant costs more than the floor
     segments: dict[str, TokenGroup] = field(default_factory=dict)  # segment name -> its figures (summary.by_segment)
     categories: dict[str, TokenGroup] = field(default_factory=dict)  # category name -> its figures (by_category)
 
@@ -143,6 +150,8 @@ class BoardRow:
         for name, group in self.segments.items():
             out.update(kld_of(group, f"kld_{name}"))
         out.update(control=self.control, kld_excess=self.kld_excess, within_noise=self.within_noise)
+        out.update(floor=self.floor, kld_over_floor=self.kld_over_floor, kld_over_floor_se=self.kld_over_floor_se,
+                   above_floor=self.above_floor)
         for task, figures in self.task_flips.items():
             out.update((task_flips.row_key(k, task), v) for k, v in figures.to_json().items())
         return out
@@ -163,7 +172,7 @@ def board_row(summary: ComparisonSummary, samplers=(), flips: dict[str, FlipFigu
                     {name: _sampler_figures(summary, held, name) for name in samplers}, summary.deepest, flips or {},
                     kv_quant=types != (ref_kv.get("type_k"), ref_kv.get("type_v")),
                     memory_gib=None if size is None or kv_gib is None else round(size + kv_gib, 4),
-                    control=is_control(summary.comparison_request()),
+                    control=is_control(summary.comparison_request()), floor=is_floor(summary.comparison_request()),
                     segments={g.name: g for g in summary.by_segment or ()},
                     categories={g.name: g for g in summary.by_category or ()})
 
@@ -182,8 +191,38 @@ def row_with_flips(summary: ComparisonSummary, samplers, tasks_root: Path, origi
 
 
 def rank_key(row: BoardRow) -> tuple:
-    """A board's order: its control first (the floor the rest is read against), then lowest mean KLD first."""
-    return not row.control, row.kld_mean, row.label
+    """A board's order: its control first (the noise floor the rest is read against), then its numerics floor, then
+    lowest mean KLD first."""
+    return not row.control, not row.floor, row.kld_mean, row.label
+
+
+def is_baseline(row: BoardRow) -> bool:
+    """The control and the floor: the reference model itself, read against, never ranked, on no Pareto front."""
+    return row.control or row.floor
+
+
+def compare_with_floor(rows: list[BoardRow], per_token) -> None:
+    """Fill kld_over_floor, its SE and above_floor of every KV-cache row against the board's floor row: the mean of
+    the per-token differences of KLD on the same tokens, chunks as the unit (a t-interval over chunk means, at the
+    confidence of qeval.compare.paired_stats). per_token(row): its per-token columns ({"kld", "chunk", "position"}),
+    None when not at hand. Nothing when the board has no floor."""
+    floor = next((r for r in rows if r.floor), None)
+    base = per_token(floor) if floor is not None else None
+    if base is None:
+        return
+    for row in rows:
+        values = per_token(row) if row.kv_quant and not is_baseline(row) else None
+        if values is None or not all(np.array_equal(values[k], base[k]) for k in ("chunk", "position")):
+            continue  # not on the floor's tokens: no paired difference
+        d = chunk_means(np.asarray(values["kld"], np.float64) - np.asarray(base["kld"], np.float64), base["chunk"])
+        if len(d) < 2:
+            continue
+        mean, se, low, _, _ = interval_t(d)
+        row.kld_over_floor, row.kld_over_floor_se, row.above_floor = mean, se, bool(low > 0.0)
+
+
+def has_floor(rows: list[BoardRow]) -> bool:
+    return any(r.floor for r in rows)
 
 
 def compare_with_control(rows: list[BoardRow]) -> None:
@@ -202,23 +241,26 @@ def has_control(rows: list[BoardRow]) -> bool:
 # --------------------------------------------------------------------------------------------------
 # the table
 # --------------------------------------------------------------------------------------------------
-def leaderboard_columns(samplers=(), tasks=(), control: bool = False, segments=()) -> tuple[tuple[str, str], ...]:
+def leaderboard_columns(samplers=(), tasks=(), control: bool = False, segments=(),
+                        floor: bool = False) -> tuple[tuple[str, str], ...]:
     """(heading, written column) of the table's columns after the label: a TVD column per sampler, on a board with
-    a control the KLD over it (CONTROL_NOTE), a KLD column per segment in `segments` (names, group_names), and a
-    flips column per task set."""
+    a control the KLD over it (CONTROL_NOTE), with a floor each KV row's KLD over it (FLOOR_NOTE), a KLD column per
+    segment in `segments` (names, group_names), and a flips column per task set."""
     return (("quant", "quant"), ("KV", "kv"), ("size GiB", "size_gib"), ("BPW", "bpw"),
             *((m.heading + (" ± SE" if m.has_se else ""), m.key) for m in board_metrics(samplers)),
             *((("KLD over control", "kld_excess"),) if control else ()),
+            *((("KLD over floor ± SE", "kld_over_floor"),) if floor else ()),
             ("KLD deepest band ± SE", "kld_deepest"), *((f"KLD {name} ± SE", f"kld_{name}") for name in segments),
             *task_flips.columns(tasks))
 
 
-def leaderboard_cells(r: BoardRow, tasks=(), control: bool = False, segments=()) -> list[str]:
-    """The formatted cells of one row: label, then leaderboard_columns(its samplers, tasks, control, segments)."""
+def leaderboard_cells(r: BoardRow, tasks=(), control: bool = False, segments=(), floor: bool = False) -> list[str]:
+    """The formatted cells of one row: label, then leaderboard_columns(its samplers, tasks, control, segments,
+    floor)."""
     deepest = "" if r.deepest is None else f"{kld_cell(r.deepest)} ({r.deepest.name})"
     return [r.label, r.quant, r.kv, _num(r.size_gib, ".3f"), _num(r.bpw, ".2f"),
             *(m.cell(*((mv.value, mv.se) if mv else (None, None))) for m, mv in r.board_values()),
-            *((control_cell(r),) if control else ()), deepest, *(kld_cell(r.segments.get(name)) for name in segments),
+            *((control_cell(r),) if control else ()), *((floor_cell(r),) if floor else ()), deepest, *(kld_cell(r.segments.get(name)) for name in segments),
             *(r.task_flips[task].cell() if task in r.task_flips else "" for task in tasks)]
 
 
@@ -231,6 +273,16 @@ def control_cell(r: BoardRow) -> str:
     return f"{r.kld_excess:+.6f}" + (" (noise)" if r.within_noise else "")
 
 
+def floor_cell(r: BoardRow) -> str:
+    """"floor" on the floor's row; on a KV row its paired excess over the floor, "(above)" when its interval lies
+    above 0, "(within)" when it does not: the KV quant costs nothing llama.cpp's own kernel paths do not."""
+    if r.floor:
+        return "floor"
+    if r.kld_over_floor is None:
+        return ""
+    return f"{plus_minus(r.kld_over_floor, r.kld_over_floor_se, '+.6f')} ({'above' if r.above_floor else 'within'})"
+
+
 def pareto_mark(row: BoardRow) -> str:
     """The Pareto cell of a row: ✓ on the weight quants' front, ✓ KV on the KV-cache quants' (PARETO_NOTE)."""
     return ("✓ KV" if row.kv_quant else "✓") if row.pareto else ""
@@ -240,12 +292,12 @@ def leaderboard_markdown(rows: list[BoardRow], samplers=(), tasks=(), pareto: bo
     """A paste-ready markdown table, sorted by mean KLD: a TVD column per sampler in `samplers` (names), a KLD
     column per segment any row holds, a flips column per task set in `tasks`, and with `pareto`, a column marking
     the rows on the Pareto front."""
-    control, segments = has_control(rows), group_names(rows)
-    header = ["label", *(name for name, _ in leaderboard_columns(samplers, tasks, control, segments))] + \
+    control, segments, floor = has_control(rows), group_names(rows), has_floor(rows)
+    header = ["label", *(name for name, _ in leaderboard_columns(samplers, tasks, control, segments, floor))] + \
         (["Pareto"] if pareto else [])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in sorted(rows, key=rank_key):
-        cells = [_md_escape(c) for c in leaderboard_cells(r, tasks, control, segments)]
+        cells = [_md_escape(c) for c in leaderboard_cells(r, tasks, control, segments, floor)]
         if pareto:
             cells.append(pareto_mark(r))
         lines.append("| " + " | ".join(cells) + " |")
@@ -291,10 +343,11 @@ def _note(m: Metric) -> str:
     return f"{m.heading}: {m.description}{unit}" + (f"; {m.better} is better." if m.better else ".")
 
 
-def notes(samplers=(), tasks=(), control: bool = False, segments=()) -> str:
+def notes(samplers=(), tasks=(), control: bool = False, segments=(), floor: bool = False) -> str:
     """What every column means, under the table."""
     return " ".join([*map(_note, board_metrics(samplers)), *([SEGMENT_NOTE] if segments else []),
                      *([task_flips.NOTE] if tasks else []), *([CONTROL_NOTE] if control else []),
+                     *([FLOOR_NOTE] if floor else []),
                      "± is one standard error.", PARETO_NOTE])
 
 
@@ -307,6 +360,13 @@ CONTROL_NOTE = ("KLD over control: mean KLD minus the control's, the reference m
                 "batch layout (its KLD is the comparison's own noise floor); (noise): within "
                 f"{NOISE_SIGMAS:g}·sqrt(SE² + SE_control²) of it, indistinguishable from numerical noise. The control "
                 "is on no Pareto front.")
+
+
+FLOOR_NOTE = ("KLD over floor: a KV-cache row's mean KLD minus the floor's, paired on the same tokens (SE over chunks); "
+              "the floor is the reference model on another of llama.cpp's kernel paths (one token per call instead of "
+              "prompt batches, or flash attention flipped), so its KLD is what llama.cpp's own numerics cost. (within): "
+              "the 95 % interval reaches 0, the KV quant costs no more than that floor; (above): it costs more. The "
+              "floor is on no Pareto front (docs/numerics.md).")
 
 
 # Weight quants and KV-cache quants save different memory: each is ranked against its own kind.

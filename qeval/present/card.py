@@ -60,6 +60,11 @@ class Card:
         """Whether a control row is on the card: then a column of each quant's KLD over it."""
         return boardrows.has_control([r.row for r in self.rows])
 
+    @property
+    def has_floor(self) -> bool:
+        """Whether a floor row is on the card: then a column of each KV quant's KLD over it."""
+        return boardrows.has_floor([r.row for r in self.rows])
+
     def markdown(self, plot: str = PLOT_FILE, sidecar: str = SIDECAR) -> str:
         return markdown(self, plot, sidecar)
 
@@ -119,25 +124,26 @@ def record(r: CardRow, bands: tuple[str, ...], tasks: tuple[str, ...], segments:
         out["by_segment"] = {name: boardrows.kld_of(row.segments.get(name), "kld_mean") for name in segments}
     out["flips"] = {task: row.task_flips[task].to_json() for task in tasks if task in row.task_flips}
     out.update(memory_gib=row.memory_gib, kv_quant=row.kv_quant, control=row.control, kld_excess=row.kld_excess,
-               within_noise=row.within_noise, pareto=row.pareto, result=row.result)
+               within_noise=row.within_noise, **{k: getattr(row, k) for k in boardrows.FLOOR_KEYS},
+               pareto=row.pareto, result=row.result)
     return out
 
 
-def header(bands: tuple[str, ...], tasks: tuple[str, ...], control: bool = False, segments: tuple[str, ...] = ()
-           ) -> list[str]:
+def header(bands: tuple[str, ...], tasks: tuple[str, ...], control: bool = False, segments: tuple[str, ...] = (),
+           floor: bool = False) -> list[str]:
     return ["label", "file", "KV", "size GiB", "BPW", *(m.heading + (" ± SE" if m.has_se else "") for m in card_metrics()),
-            *(["KLD over control"] if control else []),
+            *(["KLD over control"] if control else []), *(["KLD over floor ± SE"] if floor else []),
             *(f"mean KLD, positions {name} ± SE" for name in bands), *(f"mean KLD, {name} ± SE" for name in segments),
             *(h for h, _ in task_flips.columns(tasks)),
             "Pareto"]
 
 
 def cells(r: CardRow, bands: tuple[str, ...], tasks: tuple[str, ...], control: bool = False,
-          segments: tuple[str, ...] = ()) -> list[str]:
+          segments: tuple[str, ...] = (), floor: bool = False) -> list[str]:
     row = r.row
     return [row.label, row.model_file or "?", row.kv, _fixed(row.size_gib, ".3f"), _fixed(row.bpw, ".2f"),
             *(m.cell(*_value_se(row.metrics.get(m.key))) for m in card_metrics()),
-            *([boardrows.control_cell(row)] if control else []),
+            *([boardrows.control_cell(row)] if control else []), *([boardrows.floor_cell(row)] if floor else []),
             *(_kld_cell(r.bands[name]) for name in bands), *(_kld_cell(row.segments.get(name)) for name in segments),
             *(row.task_flips[task].cell() if task in row.task_flips else "" for task in tasks),
             boardrows.pareto_mark(row)]
@@ -148,12 +154,12 @@ def _fixed(v: float | None, fmt: str) -> str:
 
 
 def table(card: Card) -> str:
-    control, segments = card.has_control, card.segments
-    head = header(card.bands, card.tasks, control, segments)
+    control, segments, floor = card.has_control, card.segments, card.has_floor
+    head = header(card.bands, card.tasks, control, segments, floor)
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in card.rows:
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells(r, card.bands, card.tasks, control,
-                                                                             segments)) + " |")
+                                                                             segments, floor)) + " |")
     return "\n".join(lines)
 
 
@@ -167,7 +173,8 @@ NOTE = ("Rows are sorted by mean KLD, KL(reference ‖ quant) in nats per scored
 
 def markdown(card: Card, plot: str = PLOT_FILE, sidecar: str = SIDECAR) -> str:
     """The block: heading, table, plot, provenance; plot and sidecar are links relative to where it is read."""
-    note = NOTE + (" " + boardrows.CONTROL_NOTE if card.has_control else "")
+    note = NOTE + (" " + boardrows.CONTROL_NOTE if card.has_control else "") + \
+        (" " + boardrows.FLOOR_NOTE if card.has_floor else "")
     out = [f"## {card.title}", "", table(card), "", note, "",
            f"![Mean KLD against model size, Pareto front marked]({plot})", "",
            f"**Provenance** (as JSON: [{Path(sidecar).name}]({sidecar}))", ""]

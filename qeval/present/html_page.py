@@ -7,7 +7,7 @@ import html
 import math
 
 from qeval import __version__
-from qeval.present.board import leaderboard_cells, leaderboard_columns, notes, settings_lines
+from qeval.present.board import has_floor, leaderboard_cells, leaderboard_columns, notes, settings_lines
 from qeval.present.plots import PLOTS
 
 CSS = """
@@ -43,14 +43,15 @@ footer { color: var(--muted); font-size: 12px; margin-top: 36px; }
 def table_html(board) -> str:
     """The leaderboard as an HTML <table> (also handy in a notebook: IPython.display.HTML)."""
     segments = board.segments
-    columns = leaderboard_columns(board.samplers, board.tasks, board.control, segments)
+    floor = has_floor(board.rows)
+    columns = leaderboard_columns(board.samplers, board.tasks, board.control, segments, floor)
     headings = ("#", "label", *(name for name, _ in columns))
     head = "".join(f"<th>{html.escape(c)}</th>" for c in headings)
     klds = [r.kld_mean for r in board.rows if r.kld_mean > 0]
     lo, hi = (math.log10(min(klds)), math.log10(max(klds))) if klds else (0.0, 0.0)
     body = []
     for r in board.rows:
-        cells = leaderboard_cells(r, board.tasks, board.control, segments)
+        cells = leaderboard_cells(r, board.tasks, board.control, segments, floor)
         label = html.escape(cells[0]) + ('<span class="badge" title="on the size/KLD Pareto front">Pareto</span>'
                                          if r.pareto else "")
         tds = [f'<td class="num">{"" if r.rank is None else r.rank}</td>', f"<td>{label}</td>"]
@@ -88,7 +89,7 @@ def leaderboard_html(board, inline_svgs: dict[str, str]) -> str:
 <dl class="settings">{settings}</dl>
 <h2>Leaderboard <small>(sorted by mean KLD, {len(board.rows)} candidates)</small></h2>
 {table_html(board)}
-<p class="notes">{html.escape(notes(board.samplers, board.tasks, board.control, board.segments))}</p>
+<p class="notes">{html.escape(notes(board.samplers, board.tasks, board.control, board.segments, has_floor(board.rows)))}</p>
 <p class="notes"><b>Pareto front</b> (smallest first): {html.escape(front)}</p>
 <h2>Plots</h2>
 {figures}

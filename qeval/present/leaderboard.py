@@ -74,7 +74,7 @@ class Leaderboard:
         return ("rank", "label", "quant", "model_file", "type_k", "type_v", "size_gib", "bpw", "memory_gib",
                 *boardrows.board_keys(self.samplers), *boardrows.DEEPEST_KEYS, *boardrows.segment_keys(self.segments),
                 *task_flips.keys(self.tasks),
-                *boardrows.CONTROL_KEYS,
+                *boardrows.CONTROL_KEYS, *boardrows.FLOOR_KEYS,
                 "pareto", "result")
 
     def records(self) -> list[dict]:
@@ -182,7 +182,7 @@ def mark_pareto_fronts(rows: list[BoardRow]) -> None:
     for row in rows:
         row.pareto = False
     for kv_quant, axis in ((False, "size_gib"), (True, "memory_gib")):
-        kind = [r for r in rows if r.kv_quant == kv_quant and not r.control]
+        kind = [r for r in rows if r.kv_quant == kv_quant and not boardrows.is_baseline(r)]
         for row, on_front in zip(kind, pareto_front([getattr(r, axis) for r in kind], [r.kld_mean for r in kind])):
             row.pareto = on_front
 
@@ -200,9 +200,11 @@ def build(runs: list[str | os.PathLike] | None = None, title: str | None = None,
     rows = [row for row, _ in pairs]
     mark_pareto_fronts(rows)
     boardrows.compare_with_control(rows)
+    held = {id(row): res.per_token for row, res in pairs}
+    boardrows.compare_with_floor(rows, lambda row: held[id(row)])
     ranked = iter(range(1, len(rows) + 1))
-    for row, (_, res) in zip(rows, pairs):
-        row.rank, row.result = None if row.control else next(ranked), str(res.path)  # the control is no contender
+    for row, (_, res) in zip(rows, pairs):  # the control and the floor are no contenders
+        row.rank, row.result = None if boardrows.is_baseline(row) else next(ranked), str(res.path)
     settings = {**settings_of(loaded), "samplers": {name: sampler.parse(name).settings() for name in samplers}}
     if title is None:
         ref = settings["reference"]
@@ -225,7 +227,8 @@ def markdown_page(board: Leaderboard) -> str:
     out = [f"## {board.title}", ""]
     out += [f"- **{k}:** {v}" for k, v in boardrows.settings_lines(board.settings, board.samplers)]
     out += ["", boardrows.leaderboard_markdown(board.rows, board.samplers, board.tasks, pareto=True), "",
-            boardrows.notes(board.samplers, board.tasks, board.control, board.segments), ""]
+            boardrows.notes(board.samplers, board.tasks, board.control, board.segments,
+                            boardrows.has_floor(board.rows)), ""]
     return "\n".join(out)
 
 
