@@ -26,7 +26,8 @@ N_CHUNKS, N_CTX, N_VOCAB = 2, 1024, 64  # every position scored: two depth bands
 CORPUS = {"name": "card-corpus", "source": "tests", "sha256": "cd" * 32}
 CAPTURE = {"n_batch": 128, "n_ubatch": 128, "bos_substituted": False, "n_gpu_layers": 0,
            "llama_cpp_python": "0.3.99", "qeval": "0.1.0", "created": "2025-01-02T03:04:05Z",
-           "cpu": "Test CPU @ 1.00GHz", "llama_cpp_system_info": "CPU : SSE3 = 1 | AVX2 = 1"}
+           "cpu": "Test CPU @ 1.00GHz", "llama_cpp_system_info": "CPU : SSE3 = 1 | AVX2 = 1",
+           "numerics": {"build": {}, "env": {"GGML_CPU_DISABLE_FUSION": "1"}, "gpu_layers": 0}}
 KV = {"type_k": "f16", "type_v": "f16", "flash_attn": "auto"}
 # label, quant, size GiB, bpw, noise sigma (more noise -> higher KLD)
 CANDIDATES = (("Q8_0", "Q8_0", 1.06, 8.5, 0.15), ("Q4_K_M", "Q4_K_M", 0.62, 4.9, 0.6), ("Q2_K", "Q2_K", 0.45, 2.9, 1.4))
@@ -158,10 +159,11 @@ def test_provenance_list_says_what_is_recorded_and_what_is_not(written, summarie
     assert "n_ctx 1024, 2 chunks, 2,046 scored tokens (scoring `all`" in block
     assert "KV f16/f16, flash_attn auto, n_batch 128, n_ubatch 128, BOS substituted no" in block
     assert ("CPU only (n_gpu_layers 0), llama-cpp-python 0.3.99, CPU Test CPU @ 1.00GHz, llama.cpp build: CPU : "
-            "SSE3 = 1 | AVX2 = 1, reference captured 2025-01-02T03:04:05Z") in block
+            "SSE3 = 1 | AVX2 = 1, llama.cpp environment: GGML_CPU_DISABLE_FUSION=1, reference captured "
+            "2025-01-02T03:04:05Z") in block
     assert "GPU model and llama.cpp commit not recorded" in block
     older = card_provenance._hardware_text({"n_gpu_layers": 0, "llama_cpp_python": "0.3.16"})  # captured before
-    assert "CPU not recorded, llama.cpp build: not recorded" in older
+    assert "CPU not recorded, llama.cpp build: not recorded, llama.cpp environment: not recorded" in older
     assert "![Mean KLD against model size, Pareto front marked](kld_vs_size.png)" in block
 
 

@@ -74,7 +74,8 @@ def candidate_settings(res: results.Result) -> dict:
     """How a candidate's logits were made beyond its KV types (the table's KV column): attention and RoPE flags,
     batch sizes, as its result's request records them."""
     producer = (res.summary.request or {}).get("candidate") or {}
-    flags = {k: v for k, v in res.summary.candidate.kv_types.items() if k not in ("type_k", "type_v")}
+    # the types and the rotation are the table's KV column ("q4_0/q4_0 rot")
+    flags = {k: v for k, v in res.summary.candidate.kv_types.items() if k not in ("type_k", "type_v", "rotation")}
     return {**flags, "n_batch": producer.get("n_batch"), "n_ubatch": producer.get("n_ubatch")}
 
 
@@ -166,6 +167,14 @@ def _candidates_text(by_label: dict[str, dict]) -> str:
 UNRECORDED_HARDWARE = f"GPU model and llama.cpp commit {NOT_RECORDED} by qeval (the llama-cpp-python version pins the commit)"
 
 
+def _environment_text(numerics: dict | None) -> str:
+    """The GGML_/LLAMA_ variables the capture ran under (qeval.capture.numerics), "none set" when none."""
+    if not isinstance(numerics, dict):
+        return NOT_RECORDED
+    env = numerics.get("env") or {}
+    return ", ".join(f"{k}={v}" for k, v in env.items()) or "none set"
+
+
 def _hardware_text(capture: dict | None) -> str:
     if capture is None:
         return f"the reference store is not readable here, so its capture block is not shown; {UNRECORDED_HARDWARE}"
@@ -174,7 +183,8 @@ def _hardware_text(capture: dict | None) -> str:
              "CPU only (n_gpu_layers 0)" if layers == 0 else f"GPU offload (n_gpu_layers {layers})",
              f"llama-cpp-python {capture.get('llama_cpp_python', NOT_RECORDED)}",
              f"CPU {capture.get('cpu') or NOT_RECORDED}",
-             f"llama.cpp build: {capture.get('llama_cpp_system_info') or NOT_RECORDED}"]
+             f"llama.cpp build: {capture.get('llama_cpp_system_info') or NOT_RECORDED}",
+             f"llama.cpp environment: {_environment_text(capture.get('numerics'))}"]
     if "created" in capture:
         parts.append(f"reference captured {capture['created']}")
     return ", ".join(parts) + f"; {UNRECORDED_HARDWARE}"

@@ -12,7 +12,8 @@ import numpy as np
 from qeval.compare import sampler
 from qeval.compare.metric_registry import KLD_BLOCK, METRICS, PPL_BLOCK, TOKEN_BLOCK, Metric, MetricValue, plus_minus
 from qeval.compare.metrics import GROUP_FIELDS, PER_TOKEN_FIELDS, Comparison
-from qeval.compare.summary import ComparisonSummary, Side, TokenGroup
+from qeval.compare.summary import ComparisonSummary, Side, TokenGroup, kv_text
+from qeval.identity import NOT_RECORDED
 from qeval.storage.llamacpp import record_values
 from qeval.storage.store import StoreHeader
 
@@ -187,7 +188,14 @@ def info_text(d: dict) -> str:
     if model:
         lines.append("model      : " + ", ".join(f"{k} {v}" for k, v in model.items() if not isinstance(v, dict)))
     if h.get("kv"):
-        lines.append("kv cache   : " + ", ".join(f"{k} {v}" for k, v in h["kv"].items()))
+        lines.append("kv cache   : " + ", ".join(f"{k} {v}" for k, v in h["kv"].items() if k != "rotation")
+                     + f" ({kv_text(h['kv']).strip()})")
+    numerics = (h.get("capture") or {}).get("numerics")
+    lines.append("numerics   : " + (NOT_RECORDED + " (made before qeval recorded them)" if not isinstance(numerics, dict)
+                                    else f"llama-cpp-python {numerics['build'].get('llama_cpp_python')}, "
+                                         f"{numerics['build'].get('system_info')}; layers offloaded "
+                                         f"{numerics.get('gpu_layers')}; environment "
+                                         + (", ".join(f"{k}={v}" for k, v in numerics["env"].items()) or "none set")))
     if h.get("corpus"):
         lines.append("corpus     : " + ", ".join(f"{k} {v}" for k, v in h["corpus"].items()))
     lines += [
