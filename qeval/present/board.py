@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qeval.capture.modelinfo import kv_cache_gib
-from qeval.compare import metric_registry, sampler
+from qeval.compare import metric_registry, ranking, sampler
 from qeval.compare.metric_registry import Metric, MetricValue, plus_minus, sampler_metrics
 from qeval.compare.paired_stats import NOISE_SIGMAS, excess_over
 from qeval.compare.summary import ComparisonSummary, DepthBand, TokenGroup
@@ -183,7 +183,7 @@ def row_with_flips(summary: ComparisonSummary, samplers, tasks_root: Path, origi
 
 def rank_key(row: BoardRow) -> tuple:
     """A board's order: its control first (the floor the rest is read against), then lowest mean KLD first."""
-    return not row.control, row.kld_mean, row.label
+    return ranking.order_key(row.control, row.kld_mean, row.label)
 
 
 def compare_with_control(rows: list[BoardRow]) -> None:
