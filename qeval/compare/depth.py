@@ -94,13 +94,20 @@ def cluster_se(values: np.ndarray, clusters: np.ndarray) -> float:
     values = np.asarray(values, dtype=np.float64)
     ids, inverse = np.unique(clusters, return_inverse=True)
     g = len(ids)
-    if g < 2:
-        return float("nan")
-    n_total = len(values)
-    mean = values.sum() / n_total
     sums = np.bincount(inverse, weights=values, minlength=g)
     counts = np.bincount(inverse, minlength=g)
-    resid = sums - mean * counts
+    return cluster_se_of_sums(sums, counts)
+
+
+def cluster_se_of_sums(sums: np.ndarray, counts: np.ndarray) -> float:
+    """cluster_se from each cluster's sum S_g and count n_g: the SE of the ratio estimator sum(S) / sum(n) with
+    the clusters as the sampling unit; NaN with fewer than 2 clusters."""
+    sums, counts = np.asarray(sums, dtype=np.float64), np.asarray(counts, dtype=np.float64)
+    g = len(sums)
+    if g < 2:
+        return float("nan")
+    n_total = float(counts.sum())
+    resid = sums - sums.sum() / n_total * counts
     return math.sqrt(g / (g - 1) * float(np.sum(resid * resid)) / (n_total * n_total))
 
 

@@ -44,6 +44,11 @@ def chunk_means(values: np.ndarray, chunk: np.ndarray) -> np.ndarray:
     return sums / counts
 
 
+def t_quantile(confidence: float, df: int) -> float:
+    """The multiplier of a two-sided t-interval at `confidence` with df degrees of freedom."""
+    return float(sps.t.ppf(0.5 + confidence / 2.0, df))
+
+
 def interval_t(d: np.ndarray, confidence: float = CONFIDENCE) -> tuple[float, float, float, float, float]:
     """(mean, se, low, high, p) of a one-sample t-interval / two-sided t-test of mean(d) = 0."""
     n = len(d)
@@ -52,7 +57,7 @@ def interval_t(d: np.ndarray, confidence: float = CONFIDENCE) -> tuple[float, fl
     se = sd / math.sqrt(n)
     if se == 0.0:  # every chunk differs by exactly the same amount (often: not at all)
         return mean, 0.0, mean, mean, (1.0 if mean == 0.0 else 0.0)
-    q = float(sps.t.ppf(0.5 + confidence / 2.0, n - 1))
+    q = t_quantile(confidence, n - 1)
     p = float(2.0 * sps.t.sf(abs(mean) / se, n - 1))
     return mean, se, mean - q * se, mean + q * se, p
 

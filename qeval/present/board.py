@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from qeval.capture.modelinfo import kv_cache_gib
-from qeval.compare import metric_registry, sampler
+from qeval.compare import metric_registry, ranking, sampler
 from qeval.compare.metric_registry import Metric, MetricValue, plus_minus, sampler_metrics
 from qeval.compare.paired_stats import NOISE_SIGMAS, chunk_means, excess_over, interval_t
 from qeval.compare.summary import ComparisonSummary, DepthBand, TokenGroup
@@ -193,7 +193,7 @@ def row_with_flips(summary: ComparisonSummary, samplers, tasks_root: Path, origi
 def rank_key(row: BoardRow) -> tuple:
     """A board's order: its control first (the noise floor the rest is read against), then its numerics floor, then
     lowest mean KLD first."""
-    return not row.control, not row.floor, row.kld_mean, row.label
+    return ranking.order_key(row.control, row.kld_mean, row.label, row.floor)
 
 
 def is_baseline(row: BoardRow) -> bool:

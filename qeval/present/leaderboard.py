@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qeval import __version__
-from qeval.compare import sampler
+from qeval.compare import ranking, sampler
+from qeval.compare.ranking import pareto_front  # noqa: F401 (leaderboard.pareto_front, as before)
 from qeval.errors import QevalError
 from qeval.identity import changes
 from qeval.present import board as boardrows
@@ -156,35 +157,13 @@ def settings_of(loaded: list[results.Result]) -> dict:
     }
 
 
-def pareto_front(sizes: list, values: list) -> list[bool]:
-    """True where no other point is at least as good in both (size, value) and better in one; lower is better.
-
-    Points without a size (None or NaN) are never on the front; identical points are both on it.
-    """
-    def ok(v) -> bool:
-        return v is not None and not (isinstance(v, float) and math.isnan(v))
-
-    pts = [(float(s), float(v)) if ok(s) and ok(v) else None for s, v in zip(sizes, values)]
-    out = []
-    for i, p in enumerate(pts):
-        if p is None:
-            out.append(False)
-            continue
-        dominated = any(q is not None and j != i and q[0] <= p[0] and q[1] <= p[1] and q != p
-                        for j, q in enumerate(pts))
-        out.append(not dominated)
-    return out
-
-
 def mark_pareto_fronts(rows: list[BoardRow]) -> None:
     """Like with like: weight quants on file size, KV-cache quants on memory at the context (board.PARETO_NOTE). A
-    control is on neither: it is the reference itself, and beats every quant at the reference's size."""
-    for row in rows:
-        row.pareto = False
-    for kv_quant, axis in ((False, "size_gib"), (True, "memory_gib")):
-        kind = [r for r in rows if r.kv_quant == kv_quant and not boardrows.is_baseline(r)]
-        for row, on_front in zip(kind, pareto_front([getattr(r, axis) for r in kind], [r.kld_mean for r in kind])):
-            row.pareto = on_front
+    control and a floor are on neither: they are the reference itself, and beat every quant at the reference's size."""
+    flags = ranking.on_fronts([r.kv_quant for r in rows], [boardrows.is_baseline(r) for r in rows], [r.size_gib for r in rows],
+                              [r.memory_gib for r in rows], [r.kld_mean for r in rows])
+    for row, on_front in zip(rows, flags):
+        row.pareto = on_front
 
 
 def build(runs: list[str | os.PathLike] | None = None, title: str | None = None,

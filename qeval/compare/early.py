@@ -1,0 +1,365 @@
+"""Boards decided early (opt-in): the statistics that let a pair stop before the whole corpus, and the rule.
+
+Chunks are the sampling unit. A pair visits the corpus's N chunks in a seeded random order (chunk_order; the
+seed and the order are recorded), so the chunks it has visited are a simple random sample without replacement,
+and a later run extends that prefix instead of starting again. After n chunks, with S_c the sum of the per-token
+KLD of chunk c and m_c its scored tokens:
+
+    mean  R = sum(S_c) / sum(m_c)                                  (token-weighted: the full run's mean at n = N)
+    SE^2  = (1 - n/N) * n/(n-1) * sum((S_c - R m_c)^2) / sum(m_c)^2  (ratio estimator over chunks, with the
+                                                                    finite-population correction: 0 at n = N)
+    interval  R +/- t_{(1+confidence)/2, n-1} * SE
+
+(qeval.compare.depth.cluster_se_of_sums is the SE without the correction). Tokens of one chunk are correlated:
+the per-token SE llama-perplexity prints is too small for deciding. Two pairs compared on the same chunks (the
+same tokens) take the same estimator over the per-chunk differences S_a,c - S_b,c: a paired difference, far
+tighter than two separate intervals when both follow the same hard and easy chunks.
+
+The rule (StopRule, decide): every pair runs at least min_chunks chunks; then a pair stops when
+  "settled"    its order against both of its board neighbours (paired |diff| >= neighbour_sigmas * SE) and its
+               Pareto status (qeval.compare.ranking: its kind's size/KLD front) can no longer change, and no
+               other pair's Pareto status waits on a comparison with it;
+  "precision"  its interval's half-width is <= rel_precision * mean, and every comparison still open is a tie
+               at that precision (the paired interval lies within +/- rel_precision * the smaller mean): close
+               neighbours (Q4_K_M vs Q4_K_S) keep running until their order is settled or shown to be a tie,
+               never guessed. StopRule(precision_alone=True) drops the tie condition;
+  "all chunks" it has visited every chunk.
+The control (the reference recomputed) is pinned first and on no front: it stops after min_chunks.
+decide() is a pure function of every pair's visited chunks: as estimates move, a stopped pair may be asked to
+run again (its neighbours changed); comparisons with a pair that visited fewer chunks use the common prefix.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from qeval.compare import ranking
+from qeval.compare.depth import cluster_se_of_sums
+from qeval.compare.paired_stats import CONFIDENCE, t_quantile
+
+MIN_CHUNKS = 8
+REL_PRECISION = 0.05
+NEIGHBOUR_SIGMAS = 3.0
+
+# why a pair stops, or runs on
+MIN_NOT_REACHED = "min chunks not reached"
+ALL_CHUNKS = "all chunks"
+PRECISION = "precision"
+SETTLED = "settled"
+OPEN = "open"  # past the minimum, neither settled nor precise: runs on (Decision.unsettled names the comparisons)
+
+
+def chunk_order(n_chunks: int, seed: int) -> np.ndarray:
+    """The order a decided-early run visits chunks 0..n_chunks-1 in: a seeded random permutation. Record the order
+    itself with the seed (order_record): a later run extends the recorded order, whatever numpy's generator does."""
+    if n_chunks < 0:
+        raise ValueError(f"n_chunks must be >= 0, not {n_chunks}")
+    return np.random.default_rng(seed).permutation(n_chunks).astype(np.int64)
+
+
+def order_record(seed: int, order: Sequence[int], rule: "StopRule") -> dict:
+    """What a result records about its early run: the seed, the chunk order and the rule."""
+    return {"seed": int(seed), "order": [int(c) for c in order], "rule": rule.to_json()}
+
+
+def is_prefix(order: Sequence[int], chunks: Sequence[int]) -> bool:
+    """Whether `chunks` (visited, in visit order) are the first len(chunks) chunks of `order`: a run that can be
+    extended by continuing `order`."""
+    chunks = np.asarray(chunks)
+    return len(chunks) <= len(order) and bool(np.array_equal(np.asarray(order)[:len(chunks)], chunks))
+
+
+def next_chunks(order: Sequence[int], visited: Sequence[int], k: int) -> np.ndarray:
+    """The next k chunks (fewer at the end) of `order` after a run that visited the prefix `visited`."""
+    if not is_prefix(order, visited):
+        raise ValueError("the visited chunks are not a prefix of the order: this run cannot be extended")
+    n = len(visited)
+    return np.asarray(order[n:n + k], dtype=np.int64)
+
+
+def chunk_sums(per_token: dict[str, np.ndarray], column: str = "kld",
+               order: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(chunk ids, sum of `column` per chunk, scored tokens per chunk) of per-token arrays (a saved result's npz,
+    qeval.present.results), in the order of `order` (the chunks held, in the order they appear there) or by id."""
+    ids, inverse, counts = np.unique(np.asarray(per_token["chunk"]), return_inverse=True, return_counts=True)
+    sums = np.bincount(inverse, weights=np.asarray(per_token[column], dtype=np.float64), minlength=len(ids))
+    if order is None:
+        return ids.astype(np.int64), sums, counts.astype(np.int64)
+    order = np.asarray(order)
+    missing = np.setdiff1d(ids, order)
+    if len(missing):
+        raise ValueError(f"chunks {missing[:5].tolist()} are not in the order")
+    held = order[np.isin(order, ids)]
+    at = np.searchsorted(ids, held)
+    return held.astype(np.int64), sums[at], counts[at].astype(np.int64)
+
+
+# --------------------------------------------------------------------------------------------------
+# estimates
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Estimate:
+    """A mean over a sample of n of N chunks: token-weighted ratio estimator, chunk-level SE with the
+    finite-population correction, t-interval with n - 1 degrees of freedom."""
+
+    mean: float
+    se: float  # NaN below 2 chunks; 0 when all N chunks are in
+    half_width: float  # t_{(1+confidence)/2, n-1} * se
+    n_chunks: int
+    n_total: int  # N: the chunks of the whole corpus
+    n_tokens: int
+    confidence: float
+
+    @property
+    def low(self) -> float:
+        return self.mean - self.half_width
+
+    @property
+    def high(self) -> float:
+        return self.mean + self.half_width
+
+    @property
+    def df(self) -> int:
+        return self.n_chunks - 1
+
+    @property
+    def fpc(self) -> float:
+        """The finite-population correction of the variance, 1 - n/N."""
+        return 1.0 - self.n_chunks / self.n_total
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "low": self.low, "high": self.high}
+
+
+def ratio_estimate(sums: Sequence[float], tokens: Sequence[int], n_total: int,
+                   confidence: float = CONFIDENCE) -> Estimate:
+    """The mean of a per-token value over n visited chunks of n_total (sums: its sum per chunk; tokens: the
+    scored tokens per chunk), as the module docstring defines it."""
+    sums, tokens = np.asarray(sums, dtype=np.float64), np.asarray(tokens, dtype=np.float64)
+    n = len(sums)
+    if len(tokens) != n:
+        raise ValueError(f"{n} chunk sums but {len(tokens)} token counts")
+    if n > n_total:
+        raise ValueError(f"{n} chunks visited of a corpus of {n_total}")
+    n_tokens = float(tokens.sum())
+    if n == 0 or n_tokens <= 0:
+        return Estimate(float("nan"), float("nan"), float("nan"), n, n_total, int(n_tokens), confidence)
+    mean = float(sums.sum()) / n_tokens
+    if n < 2:
+        return Estimate(mean, float("nan"), float("nan"), n, n_total, int(n_tokens), confidence)
+    se = cluster_se_of_sums(sums, tokens) * math.sqrt(max(1.0 - n / n_total, 0.0))
+    return Estimate(mean, se, t_quantile(confidence, n - 1) * se, n, n_total, int(n_tokens), confidence)
+
+
+def paired_estimate(sums_a: Sequence[float], sums_b: Sequence[float], tokens: Sequence[int], n_total: int,
+                    confidence: float = CONFIDENCE) -> Estimate:
+    """Mean of A minus mean of B over the same chunks (the same tokens: one token count per chunk), with the SE
+    of the per-chunk differences (paired)."""
+    sums_a, sums_b = np.asarray(sums_a, dtype=np.float64), np.asarray(sums_b, dtype=np.float64)
+    if sums_a.shape != sums_b.shape:
+        raise ValueError(f"A has {len(sums_a)} chunks, B {len(sums_b)}: a paired difference needs the same chunks")
+    return ratio_estimate(sums_a - sums_b, tokens, n_total, confidence)
+
+
+def precise(est: Estimate, rel_precision: float) -> bool:
+    """Whether the interval's half-width is at most rel_precision times the mean."""
+    return bool(est.half_width <= rel_precision * abs(est.mean))  # False for NaN
+
+
+# --------------------------------------------------------------------------------------------------
+# the rule
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StopRule:
+    """When a pair of a decided-early board stops (module docstring)."""
+
+    min_chunks: int = MIN_CHUNKS
+    rel_precision: float = REL_PRECISION  # stop when the half-width is <= this share of the mean ...
+    neighbour_sigmas: float = NEIGHBOUR_SIGMAS  # ... or when every comparison that matters is this many SEs apart
+    confidence: float = CONFIDENCE  # of the intervals (precision, ties, the reported interval)
+    precision_alone: bool = False  # True: precision stops a pair even while a comparison is open and no tie
+
+    def __post_init__(self):
+        if self.min_chunks < 2:
+            raise ValueError(f"min_chunks must be >= 2 (an SE needs 2 chunks), not {self.min_chunks}")
+        if not 0.0 < self.confidence < 1.0:
+            raise ValueError(f"confidence must lie in (0, 1), not {self.confidence}")
+        if not self.rel_precision > 0.0 or not self.neighbour_sigmas > 0.0:
+            raise ValueError("rel_precision and neighbour_sigmas must be > 0")
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class PairChunks:
+    """What decide() needs of one pair on the board: its visited chunks in visit order (a prefix of the board's
+    chunk order) with the KLD sum and scored tokens of each, and its place on the Pareto fronts (as BoardRow)."""
+
+    label: str
+    chunks: np.ndarray  # chunk ids, in visit order
+    sums: np.ndarray  # sum of the per-token KLD over each chunk
+    tokens: np.ndarray  # scored tokens of each chunk
+    size_gib: float | None = None  # the weight quants' front axis
+    memory_gib: float | None = None  # the KV-cache quants' front axis
+    kv_quant: bool = False
+    control: bool = False
+
+    def __post_init__(self):
+        for name in ("chunks", "sums", "tokens"):
+            object.__setattr__(self, name, np.asarray(getattr(self, name)))
+        if not len(self.chunks) == len(self.sums) == len(self.tokens):
+            raise ValueError(f"{self.label}: {len(self.chunks)} chunks, {len(self.sums)} sums, "
+                             f"{len(self.tokens)} token counts")
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self.chunks)
+
+    def prefix(self, n: int) -> "PairChunks":
+        """The same pair after only its first n chunks."""
+        return PairChunks(self.label, self.chunks[:n], self.sums[:n], self.tokens[:n], self.size_gib,
+                          self.memory_gib, self.kv_quant, self.control)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Two pairs on the chunks both have visited (the common prefix)."""
+
+    diff: Estimate  # mean(a) - mean(b)
+    mean_a: float
+    mean_b: float
+    sign: int | None  # -1: a below b, +1: above, 0: equal on every chunk; None: not settled
+    tie: bool  # the difference's interval lies within +/- rel_precision * the smaller mean
+
+
+def compare(a: PairChunks, b: PairChunks, n_total: int, rule: StopRule) -> Comparison:
+    n = min(a.n_chunks, b.n_chunks)
+    if not np.array_equal(a.chunks[:n], b.chunks[:n]):
+        raise ValueError(f"{a.label} and {b.label} did not visit the chunks in one order")
+    if not np.array_equal(a.tokens[:n], b.tokens[:n]):
+        raise ValueError(f"{a.label} and {b.label} scored different tokens in the same chunks")
+    diff = paired_estimate(a.sums[:n], b.sums[:n], a.tokens[:n], n_total, rule.confidence)
+    n_tokens = float(a.tokens[:n].sum())
+    mean_a = float(a.sums[:n].sum()) / n_tokens if n_tokens else float("nan")
+    mean_b = float(b.sums[:n].sum()) / n_tokens if n_tokens else float("nan")
+    settled = n >= 2 and abs(diff.mean) >= rule.neighbour_sigmas * diff.se  # False for a NaN SE
+    sign = (int(np.sign(diff.mean)) if settled else None)
+    tie = bool(abs(diff.mean) + diff.half_width <= rule.rel_precision * min(abs(mean_a), abs(mean_b)))
+    return Comparison(diff, mean_a, mean_b, sign, tie)
+
+
+@dataclass
+class Decision:
+    """Whether one pair stops now, and why."""
+
+    label: str
+    stop: bool
+    reason: str  # MIN_NOT_REACHED, ALL_CHUNKS, PRECISION, SETTLED or OPEN
+    estimate: Estimate
+    neighbours: tuple[str, ...]  # its neighbours on the board now (by the current means)
+    unsettled: tuple[str, ...] = ()  # the pairs it is still compared against (neighbours, Pareto)
+    ties: tuple[str, ...] = ()  # of those, the ones within rel_precision (a PRECISION stop's ties)
+    on_front: bool = False  # on its Pareto front by the current means
+    front_settled: bool = False  # that cannot change any more
+
+    @property
+    def n_chunks(self) -> int:
+        return self.estimate.n_chunks
+
+    @property
+    def n_tokens(self) -> int:
+        return self.estimate.n_tokens
+
+    def to_json(self) -> dict:
+        return {"label": self.label, "stop": self.stop, "reason": self.reason, "n_chunks": self.n_chunks,
+                "n_tokens": self.n_tokens, "estimate": self.estimate.to_json(), "neighbours": list(self.neighbours),
+                "unsettled": list(self.unsettled), "ties": list(self.ties), "on_front": self.on_front,
+                "front_settled": self.front_settled}
+
+
+@dataclass
+class _Board:
+    pairs: Sequence[PairChunks]
+    n_total: int
+    rule: StopRule
+    cache: dict = field(default_factory=dict)
+
+    def cmp(self, i: int, j: int) -> Comparison:
+        """i against j (cached; j against i is its mirror)."""
+        if (i, j) not in self.cache:
+            c = compare(self.pairs[i], self.pairs[j], self.n_total, self.rule)
+            self.cache[(i, j)] = c
+            self.cache[(j, i)] = Comparison(c.diff, c.mean_b, c.mean_a, None if c.sign is None else -c.sign, c.tie)
+        return self.cache[(i, j)]
+
+    def front_of(self, i: int, placed: dict[int, float]) -> bool:
+        """i's Pareto status with every other pair placed at stand-in values relative to i (i at 0): -1 below,
+        +1 above, 0 level; the board's own rule (ranking.on_fronts) decides."""
+        p = self.pairs
+        values = [placed.get(j, 0.0) for j in range(len(p))]  # i (and a control: on no front) at 0
+        return ranking.on_fronts([q.kv_quant for q in p], [q.control for q in p], [q.size_gib for q in p],
+                                 [q.memory_gib for q in p], values)[i]
+
+    def front_waits_on(self, i: int) -> tuple[bool, set[int]]:
+        """(whether i's Pareto status is settled, the open comparisons it depends on). A comparison matters when
+        placing that pair below i, every other open one above, changes i's status."""
+        others = [j for j in range(len(self.pairs)) if j != i and not self.pairs[j].control]
+        if self.pairs[i].control:
+            return True, set()
+        settled = {j: self.cmp(j, i).sign for j in others}
+        best = {j: (float(s) if s is not None else 1.0) for j, s in settled.items()}
+        worst = {j: (float(s) if s is not None else -1.0) for j, s in settled.items()}
+        if self.front_of(i, best) == self.front_of(i, worst):
+            return True, set()
+        return False, {j for j, s in settled.items() if s is None and not self.front_of(i, {**best, j: -1.0})}
+
+
+def decide(pairs: Sequence[PairChunks], n_total: int, rule: StopRule = StopRule()) -> list[Decision]:
+    """For every pair on the board (in the order given): stop now, or run on, and why (module docstring).
+    n_total: the corpus's chunks, N. Every pair's chunks must be a prefix of one chunk order."""
+    labels = [p.label for p in pairs]
+    if len(set(labels)) != len(labels):
+        raise ValueError("two pairs share a label")
+    board = _Board(pairs, n_total, rule)
+    est = [ratio_estimate(p.sums, p.tokens, n_total, rule.confidence) for p in pairs]
+    ranked = sorted(range(len(pairs)), key=lambda i: ranking.order_key(pairs[i].control, _sortable(est[i].mean),
+                                                                       labels[i]))
+    contenders = [i for i in ranked if not pairs[i].control]
+    neighbours = {i: [contenders[k] for k in (at - 1, at + 1) if 0 <= k < len(contenders)]
+                  for at, i in enumerate(contenders)}
+    fronts = {i: board.front_waits_on(i) for i in contenders}
+    waited_on = {i: {j for j in contenders if i in fronts[j][1]} for i in contenders}
+    now = ranking.on_fronts([p.kv_quant for p in pairs], [p.control for p in pairs], [p.size_gib for p in pairs],
+                            [p.memory_gib for p in pairs], [_sortable(e.mean) for e in est])
+    out = []
+    for i, p in enumerate(pairs):
+        e = est[i]
+        near = tuple(labels[j] for j in neighbours.get(i, ()))
+        front_settled = fronts[i][0] if i in fronts else True
+        d = Decision(p.label, False, OPEN, e, near, on_front=now[i], front_settled=front_settled)
+        if p.n_chunks >= n_total:
+            d.stop, d.reason = True, ALL_CHUNKS
+        elif p.n_chunks < rule.min_chunks:
+            d.reason = MIN_NOT_REACHED
+        elif p.control:  # pinned first, on no front: nothing to settle
+            d.stop, d.reason = True, SETTLED
+        else:
+            open_ = [j for j in neighbours[i] if board.cmp(i, j).sign is None]
+            open_ += sorted((fronts[i][1] | waited_on[i]) - set(open_), key=lambda j: ranked.index(j))
+            d.unsettled = tuple(labels[j] for j in open_)
+            d.ties = tuple(labels[j] for j in open_ if board.cmp(i, j).tie)
+            if not open_:
+                d.stop, d.reason = True, SETTLED
+            elif precise(e, rule.rel_precision) and (rule.precision_alone or len(d.ties) == len(open_)):
+                d.stop, d.reason = True, PRECISION
+        out.append(d)
+    return out
+
+
+def _sortable(x: float) -> float:
+    return math.inf if math.isnan(x) else x
