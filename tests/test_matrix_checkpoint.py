@@ -326,13 +326,35 @@ def test_the_checkpoint_drops_a_failed_write_and_keeps_every_chunk_before(tmp_pa
             assert again.parts[2][k].dtype == cols[k].dtype
 
 
-def test_a_pairs_write_error_survives_pickling(replayed, tmp_path):
+def test_a_pairs_write_error_survives_pickling(tmp_path):
     """A Ray task's error travels pickled: its message and figures must come back whole."""
     err = matrix.PairWriteFailed("", tmp_path / "x", errno.ENOSPC, 10, head="matrix pair B: no space", kept="k",
                                  needed=5000, pair_bytes=9000)
     back = pickle.loads(pickle.dumps(err))
     assert str(back) == str(err) and (back.needed, back.pair_bytes, back.errno) == (5000, 9000, errno.ENOSPC)
-    assert back.text(2, 1) == err.text(2, 1)
+    assert back.text(2, 1) == err.text(2, 1) == (
+        "matrix pair B: no space: it needs about 5 kB more to finish, and the 2 pairs after it about 18 kB "
+        "(23 kB in all); the 1 pair finished before it and k are kept: free space and re-run the same command to "
+        "continue where it stopped")
+
+
+def test_a_full_disk_at_the_first_pair_counts_the_pairs_after_it(replayed, tmp_path):
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(QevalError) as exc:
+        _failing_fsync(mp, f"A.vs.R{checkpoint.SUFFIX}", 2)  # 1: its header, 2: its first chunk
+        run(replayed, tmp_path)
+    assert re.fullmatch(r"matrix pair A: no space left on device writing \S+A\.vs\.R\.partial: it needs about "
+                        r"[\d.]+ kB more to finish, and the 1 pair after it about [\d.]+ kB \([\d.]+ kB in all\); "
+                        r"its checkpoint \(0 of 6 chunks\) is kept: free space and re-run the same command to "
+                        r"continue where it stopped", str(exc.value)), str(exc.value)
+
+
+def test_another_write_fault_names_no_size(replayed, tmp_path):
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(QevalError) as exc:
+        _failing_fsync(mp, f"B.vs.R{checkpoint.SUFFIX}", 3, errno.EIO)
+        run(replayed, tmp_path)
+    assert str(exc.value) == (f"matrix pair B: writing {tmp_path / 'results' / 'B.vs.R.partial'} failed "
+                              "(Input/output error); the 1 pair finished before it and its checkpoint (1 of 6 chunks) "
+                              "are kept: fix that and re-run the same command to continue where it stopped")
 
 
 def test_a_full_disk_at_a_result_names_the_pair_and_the_next_run_needs_no_model(replayed, uninterrupted, tmp_path,
@@ -359,8 +381,8 @@ def test_a_full_disk_at_a_result_names_the_pair_and_the_next_run_needs_no_model(
     assert_same_result(uninterrupted, tmp_path, "B")
 
 
-def _failing_fsync(monkeypatch, name: str, nth: int):
-    """os.fsync fails with ENOSPC on the nth sync of the file called `name` (the write before it reached the
+def _failing_fsync(monkeypatch, name: str, nth: int, code: int = errno.ENOSPC):
+    """os.fsync fails (a full disk) on the nth sync of the file called `name` (the write before it reached the
     file: the writer must cut it back)."""
     real, counter = os.fsync, {}
 
@@ -368,7 +390,7 @@ def _failing_fsync(monkeypatch, name: str, nth: int):
         if os.readlink(f"/proc/self/fd/{fd}").endswith(name):
             counter[name] = counter.get(name, 0) + 1
             if counter[name] == nth:
-                raise OSError(errno.ENOSPC, "No space left on device")
+                raise OSError(code, os.strerror(code))
         return real(fd)
 
     monkeypatch.setattr(os, "fsync", fsync)

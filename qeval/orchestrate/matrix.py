@@ -442,28 +442,30 @@ def _run_into_store(pair: PairPlan, ref, n_chunks: int, directory: Path, threads
 
 
 class PairWriteFailed(WriteFailed):
-    """A pair's write failed (a full disk): its message names the pair, the file and about how many more bytes
-    the pair needs; `needed` and `pair_bytes` (what a whole pair like it writes) let a matrix add its other
-    pairs' share (text)."""
+    """A pair's write failed: its message names the pair and the file, and for a full disk about how many more bytes
+    the pair needs; `needed` and `pair_bytes` (what a whole pair like it writes) let a matrix add its other pairs'
+    share (text)."""
 
     def __init__(self, message: str = "", path=None, errno: int | None = None, size: int | None = None, *,
                  head: str = "", kept: str = "", needed: int = 0, pair_bytes: int = 0):
-        self.head, self.kept, self.needed, self.pair_bytes = head, kept, needed, pair_bytes
+        self.head, self.kept, self.needed, self.pair_bytes, self.errno = head, kept, needed, pair_bytes, errno
         super().__init__(message or self.text(), path, errno, size)
 
     def text(self, later_pairs: int = 0, finished: int | None = None) -> str:
         """The message; with the matrix's count of pairs still to run after this one and of pairs finished."""
-        more = f"it needs about {_size(self.needed)} more to finish"
-        if later_pairs:
-            more += (f", and the {later_pairs} pair{'s' if later_pairs > 1 else ''} after it about "
-                     f"{_size(later_pairs * self.pair_bytes)} ({_size(self.needed + later_pairs * self.pair_bytes)} "
-                     "in all)")
         if finished is None:  # a pair alone (a Ray task): the matrix's other pairs are not its to count
             kept = f"every finished pair and {self.kept} are kept"
         elif finished:
             kept = f"the {finished} pair{'s' if finished > 1 else ''} finished before it and {self.kept} are kept"
         else:
             kept = f"{self.kept} is kept"
+        if self.errno not in (errno.ENOSPC, errno.EDQUOT):  # another fault (permissions, I/O): no size to name
+            return f"{self.head}; {kept}: fix that and re-run the same command to continue where it stopped"
+        more = f"it needs about {_size(self.needed)} more to finish"
+        if later_pairs:
+            more += (f", and the {later_pairs} pair{'s' if later_pairs > 1 else ''} after it about "
+                     f"{_size(later_pairs * self.pair_bytes)} ({_size(self.needed + later_pairs * self.pair_bytes)} "
+                     "in all)")
         return f"{self.head}: {more}; {kept}: free space and re-run the same command to continue where it stopped"
 
 
