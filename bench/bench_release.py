@@ -86,7 +86,8 @@ def main() -> None:
         written = io["wchar"] - io["output_bytes"]
         kept = {k: v for k, v in files(runs).items() if k != "Q8_0.qeval"}
         out["modes"][mode] = {
-            "wall_s": round(wall, 1), "cpu_s": round(io["cpu_s"], 1), "forward_passes": args.chunks * len(CANDIDATES), "scored_tokens": tokens,
+            "wall_s": round(wall, 1), "cpu_s": round(io["cpu_s"], 1), "forward_passes": args.chunks * len(CANDIDATES),
+            "scored_tokens": tokens,
             "bytes_written": written, "bytes_written_per_pair_per_token": round(written / tokens, 1),
             "bytes_kept": sum(kept.values()), "bytes_kept_per_pair_per_token": round(sum(kept.values()) / tokens, 1),
             "files_kept": kept, "kld_mean": {r["candidate"]["label"]: r["kld"]["mean"] for r in result["results"]}}
