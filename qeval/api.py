@@ -124,7 +124,7 @@ def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int 
                   rope_scale: float | None = None, repos=(), include=(), exclude=(),
                   control: bool = False, chat_template: str | None = None,
                   chat_template_kwargs: str | None = None, kv_rotation: str = "auto", decode: str = "prompt",
-                  floor: str = "none") -> tuple[dict, str]:
+                  floor: str = "none", keep_logits: bool = False) -> tuple[dict, str]:
     """Capture `ref` once, then every model x KV pair (live, or reusing finished stores and results).
     models: GGUF paths or hf: specs (LABEL=… to name one); hf:USER/REPO:* and each of `repos` (hf:USER/REPO) stand
     for every model of the repository, filtered by `include`/`exclude` globs on its file paths and labelled
@@ -141,6 +141,11 @@ def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int 
     the reference and every pair. floor: a row for the reference model on another of llama.cpp's kernel paths, each
     KV row's cost read against it (qeval.orchestrate.matrix.FLOORS; `qeval matrix` asks for `auto`).
 
+    A pair run live keeps no candidate logits: each chunk's per-token results go to its checkpoint
+    (RUNS_DIR/results/<label>.vs.<ref>.partial), from which a killed or failed run continues to the numbers an
+    uninterrupted one gives. keep_logits: keep its logits in a store RUNS_DIR/<label>.qeval instead (~110 kB per
+    scored token at a 262K vocab), for later store-vs-store analysis.
+
     A saved result or store is reused only when it answers the pair's request (qeval.identity); else
     the pair is recomputed and its result and store overwritten, and the text says so. A reference store
     that holds another capture is refused, or replaced with `force`.
@@ -155,7 +160,7 @@ def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int 
     request = matrix.MatrixRequest(
         ref_label, ref_path, tuple(matrix.model_kv_pairs(models, kv_types, ref_path)), runs.runs_dir(runs_dir), chunks,
         n_ctx, corpus, engine, force, scoring, concat, tuple(samplers), requests, control, floor, chat_template,
-        chat_template_kwargs)
+        chat_template_kwargs, keep_logits)
     return sweep.run_matrix(request, progress, executor)
 
 

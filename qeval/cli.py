@@ -230,6 +230,7 @@ def matrix(
     rope_scaling: Optional[str] = RopeScaling,
     rope_scale: Optional[float] = RopeScale,
     control: bool = typer.Option(True, "--control/--no-control", help="Also run the reference model live once more under another batch layout (pieces twice as long, or half windows when whole windows go per call), as the pair 'control': the noise floor every row is read against."),
+    keep_logits: bool = typer.Option(False, "--keep-logits", help="Keep every candidate's logits in a store RUNS_DIR/LABEL.qeval (~110 kB per scored token at a 262K vocab) for later store-vs-store analysis (qeval kld --ref REF --cand LABEL). By default a pair keeps only its result (~60 bytes per scored token), resuming from a per-chunk checkpoint."),
 ):
     """Every model x KV type against one reference: resumable, skips finished pairs."""
     kv_types = [k.strip() for k in kv.split(",") if k.strip()]
@@ -252,7 +253,7 @@ def matrix(
                                      rope_scale=rope_scale, repos=repo or (), include=include or (),
                                      exclude=exclude or (), control=control, chat_template=chat_template,
                                      chat_template_kwargs=chat_template_kwargs, kv_rotation=kv_rotation,
-                                     decode=decode, floor=floor)
+                                     decode=decode, floor=floor, keep_logits=keep_logits)
     _emit(result, text, as_json)
 
 

@@ -304,9 +304,9 @@ def test_kld_save_under_a_label_of_another_model_is_refused_or_replaced(models, 
 
 
 def test_matrix_recomputes_a_pair_whose_label_now_names_another_model(models, runs):
-    def matrix(quant: str) -> tuple[dict, str]:
+    def matrix(quant: str) -> tuple[dict, str]:  # its candidates' stores kept: they are reused too
         return api.matrix_report(f"R={models['Q8_0']}", [f"Q4={models[quant]}"], ["f16"], chunks=1, n_ctx=REAL_CTX,
-                                 runs_dir=runs, progress=False)
+                                 runs_dir=runs, progress=False, keep_logits=True)
 
     def saved_summary() -> dict:
         return json.loads((runs / "results" / "Q4.vs.R.json").read_text())
@@ -332,9 +332,9 @@ def test_matrix_recomputes_a_pair_whose_label_now_names_another_model(models, ru
 
 
 def test_matrix_recomputes_a_pair_saved_without_the_samplers_asked_for(models, runs):
-    def matrix(*samplers) -> tuple[dict, str]:
+    def matrix(*samplers) -> tuple[dict, str]:  # its candidate's store kept: it is reused too
         return api.matrix_report(f"R={models['Q8_0']}", [f"Q4={models['Q4_0']}"], ["f16"], chunks=1, n_ctx=REAL_CTX,
-                                 runs_dir=runs, progress=False, samplers=samplers)
+                                 runs_dir=runs, progress=False, samplers=samplers, keep_logits=True)
 
     plain, _ = matrix()
     result, text = matrix("qwen3.5-thinking", "greedy")

@@ -24,7 +24,7 @@ from conftest import assert_cli_error, make_tokens, run_cli, synth_logits, write
 from qeval import api
 from qeval.errors import QevalError
 from qeval.orchestrate.merge import merge_stores
-from qeval.present import results
+from qeval.present import checkpoint, results
 from qeval.storage.store import StoreReader
 
 N_CTX, CHUNKS = 64, 4
@@ -246,7 +246,7 @@ def test_ray_matrix_equals_local(local_run, ray_run):
     assert "tasks 6/6 done, 0 running, 0 pending, 0 failed | chunks 12/12" in lines[-1]
 
 
-def test_shards_merge_to_the_unsharded_store(local_run, ray_run):
+def test_shards_merge_to_the_unsharded_store(models, local_run, ray_run):
     local_dir, _ = local_run
     ray_dir = ray_run[0]
     merged, whole = ray_dir / "Q8_0.qeval", local_dir / "Q8_0.qeval"
@@ -261,8 +261,11 @@ def test_shards_merge_to_the_unsharded_store(local_run, ray_run):
             np.testing.assert_array_equal(a.codes(m.header.n_vocab), b.codes(w.header.n_vocab))
             np.testing.assert_array_equal(a.logprob_target, b.logprob_target)
             np.testing.assert_array_equal(a.top_ids, b.top_ids)
-    # `qeval kld` against the merged reference = against the unsharded one, token for token
-    cand = local_dir / "Q2_K.qeval"
+    # `qeval kld` against the merged reference = against the unsharded one, token for token (a candidate store:
+    # the matrix keeps none by default)
+    if not (ray_dir / "cand" / "Q2_K.qeval").exists():
+        api.kld_report(str(whole), str(models["Q2_K"]), runs_dir=ray_dir / "cand", save="Q2_K")
+    cand = ray_dir / "cand" / "Q2_K.qeval"
     got, _ = api.kld_report(str(merged), str(cand), per_token=ray_dir / "merged.npz")
     want, _ = api.kld_report(str(whole), str(cand), per_token=ray_dir / "whole.npz")
     assert numbers(got) == numbers(want)
@@ -273,16 +276,17 @@ def test_shards_merge_to_the_unsharded_store(local_run, ray_run):
 
 def dying_on_first_attempt(task, kill_after: dict[str, int]):
     """Ray task function `task` (capture_task or compare_task) whose first attempt of a task named in kill_after
-    SIGKILLs its worker (a real crash) once it has stored that many chunks. A closure, so that Ray ships it by
-    value: a worker cannot import this test module."""
+    SIGKILLs its worker (a real crash) once it has stored (a capture) or checkpointed (a pair) that many chunks. A
+    closure, so that Ray ships it by value: a worker cannot import this test module."""
     def task_that_dies(spec, name, tracker):
         import ray
 
+        from qeval.present.checkpoint import Checkpoint
         from qeval.storage.store import StoreWriter
 
         if name not in kill_after or name in ray.get(tracker.snapshot.remote()):  # not its first attempt
             return task(spec, name, tracker)
-        write_chunk, stored = StoreWriter.write_chunk, []
+        write_chunk, append, stored = StoreWriter.write_chunk, Checkpoint.append, []
 
         def write_then_die(writer, piece):
             write_chunk(writer, piece)
@@ -291,11 +295,17 @@ def dying_on_first_attempt(task, kill_after: dict[str, int]):
             if len(stored) == kill_after[name]:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        StoreWriter.write_chunk = write_then_die  # in this worker alone, for this attempt
+        def append_then_die(ckpt, index, columns):
+            append(ckpt, index, columns)
+            if len(ckpt.parts) == kill_after[name]:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        # in this worker alone, for this attempt
+        StoreWriter.write_chunk, Checkpoint.append = write_then_die, append_then_die
         try:
             return task(spec, name, tracker)
         finally:
-            StoreWriter.write_chunk = write_chunk
+            StoreWriter.write_chunk, Checkpoint.append = write_chunk, append
 
     return task_that_dies
 
@@ -317,7 +327,7 @@ def workers_dying(kill_after: dict[str, int]):
 
 def test_killed_tasks_are_retried_and_resume(ray_session, models, local_run, tmp_path):
     """SIGKILL the reference capture's worker after 2 chunks and the pair's after 1: Ray retries
-    both, the capture resumes at chunk 2, the comparison reads its saved chunks back."""
+    both, the capture resumes at chunk 2, the comparison reads its checkpointed chunk back."""
     from qeval.orchestrate.distributed import RayExecutor
 
     local_dir, local = local_run
@@ -326,7 +336,7 @@ def test_killed_tasks_are_retried_and_resume(ray_session, models, local_run, tmp
         result, text = api.matrix_report(f"Q8_0={models['Q8_0']}", [f"Q2_K={models['Q2_K']}"], ["f16"],
                                          chunks=CHUNKS, n_ctx=N_CTX, runs_dir=tmp_path, progress=False, executor=ex)
     assert "Q8_0: 1 failed attempt(s) retried, succeeded on attempt 2, resumed at chunk 2 of 4" in text
-    assert "Q2_K: resumed after a failed attempt" in text
+    assert "Q2_K: resumed after a failed attempt (1 chunks read back from its checkpoint)" in text
     with StoreReader(tmp_path / "Q8_0.qeval", verify_chunks=True) as s, StoreReader(local_dir / "Q8_0.qeval") as w:
         assert s.complete
         for i in range(CHUNKS):
@@ -343,7 +353,7 @@ def test_task_that_keeps_dying_is_reported_and_resumable(ray_session, models, lo
     args = (f"Q8_0={models['Q8_0']}", [f"Q2_K={models['Q2_K']}"], ["f16"])
     ex = RayExecutor(max_retries=0, log=lambda line: None)
     # 3 tasks: the reference store is checked by its capture task (it holds the request: nothing captured)
-    failed = r"2 of 3 tasks failed: .*resumable: .*Q2_K.qeval"
+    failed = r"2 of 3 tasks failed: .*resumable: .*Q2_K\.vs\.Q8_0\.partial \(1 chunks\)"
     with workers_dying({"Q2_K": 1}), pytest.raises(QevalError, match=failed) as exc:
         api.matrix_report(args[0], [*args[1], f"BAD={tmp_path / 'missing.gguf'}"], args[2], chunks=CHUNKS,
                           n_ctx=N_CTX, runs_dir=tmp_path, progress=False, executor=ex)
@@ -351,8 +361,7 @@ def test_task_that_keeps_dying_is_reported_and_resumable(ray_session, models, lo
     assert re.search(r"Q2_K: \w+: the worker died", msg)
     assert f"BAD: model file {tmp_path / 'missing.gguf'} does not exist" in msg  # the task's own QevalError
     assert "re-run the same command to resume" in msg
-    with StoreReader(tmp_path / "Q2_K.qeval", tolerate_torn_tail=True) as partial:
-        assert not partial.complete and 1 <= len(partial.chunk_indices) < CHUNKS
+    assert checkpoint.chunks_in(tmp_path / "results" / "Q2_K.vs.Q8_0.partial") == 1
     assert not (tmp_path / "results" / "Q2_K.vs.Q8_0.json").exists()
     # the same command again finishes it
     result, text = api.matrix_report(*args, chunks=CHUNKS, n_ctx=N_CTX, runs_dir=tmp_path, progress=False,
@@ -367,16 +376,29 @@ def test_pair_whose_label_now_names_another_model_is_recomputed(ray_session, mod
     from qeval.orchestrate.distributed import RayExecutor
 
     local_dir, _ = local_run
-    for name in ("Q8_0.qeval", "Q2_K.qeval"):
-        shutil.copy(local_dir / name, tmp_path / name)
+    shutil.copy(local_dir / "Q8_0.qeval", tmp_path / "Q8_0.qeval")
     shutil.copytree(local_dir / "results", tmp_path / "results")
     result, text = api.matrix_report(f"Q8_0={models['Q8_0']}", [f"Q2_K={models['Q4_0']}"], ["f16"], chunks=CHUNKS,
                                      n_ctx=N_CTX, runs_dir=tmp_path, progress=False,
                                      executor=RayExecutor(log=lambda line: None))
     assert "Q2_K: recomputed: its saved result answers another request (candidate model fingerprint" in text
     assert result["results"][0]["candidate"]["model"]["file_name"] == models["Q4_0"].name
+    assert not (tmp_path / "Q2_K.qeval").exists()  # run live, its logits not kept
+
+
+def test_ray_keeps_the_logits_when_asked(ray_session, models, local_run, tmp_path):
+    """--keep-logits through Ray: the pair's store is written (by the task) and the numbers are the coded
+    candidate's, as `qeval kld` against that store gives them."""
+    from qeval.orchestrate.distributed import RayExecutor
+
+    shutil.copy(local_run[0] / "Q8_0.qeval", tmp_path / "Q8_0.qeval")
+    result, _ = api.matrix_report(f"Q8_0={models['Q8_0']}", [f"Q2_K={models['Q2_K']}"], ["f16"], chunks=CHUNKS,
+                                  n_ctx=N_CTX, runs_dir=tmp_path, progress=False, keep_logits=True,
+                                  executor=RayExecutor(log=lambda line: None))
     with StoreReader(tmp_path / "Q2_K.qeval") as store:
-        assert store.complete and store.header.model["file_name"] == models["Q4_0"].name
+        assert store.complete and store.header.model["file_name"] == models["Q2_K"].name
+    stored, _ = api.kld_report("Q8_0", "Q2_K", runs_dir=tmp_path)
+    assert result["results"][0]["kld"] == stored["kld"]
 
 
 def test_shard_planning_counts_windows_like_a_capture(models, local_run):

@@ -329,11 +329,29 @@ class LiveSource:
         self.writer, self.path = writer, path
         self.resumed = set(writer.done_chunks) if writer is not None else set()
         self._saved = StoreReader(writer.path, tolerate_torn_tail=True) if self.resumed else None
-        todo = [i for i in self.chunk_indices if i not in self.resumed]
-        # both decode when read
-        scored = [header.positions_of(c) for c in todo]
-        self._items = (iter_encoded_blocks(engine, tokens[todo], todo, scored, code, self.pool) if self.coded
-                       else iter_scored_rows(engine, tokens[todo], todo, scored))
+        self._items, self._started = None, False
+        self.produce([i for i in self.chunk_indices if i not in self.resumed])
+
+    def produce(self, chunks: list[int]) -> None:
+        """Decode these chunks, in this order (by default every chunk its store does not hold yet, in order): a
+        matrix pair runs only the chunks its checkpoint lacks, or visits them in another order. Asked before
+        any chunk is read; a chunk its store holds is read back, never decoded."""
+        if self._started:
+            raise ValueError("a live source's chunks are chosen before any is read")
+        if self.writer is not None and set(chunks) - self.resumed != set(self.chunk_indices) - self.resumed:
+            raise ValueError("a live source that saves its store decodes every chunk the store lacks")
+        self._todo = [i for i in chunks if i not in self.resumed]
+        if self._items is not None:
+            self._items.close()
+        self._items = self._decode()  # a generator: nothing is decoded until the first chunk is read
+
+    def _decode(self) -> Iterator[tuple]:
+        self._started = True
+        todo, scored = self._todo, [self.header.positions_of(c) for c in self._todo]
+        if self.coded:
+            yield from iter_encoded_blocks(self.engine, self.tokens[todo], todo, scored, self.code, self.pool)
+        else:
+            yield from iter_scored_rows(self.engine, self.tokens[todo], todo, scored)
 
     def _items_of(self, index: int) -> Iterator[tuple]:
         """The items (chunk, first row, ...) of chunk `index`, which must be the next live chunk; stops

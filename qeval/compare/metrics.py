@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -291,7 +291,8 @@ def compare_chunk(ref: ChunkData, cand, tokens: np.ndarray, positions: np.ndarra
 
 
 def compare(ref: LogitSource, cand: LogitSource, n_chunks: int | None = None, threads: int = 2,
-            on_chunk: Callable[[int], None] | None = None, samplers=()) -> Comparison:
+            on_chunk: Callable[[int], None] | None = None, samplers=(), order: Sequence[int] | None = None,
+            after_chunk: Callable[[int, dict[str, np.ndarray]], bool | None] | None = None) -> Comparison:
     """KLD, PPL, top-1 ... of `cand` against `ref`, streaming chunk pairs over `threads` workers.
 
     A live candidate (a model decoding on all cores) is compared chunk after chunk instead, with
@@ -300,8 +301,18 @@ def compare(ref: LogitSource, cand: LogitSource, n_chunks: int | None = None, th
 
     samplers: qeval.compare.sampler presets, settings strings or Sampler values; each adds per-token
     columns (TVD after the sampler chain ...) computed in the same pass.
+    order: the chunks compared, in this order (default: every one of the first n_chunks, in order); a live
+    candidate must be decoding the same ones (qeval.capture.capture.LiveSource.produce).
+    after_chunk(index, columns): called in order, in this thread, as each chunk's per-token columns are done
+    (a matrix pair checkpoints them); returning True stops the comparison after that chunk (the Comparison then
+    holds the chunks done), so a caller can stop a pair as soon as it knows enough.
     """
     chunks = select_chunks(ref, cand, n_chunks)
+    if order is not None:
+        outside = sorted(set(order) - set(chunks))
+        if outside:
+            raise QevalError(f"chunk {outside[0]} is not among the {len(chunks)} chunks compared")
+        chunks = list(order)
     n_vocab = ref.header.n_vocab
     ref_tables, cand_tables = decode_tables(ref.lut), decode_tables(cand.lut)
     threads = max(1, threads)
@@ -324,16 +335,26 @@ def compare(ref: LogitSource, cand: LogitSource, n_chunks: int | None = None, th
 
     parts = []
     try:
+        # a live candidate: one chunk in flight, so that stopping after one decodes no further window
         with ThreadPoolExecutor(max_workers=1 if live else threads) as pool:
             for part in bounded_map(pool, one, chunks, 1 if live else 2 * threads):
                 parts.append(part)
                 if on_chunk:
                     on_chunk(1)
+                if after_chunk is not None and after_chunk(chunks[len(parts) - 1], part):
+                    break
     finally:  # also on an error: no kernel may outlive the live model whose logits it reads
         if kernel_pool is not None:
             kernel_pool.shutdown(wait=True, cancel_futures=True)
-    groups = GROUP_FIELDS if ref.header.window_labels is not None else ()
-    fields = (*PER_TOKEN_FIELDS, *groups, *(sampler.columns_of(prepared.samplers) if prepared else ()))
-    per_token = {k: np.concatenate([p[k] for p in parts]) for k in fields}
+    return comparison_of(ref, cand, chunks[:len(parts)], parts)
+
+
+def comparison_of(ref: LogitSource, cand: LogitSource, chunks: list[int], parts: list[dict[str, np.ndarray]]
+                  ) -> Comparison:
+    """The Comparison of `chunks` from their per-token columns (compare_chunk's, one dict per chunk, in the same
+    order): computed now, or read back from a pair's checkpoint (qeval.present.checkpoint)."""
+    if not parts:
+        raise ValueError("a comparison needs at least one chunk")
+    per_token = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
     labels = ref.header.window_labels
-    return Comparison(ref, cand, chunks, per_token, labels.names() if labels is not None else None)
+    return Comparison(ref, cand, list(chunks), per_token, labels.names() if labels is not None else None)

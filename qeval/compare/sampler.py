@@ -209,6 +209,12 @@ def parse_all(specs) -> tuple[Sampler, ...]:
     return tuple(out.values())
 
 
+def reads_distribution(specs) -> bool:
+    """Whether any of these samplers reads more of a row than its argmax (all but greedy ones): a live
+    candidate's rows must then be coded, as the sampler kernel reads codes (metrics.compare_chunk)."""
+    return any(not s.greedy for s in parse_all(specs))
+
+
 def settings_names(specs) -> list[str]:
     """The canonical settings strings of samplers (names, strings or Sampler values): what a comparison
     computed with them measured, whatever names they were asked for by (qeval.identity.ComparisonRequest)."""

@@ -4,13 +4,13 @@ It executes the same qeval.orchestrate.matrix plan as a local run. Tasks are pur
 specs: a reference capture (or each of its shards) is a CaptureSpec, a model x KV pair is a
 CompareSpec, run by the same function as locally (qeval.orchestrate.matrix.run_pair). Every task writes into
 the runs directory, which must be one shared filesystem path, mounted at the same place on every
-node (NFS, Lustre, ...): stores are resumable, so a task that dies (worker killed, node lost,
-OOM) is retried by Ray (`max_retries`) and continues from its last complete chunk. Shards of the
+node (NFS, Lustre, ...): stores and pairs' checkpoints are resumable, so a task that dies (worker killed, node
+lost, OOM) is retried by Ray (`max_retries`) and continues from its last complete chunk. Shards of the
 reference are merged (qeval.orchestrate.merge) only once every shard is complete; a store is never made to
 look complete early.
 
-The driver (the `qeval matrix` process) only submits tasks, merges shards, and counts the CHNK
-records of the stores being written to report progress for the whole fleet.
+The driver (the `qeval matrix` process) only submits tasks, merges shards, and counts the chunks of the stores
+and checkpoints being written to report progress for the whole fleet.
 """
 
 from __future__ import annotations
@@ -27,8 +27,18 @@ from typing import Callable
 from qeval.capture.capture import CaptureSpec, capture, corpus_windows
 from qeval.capture.engine import EngineSettings, LlamaModel
 from qeval.errors import QevalError
-from qeval.orchestrate.matrix import SKIP, MatrixPlan, MatrixRun, PairPlan, plan_pairs, run_pair, saved_summaries
+from qeval.orchestrate.matrix import (
+    SKIP,
+    MatrixPlan,
+    MatrixRun,
+    PairPlan,
+    plan_pairs,
+    progress_path,
+    run_pair,
+    saved_summaries,
+)
 from qeval.orchestrate.merge import merge_stores
+from qeval.present import checkpoint
 from qeval.storage import runs
 from qeval.storage.store import StoreReader, replacement_path
 
@@ -52,19 +62,20 @@ class CompareSpec:
     """One model x KV pair of a matrix plan (not skipped) against a reference store, saved as a result."""
 
     ref: str  # reference: label in runs_dir, or store path
-    pair: PairPlan  # its store RUNS/<label>.qeval and result <label>.vs.<ref>
+    pair: PairPlan  # its result <label>.vs.<ref> (and checkpoint), or with keep_logits its store RUNS/<label>.qeval
     runs_dir: str
     chunks: int
     threads: int = 2  # metrics threads (as `qeval kld`)
 
 
 def run_compare(spec: CompareSpec, on_chunk: Callable[[int], None] | None = None) -> dict:
-    """What `qeval kld --ref REF --cand MODEL --save LABEL --save-result --force` does, resumable: a
-    retried task's live run continues from the chunks its killed attempt saved."""
+    """What `qeval kld --ref REF --cand MODEL --save-result` does, resumable: a retried task's live run continues
+    from the chunks its killed attempt checkpointed (or stored, keep_logits)."""
     directory = Path(spec.runs_dir)
     with contextlib.closing(runs.open_source(spec.ref, directory)) as ref:
         done = run_pair(spec.pair, ref, spec.chunks, directory, spec.threads, on_chunk)
-    return {"result": str(done.result), "chunks": done.chunks, "resumed_chunks": done.resumed_chunks}
+    return {"result": str(done.result), "chunks": done.chunks, "resumed_chunks": done.resumed_chunks,
+            "resumed_from": done.resumed_from, "note": done.note}
 
 
 def _start(tracker, name: str) -> int:
@@ -121,8 +132,10 @@ def shard_ranges(n_chunks: int, shards: int) -> list[tuple[int, int]]:
 
 
 def count_chunks(path: Path) -> int:
-    """Whole CHNK records of a store being written (0 while it does not exist or has no header yet);
-    of its replacement, while one is being written."""
+    """Chunks of a pair's checkpoint; whole CHNK records of a store being written (0 while it does not exist or has
+    no header yet), of its replacement while one is being written."""
+    if path.suffix == checkpoint.SUFFIX:
+        return checkpoint.chunks_in(path)
     if replacement_path(path).exists():
         path = replacement_path(path)
     try:
@@ -168,7 +181,7 @@ def _is_complete(path: Path) -> bool:
 class _Task:
     name: str
     kind: str  # "capture" or "compare"
-    store: Path  # the store whose CHNK records count as this task's progress
+    store: Path  # the store or checkpoint whose chunks count as this task's progress (count_chunks)
     chunks: int | None  # chunks it has to hold when done
     ref: object = None  # Ray ObjectRef
     state: str = "pending"  # pending, running, done, failed
@@ -294,12 +307,14 @@ class RayExecutor:
         fleet.planned(len(todo), n_chunks)
         for pair in todo:
             spec = CompareSpec(ref=base.label, pair=pair, runs_dir=str(directory), chunks=n_chunks)
-            fleet.submit_compare(pair.label, spec, runs.store_path(pair.label, directory), n_chunks)
+            fleet.submit_compare(pair.label, spec, progress_path(pair, directory, base.label), n_chunks)
         fleet.wait()
         for t in fleet.tasks:
+            if t.kind == "compare" and t.state == "done" and t.result.get("note"):
+                done_lines.append(t.result["note"])
             if t.kind == "compare" and t.state == "done" and t.result.get("resumed_chunks"):
                 done_lines.append(f"{t.name}: resumed after a failed attempt ({t.result['resumed_chunks']} chunks "
-                                  "read back from its store)")
+                                  f"read back from its {t.result.get('resumed_from', 'store')})")
         done_lines += fleet.retry_lines()
         self.report = fleet.summary_lines()
         if fleet.failed():
@@ -346,7 +361,8 @@ class RayExecutor:
     def _failure_text(fleet: "_Fleet", head: str) -> str:
         lines = [f"{t.name}: {t.error}" for t in fleet.failed()]
         partial = [f"{t.store} ({count_chunks(t.store)} chunks)" for t in fleet.failed() if t.store.exists()]
-        tail = (" Their partial stores are incomplete and resumable: " + ", ".join(partial) + ".") if partial else ""
+        tail = (" Their checkpoints and partial stores are kept, resumable: " + ", ".join(partial) + ".") if partial \
+            else ""
         return (f"{head}: " + "; ".join(lines) + "." + tail + " Finished stores and results are kept: re-run the "
                 "same command to resume.")
 

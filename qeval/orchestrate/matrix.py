@@ -5,12 +5,20 @@ pair. Once the reference store exists, plan_pairs decides for each pair what to 
 its stored candidate, or run its model live) and why; run_pair does it. The local executor
 (run_local, here) and the Ray executor (qeval.orchestrate.distributed) both execute that plan, so they reuse and
 recompute exactly the same pairs and write the same results.
+
+A pair run live keeps no candidate logits by default: llama.cpp's float32 rows meet the reference's codes
+directly (as `qeval kld --cand MODEL`), and each chunk's per-token results go to the pair's checkpoint
+(qeval.present.checkpoint), from which a killed pair continues. With keep_logits (--keep-logits) its rows are
+coded into a store RUNS_DIR/<label>.qeval for later store-vs-store analysis, as before; the store is then what a
+killed pair continues from.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -31,19 +39,19 @@ from qeval.capture.taskfiles import load_tasks
 from qeval.capture.taskscore import TaskSettings
 from qeval.compare import metrics, sampler
 from qeval.compare.summary import ComparisonSummary
-from qeval.errors import QevalError
+from qeval.errors import QevalError, WriteFailed
 from qeval.orchestrate import tasks as taskrun
-from qeval.present import board, report, results
+from qeval.present import board, checkpoint, report, results
 from qeval.storage import runs
 from qeval.storage.codec import SqrtLogCode
 from qeval.storage.scoring import Scoring
-from qeval.storage.store import StoreReader
+from qeval.storage.store import PIECE_ROWS, StoreReader
 from qeval.storage.taskstore import TASKS_SUBDIR
 
 # what a matrix does with a pair (PairPlan.action)
 SKIP = "skip"  # its saved result answers the request
 COMPARE_STORED = "compare stored"  # its store holds the candidate: compare it, no model run
-RUN_LIVE = "run live"  # run the model against the reference, saving (or resuming) its store
+RUN_LIVE = "run live"  # run the model against the reference, from its checkpoint (or store, keep_logits) on
 
 
 def parse_model_arg(arg: str) -> tuple[str, str]:
@@ -169,6 +177,7 @@ class MatrixPlan:
     directory: Path  # the runs directory: every store and result
     samplers: tuple[str, ...] = ()  # computed for every pair too (qeval.compare.sampler names)
     tasks: tuple[TaskRequest, ...] = ()  # scored with the reference and every pair too: flips columns
+    keep_logits: bool = False  # pairs run live keep their candidate's store (--keep-logits)
 
     @property
     def total_chunks(self) -> int | None:
@@ -208,6 +217,7 @@ class MatrixRequest:
     floor: str = "none"  # one more pair, FLOOR: the reference model on another kernel path (FLOORS)
     chat_template: str | None = None  # of a conversation corpus (qeval.capture.capture.CaptureSpec)
     chat_template_kwargs: str | None = None
+    keep_logits: bool = False  # a pair run live keeps its candidate's logits in a store (the module's docstring)
 
     def floor_kind(self) -> str | None:
         """Which floor row the board carries (FLOORS), None for none."""
@@ -246,7 +256,7 @@ def plan_matrix(request: MatrixRequest) -> MatrixPlan:
                             settings=ref_settings, replace=r.force, scoring=Scoring.parse(r.scoring).rule,
                             concat=r.concat, chat_template=r.chat_template,
                             chat_template_kwargs=r.chat_template_kwargs)
-    return MatrixPlan(reference, planned, r.directory, chosen, tuple(named))
+    return MatrixPlan(reference, planned, r.directory, chosen, tuple(named), r.keep_logits)
 
 
 @dataclass(frozen=True)
@@ -260,6 +270,7 @@ class PairPlan:
     action: str
     note: str = ""
     samplers: tuple[str, ...] = ()  # computed too (qeval.compare.sampler names)
+    keep_logits: bool = False  # run live: code its rows into its store (else: uncoded, checkpointed)
 
 
 def plan_pairs(plan: MatrixPlan) -> tuple[int, list[PairPlan]]:
@@ -267,38 +278,46 @@ def plan_pairs(plan: MatrixPlan) -> tuple[int, list[PairPlan]]:
     reference decides how many chunks every pair has."""
     with StoreReader(plan.reference.out) as ref_store:
         n_chunks = ref_store.header.n_chunks if plan.reference.chunks is None else plan.reference.chunks
-        return n_chunks, [plan_pair(ref_store, n_chunks, p.label, p.model, p.settings, plan.directory, plan.samplers)
-                          for p in plan.pairs]
+        return n_chunks, [plan_pair(ref_store, n_chunks, p.label, p.model, p.settings, plan.directory, plan.samplers,
+                                    plan.keep_logits) for p in plan.pairs]
 
 
 def plan_pair(ref_store, n_chunks: int, label: str, model: str, settings: EngineSettings,
-              directory: Path, samplers: tuple[str, ...] = ()) -> PairPlan:
+              directory: Path, samplers: tuple[str, ...] = (), keep_logits: bool = False) -> PairPlan:
     """The plan for candidate `label` (GGUF `model` run with `settings`, measured with `samplers` too) against
     the open reference store over its first n_chunks chunks, from what `directory` holds: its result, and its
-    store."""
+    store. keep_logits: a pair run live keeps its store, and one whose result was saved without a store is run
+    again to keep it."""
     try:
         facts = model_facts(model)
         planned = identity.planned_producer(facts, planned_fields(facts, settings, ref_store.header.n_ctx),
                                             ref_store.header.n_ctx, SqrtLogCode().params(), ref_store.header.scoring)
-    except (QevalError, OSError):
-        return PairPlan(label, model, settings, RUN_LIVE, samplers=samplers)  # running it says what is wrong
+    except (QevalError, OSError):  # running it says what is wrong
+        return PairPlan(label, model, settings, RUN_LIVE, samplers=samplers, keep_logits=keep_logits)
     request = identity.ComparisonRequest(identity.reference_identity(ref_store, n_chunks), planned, n_chunks,
                                          samplers=tuple(sampler.settings_names(samplers)))
     result_path = results.result_path(directory / results.RESULTS_SUBDIR, label, ref_store.header.label)
     saved = results.saved_request(result_path)
-    usable, store_changes = _stored_candidate(runs.store_path(label, directory), planned, ref_store, n_chunks)
+    store = runs.store_path(label, directory)
+    usable, store_changes = _stored_candidate(store, planned, ref_store, n_chunks)
     if saved is not None and saved.key == request.key:
+        if keep_logits and not usable:
+            return PairPlan(label, model, settings, RUN_LIVE, f"{label}: run again to keep its logits "
+                            "(--keep-logits): its result was saved without its store", samplers, True)
         return PairPlan(label, model, settings, SKIP, f"{label}: done earlier, skipped", samplers)
     action = COMPARE_STORED if usable else RUN_LIVE
     if saved is not None:
         note = f"{label}: recomputed: its saved result answers another request ({_listed(request.changes_from(saved))})"
     elif result_path.is_file():
         note = f"{label}: recomputed: its saved result records no request (saved by an older qeval)"
-    elif store_changes:
+    elif store_changes and keep_logits:
         note = f"{label}: its store held another capture ({_listed(store_changes)}): replaced"
+    elif store.is_file() and not usable and not keep_logits:  # an older or interrupted --keep-logits run's
+        why = f"holds another capture ({_listed(store_changes)})" if store_changes else "is incomplete"
+        note = f"{label}: its store {store} {why}: left as it is, not used (--keep-logits replaces or resumes it)"
     else:
         note = ""
-    return PairPlan(label, model, settings, action, note, samplers)
+    return PairPlan(label, model, settings, action, note, samplers, keep_logits and action == RUN_LIVE)
 
 
 def _listed(changes: list[str]) -> str:
@@ -324,33 +343,175 @@ def _stored_candidate(path: Path, planned: dict, ref_store, n_chunks: int) -> tu
 class PairRun:
     """What run_pair did: where it saved the result, over how many chunks."""
 
-    result: Path  # the saved result
-    chunks: int
-    resumed_chunks: int  # read back from the store an earlier, interrupted run left
+    result: Path | None  # the saved result; None when `stop` ended the pair early (its checkpoint holds it)
+    chunks: int  # chunks compared: the result's, or the checkpoint's when stopped early
+    resumed_chunks: int  # read back from what an earlier, interrupted run left (resumed_from)
+    resumed_from: str = "checkpoint"  # "checkpoint", or "store" (keep_logits)
+    note: str = ""  # a line for the matrix's text: why something found was not resumed
+
+
+def progress_path(pair: PairPlan, directory: Path, ref_label: str) -> Path:
+    """The file whose chunks count as a pair's progress while it runs (elsewhere: a Ray task): its store when it
+    keeps its logits, else its checkpoint."""
+    if pair.action == RUN_LIVE and pair.keep_logits:
+        return runs.store_path(pair.label, directory)
+    return checkpoint.checkpoint_path(directory / results.RESULTS_SUBDIR, pair.label, ref_label)
 
 
 def run_pair(pair: PairPlan, ref, n_chunks: int, directory: Path, threads: int,
-             on_chunk: Callable[[int], None] | None = None) -> PairRun:
+             on_chunk: Callable[[int], None] | None = None, order: list[int] | None = None,
+             stop: Callable[[dict], bool] | None = None) -> PairRun:
     """Compare a pair that is not skipped against the open reference `ref` over n_chunks chunks, with its
-    samplers, and save its result (`qeval kld --save LABEL --save-result --force --sampler ...`): its stored
-    candidate, or its model run live into its store, which continues where an interrupted run (a killed Ray
-    task) left it."""
-    store = runs.store_path(pair.label, directory)
-    resumed = 0
+    samplers, and save its result (`qeval kld --save-result --sampler ...`): its stored candidate, or its model run
+    live, uncoded unless a sampler reads the coded distribution, each chunk's per-token results appended to its
+    checkpoint, from which an interrupted run (killed, a full disk, a killed Ray task) continues: the result is
+    the uninterrupted run's, bit for bit. With keep_logits, its model is run live into its store instead (`qeval kld
+    --save LABEL --force`), which continues where an interrupted run left it.
+
+    order: the chunks to compare, in this order (default: the first n_chunks in order); chunks its checkpoint
+    holds are not run again. stop(parts), after each chunk once its checkpoint holds it (parts: chunk -> its
+    per-token columns, every chunk done so far): True ends the pair there, unsaved (PairRun.result None): the
+    seam for deciding a pair early. A write that fails (a full disk) raises PairWriteFailed, which names the pair
+    and the bytes it still needs; everything written before is kept."""
+    if pair.action == RUN_LIVE and pair.keep_logits:
+        if order is not None or stop is not None:
+            raise ValueError("a pair that keeps its logits runs every chunk, in order")
+        return _run_into_store(pair, ref, n_chunks, directory, threads, on_chunk)
+    order = list(range(n_chunks)) if order is None else list(order)
     with contextlib.ExitStack() as stack:
-        writer = None
-        if pair.action == COMPARE_STORED:
-            cand = stack.enter_context(contextlib.closing(StoreReader(store)))
-        else:
-            engine, cand = open_live(pair.model, ref, n_chunks, pair.settings, pair.label, store, replace=True)
+        live = pair.action != COMPARE_STORED
+        if live:
+            coded = sampler.reads_distribution(pair.samplers)
+            engine, cand = open_live(pair.model, ref, n_chunks, pair.settings, pair.label, None, coded=coded)
             stack.callback(engine.close)
             stack.callback(cand.close)
-            writer, resumed = cand.writer, len(cand.resumed)
-        cmp = metrics.compare(ref, cand, n_chunks, threads=threads, on_chunk=on_chunk, samplers=pair.samplers)
-        if writer is not None:
-            writer.finish()
-        path = results.save_result(cmp, directory / results.RESULTS_SUBDIR)
-    return PairRun(path, len(cmp.chunks), resumed)
+        else:
+            coded = True
+            cand = stack.enter_context(contextlib.closing(StoreReader(runs.store_path(pair.label, directory))))
+        request = identity.comparison_request(ref, cand, n_chunks, sampler.settings_names(pair.samplers))
+        # how the candidate's rows were read is part of what a checkpoint holds: float32 rows and coded ones give
+        # numbers that differ by the code's error, and a result must not mix them
+        path = checkpoint.checkpoint_path(directory / results.RESULTS_SUBDIR, pair.label, ref.header.label)
+        try:
+            ckpt = stack.enter_context(contextlib.closing(checkpoint.Checkpoint(
+                path, {**request.identity(), "candidate_rows": "coded" if coded else "float32"})))
+        except WriteFailed as exc:
+            raise _write_failed(pair.label, exc, ref, order) from None
+        todo = [c for c in order if c not in ckpt.parts]
+        if on_chunk and len(order) > len(todo):
+            on_chunk(len(order) - len(todo))
+        if live:
+            cand.produce(todo)
+
+        def after_chunk(index: int, columns: dict) -> bool:
+            ckpt.append(index, columns)
+            return stop is not None and bool(stop(ckpt.parts))
+
+        try:
+            if todo:
+                metrics.compare(ref, cand, n_chunks, threads=threads, on_chunk=on_chunk, samplers=pair.samplers,
+                                order=todo, after_chunk=after_chunk)
+            resumed = len(order) - len(todo)
+            note = f"{pair.label}: {ckpt.note}" if ckpt.note else ""
+            if any(c not in ckpt.parts for c in order):
+                return PairRun(None, len(ckpt.parts), resumed, note=note)
+            cmp = metrics.comparison_of(ref, cand, order, [ckpt.parts[c] for c in order])
+            result = results.save_result(cmp, directory / results.RESULTS_SUBDIR)
+        except WriteFailed as exc:
+            raise _write_failed(pair.label, exc, ref, order, ckpt) from None
+        ckpt.remove()
+    return PairRun(result, len(order), resumed, note=note)
+
+
+def _run_into_store(pair: PairPlan, ref, n_chunks: int, directory: Path, threads: int,
+                    on_chunk: Callable[[int], None] | None) -> PairRun:
+    """run_pair of a pair that keeps its logits: its model run live into its store (resumed when an interrupted
+    run left one), then compared."""
+    store = runs.store_path(pair.label, directory)
+    engine, cand = open_live(pair.model, ref, n_chunks, pair.settings, pair.label, store, replace=True)
+    with contextlib.closing(engine), contextlib.closing(cand):
+        resumed = len(cand.resumed)
+        try:
+            cmp = metrics.compare(ref, cand, n_chunks, threads=threads, on_chunk=on_chunk, samplers=pair.samplers)
+            cand.writer.finish()
+            path = results.save_result(cmp, directory / results.RESULTS_SUBDIR)
+        except WriteFailed as exc:
+            raise _write_failed(pair.label, exc, ref, list(range(n_chunks)), writer=cand.writer) from None
+    # the old store is removed only when its replacement is complete (StoreWriter.finish)
+    return PairRun(path, len(cmp.chunks), resumed, "store")
+
+
+class PairWriteFailed(WriteFailed):
+    """A pair's write failed: its message names the pair and the file, and for a full disk about how many more bytes
+    the pair needs; `needed` and `pair_bytes` (what a whole pair like it writes) let a matrix add its other pairs'
+    share (text)."""
+
+    def __init__(self, message: str = "", path=None, errno: int | None = None, size: int | None = None, *,
+                 head: str = "", kept: str = "", needed: int = 0, pair_bytes: int = 0):
+        self.head, self.kept, self.needed, self.pair_bytes, self.errno = head, kept, needed, pair_bytes, errno
+        super().__init__(message or self.text(), path, errno, size)
+
+    def text(self, later_pairs: int = 0, finished: int | None = None) -> str:
+        """The message; with the matrix's count of pairs still to run after this one and of pairs finished."""
+        if finished is None:  # a pair alone (a Ray task): the matrix's other pairs are not its to count
+            kept = f"every finished pair and {self.kept} are kept"
+        elif finished:
+            kept = f"the {finished} pair{'s' if finished > 1 else ''} finished before it and {self.kept} are kept"
+        else:
+            kept = f"{self.kept} is kept"
+        if self.errno not in (errno.ENOSPC, errno.EDQUOT):  # another fault (permissions, I/O): no size to name
+            return f"{self.head}; {kept}: fix that and re-run the same command to continue where it stopped"
+        more = f"it needs about {_size(self.needed)} more to finish"
+        if later_pairs:
+            more += (f", and the {later_pairs} pair{'s' if later_pairs > 1 else ''} after it about "
+                     f"{_size(later_pairs * self.pair_bytes)} ({_size(self.needed + later_pairs * self.pair_bytes)} "
+                     "in all)")
+        return f"{self.head}: {more}; {kept}: free space and re-run the same command to continue where it stopped"
+
+
+# What a result holds beyond its per-token columns (its JSON summary: the figures, by depth, the request ...: 14 kB
+# measured on text, more with conversations' segments), and the per-token bytes of a checkpoint or result when a
+# pair has written none yet to measure them by (~60-80 measured): the full-disk estimates.
+_RESULT_JSON_BYTES = 32 << 10
+_TOKEN_BYTES = 100
+
+
+def _write_failed(label: str, exc: WriteFailed, ref, order: list[int], ckpt: "checkpoint.Checkpoint | None" = None,
+                  writer=None) -> PairWriteFailed:
+    """The message of a pair whose write failed, with about how many bytes it still needs: what it writes per
+    scored token (measured from its checkpoint, or its store with keep_logits) times the tokens left, plus its
+    result (about a checkpoint's bytes again, and a JSON)."""
+    tokens = {c: ref.header.n_scored_of(c) for c in order}
+    total = sum(tokens.values())
+    if writer is not None:
+        saved = [c for c in order if c in writer.done_chunks]
+        kept = "its partial store"
+        held = writer.path.stat().st_size if writer.path.exists() else 0
+        first = (exc.size or 0) / min(PIECE_ROWS, tokens[order[0]])  # the failed write: a store's first piece
+    else:
+        saved = [c for c in order if ckpt is not None and c in ckpt.parts]
+        kept = "its checkpoint"
+        held = ckpt.chunk_bytes if ckpt is not None else 0
+        first = _TOKEN_BYTES
+    done = sum(tokens[c] for c in saved)
+    per_token = held / done if done else first
+    result = total * (per_token if writer is None else _TOKEN_BYTES) + _RESULT_JSON_BYTES
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        head = f"matrix pair {label}: no space left on device writing {exc.path}"
+    else:
+        head = f"matrix pair {label}: writing {exc.path} failed ({os.strerror(exc.errno) if exc.errno else exc})"
+    return PairWriteFailed("", exc.path, exc.errno, exc.size, head=head, kept=f"{kept} ({len(saved)} of {len(order)} "
+                           "chunks)", needed=int((total - done) * per_token + result),
+                           pair_bytes=int(total * per_token + result))
+
+
+def _size(n: float) -> str:
+    """Bytes for a message: 3 significant digits and a decimal unit (as `df -H`)."""
+    for unit in ("bytes", "kB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.3g} {unit}"
+        n /= 1000
+    raise AssertionError
 
 
 @dataclass(frozen=True)
@@ -370,16 +531,27 @@ def saved_summaries(plan: MatrixPlan) -> list[ComparisonSummary]:
 
 
 def run_local(plan: MatrixPlan, advance: Callable[[int], None]) -> MatrixRun:
-    """Execute the plan here, one capture or pair after another; advance(n) counts chunks gone through."""
+    """Execute the plan here, one capture or pair after another; advance(n) counts chunks gone through. A pair
+    whose write fails (a full disk) ends the run with one message: that pair, the bytes it and the pairs after it
+    need; every finished pair and its checkpoint are kept, and the same command continues."""
     captured = capture(plan.reference, on_chunk=advance, on_plan=lambda total, done: advance(done))
     n_chunks, pairs = plan_pairs(plan)
+    lines = [p.note for p in pairs if p.note]
     with StoreReader(plan.reference.out) as ref:
-        for pair in pairs:
+        for k, pair in enumerate(pairs):
             if pair.action == SKIP:
                 advance(n_chunks)
-            else:
-                run_pair(pair, ref, n_chunks, plan.directory, available_cores(), advance)
-    return MatrixRun(captured.summary_line(), [p.note for p in pairs if p.note], saved_summaries(plan))
+                continue
+            try:
+                done = run_pair(pair, ref, n_chunks, plan.directory, available_cores(), advance)
+            except PairWriteFailed as exc:
+                later = sum(p.action != SKIP for p in pairs[k + 1:])
+                raise QevalError(exc.text(later, finished=k)) from None
+            lines += [done.note] if done.note else []
+            if done.resumed_chunks:
+                lines.append(f"{pair.label}: resumed: {done.resumed_chunks} of {done.chunks} chunks read back from "
+                             f"its {done.resumed_from}")
+    return MatrixRun(captured.summary_line(), lines, saved_summaries(plan))
 
 
 def run_tasks(plan: MatrixPlan, on_plan: Callable[[int, int], None] | None = None,

@@ -61,7 +61,7 @@ def _open_live_candidate(stack: contextlib.ExitStack, model: str, ref_src, chunk
         directory.mkdir(parents=True, exist_ok=True)
         save_path = runs.store_path(save, directory)
     engine, cand_src = open_live(model, ref_src, chunks, settings, save or Path(model).stem, save_path,
-                                 replace=force, coded=any(not s.greedy for s in samplers))
+                                 replace=force, coded=sampler.reads_distribution(samplers))
     stack.callback(engine.close)
     stack.callback(cand_src.close)
     return cand_src

@@ -23,7 +23,7 @@ import numpy as np
 from qeval.compare import depth, sampler
 from qeval.compare.metrics import GROUP_FIELDS, PER_TOKEN_FIELDS, Comparison
 from qeval.compare.summary import ComparisonSummary, of_figures, summarize
-from qeval.errors import QevalError
+from qeval.errors import QevalError, WriteFailed
 from qeval.identity import METRICS_VERSION, ComparisonRequest
 
 RESULTS_SUBDIR = "results"
@@ -117,17 +117,26 @@ def require_current(res: Result) -> ComparisonRequest:
 
 
 def save_result(cmp: Comparison, directory: str | os.PathLike) -> Path:
-    """Write the summary JSON and per-token npz; returns the JSON path."""
+    """Write the summary JSON and per-token npz; returns the JSON path. Both are written beside their places
+    first, then moved there (the npz first): a failed write (WriteFailed: a full disk) leaves the result that
+    was there, if any, as it was."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     summary = summarize(cmp)
     path = result_path(directory, summary.candidate.label, summary.reference.label)
     npz = path.with_suffix(".npz")
-    np.savez_compressed(npz, **cmp.per_token)
     summary.per_token_file = npz.name
-    tmp = path.with_suffix(".json.part")
-    tmp.write_text(json.dumps(summary.to_json(), indent=2))
-    tmp.replace(path)
+    tmp_npz, tmp_json = npz.with_suffix(".npz.part"), path.with_suffix(".json.part")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with open(tmp_npz, "wb") as fh:  # a file object: np.savez_compressed would add ".npz" to a path
+            np.savez_compressed(fh, **cmp.per_token)
+        tmp_json.write_text(json.dumps(summary.to_json(), indent=2))
+    except OSError as exc:
+        tmp_npz.unlink(missing_ok=True)
+        tmp_json.unlink(missing_ok=True)
+        raise WriteFailed(f"writing the result {path} failed ({exc.strerror or exc})", path, exc.errno) from None
+    tmp_npz.replace(npz)
+    tmp_json.replace(path)
     return path
 
 

@@ -31,7 +31,7 @@ import xxhash
 import zstandard
 
 from qeval import __version__
-from qeval.errors import MismatchError, QevalError, StoreFormatError
+from qeval.errors import MismatchError, QevalError, StoreFormatError, WriteFailed
 from qeval.identity import capture_conflicts, tokens_sha256
 from qeval.storage.scoring import HALF, Scoring, WindowLabels, positions_of
 
@@ -437,19 +437,8 @@ class StoreWriter:
         self._rows[chunk.index] = end
 
     def _append(self, record: bytes) -> None:
-        start = self._fh.tell()
-        try:
-            self._fh.write(record)
-            _sync(self._fh)
-        except OSError as exc:
-            # Leave the file exactly as it was before this record, so it stays resumable.
-            try:
-                self._fh.truncate(start)
-                self._fh.seek(start)
-            except OSError:
-                pass
-            raise QevalError(f"writing {self.path} failed ({exc.strerror or exc}); the store is intact up to its "
-                             "last complete chunk: free space and re-run the same command to resume") from None
+        append_durably(self._fh, self.path, record, "the store is intact up to its last complete chunk: free space "
+                       "and re-run the same command to resume")
 
     def finish(self) -> None:
         """Write the chunk index and the trailer: from now on the store reads as complete."""
@@ -525,6 +514,24 @@ def _conflicts_with(path: Path, header: StoreHeader, tokens: np.ndarray, lut: np
         if not np.array_equal(old.lut, np.asarray(lut, np.float32)):
             conflicts.append("code table (LUT_) differs")
         return conflicts, old.complete
+
+
+def append_durably(fh, path: Path, data: bytes, kept: str) -> None:
+    """Write `data` at the position of `fh` (a file of `path` open for writing) and fsync it. When that fails (a
+    full disk) the file is cut back to exactly what it was before, so that it stays resumable, and WriteFailed says
+    so: `kept` tells what is intact and what to do."""
+    start = fh.tell()
+    try:
+        fh.write(data)
+        _sync(fh)
+    except OSError as exc:
+        try:
+            fh.truncate(start)
+            fh.seek(start)
+        except OSError:
+            pass
+        raise WriteFailed(f"writing {path} failed ({exc.strerror or exc}); {kept}", path, exc.errno,
+                          len(data)) from None
 
 
 def _sync(fh) -> None:
