@@ -4,8 +4,8 @@
         [--batch 2048 --ubatch 512 --out bench/results/vs_llamacpp-b2048.json]
         [--ngl 99 --out bench/results/vs_llamacpp-gpu.json]    # GPU builds of both tools
 
-Build llama-perplexity from the llama.cpp that llama-cpp-python 0.3.36 vendors (see README,
-"Checking against llama-perplexity"); this script only runs it. Reports wall time and peak RSS of
+Build llama-perplexity from the llama.cpp that llama-cpp-python 0.3.36 vendors (see docs/benchmarks.md,
+the bench_vs_llamacpp.py item); this script only runs it. Reports wall time and peak RSS of
   1. writing the reference: llama-perplexity --kl-divergence-base vs `qeval capture`,
   2. a live candidate: llama-perplexity --kl-divergence vs `qeval kld --cand MODEL.gguf`,
 and the agreement of Final PPL, Mean KLD and Same top p, for Q8_0 vs Q2_K and Q8_0 vs Q8_0 with

@@ -19,11 +19,11 @@ from qeval.capture.taskscore import TaskSettings  # noqa: F401 - re-exported for
 from qeval.compare import depth, metrics
 from qeval.compare.summary import Side, summarize
 from qeval.errors import QevalError
-from qeval.orchestrate import matrix, sweep
+from qeval.orchestrate import budget, matrix, sweep
 from qeval.orchestrate.matrix import TaskRequest, pair_label, pair_settings, parse_model_arg  # noqa: F401 - public
 from qeval.orchestrate.sources import compare, is_model_file, open_source  # noqa: F401 - public here as before
 from qeval.present import report, results
-from qeval.present.progress import PlannedProgress, progress_bar
+from qeval.present.progress import PlannedProgress, progress_bar, say
 from qeval.storage import runs
 from qeval.storage.llamacpp import import_llamacpp
 from qeval.storage.scoring import Scoring
@@ -38,7 +38,8 @@ def kld_report(ref: str, cand: str, chunks: int | None = None, runs_dir=None, th
     """bands: inner edges of the by-depth block, e.g. "512,2048,8192" (default: powers of 4 from 512).
     samplers: see compare(); their figures are the result's "samplers" block (and sampler metrics)."""
     depth.parse_bands(bands, 1 << 40)  # a bad --bands is refused before any work
-    cmp = compare(ref, cand, chunks, runs_dir, threads, settings, save, progress, on_chunk, force, samplers)
+    cmp = compare(ref, cand, chunks, runs_dir, threads, settings, save, progress, on_chunk, force, samplers,
+                  save_result)
     if save_result:
         results.save_result(cmp, runs.runs_dir(runs_dir) / results.RESULTS_SUBDIR)
     if per_token is not None:
@@ -111,7 +112,8 @@ def capture_store(model: str, label: str, runs_dir=None, out: str | None = None,
                        chat_template_kwargs=chat_template_kwargs)
     with contextlib.ExitStack() as stack:
         bar = PlannedProgress(stack, f"capturing {label}", progress, on_chunk)
-        result = capture(spec, on_chunk=bar.advance, on_plan=bar.on_plan)
+        result = capture(spec, on_chunk=bar.advance, on_plan=bar.on_plan,
+                         on_start=lambda start: budget.check_capture(start, progress))
     return {"path": str(result.path), "status": result.status, "chunks": result.chunks_total,
             "chunks_written": result.chunks_written, "seconds": result.seconds}, result.summary_line()
 
@@ -172,7 +174,14 @@ def demo_report(chunks: int | None = 80, runs_dir=None, models_dir=None, n_ctx: 
     RUNS_DIR/conversations; every conversation unless `chunks`)."""
     from qeval.orchestrate import demo  # noqa: PLC0415
 
-    paths = demo.prepare_models(demo.models_dir(models_dir))
+    directory = demo.models_dir(models_dir)
+    missing = demo.missing_model_bytes(directory)
+    if missing:
+        say(f"qeval: demo: assembling and quantizing Gemma-3-270M: ~{budget.size_text(missing)} to {directory}",
+            progress)
+        budget.require_space(directory, missing, "the demo's Gemma-3-270M GGUFs", "the demo needs all five",
+                             "--models-dir")
+    paths = demo.prepare_models(directory)
     pairs = [(run.label, str(paths[run.quant]), run.type_k) for run in demo.demo_runs()]
     request = matrix.MatrixRequest(demo.REFERENCE, str(paths[demo.REFERENCE]), tuple(pairs), runs.runs_dir(runs_dir),
                                    chunks, n_ctx, engine=EngineSettings(n_threads=threads), control=True, floor="auto")

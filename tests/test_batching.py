@@ -1,7 +1,7 @@
 """Batch sizes: several windows per llama_decode call, decode-ahead, and the default rule.
 
 Real decodes of Gemma-3-270M at n_ctx 64 with flash attention off (on CPU its kernel depends on
-how many tokens of a sequence share a ubatch; see README). The reference path is one window per
+how many tokens of a sequence share a ubatch; see docs/flash-attention-and-batches.md). The reference path is one window per
 call; every other layout must give the very same float32 logits, and stores the very same bytes.
 """
 

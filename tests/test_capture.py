@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections import namedtuple
 
 import numpy as np
 import pytest
@@ -186,8 +188,10 @@ def test_disk_full_keeps_store_valid_up_to_last_chunk(models, runs, monkeypatch)
         assert store.complete and store.chunk_indices == [0, 1, 2, 3]
 
 
-def test_real_enospc_write_is_reported_and_store_stays_valid(models, runs, tmp_path):
-    """A real full filesystem (tmpfs), where this machine lets us mount one."""
+def test_real_enospc_write_is_reported_and_store_stays_valid(models, runs, tmp_path, monkeypatch):
+    """A real full filesystem (tmpfs), where this machine lets us mount one. The capture is refused before it
+    starts (qeval.orchestrate.budget sees the room is short); with the free space misreported as ample (a disk that
+    other writers fill meanwhile), the write that hits ENOSPC is reported and the store stays valid."""
     mnt = tmp_path / "small"
     mnt.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mnt)], capture_output=True).returncode:
@@ -196,7 +200,11 @@ def test_real_enospc_write_is_reported_and_store_stays_valid(models, runs, tmp_p
         proc = run_cli("capture", str(models["Q8_0"]), "--label", "ref", "-c", str(N_CTX), "--chunks", "12",
                        "--out", str(mnt / "ref.qeval"), check_ok=False)
         assert proc.returncode != 0 and "Traceback" not in proc.stderr
-        assert "resume" in proc.stderr
+        assert "not enough disk space" in proc.stderr and not (mnt / "ref.qeval").exists()
+        ample = namedtuple("Usage", "total used free")(1 << 40, 0, 1 << 40)
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: ample)
+        with pytest.raises(QevalError, match="resume"):
+            api.capture_store(str(models["Q8_0"]), "ref", out=str(mnt / "ref.qeval"), n_ctx=N_CTX, chunks=12)
         with StoreReader(mnt / "ref.qeval", verify_chunks=True, tolerate_torn_tail=True) as partial:
             assert 1 <= len(partial.chunk_indices) < 12 and not partial.complete
     finally:

@@ -1,4 +1,4 @@
-"""Worked examples of README's "where does a new … go" table: a new metric is one registry entry, a new board
+"""Worked examples of docs/layout.md's "where does a new … go" table: a new metric is one registry entry, a new board
 output one function and one entry; each reaches every output without touching another module. (A new
 backend: tests/test_backends.py with tests/replay_backend.py.)"""
 

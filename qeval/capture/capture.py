@@ -77,6 +77,22 @@ class CaptureResult:
                 f"in {self.seconds:.1f} s")
 
 
+@dataclass(frozen=True)
+class CaptureStart:
+    """What a capture is about to do, once its windows are known and before it decodes one (capture's on_start):
+    the store's header, the chunks still to write (a resumed capture has some already), where, with what."""
+
+    header: StoreHeader
+    todo: list[int]
+    path: Path
+    model: str
+    settings: EngineSettings
+
+    @property
+    def rows(self) -> int:
+        return sum(self.header.n_scored_of(c) for c in self.todo)
+
+
 def encoder_threads(threads: int | None, settings: EngineSettings) -> int:
     """As asked, else -t, else every core: numpy, numba and zstd release the GIL, so coding scales."""
     return threads or settings.n_threads or available_cores()
@@ -178,8 +194,11 @@ def resolve_range(chunk_range: tuple[int, int] | None, n_windows: int) -> tuple[
 
 
 def capture(spec: CaptureSpec, on_chunk: Callable[[int], None] | None = None,
-            on_plan: Callable[[int, int], None] | None = None) -> CaptureResult:
-    """Write (or resume) the store for `spec`. on_plan(total, already_done); on_chunk(1) per chunk."""
+            on_plan: Callable[[int, int], None] | None = None,
+            on_start: Callable[[CaptureStart], None] | None = None) -> CaptureResult:
+    """Write (or resume) the store for `spec`. on_plan(total, already_done); on_chunk(1) per chunk. on_start, before
+    any window is decoded, may refuse the capture by raising (a disk too small: qeval.orchestrate.budget); a store
+    file this call created is then removed, so nothing half-made is left to conflict with the next attempt."""
     t0 = time.perf_counter()
     settings = spec.settings.validate()
     scoring = Scoring.parse(spec.scoring)
@@ -197,6 +216,12 @@ def capture(spec: CaptureSpec, on_chunk: Callable[[int], None] | None = None,
                                  time.perf_counter() - t0, header)
         with writer:
             todo = [i for i in range(*chunk_range) if i not in writer.done_chunks]
+            if on_start:
+                try:
+                    on_start(CaptureStart(header, todo, writer.path, spec.model, settings))
+                except BaseException:
+                    writer.discard()
+                    raise
             if on_plan:
                 on_plan(chunk_range[1] - chunk_range[0], chunk_range[1] - chunk_range[0] - len(todo))
             threads = encoder_threads(spec.threads, settings)

@@ -18,6 +18,7 @@ from collections import Counter
 from pathlib import Path
 
 from qeval.errors import QevalError
+from qeval.storage.runs import is_gguf
 
 FINGERPRINT_BLOCKS = 64
 FINGERPRINT_BLOCK_BYTES = 1 << 20
@@ -63,13 +64,7 @@ def content_fingerprint(path: Path) -> str:
 def is_model_file(spec: str | os.PathLike) -> bool:
     """Whether `spec` names a GGUF model (its suffix, or its magic bytes) rather than a store or a text file."""
     path = Path(spec)
-    if path.suffix.lower() == ".gguf":
-        return True
-    try:
-        with open(path, "rb") as fh:
-            return fh.read(4) == b"GGUF"
-    except OSError:
-        return False
+    return path.suffix.lower() == ".gguf" or is_gguf(path)
 
 
 def model_facts(path: str | os.PathLike) -> dict:

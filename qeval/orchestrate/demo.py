@@ -74,6 +74,16 @@ def quantize(src: Path, dst: Path, ftype: int) -> Path:
     return dst
 
 
+# The GGUFs' sizes (llama-cpp-python 0.3.36's quantizer): what a first run writes to the models directory.
+MODEL_BYTES = {"Q4_K_M": 253_113_024, "Q8_0": 291_543_744, "Q4_0": 241_408_704, "Q3_K_M": 241_961_664,
+               "Q2_K": 237_077_184}
+
+
+def missing_model_bytes(directory: Path) -> int:
+    """Bytes prepare_models will still write to `directory` (nothing once every GGUF is there)."""
+    return sum(size for quant, size in MODEL_BYTES.items() if not model_path(quant, directory).is_file())
+
+
 def prepare_models(directory: Path) -> dict[str, Path]:
     """quant -> model path for the source and every derived quant."""
     source = assemble_source(directory)

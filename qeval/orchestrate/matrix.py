@@ -40,6 +40,7 @@ from qeval.capture.taskscore import TaskSettings
 from qeval.compare import metrics, sampler
 from qeval.compare.summary import ComparisonSummary
 from qeval.errors import QevalError, WriteFailed
+from qeval.orchestrate import budget
 from qeval.orchestrate import tasks as taskrun
 from qeval.present import board, checkpoint, report, results
 from qeval.storage import runs
@@ -530,14 +531,29 @@ def saved_summaries(plan: MatrixPlan) -> list[ComparisonSummary]:
                                 with_per_token=False).summary for p in plan.pairs]
 
 
-def run_local(plan: MatrixPlan, advance: Callable[[int], None]) -> MatrixRun:
-    """Execute the plan here, one capture or pair after another; advance(n) counts chunks gone through. A pair
-    whose write fails (a full disk) ends the run with one message: that pair, the bytes it and the pairs after it
-    need; every finished pair and its checkpoint are kept, and the same command continues."""
-    captured = capture(plan.reference, on_chunk=advance, on_plan=lambda total, done: advance(done))
+def run_local(plan: MatrixPlan, advance: Callable[[int], None], announce: bool = False) -> MatrixRun:
+    """Execute the plan here, one capture or pair after another; advance(n) counts chunks gone through. Before the
+    first window is decoded, what the whole matrix writes and roughly how long it takes is said (`announce`) and
+    checked against the free disk (qeval.orchestrate.budget): every pair counted as run live when the reference
+    is still to capture, the pairs that run when it is there. A pair whose write fails (a full disk) ends the run
+    with one message: that pair, the bytes it and the pairs after it need; every finished pair and its checkpoint
+    are kept, and the same command continues."""
+    def check_all(start) -> None:
+        n = plan.reference.chunks or start.header.chunk_stop
+        budget.matrix_budget(f"matrix: reference {plan.reference.label} + {len(plan.pairs)} pairs", plan.directory,
+                             start.header, n, [(p.label, p.model, p.settings) for p in plan.pairs], start,
+                             len(plan.samplers), keeps_candidate_stores=plan.keep_logits).check(announce)
+
+    captured = capture(plan.reference, on_chunk=advance, on_plan=lambda total, done: advance(done),
+                       on_start=check_all)
     n_chunks, pairs = plan_pairs(plan)
     lines = [p.note for p in pairs if p.note]
     with StoreReader(plan.reference.out) as ref:
+        running = [(p.label, p.model, p.settings) for p in pairs if p.action == RUN_LIVE]
+        if captured.status == "already complete" and running:
+            budget.matrix_budget(f"matrix: {len(running)} of {len(pairs)} pairs to run", plan.directory,
+                                 ref.header, n_chunks, running, samplers=len(plan.samplers),
+                                 keeps_candidate_stores=plan.keep_logits).check(announce)
         for k, pair in enumerate(pairs):
             if pair.action == SKIP:
                 advance(n_chunks)

@@ -10,10 +10,11 @@ from pathlib import Path
 
 from qeval.capture.capture import open_live
 from qeval.capture.engine import EngineSettings, available_cores
-from qeval.capture.hub import resolve_model
+from qeval.capture.hub import hub_label, is_hub_spec, resolve_model
 from qeval.capture.modelinfo import is_model_file
 from qeval.compare import metrics, sampler
 from qeval.errors import QevalError
+from qeval.orchestrate import budget
 from qeval.present.progress import progress_bar
 from qeval.storage import runs
 
@@ -25,19 +26,27 @@ def open_source(spec: str, runs_dir: str | os.PathLike | None = None):
 
 def compare(ref: str, cand: str, chunks: int | None = None, runs_dir=None, threads: int | None = None,
             settings: EngineSettings = EngineSettings(), save: str | None = None,
-            progress: bool = False, on_chunk=None, force: bool = False, samplers=()) -> metrics.Comparison:
+            progress: bool = False, on_chunk=None, force: bool = False, samplers=(),
+            save_result: bool = False) -> metrics.Comparison:
     """Compare a candidate (store, label, llama.cpp file, or a GGUF model run live: a path or an hf: spec) with
     a reference.
 
     save: keep a live candidate's store under this label; a store there that holds another capture is
     refused, or replaced with `force`. samplers: presets or settings strings (qeval.compare.sampler, e.g.
-    "qwen3.5-thinking", "temp=0.6,top_k=20,top_p=0.95,min_p=0"): divergence after each sampler, same pass."""
+    "qwen3.5-thinking", "temp=0.6,top_k=20,top_p=0.95,min_p=0"): divergence after each sampler, same pass.
+    A live candidate's run is said up front (with `progress`) and checked against the free disk (what `save` and
+    `save_result`, the caller's, write: qeval.orchestrate.budget). A GGUF as the reference is refused with the
+    command that captures it (refuse_model_reference)."""
     samplers = sampler.parse_all(samplers)  # a bad sampler is refused before any work
     directory = runs.runs_dir(runs_dir)
+    refuse_model_reference(ref, cand, chunks, settings)
     with contextlib.ExitStack() as stack:
         ref_src = stack.enter_context(contextlib.closing(runs.open_source(ref, directory)))
         cand = resolve_model(cand)
         if is_model_file(cand):
+            n = ref_src.header.chunk_stop if chunks is None else min(chunks, ref_src.header.chunk_stop)
+            budget.check_live(ref_src.header, n, save or Path(cand).stem, cand, settings, save is not None,
+                              save_result, len(samplers), directory, progress)
             cand_src = _open_live_candidate(stack, cand, ref_src, chunks, settings, save, directory, force, samplers)
         else:
             if save:
@@ -65,3 +74,22 @@ def _open_live_candidate(stack: contextlib.ExitStack, model: str, ref_src, chunk
     stack.callback(engine.close)
     stack.callback(cand_src.close)
     return cand_src
+
+
+def refuse_model_reference(ref: str, cand: str, chunks: int | None, settings: EngineSettings) -> None:
+    """A GGUF named as the reference (a path, or an hf: spec: nothing is downloaded) is refused with the commands that
+    capture it once and then compare against it, with the flags given here. Capturing it implicitly would hide an
+    hours-long run and a store of gigabytes behind a comparison, and choose its label, corpus and window size (what
+    every later comparison against it means) without the user."""
+    if not (is_hub_spec(ref) or (is_model_file(ref) and Path(ref).is_file())):
+        return
+    label = hub_label(ref, ref) if is_hub_spec(ref) else Path(ref).name.removesuffix(".gguf")
+    if not runs.is_label(label):
+        label = "REF"
+    flags = "".join(f" {flag} {value}" for flag, value in (("--chunks", chunks), ("-ngl", settings.n_gpu_layers),
+                                                           ("-t", settings.n_threads)) if value)
+    raise QevalError(f"--ref {ref} is a GGUF model, not a store: a reference's logits are captured once (hours for a "
+                     f"large model, ~130 KB per scored token at a 262K vocab), then every candidate is compared "
+                     f"against them. Capture it: `qeval capture {ref} --label {label}{flags}` (-c and --corpus choose "
+                     f"the windows: 512 tokens of the shipped corpus by default), then: `qeval kld --ref {label} "
+                     f"--cand {cand}{flags}`")

@@ -18,7 +18,7 @@ def run_matrix(request: matrix.MatrixRequest, progress: bool = True, executor=No
         run = as_executor(executor).run(plan, progress)
     else:
         with progress_bar(f"matrix: reference + {len(plan.pairs)} pairs", plan.total_chunks, progress) as advance:
-            run = matrix.run_local(plan, advance)
+            run = matrix.run_local(plan, advance, announce=progress)
     with progress_bar(f"matrix: {len(plan.tasks)} task sets x {1 + len(plan.pairs)} models", None,
                       progress and bool(plan.tasks)) as advance:
         task_lines = matrix.run_tasks(plan, on_tasks=advance)

@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Iterator
+
+
+def say(line: str, enabled: bool = True) -> None:
+    """One line on stderr before a long run starts (what it will write, how long it may take), beside its bars;
+    stdout stays the command's result."""
+    if enabled:
+        print(line, file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager

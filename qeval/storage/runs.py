@@ -27,6 +27,10 @@ def check_label(label: str) -> str:
     return label
 
 
+def is_label(text: str) -> bool:
+    return bool(_LABEL.match(text))
+
+
 def store_path(label: str, directory: Path) -> Path:
     return directory / f"{check_label(label)}{STORE_SUFFIX}"
 
@@ -59,11 +63,23 @@ def is_store_file(path: Path) -> bool:
         raise QevalError(f"cannot read {path}: {exc.strerror}") from None
 
 
+def is_gguf(path: str | os.PathLike) -> bool:
+    """Whether `path` is a file that starts as a GGUF model does (its magic bytes)."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 def open_source(spec: str, directory: Path):
     """A store path, a llama.cpp --kl-divergence-base path, or a label in the runs directory."""
     path = resolve_path(spec, directory)
     if is_llamacpp_file(path):
         return LlamaCppBaseFile(path)
     if not is_store_file(path):
+        if is_gguf(path):
+            raise QevalError(f"{path} is a GGUF model, not a store: capture its logits into one first "
+                             f"(qeval capture {path} --label LABEL), then name the store by its label")
         raise QevalError(f"{path} is neither a qeval store nor a llama.cpp --kl-divergence-base file")
     return StoreReader(path)

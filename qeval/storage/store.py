@@ -344,6 +344,7 @@ class StoreWriter:
         self._rows = {c: header.n_scored_of(c) for c in pieces}  # rows written per chunk (resumed chunks are complete)
         self.replaces = replaces  # the store finish() renames this one over
         self.finished = False
+        self.created = False  # this writer made the file (not a resumed one)
 
     @classmethod
     def open(cls, path: str | os.PathLike, header: StoreHeader, tokens: np.ndarray,
@@ -389,7 +390,9 @@ class StoreWriter:
         fh.write(_encode_record(b"TOKS", tokens.tobytes()))
         fh.write(_encode_record(b"LUT_", np.ascontiguousarray(lut, "<f4").tobytes()))
         _sync(fh)
-        return cls(path, header, fh, {})
+        writer = cls(path, header, fh, {})
+        writer.created = True
+        return writer
 
     @classmethod
     def _resume(cls, path: Path) -> "StoreWriter":
@@ -459,6 +462,12 @@ class StoreWriter:
             sync_dir(self.replaces.parent)
             self.path, self.replaces = self.replaces, None
         self.finished = True
+
+    def discard(self) -> None:
+        """Give up before writing a chunk: the file goes if this writer created it (a resumed store stays)."""
+        self._fh.close()
+        if self.created and not self._pieces:
+            self.path.unlink(missing_ok=True)
 
     def close(self) -> None:
         self._fh.close()
