@@ -135,7 +135,8 @@ def test_kv_cache_types_and_flash_attention_rule(models, runs):
     result, _ = api.kld_report("ref", str(models["Q8_0"]), runs_dir=runs,
                                settings=EngineSettings("q8_0", "q8_0", "on"))
     assert 0 < result["kld"]["mean"] < 0.05
-    assert result["candidate"]["kv"] == {"type_k": "q8_0", "type_v": "q8_0", "flash_attn": "on"}
+    assert result["candidate"]["kv"] == {"type_k": "q8_0", "type_v": "q8_0", "flash_attn": "on",
+                                          "rotation": {"k": True, "v": True}}  # Gemma-3: 256-wide heads
     bad = run_cli("kld", "--ref", "ref", "--cand", str(models["Q8_0"]), "-ctv", "q4_0", "-fa", "off",
                   "--runs-dir", str(runs), check_ok=False)
     assert bad.returncode != 0 and "needs flash attention" in bad.stderr and "Traceback" not in bad.stderr
