@@ -77,7 +77,7 @@ def other_paths(runs: Path, model: str, chunks: int) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--chunks", type=int, default=16)
-    ap.add_argument("--out", default="bench/results/numerics-gemma3-270m")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "numerics-gemma3-270m"))
     ap.add_argument("--runs", help="runs directory (default: a new temporary one); its reference is reused")
     ap.add_argument("--paths-only", action="store_true", help="only the table of other switches")
     args = ap.parse_args()

@@ -12,9 +12,6 @@ from conftest import REPO
 
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
-# Pages linked from the README that other changes of issue 26 write at the same time; a link to one of them may
-# point nowhere until that change is merged, and is checked like any other once the page exists.
-PENDING = {"docs/numerics.md", "docs/release.md"}
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 
@@ -33,7 +30,7 @@ def test_every_relative_link_leads_to_a_file(page):
     broken = []
     for target in relative_links(page):
         path = resolve(page, target)
-        if not path.exists() and str(path.relative_to(REPO)) not in PENDING:
+        if not path.exists():
             broken.append(target)
     assert not broken, f"{page.relative_to(REPO)} links to nothing: {broken}"
 
