@@ -303,10 +303,11 @@ def gemma_tokenizer(models):
 
 # Fixtures that load a real model (or build one, or start Ray): a test using any of them is `slow`.
 SLOW_FIXTURES = {"models", "tiny", "references", "refused", "gemma_tokenizer"}
+RAY_MODULES = ("test_ray", "test_ray_cluster")  # every test of these starts Ray
 
 
 def pytest_collection_modifyitems(items):
     """`pytest -m "not slow"` runs the synthetic-store tests alone, in seconds."""
     for item in items:
-        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or item.module.__name__ == "test_ray":
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or item.module.__name__ in RAY_MODULES:
             item.add_marker(pytest.mark.slow)

@@ -234,6 +234,15 @@ def assert_same_results(local_dir: Path, other_dir: Path, labels) -> None:
             np.testing.assert_array_equal(a.per_token[k], b.per_token[k])
 
 
+def assert_same_codes(store: Path, local_store: Path) -> None:
+    """`store` is complete, its chunks whole, and its codes those of the local run's store, chunk by chunk."""
+    with StoreReader(store, verify_chunks=True) as s, StoreReader(local_store) as w:
+        assert s.complete and s.chunk_indices == w.chunk_indices == list(range(CHUNKS))
+        v = s.header.n_vocab
+        for i in range(CHUNKS):
+            np.testing.assert_array_equal(s.read_chunk(i).codes(v), w.read_chunk(i).codes(v))
+
+
 def test_ray_matrix_equals_local(local_run, ray_run):
     local_dir, local = local_run
     ray_dir, remote, text, lines = ray_run
@@ -274,55 +283,68 @@ def test_shards_merge_to_the_unsharded_store(models, local_run, ray_run):
             np.testing.assert_array_equal(a[k], b[k])
 
 
-def dying_on_first_attempt(task, kill_after: dict[str, int]):
-    """Ray task function `task` (capture_task or compare_task) whose first attempt of a task named in kill_after
-    SIGKILLs its worker (a real crash) once it has stored (a capture) or checkpointed (a pair) that many chunks. A
-    closure, so that Ray ships it by value: a worker cannot import this test module."""
-    def task_that_dies(spec, name, tracker):
+def on_first_attempt(task, after: dict[str, int], act):
+    """Ray task function `task` (capture_task or compare_task) whose first attempt of a task named in `after` calls
+    act(name) in its worker once it has stored (a capture) or checkpointed (a pair) that many chunks: act kills the
+    worker (killing), or stops it there until its node is removed (tests/test_ray_cluster.py). A closure, so that Ray
+    ships it by value: a worker cannot import this test module."""
+    def task_on_first_attempt(spec, name, tracker):
         import ray
 
         from qeval.present.checkpoint import Checkpoint
         from qeval.storage.store import StoreWriter
 
-        if name not in kill_after or name in ray.get(tracker.snapshot.remote()):  # not its first attempt
+        if name not in after or name in ray.get(tracker.snapshot.remote()):  # not its first attempt
             return task(spec, name, tracker)
         write_chunk, append, stored = StoreWriter.write_chunk, Checkpoint.append, []
 
-        def write_then_die(writer, piece):
+        def write_then_act(writer, piece):
             write_chunk(writer, piece)
             if piece.first_row + piece.n_tokens == writer.header.n_scored:
                 stored.append(piece.index)
-            if len(stored) == kill_after[name]:
-                os.kill(os.getpid(), signal.SIGKILL)
+            if len(stored) == after[name]:
+                act(name)
 
-        def append_then_die(ckpt, index, columns):
+        def append_then_act(ckpt, index, columns):
             append(ckpt, index, columns)
-            if len(ckpt.parts) == kill_after[name]:
-                os.kill(os.getpid(), signal.SIGKILL)
+            if len(ckpt.parts) == after[name]:
+                act(name)
 
         # in this worker alone, for this attempt
-        StoreWriter.write_chunk, Checkpoint.append = write_then_die, append_then_die
+        StoreWriter.write_chunk, Checkpoint.append = write_then_act, append_then_act
         try:
             return task(spec, name, tracker)
         finally:
             StoreWriter.write_chunk, Checkpoint.append = write_chunk, append
 
-    return task_that_dies
+    return task_on_first_attempt
+
+
+def killing():
+    """An act for on_first_attempt: SIGKILL the worker (a real crash). Made here, so that it is a closure too."""
+    def kill(name: str) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return kill
 
 
 @contextlib.contextmanager
-def workers_dying(kill_after: dict[str, int]):
-    """Ray tasks of the names in kill_after (task name -> chunks) die on their first attempt (dying_on_first_attempt)."""
+def first_attempts(after: dict[str, int], act):
+    """Ray tasks of the names in `after` (task name -> chunks) call act on their first attempt (on_first_attempt)."""
     from qeval.orchestrate import distributed
 
     real = {fn: getattr(distributed, fn) for fn in ("capture_task", "compare_task")}
     for fn, task in real.items():
-        setattr(distributed, fn, dying_on_first_attempt(task, kill_after))
+        setattr(distributed, fn, on_first_attempt(task, after, act))
     try:
         yield
     finally:
         for fn, task in real.items():
             setattr(distributed, fn, task)
+
+
+def workers_dying(kill_after: dict[str, int]):
+    """Ray tasks of the names in kill_after (task name -> chunks) die on their first attempt."""
+    return first_attempts(kill_after, killing())
 
 
 def test_killed_tasks_are_retried_and_resume(ray_session, models, local_run, tmp_path):
@@ -337,11 +359,7 @@ def test_killed_tasks_are_retried_and_resume(ray_session, models, local_run, tmp
                                          chunks=CHUNKS, n_ctx=N_CTX, runs_dir=tmp_path, progress=False, executor=ex)
     assert "Q8_0: 1 failed attempt(s) retried, succeeded on attempt 2, resumed at chunk 2 of 4" in text
     assert "Q2_K: resumed after a failed attempt (1 chunks read back from its checkpoint)" in text
-    with StoreReader(tmp_path / "Q8_0.qeval", verify_chunks=True) as s, StoreReader(local_dir / "Q8_0.qeval") as w:
-        assert s.complete
-        for i in range(CHUNKS):
-            v = s.header.n_vocab
-            np.testing.assert_array_equal(s.read_chunk(i).codes(v), w.read_chunk(i).codes(v))
+    assert_same_codes(tmp_path / "Q8_0.qeval", local_dir / "Q8_0.qeval")
     assert_same_results(local_dir, tmp_path, ["Q2_K"])
 
 

@@ -78,29 +78,38 @@ def run_compare(spec: CompareSpec, on_chunk: Callable[[int], None] | None = None
             "resumed_from": done.resumed_from, "note": done.note}
 
 
-def _start(tracker, name: str) -> int:
-    if tracker is None:
-        return 1
+def this_node() -> str:
+    """The Ray node this process runs on, as the fleet's lines name it: its IP and the start of its node id (nodes
+    of one machine share the IP)."""
     import ray  # noqa: PLC0415
 
-    return ray.get(tracker.start.remote(name))
+    return f"{ray.util.get_node_ip_address()}/{ray.get_runtime_context().get_node_id()[:8]}"
+
+
+def _start(tracker, name: str) -> dict:
+    """The attempt's number (1 for the first, more on retries) and where it runs."""
+    if tracker is None:
+        return {"attempt": 1, "host": socket.gethostname()}
+    import ray  # noqa: PLC0415
+
+    node = this_node()
+    return {"attempt": ray.get(tracker.start.remote(name, node)), "host": socket.gethostname(), "node": node}
 
 
 def capture_task(spec: CaptureSpec, name: str, tracker=None) -> dict:
-    attempt = _start(tracker, name)
+    where = _start(tracker, name)
     plan = {}
     res = capture(spec, on_plan=lambda total, done: plan.update(total=total, done=done))
     return {"name": name, "path": str(res.path), "status": res.status, "chunks_total": res.chunks_total,
             "chunks_written": res.chunks_written, "chunks_before": plan.get("done", res.chunks_total),
-            "seconds": res.seconds, "attempt": attempt, "host": socket.gethostname()}
+            "seconds": res.seconds, **where}
 
 
 def compare_task(spec: CompareSpec, name: str, tracker=None) -> dict:
-    attempt = _start(tracker, name)
+    where = _start(tracker, name)
     t0 = time.perf_counter()
     out = run_compare(spec)
-    return {"name": name, **out, "seconds": time.perf_counter() - t0, "attempt": attempt,
-            "host": socket.gethostname()}
+    return {"name": name, **out, "seconds": time.perf_counter() - t0, **where}
 
 
 def count_windows_task(spec: CaptureSpec) -> int:
@@ -111,17 +120,20 @@ def count_windows_task(spec: CaptureSpec) -> int:
 
 
 class Tracker:
-    """Ray actor: counts task starts (attempts), so the driver can tell running and retried tasks."""
+    """Ray actor: records task starts (attempts) and the node of each, so the driver can tell running and retried
+    tasks, and where a lost attempt ran. It lives on the driver's node (RayExecutor._tracker): a node lost with the
+    tracker on it would fail every task that starts afterwards."""
 
     def __init__(self):
-        self.starts: dict[str, int] = {}
+        self.starts: dict[str, list[str]] = {}
 
-    def start(self, name: str) -> int:
-        self.starts[name] = self.starts.get(name, 0) + 1
-        return self.starts[name]
+    def start(self, name: str, node: str) -> int:
+        self.starts.setdefault(name, []).append(node)
+        return len(self.starts[name])
 
-    def snapshot(self) -> dict[str, int]:
-        return dict(self.starts)
+    def snapshot(self) -> dict[str, list[str]]:
+        """Task name -> the node of each attempt, in order."""
+        return {name: list(nodes) for name, nodes in self.starts.items()}
 
 
 def shard_ranges(n_chunks: int, shards: int) -> list[tuple[int, int]]:
@@ -195,7 +207,9 @@ def _describe_error(exc: BaseException) -> str:
         return str(cause)
     name = type(exc).__name__
     text = str(exc).strip().splitlines()
-    if "WorkerCrashed" in name or "OutOfMemory" in name or "NodeDied" in name or "ActorDied" in name:
+    if "NodeDied" in name:
+        return f"{name}: its node was lost ({text[0] if text else 'no message'})"
+    if "WorkerCrashed" in name or "OutOfMemory" in name or "ActorDied" in name:
         return f"{name}: the worker died ({text[0] if text else 'no message'})"
     if cause is not None:
         return f"{type(cause).__name__}: {cause}"
@@ -241,6 +255,14 @@ class RayExecutor:
         opts.update(extra)
         return ray.remote(fn).options(**opts)
 
+    @staticmethod
+    def _tracker(ray):
+        """A Tracker on this (the driver's) node: if it is lost the run is lost anyway, while any other node may go."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: PLC0415
+
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        return ray.remote(num_cpus=0)(Tracker).options(scheduling_strategy=here).remote()
+
     def _say(self, line: str, progress: bool) -> None:
         if self._log is not None:
             self._log(line)
@@ -259,7 +281,7 @@ class RayExecutor:
 
     def _run(self, ray, plan: MatrixPlan, progress: bool) -> MatrixRun:
         t0 = time.time()
-        tracker = ray.remote(num_cpus=0)(Tracker).remote()
+        tracker = self._tracker(ray)
         base, directory = plan.reference, plan.directory
         ref_store = Path(base.out)
         self.tasks, self.notes = [], []
@@ -373,7 +395,7 @@ class _Fleet:
     def __init__(self, ex: RayExecutor, ray, tracker, progress: bool, t0: float):
         self.ex, self.ray, self.tracker, self.progress, self.t0 = ex, ray, tracker, progress, t0
         self.tasks = ex.tasks
-        self.starts: dict[str, int] = {}
+        self.starts: dict[str, list[str]] = {}  # task name -> the node of each attempt (Tracker.snapshot)
         self._last_line = 0.0
         self._chunks0: int | None = None
         self._future_tasks, self._future_chunks = 0, 0  # planned pairs, not submitted yet
@@ -442,7 +464,7 @@ class _Fleet:
         states = {s: sum(t.state == s for t in self.tasks) for s in ("done", "running", "pending", "failed")}
         states["pending"] += self._future_tasks
         n_tasks = len(self.tasks) + self._future_tasks
-        retried = sum(1 for n in self.starts.values() if n > 1)
+        retried = sum(1 for nodes in self.starts.values() if len(nodes) > 1)
         done, total = self.chunk_counts()
         if self._chunks0 is None:
             self._chunks0 = done
@@ -461,13 +483,15 @@ class _Fleet:
     def retry_lines(self) -> list[str]:
         out = []
         for t in self.tasks:
-            n = self.starts.get(t.name, 0)
+            nodes = self.starts.get(t.name, [])
+            n = len(nodes)
             if n > 1:
                 what = "succeeded" if t.state == "done" else "failed"
                 extra = ""
                 if t.state == "done" and t.kind == "capture":
                     extra = f", resumed at chunk {t.result['chunks_before']} of {t.result['chunks_total']}"
-                out.append(f"{t.name}: {n - 1} failed attempt(s) retried, {what} on attempt {n}{extra}")
+                out.append(f"{t.name}: {n - 1} failed attempt(s) retried, {what} on attempt {n}{extra} "
+                           f"(attempts on nodes {' -> '.join(nodes)})")
         return out
 
     def summary_lines(self) -> list[str]:
@@ -475,8 +499,10 @@ class _Fleet:
 
     def final_line(self) -> str:
         done, total = self.chunk_counts()
+        self._refresh()
+        nodes = {node for attempts in self.starts.values() for node in attempts}
         return (f"ray: {len(self.tasks)} tasks ({sum(t.kind == 'capture' for t in self.tasks)} captures, "
-                f"{sum(t.kind == 'compare' for t in self.tasks)} comparisons), {done} chunks, "
+                f"{sum(t.kind == 'compare' for t in self.tasks)} comparisons) on {len(nodes)} node(s), {done} chunks, "
                 f"{time.time() - self.t0:.1f} s")
 
 
