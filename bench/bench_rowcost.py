@@ -7,8 +7,9 @@ side by side in one run (issue 28).
 Each vocab gets the same number of synthetic rows shaped like an LLM's logits (the tests' generator,
 tests/conftest.py realistic_logits: a normal bulk, a Gumbel tail, a few dominant entries) and a candidate
 (the same rows plus N(0, 0.5) noise). Every step is timed on one thread, alternating the two vocabs inside
-every repeat so a busy machine disturbs both alike; a step's figure is the fastest of --repeats (the least
-disturbed), its median beside it. Steps, as qeval runs them:
+every repeat so a busy machine disturbs both alike. A step's figure is its thread's CPU time (time.thread_time: the
+time spent waiting for a core on a shared machine is left out; every step runs on the calling thread), fastest of
+--repeats (the least disturbed), with the median and the wall clock beside it. Steps, as qeval runs them:
 
 * encode: SqrtLogCode.encode_block over blocks of capture.ENCODE_BLOCK rows (top-10, exp, uint16 codes, planes);
 * compress: those planes through a zstd compressobj at the store's level (ChunkBuilder.add);
@@ -89,90 +90,109 @@ def make_rows(n_vocab: int, n: int, seed: int) -> Rows:
 
 
 # ------------------------------------------------------------------------------------------------
-# the steps: each does its work on every row of `r` once (returning None: timed whole)
+# the steps: each sets up what it needs from `r` and returns the work to time, every row of `r` once
 # ------------------------------------------------------------------------------------------------
-def encode(r: Rows) -> None:
+Work = Callable[[], object]
+
+
+def encode(r: Rows) -> Work:
     code = SqrtLogCode()
-    for start in range(0, len(r.targets), ENCODE_BLOCK):
-        code.encode_block(r.ref_logits[start:start + ENCODE_BLOCK], r.targets[start:start + ENCODE_BLOCK])
+    return lambda: [code.encode_block(r.ref_logits[a:a + ENCODE_BLOCK], r.targets[a:a + ENCODE_BLOCK])
+                    for a in range(0, len(r.targets), ENCODE_BLOCK)]
 
 
-def compress(r: Rows) -> None:
-    z = zstd_compressor().compressobj()
-    for start in range(0, len(r.targets), ENCODE_BLOCK):
-        z.compress(np.ascontiguousarray(r.ref_planes[start:start + ENCODE_BLOCK]).data)
-    z.flush()
+def compress(r: Rows) -> Work:
+    blocks = [np.ascontiguousarray(r.ref_planes[a:a + ENCODE_BLOCK]) for a in range(0, len(r.targets), ENCODE_BLOCK)]
+
+    def work() -> None:
+        z = zstd_compressor().compressobj()
+        for block in blocks:
+            z.compress(block.data)
+        z.flush()
+    return work
 
 
-def decompress_floor(r: Rows) -> None:
+def decompress_floor(r: Rows) -> Work:
     """Into one reused buffer of a comparison block's size: a fresh output array per frame would add page faults."""
     buf = memoryview(np.empty(metrics.BLOCK_TOKENS * 2 * r.n_vocab, dtype=np.uint8))
-    with zstandard.ZstdDecompressor().stream_reader(r.frame) as reader:
-        while reader.readinto(buf):
-            pass
+
+    def work() -> None:
+        with zstandard.ZstdDecompressor().stream_reader(r.frame) as reader:
+            while reader.readinto(buf):
+                pass
+    return work
 
 
-def read_planes(r: Rows) -> None:
-    for _ in r.ref_chunk.iter_planes(r.n_vocab, metrics.BLOCK_TOKENS):
-        pass
+def read_planes(r: Rows) -> Work:
+    return lambda: [None for _ in r.ref_chunk.iter_planes(r.n_vocab, metrics.BLOCK_TOKENS)]
 
 
-def store_vs_store_kernel(r: Rows) -> None:
+def store_vs_store_kernel(r: Rows) -> Work:
     sums = np.empty((len(r.targets), N_SUMS))
-    pair_sums(r.ref_planes, r.cand_planes, *r.tables, *r.tables, sums)
+    return lambda: pair_sums(r.ref_planes, r.cand_planes, *r.tables, *r.tables, sums)
 
 
-def live_row(r: Rows) -> None:
+def live_row(r: Rows) -> Work:
     sums = np.empty(N_SUMS)
     scratch = np.empty((2, r.n_vocab), dtype=np.float32)
-    for k in range(len(r.targets)):
-        pair_sums_logits(r.ref_planes[k], r.cand_logits[k], *r.tables, sums, scratch)
-        top_k_ids(r.cand_logits[k])
+
+    def work() -> None:
+        for k in range(len(r.targets)):
+            pair_sums_logits(r.ref_planes[k], r.cand_logits[k], *r.tables, sums, scratch)
+            top_k_ids(r.cand_logits[k])
+    return work
 
 
-def sampler_step(samplers: list[str]) -> Callable[[Rows], float]:
-    def run(r: Rows) -> float:
+def sampler_step(samplers: list[str]) -> Callable[[Rows], Work]:
+    """The sampler kernel alone: its tables and the rows' pair_sums (which it reads) are set up first."""
+    def step(r: Rows) -> Work:
         lut = SqrtLogCode().lut()
         prep = sampler.prepare(samplers, lut, lut, r.n_vocab)
         sums = np.empty((len(r.targets), N_SUMS))
         pair_sums(r.ref_planes, r.cand_planes, *r.tables, *r.tables, sums)
-        t = time.perf_counter()
-        sampler.run_block(prep, r.ref_planes, r.cand_planes, sums, prep.new_output(len(r.targets)))
-        return time.perf_counter() - t  # the sampler kernel alone: prepare and pair_sums are not its cost
-    return run
+        out = prep.new_output(len(r.targets))
+        return lambda: sampler.run_block(prep, r.ref_planes, r.cand_planes, sums, out)
+    return step
 
 
-def compare_coded(r: Rows) -> None:
+def compare_coded(r: Rows) -> Work:
     n = len(r.targets)
     tokens = np.concatenate([[0], r.targets]).astype(np.int32)
-    metrics.compare_chunk(r.ref_chunk, r.cand_chunk, tokens, np.arange(n), r.tables, r.tables, r.n_vocab)
+    return lambda: metrics.compare_chunk(r.ref_chunk, r.cand_chunk, tokens, np.arange(n), r.tables, r.tables,
+                                         r.n_vocab)
 
 
-def measure(rows: dict[str, Rows], steps: dict[str, Callable[[Rows], float | None]], repeats: int) -> dict:
-    """Seconds per row of every step at every vocab: each repeat runs every step at both vocabs in turn. A step
-    that returns seconds timed its own work (leaving out its set-up); the others are timed whole."""
-    times: dict[str, dict[str, list[float]]] = {s: {v: [] for v in rows} for s in steps}
-    for name, step in steps.items():  # warm-up: numba compilation (or its cache), first-touch page faults
+def measure(rows: dict[str, Rows], steps: dict[str, Callable[[Rows], Work]], repeats: int) -> dict:
+    """Seconds per row, by clock, step and vocab: each repeat runs every step at both vocabs in turn."""
+    times = {clock: {s: {v: [] for v in rows} for s in steps} for clock in ("cpu", "wall")}
+    for step in steps.values():
         for r in rows.values():
-            step(r)
+            work = step(r)
+            work()  # warm-up: numba compilation (or its cache), first-touch page faults
     for _ in range(repeats):
         for name, step in steps.items():
             for vocab, r in rows.items():
-                t = time.perf_counter()
-                own = step(r)
-                elapsed = own if own is not None else time.perf_counter() - t
-                times[name][vocab].append(elapsed / len(r.targets))
+                work = step(r)
+                c, t = time.thread_time(), time.perf_counter()
+                work()
+                times["cpu"][name][vocab].append((time.thread_time() - c) / len(r.targets))
+                times["wall"][name][vocab].append((time.perf_counter() - t) / len(r.targets))
     return times
 
 
 def summarise(times: dict, rows: dict[str, Rows]) -> dict:
+    """Per step: µs per row (fastest and median of the repeats) on both clocks, and the ratio of the vocabs' fastest
+    CPU times."""
     small, large = list(rows)
     out = {}
-    for name, by_vocab in times.items():
-        fastest = {v: min(ts) * 1e6 for v, ts in by_vocab.items()}
-        out[name] = {"us_per_row_fastest": fastest,
-                     "us_per_row_median": {v: statistics.median(ts) * 1e6 for v, ts in by_vocab.items()},
-                     "ratio_248k_over_262k": fastest[small] / fastest[large]}
+    for name in times["cpu"]:
+        entry = {}
+        for clock, by_step in times.items():
+            entry[f"{clock}_us_per_row_fastest"] = {v: min(ts) * 1e6 for v, ts in by_step[name].items()}
+            entry[f"{clock}_us_per_row_median"] = {v: statistics.median(ts) * 1e6 for v, ts in by_step[name].items()}
+        fastest = entry["cpu_us_per_row_fastest"]
+        entry["ratio_248k_over_262k"] = fastest[small] / fastest[large]
+        out[name] = entry
     return out
 
 
@@ -195,7 +215,8 @@ def main() -> None:
     out = {
         "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "threads_used": 1,
                     "load_avg_1m_at_end": os.getloadavg()[0],
-                    "note": "shared machine: other work ran alongside; figures are the fastest of the repeats"},
+                    "note": "shared machine: other work ran alongside; figures are the fastest of the repeats, on this "
+                            "thread's CPU time (waits for a core left out) and on the wall clock"},
         "rows_per_vocab": args.rows, "repeats": args.repeats, "samplers": samplers,
         "compressed_bytes_per_row": {name: len(r.frame) / args.rows for name, r in rows.items()},
         "expected_linear_ratio": VOCABS["qwen3.5 (248,320)"] / VOCABS["gemma-3 (262,144)"],
@@ -209,11 +230,12 @@ def main() -> None:
 
 def table(out: dict) -> str:
     names = list(VOCABS)
-    lines = [f"| step (one thread, µs per row, fastest of {out['repeats']}) | {names[0]} | {names[1]} | ratio |",
-             "|---|---|---|---|"]
+    lines = [f"| step (one thread: CPU µs per row, fastest of {out['repeats']}; wall) | {names[0]} | {names[1]} "
+             "| ratio (CPU) |", "|---|---|---|---|"]
     for step, s in out["steps"].items():
-        f = s["us_per_row_fastest"]
-        lines.append(f"| {step} | {f[names[0]]:.0f} | {f[names[1]]:.0f} | {s['ratio_248k_over_262k']:.3f} |")
+        c, w = s["cpu_us_per_row_fastest"], s["wall_us_per_row_fastest"]
+        lines.append(f"| {step} | {c[names[0]]:.0f} ({w[names[0]]:.0f}) | {c[names[1]]:.0f} ({w[names[1]]:.0f}) "
+                     f"| {s['ratio_248k_over_262k']:.3f} |")
     return "\n".join(lines)
 
 
