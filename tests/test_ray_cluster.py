@@ -63,9 +63,8 @@ def cluster():
 
 @pytest.fixture
 def nodes(cluster):
-    """Three fresh worker nodes of 1 CPU each, each with its own resource (`worker0` ...)."""
-    added = [cluster.add_node(num_cpus=1, resources={f"worker{i}": 1}, object_store_memory=OBJECT_STORE)
-             for i in range(WORKER_NODES)]
+    """Three fresh worker nodes of 1 CPU each."""
+    added = [cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE) for _ in range(WORKER_NODES)]
     cluster.wait_for_nodes()
     yield added
     for node in added:
