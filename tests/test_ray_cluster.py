@@ -93,6 +93,20 @@ def test_matrix_over_three_nodes_equals_one_machine(cluster, nodes, models, loca
     assert f"6 tasks (4 captures, 2 comparisons) on {len(used)} node(s)" in text
 
 
+def test_the_attempt_counter_lives_on_the_drivers_node(cluster, nodes):
+    """The executor's Tracker is pinned to the driver's node: left to Ray, an actor of no CPU lands on any node
+    (on this cluster mostly on a worker node), whose loss would then fail every task started after it."""
+    import ray
+
+    from qeval.orchestrate.distributed import RayExecutor
+
+    driver = ray.get_runtime_context().get_node_id()
+    for _ in range(6):
+        tracker = RayExecutor._tracker(ray)
+        assert ray.get(tracker.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id())) == driver
+        ray.kill(tracker)
+
+
 def stopping_until_removed(marker_dir: Path):
     """An act for test_ray.on_first_attempt: write the worker's node id to marker_dir/<task name>, then wait there
     (its files as they are) for the test to remove the node, which kills this worker. A closure: shipped by value."""
