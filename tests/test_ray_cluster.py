@@ -11,7 +11,10 @@ Q2_K at KV f16 and q8_0, n_ctx 64, 4 chunks), compared with its local run:
   the node killed) once the shard has stored 1 of its 2 chunks, and later the node running pair Q2_K once the pair
   has checkpointed 1 of 4 chunks: Ray retries both on the nodes left, the shard resumes at its chunk 1, the pair
   reads its checkpointed chunk back, and the board equals the local one. While a node is being lost its files are
-  checked to look incomplete, and at the end every file in the runs directory is complete.
+  checked to look incomplete, and at the end every file in the runs directory is complete;
+* with no retries, a pair whose node is lost stops the run with a message naming the loss and its checkpoint, and
+  the same command again resumes it to the local run's numbers;
+* the executor's attempt counter is placed on the driver's node, which no test removes.
 """
 
 from __future__ import annotations
