@@ -32,11 +32,12 @@ ROTATIONS = ("on", "off")
 MODES = ("prompt", "generate")
 
 
-def settings_grid():
-    """(name, EngineSettings) of every row: f16 has no rotation; its prompt-batch row is the reference itself."""
+def settings_grid(modes=MODES):
+    """(name, EngineSettings) of every row in `modes`: f16 has no rotation; its prompt-batch row is the reference
+    itself and its one-token row, the floor, is always run."""
     for kv in KV_TYPES:
         for rotation in (ROTATIONS if kv != "f16" else ("auto",)):
-            for mode in MODES:
+            for mode in (MODES if kv == "f16" else modes):
                 if (kv, mode) == ("f16", "prompt"):
                     continue
                 fa = "on" if kv != "f16" else "auto"
@@ -80,6 +81,9 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "numerics-gemma3-270m"))
     ap.add_argument("--runs", help="runs directory (default: a new temporary one); its reference is reused")
     ap.add_argument("--paths-only", action="store_true", help="only the table of other switches")
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help="decode modes of the quantized rows (the f16 floor always runs one token per call); "
+                         "'prompt' alone where one-token rows are known to equal them")
     args = ap.parse_args()
     q8 = str(demo.prepare_models(demo.models_dir())["Q8_0"])
     runs = Path(args.runs or tempfile.mkdtemp(prefix="qeval-numerics-"))
@@ -92,7 +96,7 @@ def main() -> None:
                                                               "rows": paths}, indent=2) + "\n")
         return
     rows, per_token = [], {}
-    for name, settings in settings_grid():
+    for name, settings in settings_grid(tuple(args.modes.split(","))):
         t0 = time.perf_counter()
         cmp = api.compare("ref", q8, args.chunks, runs, threads=2, settings=settings)
         seconds[name] = time.perf_counter() - t0

@@ -134,14 +134,16 @@ def test_kld_live_with_save_refuses_before_loading_the_model(tmp_path, free_spac
     assert not (pair.directory / "C.qeval").exists()
 
 
-def test_matrix_counts_the_reference_and_every_pair(models, tmp_path, free_space):
-    """Reference Q8_0 to capture, Q2_K and the control live with their stores and results (what a matrix keeps
-    today), 2 windows of 512."""
+@pytest.mark.parametrize("keep_logits", [False, True])
+def test_matrix_counts_the_reference_and_every_pair(models, tmp_path, free_space, keep_logits):
+    """Reference Q8_0 to capture, Q2_K and the control live with their results, and with their stores only under
+    --keep-logits, 2 windows of 512."""
     free_space(10_000_000)
     rows = 2 * 255
-    needed = 3 * store_bytes(2, 512, rows, 262_144) + 2 * (64_000 + rows * 8 * 12)
+    stores = 3 if keep_logits else 1
+    needed = stores * store_bytes(2, 512, rows, 262_144) + 2 * (64_000 + rows * 8 * 12)
     res = run_cli("matrix", "--ref", f"Q8_0={models['Q8_0']}", "-m", f"Q2_K={models['Q2_K']}", "--chunks", 2,
-                  "--runs-dir", tmp_path / "runs")
+                  "--runs-dir", tmp_path / "runs", *(["--keep-logits"] if keep_logits else []))
     assert_cli_error(res, f"matrix: reference Q8_0 + 2 pairs needs ~{budget.size_text(needed)} ({needed:,} bytes)",
                      "(10,000,000 bytes) are free", "--chunks")
     assert "qeval: matrix: reference Q8_0 + 2 pairs: 2 chunks, writes ~" in res.stderr
@@ -181,15 +183,16 @@ def test_other_commands_say_a_gguf_is_not_a_store(tmp_path):
 
 
 def test_matrix_with_its_reference_done_counts_only_the_pairs_that_run(models, tmp_path, free_space):
-    """A second run reuses the reference and every finished pair: only a pair whose result and store are gone runs
-    again, and only it is counted (n_ctx 64: 31 scored tokens a window)."""
+    """A second run reuses the reference and every finished pair: only a pair whose result is gone runs again, and
+    only it is counted, without a store (n_ctx 64: 31 scored tokens a window)."""
     args = ("matrix", "--ref", f"R={models['Q8_0']}", "-m", f"Q4={models['Q4_0']}", "-c", 64, "--chunks", 2,
             "--runs-dir", tmp_path)
     assert run_cli(*args).returncode == 0
-    for leftover in (tmp_path / "Q4.qeval", *(tmp_path / "results").glob("Q4.vs.R.*")):
+    assert not (tmp_path / "Q4.qeval").exists()  # the matrix keeps no candidate logits
+    for leftover in (tmp_path / "results").glob("Q4.vs.R.*"):
         leftover.unlink()
     free_space(1000)
-    needed = store_bytes(2, 64, 2 * 31, 262_144) + 64_000 + 2 * 31 * 8 * 12
+    needed = 64_000 + 2 * 31 * 8 * 12
     res = run_cli(*args)
     assert_cli_error(res, f"matrix: 1 of 2 pairs to run needs ~{budget.size_text(needed)} ({needed:,} bytes)")
     assert "qeval: matrix: 1 of 2 pairs to run: 2 chunks, writes ~" in res.stderr

@@ -207,10 +207,16 @@ class EngineSettings:
     def kv_block(self, rotation: dict[str, bool]) -> dict:
         """The KV cache as a store records it (its header's `kv`): as_json(), and for a quantized cache the rotation
         llama.cpp applied to each of K and V (what `auto` becomes is what counts, not the flag)."""
-        out = self.as_json()
-        if self.type_k not in UNQUANTIZED_KV or self.type_v not in UNQUANTIZED_KV:
-            out["rotation"] = dict(rotation)
-        return out
+        return recorded_kv(self.as_json(), rotation)
+
+
+def recorded_kv(kv: dict, rotation: dict[str, bool] | None) -> dict:
+    """A KV block as a store records it: `kv` (EngineSettings.as_json()) with, for a quantized cache, `rotation`
+    (None where it was not recorded: then nothing is added, and the block differs from any recorded one)."""
+    out = dict(kv)
+    if rotation is not None and (kv.get("type_k") not in UNQUANTIZED_KV or kv.get("type_v") not in UNQUANTIZED_KV):
+        out["rotation"] = dict(rotation)
+    return out
 
 
 def planned_fields(facts: dict, settings: EngineSettings, n_ctx: int) -> dict:

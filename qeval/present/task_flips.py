@@ -14,6 +14,7 @@ import functools
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from qeval.capture.engine import recorded_kv
 from qeval.compare import flips as flipmath
 from qeval.compare.summary import ComparisonSummary
 from qeval.errors import MismatchError
@@ -64,7 +65,10 @@ def tasks_root(result_path: Path) -> Path:
 
 def _check_measured(store: TaskStore, measured: dict, role: str, origin: str) -> None:
     """Refuse a task store whose model or KV settings are not those of the comparison's `role` side."""
-    held = {"model": store.identity.get("model"), "kv": store.identity["settings"].get("kv")}
+    # a task store keeps the rotation llama.cpp applied beside its settings (identity "numerics"), as a store's kv
+    rotation = (store.identity.get("numerics") or {}).get("kv_rotation")
+    held = {"model": store.identity.get("model"),
+            "kv": recorded_kv(store.identity["settings"].get("kv") or {}, rotation)}
     wanted = {"model": measured.get("model"), "kv": measured.get("kv")}
     diffs = changes(held, wanted)
     if diffs:
