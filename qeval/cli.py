@@ -231,6 +231,12 @@ def matrix(
     rope_scale: Optional[float] = RopeScale,
     control: bool = typer.Option(True, "--control/--no-control", help="Also run the reference model live once more under another batch layout (pieces twice as long, or half windows when whole windows go per call), as the pair 'control': the noise floor every row is read against."),
     keep_logits: bool = typer.Option(False, "--keep-logits", help="Keep every candidate's logits in a store RUNS_DIR/LABEL.qeval (~110 kB per scored token at a 262K vocab) for later store-vs-store analysis (qeval kld --ref REF --cand LABEL). By default a pair keeps only its result (~60 bytes per scored token), resuming from a per-chunk checkpoint."),
+    early: bool = typer.Option(False, "--early", help="Decide the board early: every pair visits the chunks in a seeded random order and stops once its mean KLD is known to --early-precision, or its order against its neighbours and its Pareto status are settled (paired, chunks as the unit); each row says how many tokens it holds and why it stopped. A later run without --early extends each pair to every chunk."),
+    early_precision: Optional[float] = typer.Option(None, "--early-precision", help="With --early: stop a pair once its interval's half-width is this share of its mean KLD (default 0.05: ±5 %), and every comparison still open is a tie at it."),
+    early_min_chunks: Optional[int] = typer.Option(None, "--early-min-chunks", help="With --early: chunks every pair runs before any stops (default 8)."),
+    early_sigmas: Optional[float] = typer.Option(None, "--early-sigmas", help="With --early: neighbours this many SEs of their paired difference apart are settled (default 3)."),
+    early_confidence: Optional[float] = typer.Option(None, "--early-confidence", help="With --early: the confidence of the intervals (default 0.95)."),
+    early_seed: Optional[int] = typer.Option(None, "--early-seed", help="With --early: the seed of the chunk order (default 0); recorded in every result."),
 ):
     """Every model x KV type against one reference: resumable, skips finished pairs."""
     kv_types = [k.strip() for k in kv.split(",") if k.strip()]
@@ -243,6 +249,13 @@ def matrix(
         raise QevalError("--address, --gpus-per-task, --cpus-per-task and --shard-chunks need --executor ray")
     if (task_format is not None or task_limit is not None) and not task:
         raise QevalError("--task-format and --task-limit need --task")
+    early_options = {k: v for k, v in (("precision", early_precision), ("min_chunks", early_min_chunks),
+                                       ("sigmas", early_sigmas), ("confidence", early_confidence),
+                                       ("seed", early_seed)) if v is not None}
+    if early_options and not early:
+        raise QevalError("--early-precision, --early-min-chunks, --early-sigmas, --early-confidence and --early-seed "
+                         "need --early")
+    decided_early = api.early_settings(**early_options) if early else None
     tasks = [TaskRequest(t, task_format, task_limit) for t in task or ()]
     if not model and not repo:
         raise QevalError("give the candidates: -m MODEL (repeat) or --repo hf:USER/REPO")
@@ -253,7 +266,7 @@ def matrix(
                                      rope_scale=rope_scale, repos=repo or (), include=include or (),
                                      exclude=exclude or (), control=control, chat_template=chat_template,
                                      chat_template_kwargs=chat_template_kwargs, kv_rotation=kv_rotation,
-                                     decode=decode, floor=floor, keep_logits=keep_logits)
+                                     decode=decode, floor=floor, keep_logits=keep_logits, early=decided_early)
     _emit(result, text, as_json)
 
 

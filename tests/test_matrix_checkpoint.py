@@ -230,7 +230,7 @@ def test_a_pair_visits_given_chunks_in_order_and_stops_with_its_checkpoint_whole
         stopped = matrix.run_pair(pair, ref, N, tmp_path, 1, order=[4, 1, 5, 0, 2, 3],
                                   stop=lambda parts: seen.append(list(parts)) or len(parts) == 3)
         assert stopped.result is None and stopped.chunks == 3
-        assert seen == [[4], [4, 1], [4, 1, 5]] and decoded == {"B": 3}
+        assert seen == [[], [4], [4, 1], [4, 1, 5]] and decoded == {"B": 3}  # asked before the first chunk too
         assert checkpoint.chunks_in(tmp_path / "results" / f"B.vs.R{checkpoint.SUFFIX}") == 3
         done = matrix.run_pair(pair, ref, N, tmp_path, 1)
     assert done.resumed_chunks == 3 and decoded == {"B": N}

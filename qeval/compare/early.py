@@ -363,3 +363,43 @@ def decide(pairs: Sequence[PairChunks], n_total: int, rule: StopRule = StopRule(
 
 def _sortable(x: float) -> float:
     return math.inf if math.isnan(x) else x
+
+
+# --------------------------------------------------------------------------------------------------
+# a matrix decided early (qeval.orchestrate.matrix)
+# --------------------------------------------------------------------------------------------------
+STEP = 4  # chunks a pair runs on per round once past the minimum (bench/bench_early.py's simulation: --step)
+
+
+@dataclass(frozen=True)
+class EarlySettings:
+    """How a matrix decides its board early (`qeval matrix --early`): the seed of the chunk order, the stop rule,
+    and the chunks a pair still running adds per round."""
+
+    seed: int = 0
+    rule: StopRule = StopRule()
+    step: int = STEP
+
+    def __post_init__(self):
+        if self.step < 1:
+            raise ValueError(f"step must be >= 1, not {self.step}")
+
+    def order(self, n_chunks: int) -> np.ndarray:
+        return chunk_order(n_chunks, self.seed)
+
+    def record(self, order: Sequence[int]) -> dict:
+        """What an early result records (its request's `early`, with `visited`: how many chunks of the order it
+        holds): the seed, the whole order, the rule. A full run of the same pair records none: the two are never
+        one result."""
+        return order_record(self.seed, order, self.rule)
+
+
+def held_prefix(order: Sequence[int], held) -> list[int]:
+    """The longest prefix of `order` whose chunks are all in `held` (a checkpoint's chunks): the sample an early
+    run stands on. Chunks held beyond it (an earlier run's, in another order) wait until the order reaches them."""
+    out = []
+    for c in order:
+        if int(c) not in held:
+            break
+        out.append(int(c))
+    return out

@@ -119,6 +119,9 @@ class BoardRow:
     above_floor: bool | None = None  # its confidence interval lies above 0: the KV quant costs more than the floor
     segments: dict[str, TokenGroup] = field(default_factory=dict)  # segment name -> its figures (summary.by_segment)
     categories: dict[str, TokenGroup] = field(default_factory=dict)  # category name -> its figures (by_category)
+    chunks: int | None = None  # the chunks its figures are over
+    scored_tokens: int | None = None
+    stopped: str | None = None  # on a board decided early: why it stopped (qeval.compare.early); None: a full board
 
     def value(self, key: str) -> float | None:
         """The value of board metric `key` ("kld_mean", "ppl")."""
@@ -152,6 +155,8 @@ class BoardRow:
         out.update(control=self.control, kld_excess=self.kld_excess, within_noise=self.within_noise)
         out.update(floor=self.floor, kld_over_floor=self.kld_over_floor, kld_over_floor_se=self.kld_over_floor_se,
                    above_floor=self.above_floor)
+        if self.stopped is not None:
+            out.update(chunks=self.chunks, scored_tokens=self.scored_tokens, stopped=self.stopped)
         for task, figures in self.task_flips.items():
             out.update((task_flips.row_key(k, task), v) for k, v in figures.to_json().items())
         return out
@@ -174,7 +179,8 @@ def board_row(summary: ComparisonSummary, samplers=(), flips: dict[str, FlipFigu
                     memory_gib=None if size is None or kv_gib is None else round(size + kv_gib, 4),
                     control=is_control(summary.comparison_request()), floor=is_floor(summary.comparison_request()),
                     segments={g.name: g for g in summary.by_segment or ()},
-                    categories={g.name: g for g in summary.by_category or ()})
+                    categories={g.name: g for g in summary.by_category or ()}, chunks=summary.chunks,
+                    scored_tokens=summary.scored_tokens)
 
 
 def _sampler_figures(summary: ComparisonSummary, held: dict[str, MetricValue], name: str) -> dict:
@@ -219,6 +225,19 @@ def compare_with_floor(rows: list[BoardRow], per_token) -> None:
             continue
         mean, se, low, _, _ = interval_t(d)
         row.kld_over_floor, row.kld_over_floor_se, row.above_floor = mean, se, bool(low > 0.0)
+
+
+def has_early(rows: list[BoardRow]) -> bool:
+    """Whether the board was decided early (some row says why it stopped)."""
+    return any(r.stopped is not None for r in rows)
+
+
+# Under a board decided early (qeval matrix --early).
+EARLY_NOTE = ("Decided early (--early): each pair visited the chunks in one seeded random order and stopped once its "
+              "mean KLD was known to the stated precision (\"precision\") or its order against its neighbours and "
+              "its Pareto status were settled (\"settled\"), chunks as the sampling unit; \"tokens (chunks)\" is "
+              "what its figures stand on, of the whole corpus. A later run without --early extends each pair from "
+              "its checkpoint to every chunk.")
 
 
 def has_floor(rows: list[BoardRow]) -> bool:
@@ -295,11 +314,15 @@ def leaderboard_markdown(rows: list[BoardRow], samplers=(), tasks=(), pareto: bo
     control, segments, floor = has_control(rows), group_names(rows), has_floor(rows)
     header = ["label", *(name for name, _ in leaderboard_columns(samplers, tasks, control, segments, floor))] + \
         (["Pareto"] if pareto else [])
+    early = has_early(rows)
+    header += ["tokens (chunks)", "stopped"] if early else []
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in sorted(rows, key=rank_key):
         cells = [_md_escape(c) for c in leaderboard_cells(r, tasks, control, segments, floor)]
         if pareto:
             cells.append(pareto_mark(r))
+        if early:
+            cells += [f"{r.scored_tokens:,} ({r.chunks})", r.stopped or ""]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
