@@ -11,11 +11,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
-import replay_backend
-from conftest import assert_cli_error, make_tokens, perturb, realistic_logits, run_cli
-from test_matrix_checkpoint import REPLAY, assert_same_result, decoded, planned_as_replayed  # noqa: F401 - fixtures
+from conftest import assert_cli_error, run_cli
+from test_matrix_checkpoint import (  # noqa: F401 - decoded and planned_as_replayed are fixtures
+    REPLAY,
+    assert_same_result,
+    decoded,
+    planned_as_replayed,
+    replayed_models,
+)
 
 from qeval.compare import early
 from qeval.identity import ComparisonRequest
@@ -30,15 +34,7 @@ MIN = early.MIN_CHUNKS  # the issue's 8
 
 @pytest.fixture(scope="module")
 def replayed(tmp_path_factory):
-    replay_backend.register()
-    d = tmp_path_factory.mktemp("models")
-    rng = np.random.default_rng(5)
-    windows = make_tokens(rng, N, N_CTX, V)
-    ref = np.stack([realistic_logits(rng, N_CTX, V) for _ in range(N)])
-    corpus = d / "ids.txt"
-    corpus.write_text(replay_backend.corpus_text(windows))
-    models = {"R": ref, **{name: perturb(rng, ref, sigma) for name, sigma in NOISE.items()}}
-    return {name: str(replay_backend.save_replay(d / f"{name}.npz", windows, x)) for name, x in models.items()}, corpus
+    return replayed_models(tmp_path_factory.mktemp("models"), 5, N, N_CTX, V, NOISE)
 
 
 def request(replayed, directory: Path, labels=("A", "B", "C"), **kw) -> matrix.MatrixRequest:
