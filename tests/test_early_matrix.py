@@ -155,6 +155,11 @@ def test_early_results_are_labelled_and_never_taken_for_full_ones(replayed, full
     assert on_disk["chunks"] == MIN and on_disk["request"]["early"]["visited"] == MIN
     assert ComparisonRequest.from_summary(on_disk).early == early_request.early
     assert board_note_in(text)
+    # a leaderboard of the saved results says which rows were decided early, and on how many tokens
+    board = run_cli("leaderboard", tmp_path)
+    assert board.returncode == 0, board.stderr
+    rows = [line for line in board.stdout.splitlines() if line.startswith(("| A ", "| B ", "| C "))]
+    assert len(rows) == 3 and all(f"| {MIN * (N_CTX // 2 - 1):,} ({MIN}) | decided early |" in r for r in rows), rows
     # the same --early again: read back from the checkpoints, nothing decoded, the same board
     decoded.clear()
     again, _ = run(replayed, tmp_path, early=decided())

@@ -603,10 +603,11 @@ def run_local(plan: MatrixPlan, advance: Callable[[int], None], announce: bool =
     return MatrixRun(captured.summary_line(), lines, saved_summaries(plan))
 
 
-def _run_pair_said(plan: MatrixPlan, pairs: list[PairPlan], k: int, ref, n_chunks: int, advance, **early) -> PairRun:
-    """run_pair of pairs[k], a full disk said as the matrix's one message."""
+def _run_pair_said(plan: MatrixPlan, pairs: list[PairPlan], k: int, ref, n_chunks: int, advance,
+                   **options) -> PairRun:
+    """run_pair of pairs[k] (with run_pair's `options`), a full disk said as the matrix's one message."""
     try:
-        return run_pair(pairs[k], ref, n_chunks, plan.directory, available_cores(), advance, **early)
+        return run_pair(pairs[k], ref, n_chunks, plan.directory, available_cores(), advance, **options)
     except PairWriteFailed as exc:
         later = sum(p.action != SKIP for p in pairs[k + 1:])
         raise QevalError(exc.text(later, finished=k)) from None
@@ -639,15 +640,21 @@ def run_early(plan: MatrixPlan, pairs: list[PairPlan], ref, n_chunks: int, advan
     order = [int(c) for c in settings.order(n_chunks)]
     record = settings.record(order)
     target = {p.label: settings.rule.min_chunks for p in pairs}
+    counted = {p.label: n_chunks if p.action == SKIP else 0 for p in pairs}  # chunks the progress bar has had
+    advance(sum(counted.values()))
     running, lines, rounds = [k for k, p in enumerate(pairs) if p.action != SKIP], [], 0
     while running:
         for k in running:
             label = pairs[k].label
 
-            def reached(parts: dict, wanted=target[label]) -> bool:
-                return len(held_prefix(order, parts)) >= wanted
+            def reached(parts: dict, label=label) -> bool:
+                held = len(held_prefix(order, parts))
+                advance(max(held - counted[label], 0))
+                counted[label] = max(held, counted[label])
+                return held >= target[label]
 
-            done = _run_pair_said(plan, pairs, k, ref, n_chunks, advance, order=order, stop=reached, early=record)
+            # progress is counted by `reached`, not by run_pair: each round reads its earlier chunks back
+            done = _run_pair_said(plan, pairs, k, ref, n_chunks, None, order=order, stop=reached, early=record)
             if not rounds:
                 lines += ([done.note] if done.note else []) + _resumed_line(label, done)
         rounds += 1
@@ -655,6 +662,7 @@ def run_early(plan: MatrixPlan, pairs: list[PairPlan], ref, n_chunks: int, advan
         running = [k for k, p in enumerate(pairs) if not decided[k].stop]
         for k in running:
             target[pairs[k].label] = decided[k].n_chunks + settings.step
+    advance(sum(n_chunks - n for n in counted.values()))  # the chunks the stopped pairs leave: the bar ends full
     return lines
 
 

@@ -121,7 +121,7 @@ class BoardRow:
     categories: dict[str, TokenGroup] = field(default_factory=dict)  # category name -> its figures (by_category)
     chunks: int | None = None  # the chunks its figures are over
     scored_tokens: int | None = None
-    stopped: str | None = None  # on a board decided early: why it stopped (qeval.compare.early); None: a full board
+    stopped: str | None = None  # decided early: why it stopped (qeval.compare.early; EARLY when not known); None: full
 
     def value(self, key: str) -> float | None:
         """The value of board metric `key` ("kld_mean", "ppl")."""
@@ -180,7 +180,12 @@ def board_row(summary: ComparisonSummary, samplers=(), flips: dict[str, FlipFigu
                     control=is_control(summary.comparison_request()), floor=is_floor(summary.comparison_request()),
                     segments={g.name: g for g in summary.by_segment or ()},
                     categories={g.name: g for g in summary.by_category or ()}, chunks=summary.chunks,
-                    scored_tokens=summary.scored_tokens)
+                    scored_tokens=summary.scored_tokens, stopped=EARLY if _decided_early(summary) else None)
+
+
+def _decided_early(summary: ComparisonSummary) -> bool:
+    request = summary.comparison_request()
+    return request is not None and request.early is not None
 
 
 def _sampler_figures(summary: ComparisonSummary, held: dict[str, MetricValue], name: str) -> dict:
@@ -232,6 +237,7 @@ def has_early(rows: list[BoardRow]) -> bool:
     return any(r.stopped is not None for r in rows)
 
 
+EARLY = "decided early"  # the row of an early result whose reason its board did not say (a leaderboard of results)
 # Under a board decided early (qeval matrix --early).
 EARLY_NOTE = ("Decided early (--early): each pair visited the chunks in one seeded random order and stopped once its "
               "mean KLD was known to the stated precision (\"precision\") or its order against its neighbours and "
