@@ -1,6 +1,6 @@
 """A board decided early against the full board, on real models (issue 25, item 2: `qeval matrix --early`).
 
-    python bench/bench_early_matrix.py [--chunks 20] [--ctx 512] [--seed 0] [--out bench/results/...json]
+    python bench/bench_early_matrix.py [--chunks 20] [--ctx 512] [--seed 0] [--close] [--out bench/results/...json]
 
 Gemma-3-270M (the demo's quants: Q4_K_M, Q3_K_M, Q2_K, Q4_0 against Q8_0, KV f16, no control or floor row), in one
 fresh runs directory, in-process through qeval.api:
@@ -13,6 +13,9 @@ did not). Wall and CPU seconds of steps 2 and 3; the full board's time is theirs
 decoded once), and the time per pair-chunk of each step is recorded too. Compared: order, Pareto fronts,
 |early - full| in early SEs, whether each full mean lies inside its early interval. Then bench/bench_early.py
 replays the same per-token results over many seeds (coverage, same order over seeds).
+
+--close adds a close neighbour of Q4_K_M: Q4_K_S requantized from it (into the runs directory's models/), a few %
+worse, where the rule must run longer rather than guess.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from qeval.orchestrate import demo
 from qeval.present import results
 
 CANDIDATES = ("Q4_K_M", "Q3_K_M", "Q2_K", "Q4_0")
+CLOSE = ("Q4_K_S", 14)  # llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_K_S
 OUT_DIR = Path(__file__).resolve().parent / "results"
 
 
@@ -73,25 +77,31 @@ def main(argv=None) -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--runs", help="runs directory to use and keep (default: a temporary one)")
+    ap.add_argument("--close", action="store_true", help="add Q4_K_S, requantized from Q4_K_M")
     ap.add_argument("--out", default=str(OUT_DIR / "early-matrix-gemma3-270m-amd-epyc.json"))
     args = ap.parse_args(argv)
     paths = demo.prepare_models(demo.models_dir())
     runs = Path(args.runs) if args.runs else Path(tempfile.mkdtemp(prefix="qeval-early-"))
+    candidates = CANDIDATES
+    if args.close:
+        (runs / "models").mkdir(parents=True, exist_ok=True)
+        paths[CLOSE[0]] = demo.quantize(paths["Q4_K_M"], demo.model_path(CLOSE[0], runs / "models"), CLOSE[1])
+        candidates += (CLOSE[0],)
     ref = f"Q8_0={paths['Q8_0']}"
-    models = [f"{q}={paths[q]}" for q in CANDIDATES]
+    models = [f"{q}={paths[q]}" for q in candidates]
     common = dict(chunks=args.chunks, n_ctx=args.ctx, runs_dir=runs, progress=False, control=False, floor="none")
     _, _, ref_wall, ref_cpu = timed(lambda: api.matrix_report(ref, [], ["f16"], **common))
     settings = api.early_settings(seed=args.seed)
     early_json, early_text, early_wall, early_cpu = timed(
         lambda: api.matrix_report(ref, models, ["f16"], early=settings, **common))
-    estimates = early_estimates(runs, "Q8_0", CANDIDATES, args.chunks)
+    estimates = early_estimates(runs, "Q8_0", candidates, args.chunks)
     full_json, full_text, ext_wall, ext_cpu = timed(lambda: api.matrix_report(ref, models, ["f16"], **common))
 
     early_rows, full_rows = {r["label"]: r for r in early_json["rows"]}, {r["label"]: r for r in full_json["rows"]}
     ran = {label: r["chunks"] for label, r in early_rows.items()}
-    n_full = args.chunks * len(CANDIDATES)
+    n_full = args.chunks * len(candidates)
     pairs = {}
-    for label in CANDIDATES:
+    for label in candidates:
         est, full_mean = estimates[label], full_rows[label]["kld_mean"]
         error = abs(est["mean"] - full_mean)
         pairs[label] = {"chunks": ran[label], "scored_tokens": early_rows[label]["scored_tokens"],
@@ -105,8 +115,9 @@ def main(argv=None) -> None:
     doc = {
         "bench": "bench/bench_early_matrix.py", "argv": sys.argv[1:],
         "machine": f"{cpu_name()}, 2 cores, shared with other jobs (wall times inflated by their load)",
-        "models": "Gemma-3-270M quants requantized from the published Q4_K_M (qeval demo's)",
-        "reference": "Q8_0", "candidates": list(CANDIDATES), "n_ctx": args.ctx, "chunks": args.chunks,
+        "models": "Gemma-3-270M quants requantized from the published Q4_K_M (qeval demo's"
+                  + (", and Q4_K_S from it" if args.close else "") + ")",
+        "reference": "Q8_0", "candidates": list(candidates), "n_ctx": args.ctx, "chunks": args.chunks,
         "rule": settings.rule.to_json(), "step": settings.step, "seed": settings.seed,
         "order": early_json["early"]["order"],
         "reference_capture": {"wall_s": round(ref_wall, 1), "cpu_s": round(ref_cpu, 1), "forward_passes": args.chunks},
