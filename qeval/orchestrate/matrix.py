@@ -565,6 +565,7 @@ class MatrixRun:
     reference_text: str
     lines: list[str]
     summaries: list[ComparisonSummary]
+    n_chunks: int | None = None  # the chunks of the whole corpus every pair is compared over (local runs say)
 
 
 def saved_summaries(plan: MatrixPlan) -> list[ComparisonSummary]:
@@ -600,7 +601,7 @@ def run_local(plan: MatrixPlan, advance: Callable[[int], None], announce: bool =
             lines += run_early(plan, pairs, ref, n_chunks, advance)
         else:
             lines += run_full(plan, pairs, ref, n_chunks, advance)
-    return MatrixRun(captured.summary_line(), lines, saved_summaries(plan))
+    return MatrixRun(captured.summary_line(), lines, saved_summaries(plan), n_chunks)
 
 
 def _run_pair_said(plan: MatrixPlan, pairs: list[PairPlan], k: int, ref, n_chunks: int, advance,
@@ -714,7 +715,7 @@ def matrix_result(plan: MatrixPlan, run: MatrixRun, task_lines: list[str] = ()) 
     board.compare_with_floor(rows, lambda row: _per_token(plan, row.label))
     early = {}
     if plan.early is not None and summaries:
-        n_chunks = summaries[0].comparison_request().chunks
+        n_chunks = run.n_chunks
         for row, decision in zip(rows, early_decisions(plan, n_chunks)):
             row.stopped = decision.reason
         early = {"early": {**plan.early.record(plan.early.order(n_chunks)), "step": plan.early.step,
