@@ -16,7 +16,8 @@ same tokens) take the same estimator over the per-chunk differences S_a,c - S_b,
 tighter than two separate intervals when both follow the same hard and easy chunks.
 
 The rule (StopRule, decide): every pair runs at least min_chunks chunks; then a pair stops when
-  "settled"    its order against both of its board neighbours (paired |diff| >= neighbour_sigmas * SE) and its
+  "settled"    its order against both of its board neighbours (paired |diff| >= neighbour_sigmas * SE, and its
+               interval at the rule's confidence clear of 0) and its
                Pareto status (qeval.compare.ranking: its kind's size/KLD front) can no longer change, and no
                other pair's Pareto status waits on a comparison with it;
   "precision"  its interval's half-width is <= rel_precision * mean, and every comparison still open is a tie
@@ -247,7 +248,9 @@ def compare(a: PairChunks, b: PairChunks, n_total: int, rule: StopRule) -> Compa
     n_tokens = float(a.tokens[:n].sum())
     mean_a = float(a.sums[:n].sum()) / n_tokens if n_tokens else float("nan")
     mean_b = float(b.sums[:n].sum()) / n_tokens if n_tokens else float("nan")
-    settled = n >= 2 and abs(diff.mean) >= rule.neighbour_sigmas * diff.se  # False for a NaN SE
+    # neighbour_sigmas SEs apart, and the interval at the rule's confidence clear of 0: over few chunks (min_chunks
+    # below ~5) the t quantile exceeds 3 SE, and a noisy SE settled close neighbours in the wrong order
+    settled = n >= 2 and abs(diff.mean) >= max(rule.neighbour_sigmas * diff.se, diff.half_width)  # False for NaN
     sign = (int(np.sign(diff.mean)) if settled else None)
     tie = bool(abs(diff.mean) + diff.half_width <= rule.rel_precision * min(abs(mean_a), abs(mean_b)))
     return Comparison(diff, mean_a, mean_b, sign, tie)
