@@ -165,8 +165,8 @@ def markdown(d: dict, board: str) -> str:
         f"| full board | {f['forward_passes']} | {f['wall_s']} | {f['cpu_s']} |", "",
         f"Same order: {'yes' if d['same_order'] else 'no'} ({' < '.join(d['early_order'])}; full: "
         f"{' < '.join(d['full_order'])}). Same Pareto fronts: {'yes' if d['same_fronts'] else 'no'}. "
-        f"Max |early − full|: {_se(d['max_error_se'])} early SEs (chunk-level, with the finite-population correction; "
-        "none when every pair ran every chunk).",
+        f"Max |early − full|: {_se(d['max_error_se'])} early SEs (chunk-level, with the finite-population "
+        "correction; none when every pair ran every chunk).",
         "", "| pair | chunks | stopped | early mean ± SE (chunks) | full mean | full inside the early 95 % interval |",
         "|---|---|---|---|---|---|"]
     for label, p in d["pairs"].items():

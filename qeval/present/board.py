@@ -267,26 +267,30 @@ def has_control(rows: list[BoardRow]) -> bool:
 # the table
 # --------------------------------------------------------------------------------------------------
 def leaderboard_columns(samplers=(), tasks=(), control: bool = False, segments=(),
-                        floor: bool = False) -> tuple[tuple[str, str], ...]:
+                        floor: bool = False, early: bool = False) -> tuple[tuple[str, str], ...]:
     """(heading, written column) of the table's columns after the label: a TVD column per sampler, on a board with
     a control the KLD over it (CONTROL_NOTE), with a floor each KV row's KLD over it (FLOOR_NOTE), a KLD column per
-    segment in `segments` (names, group_names), and a flips column per task set."""
+    segment in `segments` (names, group_names), a flips column per task set, and on a board decided early
+    (has_early) the tokens each row stands on and why it stopped (EARLY_NOTE)."""
     return (("quant", "quant"), ("KV", "kv"), ("size GiB", "size_gib"), ("BPW", "bpw"),
             *((m.heading + (" ± SE" if m.has_se else ""), m.key) for m in board_metrics(samplers)),
             *((("KLD over control", "kld_excess"),) if control else ()),
             *((("KLD over floor ± SE", "kld_over_floor"),) if floor else ()),
             ("KLD deepest band ± SE", "kld_deepest"), *((f"KLD {name} ± SE", f"kld_{name}") for name in segments),
-            *task_flips.columns(tasks))
+            *task_flips.columns(tasks),
+            *((("tokens (chunks)", "scored_tokens"), ("stopped", "stopped")) if early else ()))
 
 
-def leaderboard_cells(r: BoardRow, tasks=(), control: bool = False, segments=(), floor: bool = False) -> list[str]:
+def leaderboard_cells(r: BoardRow, tasks=(), control: bool = False, segments=(), floor: bool = False,
+                      early: bool = False) -> list[str]:
     """The formatted cells of one row: label, then leaderboard_columns(its samplers, tasks, control, segments,
-    floor)."""
+    floor, early)."""
     deepest = "" if r.deepest is None else f"{kld_cell(r.deepest)} ({r.deepest.name})"
     return [r.label, r.quant, r.kv, _num(r.size_gib, ".3f"), _num(r.bpw, ".2f"),
             *(m.cell(*((mv.value, mv.se) if mv else (None, None))) for m, mv in r.board_values()),
             *((control_cell(r),) if control else ()), *((floor_cell(r),) if floor else ()), deepest, *(kld_cell(r.segments.get(name)) for name in segments),
-            *(r.task_flips[task].cell() if task in r.task_flips else "" for task in tasks)]
+            *(r.task_flips[task].cell() if task in r.task_flips else "" for task in tasks),
+            *((f"{r.scored_tokens:,} ({r.chunks})", r.stopped or "") if early else ())]
 
 
 def control_cell(r: BoardRow) -> str:
@@ -317,18 +321,14 @@ def leaderboard_markdown(rows: list[BoardRow], samplers=(), tasks=(), pareto: bo
     """A paste-ready markdown table, sorted by mean KLD: a TVD column per sampler in `samplers` (names), a KLD
     column per segment any row holds, a flips column per task set in `tasks`, and with `pareto`, a column marking
     the rows on the Pareto front."""
-    control, segments, floor = has_control(rows), group_names(rows), has_floor(rows)
-    header = ["label", *(name for name, _ in leaderboard_columns(samplers, tasks, control, segments, floor))] + \
-        (["Pareto"] if pareto else [])
-    early = has_early(rows)
-    header += ["tokens (chunks)", "stopped"] if early else []
+    control, segments, floor, early = has_control(rows), group_names(rows), has_floor(rows), has_early(rows)
+    header = ["label", *(name for name, _ in leaderboard_columns(samplers, tasks, control, segments, floor, early))] \
+        + (["Pareto"] if pareto else [])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in sorted(rows, key=rank_key):
-        cells = [_md_escape(c) for c in leaderboard_cells(r, tasks, control, segments, floor)]
+        cells = [_md_escape(c) for c in leaderboard_cells(r, tasks, control, segments, floor, early)]
         if pareto:
             cells.append(pareto_mark(r))
-        if early:
-            cells += [f"{r.scored_tokens:,} ({r.chunks})", r.stopped or ""]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
