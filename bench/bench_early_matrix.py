@@ -14,8 +14,9 @@ decoded once), and the time per pair-chunk of each step is recorded too. Compare
 |early - full| in early SEs, whether each full mean lies inside its early interval. Then bench/bench_early.py
 replays the same per-token results over many seeds (coverage, same order over seeds).
 
---close adds a close neighbour of Q4_K_M: Q4_K_S requantized from it (into the runs directory's models/), a few %
-worse, where the rule must run longer rather than guess.
+--close adds Q4_K_S requantized from Q4_K_M (into the runs directory's models/), meant as Q4_K_M's close neighbour
+(where the rule must run longer rather than guess). Requantized from a Q4_K_M it is not close: 5x Q4_K_M's mean
+KLD on this board (a Q4_K_S made from F16 weights would be; the demo ships none).
 """
 
 from __future__ import annotations
