@@ -180,11 +180,12 @@ def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int 
 
 
 def demo_report(chunks: int | None = 80, runs_dir=None, models_dir=None, n_ctx: int = 512, progress: bool = True,
-                threads: int | None = None, conversations: bool = False) -> tuple[dict, str]:
+                threads: int | None = None, conversations: bool = False,
+                early: matrix.EarlySettings | None = None) -> tuple[dict, str]:
     """Gemma-3-270M end to end: derive quants, capture the Q8_0 reference, compare every candidate and the control
     (the reference recomputed under another batch layout: the board's noise floor). conversations:
     over the shipped conversation suite instead, the assistant's tokens by segment and category (in
-    RUNS_DIR/conversations; every conversation unless `chunks`)."""
+    RUNS_DIR/conversations; every conversation unless `chunks`). early: the board decided early (as matrix_report's)."""
     from qeval.orchestrate import demo  # noqa: PLC0415
 
     directory = demo.models_dir(models_dir)
@@ -197,7 +198,8 @@ def demo_report(chunks: int | None = 80, runs_dir=None, models_dir=None, n_ctx: 
     paths = demo.prepare_models(directory)
     pairs = [(run.label, str(paths[run.quant]), run.type_k) for run in demo.demo_runs()]
     request = matrix.MatrixRequest(demo.REFERENCE, str(paths[demo.REFERENCE]), tuple(pairs), runs.runs_dir(runs_dir),
-                                   chunks, n_ctx, engine=EngineSettings(n_threads=threads), control=True, floor="auto")
+                                   chunks, n_ctx, engine=EngineSettings(n_threads=threads), control=True, floor="auto",
+                                   early=early)
     if conversations:
         c = demo.CONVERSATIONS
         request = dataclasses.replace(request, directory=request.directory / c["subdir"], corpus=c["corpus"],

@@ -198,3 +198,19 @@ def test_bad_early_options_get_one_clear_message(replayed, tmp_path, monkeypatch
                   "-c", N_CTX, *args)
     assert_cli_error(res, message)
     assert not (tmp_path / "runs" / "R.qeval").exists()  # refused before any work
+
+
+@pytest.mark.parametrize("args, message", [(["--early-seed", "3"], "need --early"),
+                                           (["--early", "--early-min-chunks", "1"], "--early-min-chunks must be")])
+def test_the_demo_takes_the_same_early_options(tmp_path, args, message):
+    res = run_cli("demo", "--runs-dir", tmp_path / "runs", "--models-dir", tmp_path / "models", *args)
+    assert_cli_error(res, message)
+    assert not (tmp_path / "models").exists()  # refused before any model is assembled
+
+
+def test_the_control_row_stops_at_the_minimum(replayed, tmp_path):
+    """The control (the reference recomputed: the noise floor) is pinned first and on no front: nothing to settle."""
+    result, text = run(replayed, tmp_path, ("A", "B"), early=decided(), control=True)
+    rows = rows_of(result)
+    assert rows["control"]["control"] and rows["control"]["chunks"] == MIN
+    assert rows["control"]["stopped"] == early.SETTLED and "KLD over control" in text
