@@ -156,7 +156,7 @@ def test_early_results_are_labelled_and_never_taken_for_full_ones(replayed, full
     assert ComparisonRequest.from_summary(on_disk).early == early_request.early
     assert board_note_in(text)
     # a leaderboard of the saved results says which rows were decided early, and on how many tokens
-    board = run_cli("leaderboard", tmp_path)
+    board = run_cli("leaderboard", tmp_path, "--out", tmp_path / "board")
     assert board.returncode == 0, board.stderr
     rows = [line for line in board.stdout.splitlines() if line.startswith(("| A ", "| B ", "| C "))]
     assert len(rows) == 3 and all(f"| {MIN * (N_CTX // 2 - 1):,} ({MIN}) | decided early |" in r for r in rows), rows
