@@ -20,7 +20,13 @@ from qeval.compare import depth, metrics
 from qeval.compare.summary import Side, summarize
 from qeval.errors import QevalError
 from qeval.orchestrate import budget, matrix, sweep
-from qeval.orchestrate.matrix import TaskRequest, pair_label, pair_settings, parse_model_arg  # noqa: F401 - public
+from qeval.orchestrate.matrix import (  # noqa: F401 - public
+    TaskRequest,
+    early_settings,
+    pair_label,
+    pair_settings,
+    parse_model_arg,
+)
 from qeval.orchestrate.sources import compare, is_model_file, open_source  # noqa: F401 - public here as before
 from qeval.present import report, results
 from qeval.present.progress import PlannedProgress, progress_bar, say
@@ -126,7 +132,8 @@ def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int 
                   rope_scale: float | None = None, repos=(), include=(), exclude=(),
                   control: bool = False, chat_template: str | None = None,
                   chat_template_kwargs: str | None = None, kv_rotation: str = "auto", decode: str = "prompt",
-                  floor: str = "none", keep_logits: bool = False) -> tuple[dict, str]:
+                  floor: str = "none", keep_logits: bool = False,
+                  early: matrix.EarlySettings | None = None) -> tuple[dict, str]:
     """Capture `ref` once, then every model x KV pair (live, or reusing finished stores and results).
     models: GGUF paths or hf: specs (LABEL=… to name one); hf:USER/REPO:* and each of `repos` (hf:USER/REPO) stand
     for every model of the repository, filtered by `include`/`exclude` globs on its file paths and labelled
@@ -148,6 +155,12 @@ def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int 
     uninterrupted one gives. keep_logits: keep its logits in a store RUNS_DIR/<label>.qeval instead (~110 kB per
     scored token at a 262K vocab), for later store-vs-store analysis.
 
+    early (early_settings(...)): decide the board early: every pair visits the chunks in a seeded random order and
+    stops once its mean KLD is known to the stated precision, or its order against its board neighbours and its
+    Pareto status are settled (qeval.compare.early; matrix.run_early); each row says how many tokens it holds and
+    why it stopped. None (the default): every pair over every chunk. A later run without it extends each pair from
+    its checkpoint; an early result never stands for a full one.
+
     A saved result or store is reused only when it answers the pair's request (qeval.identity); else
     the pair is recomputed and its result and store overwritten, and the text says so. A reference store
     that holds another capture is refused, or replaced with `force`.
@@ -162,16 +175,17 @@ def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int 
     request = matrix.MatrixRequest(
         ref_label, ref_path, tuple(matrix.model_kv_pairs(models, kv_types, ref_path)), runs.runs_dir(runs_dir), chunks,
         n_ctx, corpus, engine, force, scoring, concat, tuple(samplers), requests, control, floor, chat_template,
-        chat_template_kwargs, keep_logits)
+        chat_template_kwargs, keep_logits, early)
     return sweep.run_matrix(request, progress, executor)
 
 
 def demo_report(chunks: int | None = 80, runs_dir=None, models_dir=None, n_ctx: int = 512, progress: bool = True,
-                threads: int | None = None, conversations: bool = False) -> tuple[dict, str]:
+                threads: int | None = None, conversations: bool = False,
+                early: matrix.EarlySettings | None = None) -> tuple[dict, str]:
     """Gemma-3-270M end to end: derive quants, capture the Q8_0 reference, compare every candidate and the control
     (the reference recomputed under another batch layout: the board's noise floor). conversations:
     over the shipped conversation suite instead, the assistant's tokens by segment and category (in
-    RUNS_DIR/conversations; every conversation unless `chunks`)."""
+    RUNS_DIR/conversations; every conversation unless `chunks`). early: the board decided early (as matrix_report's)."""
     from qeval.orchestrate import demo  # noqa: PLC0415
 
     directory = demo.models_dir(models_dir)
@@ -184,7 +198,8 @@ def demo_report(chunks: int | None = 80, runs_dir=None, models_dir=None, n_ctx: 
     paths = demo.prepare_models(directory)
     pairs = [(run.label, str(paths[run.quant]), run.type_k) for run in demo.demo_runs()]
     request = matrix.MatrixRequest(demo.REFERENCE, str(paths[demo.REFERENCE]), tuple(pairs), runs.runs_dir(runs_dir),
-                                   chunks, n_ctx, engine=EngineSettings(n_threads=threads), control=True, floor="auto")
+                                   chunks, n_ctx, engine=EngineSettings(n_threads=threads), control=True, floor="auto",
+                                   early=early)
     if conversations:
         c = demo.CONVERSATIONS
         request = dataclasses.replace(request, directory=request.directory / c["subdir"], corpus=c["corpus"],

@@ -20,6 +20,12 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_
 RunsDir = typer.Option(None, "--runs-dir", help="Directory of labelled stores (default $QEVAL_RUNS_DIR or ./qeval-runs).")
 Chunks = typer.Option(None, "--chunks", help="Use only the first N chunks.")
 Json = typer.Option(False, "--json", help="Print JSON instead of text.")
+Early = typer.Option(False, "--early", help="Decide the board early: every pair visits the chunks in a seeded random order and stops once its mean KLD is known to --early-precision, or its order against its neighbours and its Pareto status are settled (paired, chunks as the unit); each row says how many tokens it holds and why it stopped. A later run without --early extends each pair to every chunk.")
+EarlyPrecision = typer.Option(None, "--early-precision", help="With --early: stop a pair once its interval's half-width is this share of its mean KLD (default 0.05: ±5 %), and every comparison still open is a tie at it.")
+EarlyMinChunks = typer.Option(None, "--early-min-chunks", help="With --early: chunks every pair runs before any stops (default 8).")
+EarlySigmas = typer.Option(None, "--early-sigmas", help="With --early: neighbours this many SEs of their paired difference apart (and their interval clear of 0) are settled (default 3).")
+EarlyConfidence = typer.Option(None, "--early-confidence", help="With --early: the confidence of the intervals (default 0.95).")
+EarlySeed = typer.Option(None, "--early-seed", help="With --early: the seed of the chunk order (default 0); recorded in every result.")
 TypeK = typer.Option("f16", "-ctk", "--cache-type-k", help="KV cache type for K: f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, f32.")
 TypeV = typer.Option("f16", "-ctv", "--cache-type-v", help="KV cache type for V (a quantized V cache needs -fa on).")
 FlashAttn = typer.Option("auto", "-fa", "--flash-attn", help="Flash attention: on, off or auto.")
@@ -189,6 +195,17 @@ def import_llamacpp(
     typer.echo(api.import_llamacpp_report(file, out, force=force))
 
 
+def _early(early: bool, precision: float | None, min_chunks: int | None, sigmas: float | None,
+           confidence: float | None, seed: int | None):
+    """The settings of --early and its options (None without it); an option without --early is refused."""
+    given = {k: v for k, v in (("precision", precision), ("min_chunks", min_chunks), ("sigmas", sigmas),
+                               ("confidence", confidence), ("seed", seed)) if v is not None}
+    if given and not early:
+        raise QevalError("--early-precision, --early-min-chunks, --early-sigmas, --early-confidence and --early-seed "
+                         "need --early")
+    return api.early_settings(**given) if early else None
+
+
 @app.command()
 def matrix(
     ref: str = typer.Option(..., "--ref", help="Reference GGUF (MODEL or LABEL=MODEL, MODEL a path or hf:USER/REPO[:QUANT]); captured once."),
@@ -231,6 +248,12 @@ def matrix(
     rope_scale: Optional[float] = RopeScale,
     control: bool = typer.Option(True, "--control/--no-control", help="Also run the reference model live once more under another batch layout (pieces twice as long, or half windows when whole windows go per call), as the pair 'control': the noise floor every row is read against."),
     keep_logits: bool = typer.Option(False, "--keep-logits", help="Keep every candidate's logits in a store RUNS_DIR/LABEL.qeval (~110 kB per scored token at a 262K vocab) for later store-vs-store analysis (qeval kld --ref REF --cand LABEL). By default a pair keeps only its result (~60 bytes per scored token), resuming from a per-chunk checkpoint."),
+    early: bool = Early,
+    early_precision: Optional[float] = EarlyPrecision,
+    early_min_chunks: Optional[int] = EarlyMinChunks,
+    early_sigmas: Optional[float] = EarlySigmas,
+    early_confidence: Optional[float] = EarlyConfidence,
+    early_seed: Optional[int] = EarlySeed,
 ):
     """Every model x KV type against one reference: resumable, skips finished pairs."""
     kv_types = [k.strip() for k in kv.split(",") if k.strip()]
@@ -243,6 +266,7 @@ def matrix(
         raise QevalError("--address, --gpus-per-task, --cpus-per-task and --shard-chunks need --executor ray")
     if (task_format is not None or task_limit is not None) and not task:
         raise QevalError("--task-format and --task-limit need --task")
+    decided_early = _early(early, early_precision, early_min_chunks, early_sigmas, early_confidence, early_seed)
     tasks = [TaskRequest(t, task_format, task_limit) for t in task or ()]
     if not model and not repo:
         raise QevalError("give the candidates: -m MODEL (repeat) or --repo hf:USER/REPO")
@@ -253,7 +277,7 @@ def matrix(
                                      rope_scale=rope_scale, repos=repo or (), include=include or (),
                                      exclude=exclude or (), control=control, chat_template=chat_template,
                                      chat_template_kwargs=chat_template_kwargs, kv_rotation=kv_rotation,
-                                     decode=decode, floor=floor, keep_logits=keep_logits)
+                                     decode=decode, floor=floor, keep_logits=keep_logits, early=decided_early)
     _emit(result, text, as_json)
 
 
@@ -278,12 +302,19 @@ def demo(
     models_dir: Optional[Path] = typer.Option(None, "--models-dir", help="Where the Gemma-3-270M GGUFs go (default ~/.cache/qeval/models)."),
     threads: Optional[int] = Threads,
     as_json: bool = Json,
+    early: bool = Early,
+    early_precision: Optional[float] = EarlyPrecision,
+    early_min_chunks: Optional[int] = EarlyMinChunks,
+    early_sigmas: Optional[float] = EarlySigmas,
+    early_confidence: Optional[float] = EarlyConfidence,
+    early_seed: Optional[int] = EarlySeed,
 ):
     """Gemma-3-270M from PyPI: derive Q8_0/Q4_0/Q3_K_M/Q2_K, capture Q8_0, compare quants and KV types."""
+    decided_early = _early(early, early_precision, early_min_chunks, early_sigmas, early_confidence, early_seed)
     if chunks is None and not conversations:
         chunks = 80
     result, text = api.demo_report(chunks=chunks, runs_dir=runs_dir, models_dir=models_dir, threads=threads,
-                                   conversations=conversations)
+                                   conversations=conversations, early=decided_early)
     _emit(result, text, as_json)
 
 

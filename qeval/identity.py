@@ -207,17 +207,21 @@ class ComparisonRequest:
     chunks: int  # the first `chunks` chunks of the reference
     metrics_version: int = METRICS_VERSION
     samplers: tuple[str, ...] = ()  # canonical settings strings (qeval.compare.sampler.settings_names), a set
+    # a board decided early: the chunk order, rule and chunks visited (qeval.compare.early.EarlySettings.record);
+    # None for a run over every chunk. Not in a pair's checkpoint's identity: a full run extends an early one
+    early: dict | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "samplers", tuple(sorted(set(self.samplers))))
 
     def identity(self) -> dict:
         """What the key hashes. Without samplers the field is left out, so a request that asks for none is
-        the request of a result saved before samplers were part of it."""
+        the request of a result saved before samplers were part of it; the same for `early`."""
         d = asdict(self)
         d["samplers"] = list(self.samplers)
-        if not self.samplers:
-            del d["samplers"]
+        for name in ("samplers", "early"):
+            if not d[name]:
+                del d[name]
         return d
 
     @property
@@ -233,7 +237,7 @@ class ComparisonRequest:
         d = summary.get("request")
         try:
             return cls(d["reference"], d["candidate"], int(d["chunks"]), int(d["metrics_version"]),
-                       tuple(d.get("samplers") or ()))
+                       tuple(d.get("samplers") or ()), d.get("early"))
         except (KeyError, TypeError, ValueError):
             return None
 
@@ -278,8 +282,9 @@ def is_floor(request: ComparisonRequest | None) -> bool:
     return _candidate_is_reference_but(request, FLOOR_KV_FREE) and not is_control(request)
 
 
-def comparison_request(ref, cand, n_chunks: int, samplers=()) -> ComparisonRequest:
+def comparison_request(ref, cand, n_chunks: int, samplers=(), early: dict | None = None) -> ComparisonRequest:
     """What comparing `cand` with `ref` over their first n_chunks chunks measures (sources read like stores),
-    with the samplers of canonical settings strings `samplers` computed too."""
+    with the samplers of canonical settings strings `samplers` computed too; `early`: over the sample of them a
+    board decided early visited (ComparisonRequest.early)."""
     return ComparisonRequest(reference_identity(ref, n_chunks), producer(cand.header), n_chunks,
-                             samplers=tuple(samplers))
+                             samplers=tuple(samplers), early=early)

@@ -392,3 +392,18 @@ def test_bench_simulates_synthetic_boards_and_saved_results(tmp_path, monkeypatc
     (res,) = json.loads(out.read_text())["results"]
     assert set(res["pairs"]) == set(res["per_pair"]) == {c[0] for c in CANDIDATES}
     assert res["chunks"] == 6 and res["coverage"]["nominal"] == 0.95
+
+
+@pytest.mark.parametrize("n, settled", [(4, False), (8, True)])
+def test_neighbours_settle_only_when_their_interval_is_clear_of_zero(n, settled):
+    """3.1 SEs apart settles neighbours over 8 chunks (t quantile 2.36 at 7 df), not over 4 (3.18 at 3 df): there
+    the SE itself is too uncertain for 3 SE to mean 95 %."""
+    rule = early.StopRule(min_chunks=2)
+    spread = np.linspace(-1.0, 1.0, n)  # per-chunk differences around their mean
+    se = early.ratio_estimate(spread, np.ones(n), 10**9).se  # the paired SE (the mean does not move it)
+    b_sums = np.full(n, 10.0)
+    a = early.PairChunks("a", np.arange(n), b_sums + spread + 3.1 * se, np.ones(n))
+    b = early.PairChunks("b", np.arange(n), b_sums, np.ones(n))
+    got = early.compare(a, b, 10**9, rule)
+    assert abs(got.diff.mean) == pytest.approx(3.1 * got.diff.se)
+    assert (got.sign is not None) == settled

@@ -32,19 +32,24 @@ V, N_CTX, N = 300, 128, 6  # 63 scored tokens a chunk (--score half)
 REPLAY = EngineSettings(backend=replay_backend.NAME, n_threads=1)
 
 
-@pytest.fixture(scope="module")
-def replayed(tmp_path_factory):
-    """Replayed 'models' over the same windows: the reference R, candidates A and B (B noisier), and B2, another
-    model for B's label; and a corpus file that tokenizes into the windows."""
+def replayed_models(d: Path, seed: int, n_chunks: int, n_ctx: int, n_vocab: int,
+                    noise: dict[str, float]) -> tuple[dict[str, str], Path]:
+    """Replayed 'models' over the same windows in `d`: the reference R and one candidate per entry of `noise`, R's
+    logits plus Gaussian noise of that size; and a corpus file that tokenizes into the windows."""
     replay_backend.register()
-    d = tmp_path_factory.mktemp("models")
-    rng = np.random.default_rng(11)
-    windows = make_tokens(rng, N, N_CTX, V)
-    ref = np.stack([realistic_logits(rng, N_CTX, V) for _ in range(N)])
+    rng = np.random.default_rng(seed)
+    windows = make_tokens(rng, n_chunks, n_ctx, n_vocab)
+    ref = np.stack([realistic_logits(rng, n_ctx, n_vocab) for _ in range(n_chunks)])
     corpus = d / "ids.txt"
     corpus.write_text(replay_backend.corpus_text(windows))
-    models = {"R": ref, "A": perturb(rng, ref, 0.3), "B": perturb(rng, ref, 1.0), "B2": perturb(rng, ref, 2.0)}
+    models = {"R": ref, **{name: perturb(rng, ref, sigma) for name, sigma in noise.items()}}
     return {name: str(replay_backend.save_replay(d / f"{name}.npz", windows, x)) for name, x in models.items()}, corpus
+
+
+@pytest.fixture(scope="module")
+def replayed(tmp_path_factory):
+    """The reference R, candidates A and B (B noisier), and B2, another model for B's label."""
+    return replayed_models(tmp_path_factory.mktemp("models"), 11, N, N_CTX, V, {"A": 0.3, "B": 1.0, "B2": 2.0})
 
 
 @pytest.fixture(autouse=True)
@@ -230,7 +235,7 @@ def test_a_pair_visits_given_chunks_in_order_and_stops_with_its_checkpoint_whole
         stopped = matrix.run_pair(pair, ref, N, tmp_path, 1, order=[4, 1, 5, 0, 2, 3],
                                   stop=lambda parts: seen.append(list(parts)) or len(parts) == 3)
         assert stopped.result is None and stopped.chunks == 3
-        assert seen == [[4], [4, 1], [4, 1, 5]] and decoded == {"B": 3}
+        assert seen == [[], [4], [4, 1], [4, 1, 5]] and decoded == {"B": 3}  # asked before the first chunk too
         assert checkpoint.chunks_in(tmp_path / "results" / f"B.vs.R{checkpoint.SUFFIX}") == 3
         done = matrix.run_pair(pair, ref, N, tmp_path, 1)
     assert done.resumed_chunks == 3 and decoded == {"B": N}

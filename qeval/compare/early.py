@@ -16,7 +16,8 @@ same tokens) take the same estimator over the per-chunk differences S_a,c - S_b,
 tighter than two separate intervals when both follow the same hard and easy chunks.
 
 The rule (StopRule, decide): every pair runs at least min_chunks chunks; then a pair stops when
-  "settled"    its order against both of its board neighbours (paired |diff| >= neighbour_sigmas * SE) and its
+  "settled"    its order against both of its board neighbours (paired |diff| >= neighbour_sigmas * SE, and its
+               interval at the rule's confidence clear of 0) and its
                Pareto status (qeval.compare.ranking: its kind's size/KLD front) can no longer change, and no
                other pair's Pareto status waits on a comparison with it;
   "precision"  its interval's half-width is <= rel_precision * mean, and every comparison still open is a tie
@@ -247,7 +248,9 @@ def compare(a: PairChunks, b: PairChunks, n_total: int, rule: StopRule) -> Compa
     n_tokens = float(a.tokens[:n].sum())
     mean_a = float(a.sums[:n].sum()) / n_tokens if n_tokens else float("nan")
     mean_b = float(b.sums[:n].sum()) / n_tokens if n_tokens else float("nan")
-    settled = n >= 2 and abs(diff.mean) >= rule.neighbour_sigmas * diff.se  # False for a NaN SE
+    # neighbour_sigmas SEs apart, and the interval at the rule's confidence clear of 0: over few chunks (min_chunks
+    # below ~5) the t quantile exceeds 3 SE, and a noisy SE settled close neighbours in the wrong order
+    settled = n >= 2 and abs(diff.mean) >= max(rule.neighbour_sigmas * diff.se, diff.half_width)  # False for NaN
     sign = (int(np.sign(diff.mean)) if settled else None)
     tie = bool(abs(diff.mean) + diff.half_width <= rule.rel_precision * min(abs(mean_a), abs(mean_b)))
     return Comparison(diff, mean_a, mean_b, sign, tie)
@@ -363,3 +366,43 @@ def decide(pairs: Sequence[PairChunks], n_total: int, rule: StopRule = StopRule(
 
 def _sortable(x: float) -> float:
     return math.inf if math.isnan(x) else x
+
+
+# --------------------------------------------------------------------------------------------------
+# a matrix decided early (qeval.orchestrate.matrix)
+# --------------------------------------------------------------------------------------------------
+STEP = 4  # chunks a pair runs on per round once past the minimum (bench/bench_early.py's simulation: --step)
+
+
+@dataclass(frozen=True)
+class EarlySettings:
+    """How a matrix decides its board early (`qeval matrix --early`): the seed of the chunk order, the stop rule,
+    and the chunks a pair still running adds per round."""
+
+    seed: int = 0
+    rule: StopRule = StopRule()
+    step: int = STEP
+
+    def __post_init__(self):
+        if self.step < 1:
+            raise ValueError(f"step must be >= 1, not {self.step}")
+
+    def order(self, n_chunks: int) -> np.ndarray:
+        return chunk_order(n_chunks, self.seed)
+
+    def record(self, order: Sequence[int]) -> dict:
+        """What an early result records (its request's `early`, with `visited`: how many chunks of the order it
+        holds): the seed, the whole order, the rule. A full run of the same pair records none: the two are never
+        one result."""
+        return order_record(self.seed, order, self.rule)
+
+
+def held_prefix(order: Sequence[int], held) -> list[int]:
+    """The longest prefix of `order` whose chunks are all in `held` (a checkpoint's chunks): the sample an early
+    run stands on. Chunks held beyond it (an earlier run's, in another order) wait until the order reaches them."""
+    out = []
+    for c in order:
+        if int(c) not in held:
+            break
+        out.append(int(c))
+    return out

@@ -57,6 +57,7 @@ class Comparison:
     chunks: list[int]
     per_token: dict[str, np.ndarray]
     label_names: dict | None = None  # conversations: {"segments", "categories"} the GROUP_FIELDS codes index
+    early: dict | None = None  # a board decided early: `chunks` are the sample it visited (identity.ComparisonRequest)
 
     @property
     def scored_tokens(self) -> int:
@@ -349,12 +350,13 @@ def compare(ref: LogitSource, cand: LogitSource, n_chunks: int | None = None, th
     return comparison_of(ref, cand, chunks[:len(parts)], parts)
 
 
-def comparison_of(ref: LogitSource, cand: LogitSource, chunks: list[int], parts: list[dict[str, np.ndarray]]
-                  ) -> Comparison:
+def comparison_of(ref: LogitSource, cand: LogitSource, chunks: list[int], parts: list[dict[str, np.ndarray]],
+                  early: dict | None = None) -> Comparison:
     """The Comparison of `chunks` from their per-token columns (compare_chunk's, one dict per chunk, in the same
-    order): computed now, or read back from a pair's checkpoint (qeval.present.checkpoint)."""
+    order): computed now, or read back from a pair's checkpoint (qeval.present.checkpoint). early: the record of
+    a board decided early whose sample `chunks` are (Comparison.early)."""
     if not parts:
         raise ValueError("a comparison needs at least one chunk")
     per_token = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
     labels = ref.header.window_labels
-    return Comparison(ref, cand, list(chunks), per_token, labels.names() if labels is not None else None)
+    return Comparison(ref, cand, list(chunks), per_token, labels.names() if labels is not None else None, early)

@@ -262,8 +262,10 @@ def summarize(cmp, bands: list[tuple[int, int]] | None = None) -> ComparisonSumm
     """The summary of a comparison just computed (qeval.compare.metrics.Comparison), with the request it answers
     (qeval.identity: whether a saved copy may stand for a later request) and this qeval's version.
     bands: of the by-depth figures (default: powers of 4 from 512)."""
-    request = comparison_request(cmp.ref, cmp.cand, len(cmp.chunks),
-                                 sampler.settings_names(sampler.names_in(cmp.per_token)))
+    # an early run's chunks are a sample of the whole order's: its request is over all of them, and says so
+    n_chunks = len(cmp.early["order"]) if cmp.early else len(cmp.chunks)
+    request = comparison_request(cmp.ref, cmp.cand, n_chunks, sampler.settings_names(sampler.names_in(cmp.per_token)),
+                                 cmp.early)
     return of_figures(Side.of_source(cmp.ref), Side.of_source(cmp.cand), cmp.summary(bands),
                       request=request.to_json(), qeval_version=__version__)
 

@@ -37,7 +37,9 @@ from qeval.capture.hub import hub_label, is_hub_spec, is_whole_repo, repo_models
 from qeval.capture.modelinfo import model_facts
 from qeval.capture.taskfiles import load_tasks
 from qeval.capture.taskscore import TaskSettings
+from qeval.compare import early as early_stop
 from qeval.compare import metrics, sampler
+from qeval.compare.early import EarlySettings, held_prefix
 from qeval.compare.summary import ComparisonSummary
 from qeval.errors import QevalError, WriteFailed
 from qeval.orchestrate import budget
@@ -110,6 +112,22 @@ def model_kv_pairs(models: list[str], kv_types: list[str], ref_path: str) -> lis
     return pairs
 
 
+def early_settings(seed: int = 0, min_chunks: int = early_stop.MIN_CHUNKS,
+                   precision: float = early_stop.REL_PRECISION, sigmas: float = early_stop.NEIGHBOUR_SIGMAS,
+                   confidence: float = early_stop.CONFIDENCE) -> EarlySettings:
+    """The settings of `--early` from its options, each bad value refused with the option's name."""
+    checks = ((min_chunks >= 2, f"--early-min-chunks must be at least 2 (an SE needs two chunks), not {min_chunks}"),
+              (0 < precision < 1, f"--early-precision is a share of the mean KLD, in (0, 1) (0.05: ±5 %), not "
+                                  f"{precision}"),
+              (sigmas > 0, f"--early-sigmas must be > 0, not {sigmas}"),
+              (0 < confidence < 1, f"--early-confidence must lie in (0, 1) (0.95: 95 %), not {confidence}"),
+              (seed >= 0, f"--early-seed must be >= 0, not {seed}"))
+    for ok, message in checks:
+        if not ok:
+            raise QevalError(message)
+    return EarlySettings(seed, early_stop.StopRule(min_chunks, precision, sigmas, confidence))
+
+
 def _fa_for(kv: str) -> str:
     return "on" if kv not in UNQUANTIZED_KV else "auto"
 
@@ -179,6 +197,7 @@ class MatrixPlan:
     samplers: tuple[str, ...] = ()  # computed for every pair too (qeval.compare.sampler names)
     tasks: tuple[TaskRequest, ...] = ()  # scored with the reference and every pair too: flips columns
     keep_logits: bool = False  # pairs run live keep their candidate's store (--keep-logits)
+    early: EarlySettings | None = None  # the board decided early (--early); None: every pair over every chunk
 
     @property
     def total_chunks(self) -> int | None:
@@ -219,6 +238,7 @@ class MatrixRequest:
     chat_template: str | None = None  # of a conversation corpus (qeval.capture.capture.CaptureSpec)
     chat_template_kwargs: str | None = None
     keep_logits: bool = False  # a pair run live keeps its candidate's logits in a store (the module's docstring)
+    early: EarlySettings | None = None  # decide the board early (run_early); None: every pair over every chunk
 
     def floor_kind(self) -> str | None:
         """Which floor row the board carries (FLOORS), None for none."""
@@ -234,6 +254,9 @@ def plan_matrix(request: MatrixRequest) -> MatrixPlan:
     """The plan of a matrix request: the reference and every pair, each run with the request's engine settings but
     its KV cache. Every bad setting, label, sampler or task file is refused here, before hours of work start."""
     r, engine = request, request.engine
+    if r.early is not None and r.keep_logits:
+        raise QevalError("--early and --keep-logits do not go together: a pair that keeps its logits runs every chunk "
+                         "in order (run the full board to keep them)")
     chosen = tuple(s.name for s in sampler.parse_all(r.samplers))
     named = []
     for task in r.tasks:
@@ -257,7 +280,7 @@ def plan_matrix(request: MatrixRequest) -> MatrixPlan:
                             settings=ref_settings, replace=r.force, scoring=Scoring.parse(r.scoring).rule,
                             concat=r.concat, chat_template=r.chat_template,
                             chat_template_kwargs=r.chat_template_kwargs)
-    return MatrixPlan(reference, planned, r.directory, chosen, tuple(named), r.keep_logits)
+    return MatrixPlan(reference, planned, r.directory, chosen, tuple(named), r.keep_logits, r.early)
 
 
 @dataclass(frozen=True)
@@ -280,15 +303,17 @@ def plan_pairs(plan: MatrixPlan) -> tuple[int, list[PairPlan]]:
     with StoreReader(plan.reference.out) as ref_store:
         n_chunks = ref_store.header.n_chunks if plan.reference.chunks is None else plan.reference.chunks
         return n_chunks, [plan_pair(ref_store, n_chunks, p.label, p.model, p.settings, plan.directory, plan.samplers,
-                                    plan.keep_logits) for p in plan.pairs]
+                                    plan.keep_logits, plan.early is not None) for p in plan.pairs]
 
 
 def plan_pair(ref_store, n_chunks: int, label: str, model: str, settings: EngineSettings,
-              directory: Path, samplers: tuple[str, ...] = (), keep_logits: bool = False) -> PairPlan:
+              directory: Path, samplers: tuple[str, ...] = (), keep_logits: bool = False,
+              early: bool = False) -> PairPlan:
     """The plan for candidate `label` (GGUF `model` run with `settings`, measured with `samplers` too) against
     the open reference store over its first n_chunks chunks, from what `directory` holds: its result, and its
     store. keep_logits: a pair run live keeps its store, and one whose result was saved without a store is run
-    again to keep it."""
+    again to keep it. A saved early result (a board decided early) never stands for a full run: the pair runs on
+    from its checkpoint; early: the board is decided early again (run_early), which reads it back."""
     try:
         facts = model_facts(model)
         planned = identity.planned_producer(facts, planned_fields(facts, settings, ref_store.header.n_ctx),
@@ -307,7 +332,10 @@ def plan_pair(ref_store, n_chunks: int, label: str, model: str, settings: Engine
                             "(--keep-logits): its result was saved without its store", samplers, True)
         return PairPlan(label, model, settings, SKIP, f"{label}: done earlier, skipped", samplers)
     action = COMPARE_STORED if usable else RUN_LIVE
-    if saved is not None:
+    if saved is not None and saved.early and dataclasses.replace(saved, early=None).key == request.key:
+        note = "" if early else (f"{label}: decided early on {saved.early.get('visited')} of {n_chunks} chunks: runs "
+                                 "on over every chunk, from its checkpoint")
+    elif saved is not None:
         note = f"{label}: recomputed: its saved result answers another request ({_listed(request.changes_from(saved))})"
     elif result_path.is_file():
         note = f"{label}: recomputed: its saved result records no request (saved by an older qeval)"
@@ -361,7 +389,7 @@ def progress_path(pair: PairPlan, directory: Path, ref_label: str) -> Path:
 
 def run_pair(pair: PairPlan, ref, n_chunks: int, directory: Path, threads: int,
              on_chunk: Callable[[int], None] | None = None, order: list[int] | None = None,
-             stop: Callable[[dict], bool] | None = None) -> PairRun:
+             stop: Callable[[dict], bool] | None = None, early: dict | None = None) -> PairRun:
     """Compare a pair that is not skipped against the open reference `ref` over n_chunks chunks, with its
     samplers, and save its result (`qeval kld --save-result --sampler ...`): its stored candidate, or its model run
     live, uncoded unless a sampler reads the coded distribution, each chunk's per-token results appended to its
@@ -370,9 +398,13 @@ def run_pair(pair: PairPlan, ref, n_chunks: int, directory: Path, threads: int,
     --save LABEL --force`), which continues where an interrupted run left it.
 
     order: the chunks to compare, in this order (default: the first n_chunks in order); chunks its checkpoint
-    holds are not run again. stop(parts), after each chunk once its checkpoint holds it (parts: chunk -> its
-    per-token columns, every chunk done so far): True ends the pair there, unsaved (PairRun.result None): the
-    seam for deciding a pair early. A write that fails (a full disk) raises PairWriteFailed, which names the pair
+    holds are not run again. stop(parts), before the first chunk and after each once its checkpoint holds it
+    (parts: chunk -> its per-token columns, every chunk done so far): True ends the pair there, its checkpoint
+    kept (PairRun.result None): the seam for deciding a pair early. early: the record of a board decided early
+    (qeval.compare.early.EarlySettings.record, less `visited`): a pair `stop` ends is saved as its early result
+    over the longest prefix of `order` its checkpoint holds (PairRun.result that result). A pair that goes through
+    every chunk is saved as a full result, by chunk (a full result whatever order its chunks were visited in). A
+    write that fails (a full disk) raises PairWriteFailed, which names the pair
     and the bytes it still needs; everything written before is kept."""
     if pair.action == RUN_LIVE and pair.keep_logits:
         if order is not None or stop is not None:
@@ -404,19 +436,29 @@ def run_pair(pair: PairPlan, ref, n_chunks: int, directory: Path, threads: int,
         if live:
             cand.produce(todo)
 
-        def after_chunk(index: int, columns: dict) -> bool:
-            ckpt.append(index, columns)
+        def stops() -> bool:
             return stop is not None and bool(stop(ckpt.parts))
 
+        def after_chunk(index: int, columns: dict) -> bool:
+            ckpt.append(index, columns)
+            return stops()
+
         try:
-            if todo:
+            if todo and not stops():
                 metrics.compare(ref, cand, n_chunks, threads=threads, on_chunk=on_chunk, samplers=pair.samplers,
                                 order=todo, after_chunk=after_chunk)
             resumed = len(order) - len(todo)
             note = f"{pair.label}: {ckpt.note}" if ckpt.note else ""
             if any(c not in ckpt.parts for c in order):
-                return PairRun(None, len(ckpt.parts), resumed, note=note)
-            cmp = metrics.comparison_of(ref, cand, order, [ckpt.parts[c] for c in order])
+                if early is None:
+                    return PairRun(None, len(ckpt.parts), resumed, note=note)
+                sample = held_prefix(order, ckpt.parts)
+                cmp = metrics.comparison_of(ref, cand, sample, [ckpt.parts[c] for c in sample],
+                                            {**early, "visited": len(sample)})
+                result = results.save_result(cmp, directory / results.RESULTS_SUBDIR)
+                return PairRun(result, len(sample), resumed, note=note)
+            done = sorted(order)  # by chunk: the same result, bit for bit, whatever order the chunks came in
+            cmp = metrics.comparison_of(ref, cand, done, [ckpt.parts[c] for c in done])
             result = results.save_result(cmp, directory / results.RESULTS_SUBDIR)
         except WriteFailed as exc:
             raise _write_failed(pair.label, exc, ref, order, ckpt) from None
@@ -523,6 +565,7 @@ class MatrixRun:
     reference_text: str
     lines: list[str]
     summaries: list[ComparisonSummary]
+    n_chunks: int | None = None  # the chunks of the whole corpus every pair is compared over (local runs say)
 
 
 def saved_summaries(plan: MatrixPlan) -> list[ComparisonSummary]:
@@ -554,20 +597,88 @@ def run_local(plan: MatrixPlan, advance: Callable[[int], None], announce: bool =
             budget.matrix_budget(f"matrix: {len(running)} of {len(pairs)} pairs to run", plan.directory,
                                  ref.header, n_chunks, running, samplers=len(plan.samplers),
                                  keeps_candidate_stores=plan.keep_logits).check(announce)
-        for k, pair in enumerate(pairs):
-            if pair.action == SKIP:
-                advance(n_chunks)
-                continue
-            try:
-                done = run_pair(pair, ref, n_chunks, plan.directory, available_cores(), advance)
-            except PairWriteFailed as exc:
-                later = sum(p.action != SKIP for p in pairs[k + 1:])
-                raise QevalError(exc.text(later, finished=k)) from None
-            lines += [done.note] if done.note else []
-            if done.resumed_chunks:
-                lines.append(f"{pair.label}: resumed: {done.resumed_chunks} of {done.chunks} chunks read back from "
-                             f"its {done.resumed_from}")
-    return MatrixRun(captured.summary_line(), lines, saved_summaries(plan))
+        if plan.early is not None:
+            lines += run_early(plan, pairs, ref, n_chunks, advance)
+        else:
+            lines += run_full(plan, pairs, ref, n_chunks, advance)
+    return MatrixRun(captured.summary_line(), lines, saved_summaries(plan), n_chunks)
+
+
+def _run_pair_said(plan: MatrixPlan, pairs: list[PairPlan], k: int, ref, n_chunks: int, advance,
+                   **options) -> PairRun:
+    """run_pair of pairs[k] (with run_pair's `options`), a full disk said as the matrix's one message."""
+    try:
+        return run_pair(pairs[k], ref, n_chunks, plan.directory, available_cores(), advance, **options)
+    except PairWriteFailed as exc:
+        later = sum(p.action != SKIP for p in pairs[k + 1:])
+        raise QevalError(exc.text(later, finished=k)) from None
+
+
+def _resumed_line(label: str, done: PairRun) -> list[str]:
+    return [f"{label}: resumed: {done.resumed_chunks} of {done.chunks} chunks read back from its "
+            f"{done.resumed_from}"] if done.resumed_chunks else []
+
+
+def run_full(plan: MatrixPlan, pairs: list[PairPlan], ref, n_chunks: int, advance) -> list[str]:
+    """Every pair not skipped over every chunk, one after another; the lines worth a mention."""
+    lines = []
+    for k, pair in enumerate(pairs):
+        if pair.action == SKIP:
+            advance(n_chunks)
+            continue
+        done = _run_pair_said(plan, pairs, k, ref, n_chunks, advance)
+        lines += ([done.note] if done.note else []) + _resumed_line(pair.label, done)
+    return lines
+
+
+def run_early(plan: MatrixPlan, pairs: list[PairPlan], ref, n_chunks: int, advance) -> list[str]:
+    """The board decided early (plan.early): every pair visits the chunks in the seeded order, in rounds: first
+    min_chunks each, then early.decide() reads the whole board (so a pair's neighbours are known) and every pair it
+    does not stop runs `step` more, until every pair has stopped (or visited every chunk). Each round leaves every
+    pair's result saved (an early one, or a full one once it has every chunk) and its checkpoint kept, which a
+    later round, a rerun, or a full run of the same pair extends. The lines worth a mention."""
+    settings = plan.early
+    order = [int(c) for c in settings.order(n_chunks)]
+    record = settings.record(order)
+    target = {p.label: settings.rule.min_chunks for p in pairs}
+    counted = {p.label: n_chunks if p.action == SKIP else 0 for p in pairs}  # chunks the progress bar has had
+    advance(sum(counted.values()))
+    running, lines, rounds = [k for k, p in enumerate(pairs) if p.action != SKIP], [], 0
+    while running:
+        for k in running:
+            label = pairs[k].label
+
+            def reached(parts: dict, label=label) -> bool:
+                held = len(held_prefix(order, parts))
+                advance(max(held - counted[label], 0))
+                counted[label] = max(held, counted[label])
+                return held >= target[label]
+
+            # progress is counted by `reached`, not by run_pair: each round reads its earlier chunks back
+            done = _run_pair_said(plan, pairs, k, ref, n_chunks, None, order=order, stop=reached, early=record)
+            if not rounds:
+                lines += ([done.note] if done.note else []) + _resumed_line(label, done)
+        rounds += 1
+        decided = early_decisions(plan, n_chunks)
+        running = [k for k, p in enumerate(pairs) if not decided[k].stop]
+        for k in running:
+            target[pairs[k].label] = decided[k].n_chunks + settings.step
+    advance(sum(n_chunks - n for n in counted.values()))  # the chunks the stopped pairs leave: the bar ends full
+    return lines
+
+
+def early_decisions(plan: MatrixPlan, n_chunks: int) -> list[early_stop.Decision]:
+    """early.decide() over every pair's saved result (early or full), in plan order: the board as decided now."""
+    order = plan.early.order(n_chunks)
+    board_pairs = []
+    for p in plan.pairs:
+        saved = results.load_result(results.result_path(plan.directory / results.RESULTS_SUBDIR, p.label,
+                                                        plan.reference.label))
+        row = board.board_row(saved.summary)
+        chunks, sums, tokens = early_stop.chunk_sums(saved.per_token, "kld", order)
+        board_pairs.append(early_stop.PairChunks(p.label, chunks, sums, tokens, row.size_gib, row.memory_gib,
+                                                 row.kv_quant, board.is_baseline(row)))
+    return early_stop.decide(board_pairs, n_chunks, plan.early.rule)
 
 
 def run_tasks(plan: MatrixPlan, on_plan: Callable[[int, int], None] | None = None,
@@ -602,6 +713,13 @@ def matrix_result(plan: MatrixPlan, run: MatrixRun, task_lines: list[str] = ()) 
     rows = [board.row_with_flips(s, plan.samplers, plan.directory / TASKS_SUBDIR, names=names) for s in summaries]
     board.compare_with_control(rows)
     board.compare_with_floor(rows, lambda row: _per_token(plan, row.label))
+    early = {}
+    if plan.early is not None and summaries:
+        n_chunks = run.n_chunks
+        for row, decision in zip(rows, early_decisions(plan, n_chunks)):
+            row.stopped = decision.reason
+        early = {"early": {**plan.early.record(plan.early.order(n_chunks)), "step": plan.early.step,
+                           "chunks_held": sum(r.chunks for r in rows), "chunks_full": n_chunks * len(rows)}}
     ref_label = plan.reference.label
     text = "\n".join([run.reference_text, *run.lines, *task_lines, "",
                       f"reference {ref_label}: {summaries[0].chunks} chunks of {plan.reference.n_ctx}, "
@@ -611,6 +729,16 @@ def matrix_result(plan: MatrixPlan, run: MatrixRun, task_lines: list[str] = ()) 
                       "", "Leaderboard (sorted by mean KLD)",
                       board.leaderboard_markdown(rows, plan.samplers, board.common_tasks(rows)),
                       *(["", board.CONTROL_NOTE] if board.has_control(rows) else []),
-                      *(["", board.FLOOR_NOTE] if board.has_floor(rows) else [])])
-    return {"reference": ref_label, "rows": [r.to_json() for r in rows],
+                      *(["", board.FLOOR_NOTE] if board.has_floor(rows) else []),
+                      *(["", board.EARLY_NOTE, early_line(early["early"])] if early else [])])
+    return {"reference": ref_label, "rows": [r.to_json() for r in rows], **early,
             "results": [s.to_json() for s in summaries]}, text
+
+
+def early_line(early: dict) -> str:
+    """What a board decided early cost, and by which rule."""
+    rule = early["rule"]
+    return (f"Early: seed {early['seed']}, at least {rule['min_chunks']} chunks, ±{rule['rel_precision']:.0%} at "
+            f"{rule['confidence']:.0%} or neighbours {rule['neighbour_sigmas']:g} SE apart; "
+            f"{early['chunks_held']} of {early['chunks_full']} pair-chunks held "
+            f"({early['chunks_held'] / early['chunks_full']:.2f}× the full board's forward passes)")

@@ -4,6 +4,7 @@ both run through here."""
 
 from __future__ import annotations
 
+from qeval.errors import QevalError
 from qeval.orchestrate import matrix
 from qeval.orchestrate.distributed import as_executor
 from qeval.present.progress import progress_bar
@@ -15,6 +16,9 @@ def run_matrix(request: matrix.MatrixRequest, progress: bool = True, executor=No
     directory = request.directory
     directory.mkdir(parents=True, exist_ok=True)
     if executor not in (None, "local"):
+        if plan.early is not None:
+            raise QevalError("--early runs here (--executor local): its pairs advance in rounds, each deciding on "
+                             "the whole board")
         run = as_executor(executor).run(plan, progress)
     else:
         with progress_bar(f"matrix: reference + {len(plan.pairs)} pairs", plan.total_chunks, progress) as advance:

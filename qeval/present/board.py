@@ -119,6 +119,9 @@ class BoardRow:
     above_floor: bool | None = None  # its confidence interval lies above 0: the KV quant costs more than the floor
     segments: dict[str, TokenGroup] = field(default_factory=dict)  # segment name -> its figures (summary.by_segment)
     categories: dict[str, TokenGroup] = field(default_factory=dict)  # category name -> its figures (by_category)
+    chunks: int | None = None  # the chunks its figures are over
+    scored_tokens: int | None = None
+    stopped: str | None = None  # decided early: why it stopped (qeval.compare.early; EARLY when not known); None: full
 
     def value(self, key: str) -> float | None:
         """The value of board metric `key` ("kld_mean", "ppl")."""
@@ -152,6 +155,8 @@ class BoardRow:
         out.update(control=self.control, kld_excess=self.kld_excess, within_noise=self.within_noise)
         out.update(floor=self.floor, kld_over_floor=self.kld_over_floor, kld_over_floor_se=self.kld_over_floor_se,
                    above_floor=self.above_floor)
+        if self.stopped is not None:
+            out.update(chunks=self.chunks, scored_tokens=self.scored_tokens, stopped=self.stopped)
         for task, figures in self.task_flips.items():
             out.update((task_flips.row_key(k, task), v) for k, v in figures.to_json().items())
         return out
@@ -174,7 +179,13 @@ def board_row(summary: ComparisonSummary, samplers=(), flips: dict[str, FlipFigu
                     memory_gib=None if size is None or kv_gib is None else round(size + kv_gib, 4),
                     control=is_control(summary.comparison_request()), floor=is_floor(summary.comparison_request()),
                     segments={g.name: g for g in summary.by_segment or ()},
-                    categories={g.name: g for g in summary.by_category or ()})
+                    categories={g.name: g for g in summary.by_category or ()}, chunks=summary.chunks,
+                    scored_tokens=summary.scored_tokens, stopped=EARLY if _decided_early(summary) else None)
+
+
+def _decided_early(summary: ComparisonSummary) -> bool:
+    request = summary.comparison_request()
+    return request is not None and request.early is not None
 
 
 def _sampler_figures(summary: ComparisonSummary, held: dict[str, MetricValue], name: str) -> dict:
@@ -221,6 +232,20 @@ def compare_with_floor(rows: list[BoardRow], per_token) -> None:
         row.kld_over_floor, row.kld_over_floor_se, row.above_floor = mean, se, bool(low > 0.0)
 
 
+def has_early(rows: list[BoardRow]) -> bool:
+    """Whether the board was decided early (some row says why it stopped)."""
+    return any(r.stopped is not None for r in rows)
+
+
+EARLY = "decided early"  # the row of an early result whose reason its board did not say (a leaderboard of results)
+# Under a board decided early (qeval matrix --early).
+EARLY_NOTE = ("Decided early (--early): each pair visited the chunks in one seeded random order and stopped once its "
+              "mean KLD was known to the stated precision (\"precision\") or its order against its neighbours and "
+              "its Pareto status were settled (\"settled\"), chunks as the sampling unit; \"tokens (chunks)\" is "
+              "what its figures stand on, of the whole corpus. A later run without --early extends each pair from "
+              "its checkpoint to every chunk.")
+
+
 def has_floor(rows: list[BoardRow]) -> bool:
     return any(r.floor for r in rows)
 
@@ -242,26 +267,30 @@ def has_control(rows: list[BoardRow]) -> bool:
 # the table
 # --------------------------------------------------------------------------------------------------
 def leaderboard_columns(samplers=(), tasks=(), control: bool = False, segments=(),
-                        floor: bool = False) -> tuple[tuple[str, str], ...]:
+                        floor: bool = False, early: bool = False) -> tuple[tuple[str, str], ...]:
     """(heading, written column) of the table's columns after the label: a TVD column per sampler, on a board with
     a control the KLD over it (CONTROL_NOTE), with a floor each KV row's KLD over it (FLOOR_NOTE), a KLD column per
-    segment in `segments` (names, group_names), and a flips column per task set."""
+    segment in `segments` (names, group_names), a flips column per task set, and on a board decided early
+    (has_early) the tokens each row stands on and why it stopped (EARLY_NOTE)."""
     return (("quant", "quant"), ("KV", "kv"), ("size GiB", "size_gib"), ("BPW", "bpw"),
             *((m.heading + (" ± SE" if m.has_se else ""), m.key) for m in board_metrics(samplers)),
             *((("KLD over control", "kld_excess"),) if control else ()),
             *((("KLD over floor ± SE", "kld_over_floor"),) if floor else ()),
             ("KLD deepest band ± SE", "kld_deepest"), *((f"KLD {name} ± SE", f"kld_{name}") for name in segments),
-            *task_flips.columns(tasks))
+            *task_flips.columns(tasks),
+            *((("tokens (chunks)", "scored_tokens"), ("stopped", "stopped")) if early else ()))
 
 
-def leaderboard_cells(r: BoardRow, tasks=(), control: bool = False, segments=(), floor: bool = False) -> list[str]:
+def leaderboard_cells(r: BoardRow, tasks=(), control: bool = False, segments=(), floor: bool = False,
+                      early: bool = False) -> list[str]:
     """The formatted cells of one row: label, then leaderboard_columns(its samplers, tasks, control, segments,
-    floor)."""
+    floor, early)."""
     deepest = "" if r.deepest is None else f"{kld_cell(r.deepest)} ({r.deepest.name})"
     return [r.label, r.quant, r.kv, _num(r.size_gib, ".3f"), _num(r.bpw, ".2f"),
             *(m.cell(*((mv.value, mv.se) if mv else (None, None))) for m, mv in r.board_values()),
             *((control_cell(r),) if control else ()), *((floor_cell(r),) if floor else ()), deepest, *(kld_cell(r.segments.get(name)) for name in segments),
-            *(r.task_flips[task].cell() if task in r.task_flips else "" for task in tasks)]
+            *(r.task_flips[task].cell() if task in r.task_flips else "" for task in tasks),
+            *((f"{r.scored_tokens:,} ({r.chunks})", r.stopped or "") if early else ())]
 
 
 def control_cell(r: BoardRow) -> str:
@@ -292,12 +321,12 @@ def leaderboard_markdown(rows: list[BoardRow], samplers=(), tasks=(), pareto: bo
     """A paste-ready markdown table, sorted by mean KLD: a TVD column per sampler in `samplers` (names), a KLD
     column per segment any row holds, a flips column per task set in `tasks`, and with `pareto`, a column marking
     the rows on the Pareto front."""
-    control, segments, floor = has_control(rows), group_names(rows), has_floor(rows)
-    header = ["label", *(name for name, _ in leaderboard_columns(samplers, tasks, control, segments, floor))] + \
-        (["Pareto"] if pareto else [])
+    control, segments, floor, early = has_control(rows), group_names(rows), has_floor(rows), has_early(rows)
+    header = ["label", *(name for name, _ in leaderboard_columns(samplers, tasks, control, segments, floor, early))] \
+        + (["Pareto"] if pareto else [])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in sorted(rows, key=rank_key):
-        cells = [_md_escape(c) for c in leaderboard_cells(r, tasks, control, segments, floor)]
+        cells = [_md_escape(c) for c in leaderboard_cells(r, tasks, control, segments, floor, early)]
         if pareto:
             cells.append(pareto_mark(r))
         lines.append("| " + " | ".join(cells) + " |")

@@ -7,7 +7,7 @@ import html
 import math
 
 from qeval import __version__
-from qeval.present.board import has_floor, leaderboard_cells, leaderboard_columns, notes, settings_lines
+from qeval.present.board import has_early, has_floor, leaderboard_cells, leaderboard_columns, notes, settings_lines
 from qeval.present.plots import PLOTS
 
 CSS = """
@@ -43,15 +43,15 @@ footer { color: var(--muted); font-size: 12px; margin-top: 36px; }
 def table_html(board) -> str:
     """The leaderboard as an HTML <table> (also handy in a notebook: IPython.display.HTML)."""
     segments = board.segments
-    floor = has_floor(board.rows)
-    columns = leaderboard_columns(board.samplers, board.tasks, board.control, segments, floor)
+    floor, early = has_floor(board.rows), has_early(board.rows)
+    columns = leaderboard_columns(board.samplers, board.tasks, board.control, segments, floor, early)
     headings = ("#", "label", *(name for name, _ in columns))
     head = "".join(f"<th>{html.escape(c)}</th>" for c in headings)
     klds = [r.kld_mean for r in board.rows if r.kld_mean > 0]
     lo, hi = (math.log10(min(klds)), math.log10(max(klds))) if klds else (0.0, 0.0)
     body = []
     for r in board.rows:
-        cells = leaderboard_cells(r, board.tasks, board.control, segments, floor)
+        cells = leaderboard_cells(r, board.tasks, board.control, segments, floor, early)
         label = html.escape(cells[0]) + ('<span class="badge" title="on the size/KLD Pareto front">Pareto</span>'
                                          if r.pareto else "")
         tds = [f'<td class="num">{"" if r.rank is None else r.rank}</td>', f"<td>{label}</td>"]
