@@ -309,7 +309,7 @@ def floor_cell(r: BoardRow) -> str:
         return "floor"
     if r.kld_over_floor is None:
         return ""
-    return f"{plus_minus(r.kld_over_floor, r.kld_over_floor_se, '+.6f')} ({'above' if r.above_floor else 'within'})"
+    return f"{plus_minus(r.kld_over_floor, r.kld_over_floor_se, '+.6f', '.6f')} ({'above' if r.above_floor else 'within'})"
 
 
 def pareto_mark(row: BoardRow) -> str:
