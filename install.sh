@@ -6,7 +6,7 @@
 #   ./install.sh --gpu cuda               # or metal, vulkan, hip
 #   ./install.sh --rebuild                # rebuild llama-cpp-python even if its flags did not change
 #
-# The build flags come from qeval/capture/buildflags.py (CPU features read from /proc/cpuinfo; extra
+# The build flags come from qeval/engine/buildflags.py (CPU features read from /proc/cpuinfo; extra
 # CMAKE_ARGS from the environment are appended and win). llama-cpp-python is rebuilt only when
 # those flags change, and then always from source: pip's wheel cache ignores CMAKE_ARGS.
 set -euo pipefail
@@ -28,8 +28,8 @@ done
 py="$venv/bin/python"
 "$py" -m pip install --quiet --upgrade pip
 
-cmake_args="$("$py" qeval/capture/buildflags.py ${gpu:+--gpu "$gpu"}) ${CMAKE_ARGS:-}"
-llama_pkg="$("$py" qeval/capture/buildflags.py --package)"
+cmake_args="$("$py" qeval/engine/buildflags.py ${gpu:+--gpu "$gpu"}) ${CMAKE_ARGS:-}"
+llama_pkg="$("$py" qeval/engine/buildflags.py --package)"
 stamp="$venv/.qeval-llama-cpp-build"
 if [ "$rebuild" = 1 ] || [ "$(cat "$stamp" 2>/dev/null)" != "$llama_pkg $cmake_args" ] \
    || ! "$py" -c "import llama_cpp" 2>/dev/null; then

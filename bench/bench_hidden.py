@@ -32,7 +32,7 @@ max |logit difference|; bytes per scored token (raw and zstd); replay throughput
 log-softmax, tokens/s). llama.cpp's logits are those of a plain logits-only context (what
 qeval's Engine stores), and the embeddings context's own logits are checked against them.
 Windows: n_ctx 512 from the shipped corpus, scored positions 256..510, BOS first, decoded in
-128-token pieces (qeval.capture.engine). Timings on a shared 2-core machine are approximate.
+128-token pieces (qeval.engine.engine). Timings on a shared 2-core machine are approximate.
 --f16 requantizes the demo Q4_K_M to F16 (gemma-3-270m-F16.gguf next to the demo models) and
 measures it too: its head's vec_dot_type is fp16, so there a 2-byte (fp16) store is what ggml multiplies.
 """
@@ -50,8 +50,8 @@ import gguf
 import numpy as np
 import zstandard
 
-from qeval.capture.corpus import load_corpus, make_windows
-from qeval.capture.engine import Engine, EngineSettings
+from qeval.engine.engine import Engine, EngineSettings
+from qeval.inputs.corpus import load_corpus, make_windows
 from qeval.orchestrate import demo
 from qeval.storage.scoring import HALF
 

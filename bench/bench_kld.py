@@ -30,8 +30,8 @@ from pathlib import Path
 from common import cpu_name
 
 from qeval import api
-from qeval.capture.engine import available_cores
 from qeval.compare.metrics import BLOCK_TOKENS
+from qeval.engine.engine import available_cores
 from qeval.orchestrate import demo
 from qeval.storage import runs
 from qeval.storage.store import StoreReader

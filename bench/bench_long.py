@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from qeval.capture.corpus import load_corpus
+from qeval.inputs.corpus import load_corpus
 from qeval.orchestrate import demo
 
 FORWARD_ONLY = "every:4096"

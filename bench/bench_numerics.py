@@ -22,8 +22,8 @@ from pathlib import Path
 from common import cpu_name
 
 from qeval import api
-from qeval.capture.engine import EngineSettings
 from qeval.compare.summary import summarize
+from qeval.engine.engine import EngineSettings
 from qeval.orchestrate import demo
 from qeval.present import board
 

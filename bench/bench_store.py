@@ -22,11 +22,11 @@ import numpy as np
 import zstandard
 
 from qeval.capture.capture import encode_window, scored_targets
-from qeval.capture.corpus import load_corpus, make_windows
-from qeval.capture.engine import Engine, EngineSettings
 from qeval.compare import stats
 from qeval.compare.kernels import decode_tables
 from qeval.compare.metrics import compare_chunk
+from qeval.engine.engine import Engine, EngineSettings
+from qeval.inputs.corpus import load_corpus, make_windows
 from qeval.orchestrate import demo
 from qeval.storage.codec import SqrtLogCode
 from qeval.storage.scoring import HALF

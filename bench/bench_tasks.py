@@ -24,8 +24,8 @@ from pathlib import Path
 from common import cpu_name, llamacpp_setup, timed
 from make_cloze import cloze_tasks
 
-from qeval.capture.corpus import load_corpus
 from qeval.capture.taskscore import task_order
+from qeval.inputs.corpus import load_corpus
 from qeval.storage.taskstore import TaskStore
 
 RUNNING_ACCURACY = re.compile(r"^(\d+)\t([\d.]+)%\t\[", re.MULTILINE)  # hellaswag_score's line per task

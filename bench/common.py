@@ -10,7 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from qeval.capture.corpus import load_corpus
+from qeval.inputs.corpus import load_corpus
 from qeval.orchestrate import demo
 
 TIME = ["/usr/bin/time", "-f", "WALL=%e RSS_KB=%M"]

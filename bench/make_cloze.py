@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qeval.capture.corpus import load_corpus
+from qeval.inputs.corpus import load_corpus
 
 SENTENCE = re.compile(r"[^.!?]+[.!?]")
 ABBREVIATION = re.compile(r"\b(Mr|Mrs|Dr|St)\.")  # not the end of a sentence

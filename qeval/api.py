@@ -13,12 +13,12 @@ import dataclasses
 from pathlib import Path
 
 from qeval.capture.capture import CaptureSpec, capture
-from qeval.capture.engine import EngineSettings, fixed_mmap_threshold  # noqa: F401 - re-exported for the CLI
-from qeval.capture.hub import resolve_model
 from qeval.capture.taskscore import TaskSettings  # noqa: F401 - re-exported for the CLI
 from qeval.compare import depth, metrics
 from qeval.compare.summary import Side, summarize
+from qeval.engine.engine import EngineSettings, fixed_mmap_threshold  # noqa: F401 - re-exported for the CLI
 from qeval.errors import QevalError
+from qeval.inputs.hub import resolve_model
 from qeval.orchestrate import budget, matrix, sweep
 from qeval.orchestrate.matrix import (  # noqa: F401 - public
     TaskRequest,
@@ -326,7 +326,7 @@ def template_report(reference: str, candidates: list[str], corpus: str = "conver
                     template_kwargs: str | None = None, vocab: str | None = None) -> tuple[dict, str, bool]:
     """Does each candidate's chat template render the sample conversations as the reference's does?
     (result, text, passed). template_kwargs: JSON of extra template variables (--chat-template-kwargs)."""
-    from qeval.capture.chat import parse_template_kwargs  # noqa: PLC0415
+    from qeval.inputs.chat import parse_template_kwargs  # noqa: PLC0415
     from qeval.orchestrate import templates  # noqa: PLC0415
 
     reference, *candidates = (resolve_model(spec) for spec in (reference, *candidates))  # GGUFs as hf: specs too

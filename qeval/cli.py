@@ -527,7 +527,7 @@ def template_cmd(
 
 def main(argv: list[str] | None = None) -> None:
     """The `qeval` command; `argv` (default sys.argv[1:]) lets tests run it in-process."""
-    api.fixed_mmap_threshold()  # flat peak RSS over long runs (see qeval.capture.engine)
+    api.fixed_mmap_threshold()  # flat peak RSS over long runs (see qeval.engine.engine)
     try:
         app(args=argv)
     except QevalError as exc:

@@ -9,7 +9,7 @@ an old label is not.
   producer(header)          how a store's logits were made: the model (its content fingerprint), KV
                             cache types, their rotation and flash attention, the decode mode, n_ctx,
                             the batch sizes (llama.cpp's batch shape can move logits), the code, and
-                            llama.cpp's numerics (qeval.capture.numerics: build, environment, layers
+                            llama.cpp's numerics (qeval.engine.numerics: build, environment, layers
                             offloaded). Not threads or decode-ahead: those do not choose what is
                             computed. A store from before numerics were recorded holds NOT_RECORDED:
                             a request, which always knows its numerics, never equals it.
@@ -74,9 +74,9 @@ def producer(header) -> dict:
 
 
 def planned_producer(model_facts: dict, planned: dict, n_ctx: int, codec: dict, scoring: str = "half") -> dict:
-    """producer() of the store a run of the GGUF model whose facts (qeval.capture.modelinfo.model_facts) are
+    """producer() of the store a run of the GGUF model whose facts (qeval.engine.modelinfo.model_facts) are
     `model_facts` would write, `planned` being what its settings make of the KV block, numerics and batch sizes
-    (qeval.capture.engine.planned_fields)."""
+    (qeval.engine.engine.planned_fields)."""
     planned = {"model": model_identity(model_facts, "qeval", ""), "kv": planned["kv"], "n_ctx": n_ctx,
                "n_batch": planned["n_batch"], "n_ubatch": planned["n_ubatch"], "codec": codec, "scoring": scoring,
                "numerics": planned["numerics"]}
@@ -101,13 +101,13 @@ def window_labels_identity(header, n_chunks: int) -> dict:
 def task_store_identity(tasks, limit: int | None, model, facts: dict, label: str, settings,
                         scoring_version: int) -> dict:
     """What a task store of `model` (qeval.capture.taskscore.TaskModel, with model facts `facts`) over the task
-    set `tasks` (qeval.capture.taskfiles.TaskSet) is, `limit` of its tasks scored with TaskSettings `settings`.
+    set `tasks` (qeval.inputs.taskfiles.TaskSet) is, `limit` of its tasks scored with TaskSettings `settings`.
     A limit that takes every task is no limit: such a store is the store of the whole set."""
     selection = {"limit": limit if limit is not None and limit < len(tasks.items) else None}
     return {"task": tasks.identity(), "selection": selection, "model": model_identity(facts, "qeval", label),
             "tokenizer_sha256": model.tokenizer_fingerprint(), "n_vocab": model.n_vocab,
             "settings": settings.as_json(), "scoring_version": scoring_version,
-            # what llama.cpp computed with (qeval.capture.numerics): stores from before lack it and are rescored
+            # what llama.cpp computed with (qeval.engine.numerics): stores from before lack it and are rescored
             "numerics": {**model.numerics, "kv_rotation": model.kv_rotation}}
 
 

@@ -1,8 +1,8 @@
 """A backend that is not llama.cpp: the logits of every position of some token windows, saved in an .npz
-(save_replay), replayed through qeval.capture.engine.Backend. Its "model" is that file, its tokenizer reads
+(save_replay), replayed through qeval.engine.engine.Backend. Its "model" is that file, its tokenizer reads
 a text of whitespace-separated token ids, so a corpus file of those windows' ids tokenizes into them.
 
-Being a backend takes this one file and one registration (register): qeval.capture.backends.
+Being a backend takes this one file and one registration (register): qeval.engine.backends.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Iterator
 
 import numpy as np
 
-from qeval.capture.backends import register_backend
-from qeval.capture.engine import EngineSettings, ScoredRows
+from qeval.engine.backends import register_backend
+from qeval.engine.engine import EngineSettings, ScoredRows
 from qeval.errors import QevalError
 from qeval.storage.scoring import Scoring
 

@@ -18,8 +18,8 @@ import tinymodels
 from conftest import assert_cli_error, kld64, log_softmax64, run_cli
 
 from qeval import api
-from qeval.capture.engine import Engine, EngineSettings
-from qeval.capture.modelinfo import require_decoder_context
+from qeval.engine.engine import Engine, EngineSettings
+from qeval.engine.modelinfo import require_decoder_context
 from qeval.errors import QevalError
 from qeval.orchestrate import demo
 from qeval.storage.scoring import half_span

@@ -1,4 +1,4 @@
-"""Backends (qeval.capture.backends): a backend that is not llama.cpp, registered from here (tests/replay_backend.py),
+"""Backends (qeval.engine.backends): a backend that is not llama.cpp, registered from here (tests/replay_backend.py),
 captures through the normal capture() path and runs as a live candidate; the stores and numbers are those of
 its logits written straight through the codec (tests/conftest.py)."""
 
@@ -12,10 +12,10 @@ import replay_backend
 from conftest import decoded_logprobs, kld64, log_softmax64, make_tokens, realistic_logits, write_store
 
 from qeval import api
-from qeval.capture.backends import open_backend
 from qeval.capture.capture import CaptureSpec, capture, open_live
-from qeval.capture.engine import EngineSettings
 from qeval.compare import metrics
+from qeval.engine.backends import open_backend
+from qeval.engine.engine import EngineSettings
 from qeval.errors import QevalError
 from qeval.storage.scoring import HALF
 from qeval.storage.store import StoreReader

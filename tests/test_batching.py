@@ -15,8 +15,8 @@ import pytest
 
 from qeval import api
 from qeval.capture.capture import encoder_threads
-from qeval.capture.corpus import load_corpus
-from qeval.capture.engine import Engine, EngineSettings, available_cores
+from qeval.engine.engine import Engine, EngineSettings, available_cores
+from qeval.inputs.corpus import load_corpus
 from qeval.storage.store import StoreReader
 
 N_CTX = 64

@@ -16,7 +16,7 @@ from conftest import assert_cli_error, make_pair, run_cli
 from test_backends import N, N_CTX, REPLAY, V, replayed  # noqa: F401 - replayed: the backend's model and corpus
 
 from qeval import api
-from qeval.capture.engine import EngineSettings
+from qeval.engine.engine import EngineSettings
 from qeval.errors import QevalError
 from qeval.orchestrate import budget
 from qeval.storage.scoring import HALF

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from qeval import api
-from qeval.capture.corpus import load_corpus
-from qeval.capture.engine import Engine, EngineSettings
+from qeval.engine.engine import Engine, EngineSettings
 from qeval.errors import QevalError
+from qeval.inputs.corpus import load_corpus
 from qeval.storage.store import StoreReader
 
 N_CTX = 64

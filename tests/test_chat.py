@@ -1,4 +1,4 @@
-"""Conversation corpora, chat templates (qeval.capture.chat) and `qeval template` (qeval.orchestrate.templates)."""
+"""Conversation corpora, chat templates (qeval.inputs.chat) and `qeval template` (qeval.orchestrate.templates)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 import tinymodels
 from conftest import assert_cli_error, run_cli
 
-from qeval.capture import chat
-from qeval.capture.engine import LlamaModel
+from qeval.engine.engine import LlamaModel
 from qeval.errors import QevalError
+from qeval.inputs import chat
 from qeval.orchestrate import templates
 
 SUITE = chat.shipped_dir()

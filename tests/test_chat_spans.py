@@ -1,4 +1,4 @@
-"""Assistant tokens of a rendered conversation and their segments (qeval.capture.chat_spans).
+"""Assistant tokens of a rendered conversation and their segments (qeval.inputs.chat_spans).
 
 The rule under test (the module docstring): a token is labelled with a segment when its bytes lie wholly inside
 a span of that segment, the span being what the assistant wrote (reasoning, answer text, a tool call from the
@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qeval.capture import chat, chat_spans
-from qeval.capture.chat_spans import ANSWER, NOT_SCORED, SEGMENTS, THINKING, TOOL_CALL
-from qeval.capture.engine import LlamaModel
+from qeval.engine.engine import LlamaModel
 from qeval.errors import QevalError
+from qeval.inputs import chat, chat_spans
+from qeval.inputs.chat_spans import ANSWER, NOT_SCORED, SEGMENTS, THINKING, TOOL_CALL
 
 REPO = Path(__file__).resolve().parents[1]
 CHECKOUT_SUITE = REPO / "corpora" / "conversations"

@@ -17,9 +17,9 @@ import pytest
 from conftest import assert_cli_error, run_cli
 from test_leaderboard import CANDIDATES, build_results
 
-from qeval.capture.engine import EngineSettings
 from qeval.compare import paired_stats
 from qeval.compare.metric_registry import MetricValue
+from qeval.engine.engine import EngineSettings
 from qeval.orchestrate import matrix
 from qeval.present import board as boardrows
 from qeval.present import leaderboard

@@ -10,10 +10,10 @@ import pytest
 from conftest import assert_cli_error, run_cli
 
 from qeval import api
-from qeval.capture import chat
-from qeval.capture.chat_spans import scored_conversation
-from qeval.capture.conversation_windows import chat_template_for
-from qeval.capture.engine import LlamaModel
+from qeval.engine.engine import LlamaModel
+from qeval.inputs import chat
+from qeval.inputs.chat_spans import scored_conversation
+from qeval.inputs.conversation_windows import chat_template_for
 from qeval.storage.store import StoreReader
 
 N_CTX = 256

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qeval.capture.corpus import HF_ALIASES, load_corpus, make_windows, parse_hf_spec, shipped_names, tokenize_documents
 from qeval.errors import QevalError
+from qeval.inputs.corpus import HF_ALIASES, load_corpus, make_windows, parse_hf_spec, shipped_names, tokenize_documents
 
 WIKI_ROWS = ["", " = Robert Boulter = \n", "", " Robert Boulter is an English film , television and theatre actor .\n",
              "", " = = Career = = \n", " He had a guest role in 2000 .\n"]

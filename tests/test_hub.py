@@ -1,4 +1,4 @@
-"""hf:USER/REPO[:QUANT] models (qeval.capture.hub), against a local server that answers as the Hugging Face Hub
+"""hf:USER/REPO[:QUANT] models (qeval.inputs.hub), against a local server that answers as the Hugging Face Hub
 does for the calls huggingface_hub makes: the repo listing (GET /api/models/REPO) and file downloads
 (HEAD then GET /REPO/resolve/main/FILE, with a Range request to resume a cut one). Nothing here reaches the
 internet; the real Hub is not tested."""
@@ -18,8 +18,8 @@ import pytest
 from conftest import assert_cli_error, make_pair, run_cli
 from werkzeug import Request, Response
 
-from qeval.capture import hub
 from qeval.errors import QevalError
+from qeval.inputs import hub
 from qeval.orchestrate.matrix import parse_model_arg
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -280,7 +280,7 @@ def test_the_hub_settings_are_read_from_the_environment(fake_hub, httpserver, tm
     HF_HUB_OFFLINE=1 too, it finds the file in that cache without a request: qeval overrides none of them."""
     env = {**os.environ, "HF_ENDPOINT": httpserver.url_for("").rstrip("/"),
            "HF_HUB_CACHE": str(tmp_path / "env-cache"), "PYTHONPATH": str(Path(hub.__file__).parents[2])}
-    resolve = [sys.executable, "-c", "from qeval.capture.hub import resolve_model as r; print(r('hf:org/release:F16'))"]
+    resolve = [sys.executable, "-c", "from qeval.inputs.hub import resolve_model as r; print(r('hf:org/release:F16'))"]
     path = subprocess.run(resolve, env=env, capture_output=True, text=True, check=True).stdout.strip()
     assert Path(path).read_bytes() == RELEASE["model-F16.gguf"] and (tmp_path / "env-cache") in Path(path).parents
     requests = len(httpserver.log)

@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_import_contracts_hold(monkeypatch):
-    """storage -> capture | compare -> present -> orchestrate -> api -> cli, and cli through api only."""
+    """storage -> engine -> inputs -> capture | compare -> present -> orchestrate -> api -> cli, compare apart from
+    engine and inputs, and cli through api only."""
     monkeypatch.chdir(ROOT)
     assert lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True) == 0
 

@@ -14,8 +14,8 @@ import pytest
 import zstandard
 
 from qeval import api
-from qeval.capture.corpus import load_corpus
-from qeval.capture.engine import Engine
+from qeval.engine.engine import Engine
+from qeval.inputs.corpus import load_corpus
 from qeval.storage.llamacpp import LlamaCppBaseFile
 
 FIXTURE = Path(__file__).parent / "data" / "llamacpp-gemma3-270m-q8_0-c16.kld.zst"

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from qeval import api
-from qeval.capture.engine import EngineSettings
+from qeval.engine.engine import EngineSettings
 from qeval.errors import QevalError
 from qeval.storage.store import PIECE_ROWS, StoreReader
 

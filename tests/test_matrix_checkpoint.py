@@ -22,7 +22,7 @@ import replay_backend
 from conftest import assert_cli_error, make_tokens, perturb, realistic_logits, run_cli
 
 from qeval import api
-from qeval.capture.engine import EngineSettings
+from qeval.engine.engine import EngineSettings
 from qeval.errors import QevalError
 from qeval.orchestrate import matrix, sweep
 from qeval.present import checkpoint, results

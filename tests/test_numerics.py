@@ -1,5 +1,5 @@
 """What llama.cpp computed with: the KV rotation, the decode mode, the environment and the build are part of every
-store's and result's identity (qeval.capture.numerics, qeval.identity), and the board's floor row."""
+store's and result's identity (qeval.engine.numerics, qeval.identity), and the board's floor row."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 
 from conftest import make_pair
 from qeval import api, identity
-from qeval.capture import numerics
-from qeval.capture.engine import Engine, EngineSettings, planned_fields
-from qeval.capture.modelinfo import model_facts
+from qeval.engine import numerics
+from qeval.engine.engine import Engine, EngineSettings, planned_fields
+from qeval.engine.modelinfo import model_facts
 from qeval.errors import QevalError
 from qeval.orchestrate import matrix
 from qeval.present import results

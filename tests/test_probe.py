@@ -13,7 +13,7 @@ import sys
 import pytest
 from conftest import assert_cli_error, run_cli
 
-from qeval.capture import buildflags, probe
+from qeval.engine import buildflags, probe
 from qeval.errors import QevalError
 from qeval.orchestrate import demo
 

@@ -17,10 +17,10 @@ import pytest
 from conftest import assert_cli_error, make_pair, run_cli
 
 from qeval import api
-from qeval.capture.engine import EngineSettings
 from qeval.compare import metric_registry, metrics, sampler
 from qeval.compare.sampler import PRESETS, Sampler
 from qeval.compare.summary import ComparisonSummary, summarize
+from qeval.engine.engine import EngineSettings
 from qeval.errors import QevalError
 from qeval.present import report, results
 from qeval.storage.codec import SqrtLogCode

@@ -21,18 +21,6 @@ import numpy as np
 import pytest
 from conftest import assert_cli_error, run_cli
 
-from qeval.capture.taskfiles import (
-    TaskFileError,
-    TaskItem,
-    guess_format,
-    load_hf_tasks,
-    load_tasks,
-    mc_bytes,
-    parse_hellaswag,
-    parse_mc,
-    parse_task_spec,
-    parse_winogrande,
-)
 from qeval.capture.taskscore import (
     llama_score,
     log_softmax_at,
@@ -44,6 +32,18 @@ from qeval.capture.taskscore import (
 )
 from qeval.compare.flips import flips, mcnemar_exact, pair_records
 from qeval.errors import MismatchError, QevalError, StoreFormatError
+from qeval.inputs.taskfiles import (
+    TaskFileError,
+    TaskItem,
+    guess_format,
+    load_hf_tasks,
+    load_tasks,
+    mc_bytes,
+    parse_hellaswag,
+    parse_mc,
+    parse_task_spec,
+    parse_winogrande,
+)
 from qeval.storage.taskstore import (
     TaskStore,
     TaskStoreComplete,
@@ -722,7 +722,7 @@ def _cpu_kind() -> tuple[str, list[str]]:
 
 
 def _recorded(models, quant: str, task: str) -> dict:
-    from qeval.capture.modelinfo import content_fingerprint
+    from qeval.engine.modelinfo import content_fingerprint
 
     recorded = json.loads(RECORDED.read_text())
     rec = recorded[task][quant]
@@ -735,7 +735,7 @@ def _recorded(models, quant: str, task: str) -> dict:
 
 def _capture(models, quant, task, tmp_path, settings=None, **kw):
     from qeval import api
-    from qeval.capture.engine import EngineSettings
+    from qeval.engine.engine import EngineSettings
     from qeval.capture.taskscore import TaskSettings
 
     result, _ = api.task_capture_report(str(models[quant]), str(task), label=quant, runs_dir=tmp_path,
@@ -773,7 +773,7 @@ def test_scores_equal_float64_from_llama_cpp_python_logits(models, tmp_path):
     cells, moved a choice's sum by up to 4.5e-3 nats, thousands of times this test's tolerance."""
     import llama_cpp
 
-    from qeval.capture.engine import EngineSettings
+    from qeval.engine.engine import EngineSettings
     from qeval.capture.taskscore import TaskModel, TaskSettings
 
     def settings(layout):
@@ -846,7 +846,7 @@ def test_scores_equal_float64_from_llama_cpp_python_logits(models, tmp_path):
 
 def test_task_capture_resumes_to_the_same_values(models, tmp_path):
     from qeval.capture import tasks as taskcapture
-    from qeval.capture.engine import EngineSettings
+    from qeval.engine.engine import EngineSettings
     from qeval.capture.taskscore import TaskSettings
     from qeval.orchestrate import tasks
 

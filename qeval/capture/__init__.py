@@ -1,2 +1,2 @@
-"""Corpus to store: documents and windows, the model's facts, the llama.cpp engine behind a small
-protocol, the crash probe and this CPU's build flags, and the capture loop that writes stores."""
+"""The writers: a model run over the inputs into a logit store (resumable, or live as a candidate), and task
+sets scored into a task store."""

@@ -17,12 +17,12 @@ import numpy as np
 import zstandard
 
 from qeval import __version__
-from qeval.capture.backends import open_backend
-from qeval.capture.chat import parse_template_kwargs
-from qeval.capture.conversation_windows import conversation_windows, is_conversation_corpus
-from qeval.capture.corpus import load_corpus, make_windows, tokenize_documents
-from qeval.capture.engine import Backend, EngineSettings, ScoredRows, available_cores
+from qeval.engine.backends import open_backend
+from qeval.engine.engine import Backend, EngineSettings, ScoredRows, available_cores
 from qeval.errors import MismatchError, QevalError
+from qeval.inputs.chat import parse_template_kwargs
+from qeval.inputs.conversation_windows import conversation_windows, is_conversation_corpus
+from qeval.inputs.corpus import load_corpus, make_windows, tokenize_documents
 from qeval.pool import bounded_map
 from qeval.storage.codec import BadLogits, EncodedBlock, SqrtLogCode
 from qeval.storage.scoring import ASSISTANT, Scoring, WindowLabels

@@ -1,4 +1,4 @@
-"""Task capture: a GGUF over a task set (qeval.capture.taskfiles), every choice scored as llama-perplexity scores it
+"""Task capture: a GGUF over a task set (qeval.inputs.taskfiles), every choice scored as llama-perplexity scores it
 (qeval.capture.taskscore), into a task store RUNS_DIR/tasks/<task>/<label>.tasks.jsonl; resumable.
 
 What a store holds is qeval.identity.task_store_identity: a complete store of the same identity is reused, an
@@ -12,9 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from qeval.capture.taskfiles import TaskSet, load_tasks
 from qeval.capture.taskscore import SCORING_VERSION, TaskModel, TaskSettings, pack, plan_tasks, task_order
 from qeval.identity import task_store_identity
+from qeval.inputs.taskfiles import TaskSet, load_tasks
 from qeval.storage import runs, taskstore
 from qeval.storage.taskstore import TaskStoreComplete, TaskStoreWriter, make_record
 

@@ -46,9 +46,9 @@ from dataclasses import dataclass, field
 import numba
 import numpy as np
 
-from qeval.capture.engine import ContextShape, EngineSettings, LlamaModel
-from qeval.capture.taskfiles import TaskItem, TaskSet
+from qeval.engine.engine import ContextShape, EngineSettings, LlamaModel
 from qeval.errors import QevalError
+from qeval.inputs.taskfiles import TaskItem, TaskSet
 
 # Bump when a change here moves a stored score: task stores of another version are then refused.
 SCORING_VERSION = 1

@@ -32,7 +32,7 @@ _SIDE_FIELDS = ("label", "path", "source", "model", "kv", "corpus", "n_vocab", "
 def kv_text(kv: dict | None, same_once: bool = False) -> str:
     """A KV cache's types as "type_k/type_v" ("?" for one not recorded); same_once: one type when V has none of
     its own or the same (a baseline file's "kv": "q8_0"). Then what else makes it another computation: a quantized
-    cache's rotation (rotation_text) and " gen" when decoded a token per call (qeval.capture.engine.GENERATE)."""
+    cache's rotation (rotation_text) and " gen" when decoded a token per call (qeval.engine.engine.GENERATE)."""
     kv = kv or {}
     k, v = kv.get("type_k", "?"), kv.get("type_v", "?")
     text = k if same_once and kv.get("type_v") in (None, k) else f"{k}/{v}"
@@ -62,7 +62,7 @@ class Side:
     label: str | None
     path: str | None = None
     source: str | None = None
-    model: dict | None = None  # qeval.capture.modelinfo facts (file_name, quant, size_gib, fingerprint ...)
+    model: dict | None = None  # qeval.engine.modelinfo facts (file_name, quant, size_gib, fingerprint ...)
     kv: dict | None = None  # the KV cache settings (type_k, type_v, flash_attn)
     corpus: dict | None = None
     n_vocab: int | None = None

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qeval.capture.capture import CaptureStart
-from qeval.capture.engine import GENERATE, EngineSettings, available_cores
+from qeval.engine.engine import GENERATE, EngineSettings, available_cores
 from qeval.errors import QevalError
 from qeval.present.progress import say
 from qeval.storage.store import StoreHeader

@@ -11,8 +11,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from qeval.capture.modelinfo import cache_dir
-from qeval.capture.probe import quantize_guarded
+from qeval.engine.modelinfo import cache_dir
+from qeval.engine.probe import quantize_guarded
 from qeval.errors import QevalError
 
 SOURCE_QUANT = "Q4_K_M"
@@ -30,7 +30,7 @@ DERIVATION_NOTE = ("Gemma-3-270M quants are derived from the published Q4_K_M GG
 
 
 def conversation_template() -> str:
-    from qeval.capture.chat import shipped_dir  # noqa: PLC0415
+    from qeval.inputs.chat import shipped_dir  # noqa: PLC0415
 
     return str(shipped_dir() / "gemma3-chat-template.jinja")
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from qeval.capture.capture import CaptureSpec, capture, corpus_windows
-from qeval.capture.engine import EngineSettings, LlamaModel
+from qeval.engine.engine import EngineSettings, LlamaModel
 from qeval.errors import QevalError
 from qeval.orchestrate.matrix import (
     SKIP,

@@ -25,7 +25,12 @@ from typing import Callable
 
 from qeval import identity
 from qeval.capture.capture import CaptureSpec, capture, open_live
-from qeval.capture.engine import (
+from qeval.capture.taskscore import TaskSettings
+from qeval.compare import early as early_stop
+from qeval.compare import metrics, sampler
+from qeval.compare.early import EarlySettings, held_prefix
+from qeval.compare.summary import ComparisonSummary
+from qeval.engine.engine import (
     GENERATE,
     PROMPT,
     UNQUANTIZED_KV,
@@ -33,15 +38,10 @@ from qeval.capture.engine import (
     available_cores,
     planned_fields,
 )
-from qeval.capture.hub import hub_label, is_hub_spec, is_whole_repo, repo_models, resolve_model, uploader_labels
-from qeval.capture.modelinfo import model_facts
-from qeval.capture.taskfiles import load_tasks
-from qeval.capture.taskscore import TaskSettings
-from qeval.compare import early as early_stop
-from qeval.compare import metrics, sampler
-from qeval.compare.early import EarlySettings, held_prefix
-from qeval.compare.summary import ComparisonSummary
+from qeval.engine.modelinfo import model_facts
 from qeval.errors import QevalError, WriteFailed
+from qeval.inputs.hub import hub_label, is_hub_spec, is_whole_repo, repo_models, resolve_model, uploader_labels
+from qeval.inputs.taskfiles import load_tasks
 from qeval.orchestrate import budget
 from qeval.orchestrate import tasks as taskrun
 from qeval.present import board, checkpoint, report, results
@@ -170,7 +170,7 @@ def pair_settings(kv: str, base: EngineSettings = EngineSettings()) -> EngineSet
 class TaskRequest:
     """A task set the reference and every pair are scored on (as llama-perplexity scores tasks), for flips."""
 
-    task: str  # a task file or hf:DATASET[/CONFIG][:SPLIT] (qeval.capture.taskfiles)
+    task: str  # a task file or hf:DATASET[/CONFIG][:SPLIT] (qeval.inputs.taskfiles)
     kind: str | None = None  # hellaswag, winogrande or mc; None: guessed from the file
     limit: int | None = None  # llama-perplexity's --*-tasks N selection; None: every task
     name: str | None = None  # the task set's name (its folder in RUNS_DIR/tasks), set by plan_matrix

@@ -9,11 +9,11 @@ import os
 from pathlib import Path
 
 from qeval.capture.capture import open_live
-from qeval.capture.engine import EngineSettings, available_cores
-from qeval.capture.hub import hub_label, is_hub_spec, resolve_model
-from qeval.capture.modelinfo import is_model_file
 from qeval.compare import metrics, sampler
+from qeval.engine.engine import EngineSettings, available_cores
+from qeval.engine.modelinfo import is_model_file
 from qeval.errors import QevalError
+from qeval.inputs.hub import hub_label, is_hub_spec, resolve_model
 from qeval.orchestrate import budget
 from qeval.present.progress import progress_bar
 from qeval.storage import runs

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from qeval.capture.chat import ChatTemplate, Conversation, load_conversations, load_template, special_token_texts
-from qeval.capture.engine import LlamaModel
-from qeval.capture.modelinfo import is_model_file
+from qeval.engine.engine import LlamaModel
+from qeval.engine.modelinfo import is_model_file
 from qeval.errors import QevalError
+from qeval.inputs.chat import ChatTemplate, Conversation, load_conversations, load_template, special_token_texts
 from qeval.present import templates_text
 
 VARIANTS = ({"enable_thinking": True}, {"enable_thinking": False})

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import numpy as np
 
-from qeval.capture.modelinfo import kv_cache_gib
 from qeval.compare import metric_registry, ranking, sampler
 from qeval.compare.metric_registry import Metric, MetricValue, plus_minus, sampler_metrics
 from qeval.compare.paired_stats import NOISE_SIGMAS, chunk_means, excess_over, interval_t
 from qeval.compare.summary import ComparisonSummary, DepthBand, TokenGroup
+from qeval.engine.modelinfo import kv_cache_gib
 from qeval.identity import is_control, is_floor
 from qeval.present import task_flips
 from qeval.present.task_flips import FlipFigures

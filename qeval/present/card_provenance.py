@@ -168,7 +168,7 @@ UNRECORDED_HARDWARE = f"GPU model and llama.cpp commit {NOT_RECORDED} by qeval (
 
 
 def _environment_text(numerics: dict | None) -> str:
-    """The GGML_/LLAMA_ variables the capture ran under (qeval.capture.numerics), "none set" when none."""
+    """The GGML_/LLAMA_ variables the capture ran under (qeval.engine.numerics), "none set" when none."""
     if not isinstance(numerics, dict):
         return NOT_RECORDED
     env = numerics.get("env") or {}

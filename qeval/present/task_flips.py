@@ -14,9 +14,9 @@ import functools
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from qeval.capture.engine import recorded_kv
 from qeval.compare import flips as flipmath
 from qeval.compare.summary import ComparisonSummary
+from qeval.engine.engine import recorded_kv
 from qeval.errors import MismatchError
 from qeval.identity import changes
 from qeval.storage.taskstore import STORE_SUFFIX, TASKS_SUBDIR, TaskStore

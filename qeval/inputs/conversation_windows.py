@@ -2,7 +2,7 @@
 
 Each conversation is rendered with a chat template (the model's own, `--chat-template FILE`, or `plain`: the
 same texts without any turn markup), tokenized with its special tokens parsed, and its tokens labelled by the
-segment the assistant wrote them in (qeval.capture.chat_spans). A conversation is a document: a window never
+segment the assistant wrote them in (qeval.inputs.chat_spans). A conversation is a document: a window never
 holds two. One shorter than n_ctx is one window, padded after its end with EOS tokens that are never scored
 (attention is causal: nothing after a token can move its logits, and the engine does not even decode them);
 a longer one is cut into windows of n_ctx tokens, each starting afresh. A window in which the assistant wrote
@@ -16,7 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from qeval.capture.chat import (
+from qeval.errors import QevalError
+from qeval.identity import digest
+from qeval.inputs.chat import (
     SHIPPED,
     ChatTemplate,
     Conversation,
@@ -25,10 +27,8 @@ from qeval.capture.chat import (
     special_token_texts,
     template_of_model,
 )
-from qeval.capture.chat_spans import PLAIN, SEGMENTS, plain_template, scored_conversation
-from qeval.capture.corpus import check_ctx
-from qeval.errors import QevalError
-from qeval.identity import digest
+from qeval.inputs.chat_spans import PLAIN, SEGMENTS, plain_template, scored_conversation
+from qeval.inputs.corpus import check_ctx
 from qeval.storage.scoring import WindowLabels
 
 
@@ -64,7 +64,7 @@ def chat_template_for(model, chat_template: str | None) -> ChatTemplate:
 
 def conversation_windows(spec: str, model, n_ctx: int, max_chunks: int | None, chat_template: str | None,
                          template_kwargs: dict) -> ConversationWindows:
-    """The scored windows of the conversation corpus `spec`, rendered for `model` (a qeval.capture.engine
+    """The scored windows of the conversation corpus `spec`, rendered for `model` (a qeval.engine.engine
     LlamaModel: tokenizer, template, EOS)."""
     check_ctx(n_ctx)
     conversations = load_conversations(spec)

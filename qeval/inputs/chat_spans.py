@@ -30,9 +30,9 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from qeval.capture.chat import ChatTemplate, Conversation, shipped_dir
-from qeval.capture.engine import LlamaModel
+from qeval.engine.engine import LlamaModel
 from qeval.errors import QevalError
+from qeval.inputs.chat import ChatTemplate, Conversation, shipped_dir
 
 SEGMENTS = ("thinking", "answer", "tool_call")
 THINKING, ANSWER, TOOL_CALL = range(1, len(SEGMENTS) + 1)  # a token's label: its segment's index + 1

@@ -8,7 +8,7 @@ is switched on exactly when this CPU reports it; AMX stays off. Elsewhere (ARM, 
 llama.cpp's own native default is right.
 
 Standard library only: install.sh runs this file before qeval (or numpy) is installed:
-    python3 qeval/capture/buildflags.py [--gpu cuda|metal|vulkan|hip] [--package]
+    python3 qeval/engine/buildflags.py [--gpu cuda|metal|vulkan|hip] [--package]
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The child side of qeval.capture.probe: `python -m qeval.capture.probe_child JOB ARGS` prints llama.cpp's
+"""The child side of qeval.engine.probe: `python -m qeval.engine.probe_child JOB ARGS` prints llama.cpp's
 system info first (the instruction sets the build was compiled for), then runs JOB. Whatever kills the
 child (SIGILL, SIGSEGV, ...) reaches the parent as a signal it turns into one message.
 
@@ -13,8 +13,8 @@ import sys
 import llama_cpp
 import numpy as np
 
-from qeval.capture.engine import Engine, quiet_llama
-from qeval.capture.probe import SYSTEM_INFO_PREFIX
+from qeval.engine.engine import Engine, quiet_llama
+from qeval.engine.probe import SYSTEM_INFO_PREFIX
 
 
 def _print_system_info() -> None:

@@ -21,8 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from qeval.capture.buildflags import X86_OPTIONS, cpu_flags, is_x86_64, reinstall_command
-from qeval.capture.modelinfo import cache_dir
+from qeval.engine.buildflags import X86_OPTIONS, cpu_flags, is_x86_64, reinstall_command
+from qeval.engine.modelinfo import cache_dir
 from qeval.errors import QevalError
 
 SYSTEM_INFO_PREFIX = "qeval-llama-system-info: "
@@ -43,7 +43,7 @@ def build_id() -> str:
 
 def child_command(args: list[str]) -> list[str]:
     """The argv of a guarded child; the one seam tests replace with a child that crashes."""
-    return [sys.executable, "-m", "qeval.capture.probe_child", *args]
+    return [sys.executable, "-m", "qeval.engine.probe_child", *args]
 
 
 def missing_instructions(system_info: str, flags: set[str]) -> list[str]:
@@ -82,8 +82,8 @@ def crash_message(returncode: int, stdout: str, what: str) -> str:
 
 
 def run_guarded(args: list[str], what: str, timeout: float = 3600) -> subprocess.CompletedProcess:
-    """Run `python -m qeval.capture.probe_child ARGS` in a child; a crash by signal raises one clear QevalError."""
-    # the child is the probe: the model it loads must not spawn another one (qeval.capture.engine.LlamaModel)
+    """Run `python -m qeval.engine.probe_child ARGS` in a child; a crash by signal raises one clear QevalError."""
+    # the child is the probe: the model it loads must not spawn another one (qeval.engine.engine.LlamaModel)
     env = {**os.environ, "QEVAL_SKIP_PROBE": "1"}
     proc = subprocess.run(child_command(args), capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode < 0:

@@ -65,7 +65,7 @@ def rotation_disabled(mode: str, environ=None) -> bool:
 
 def rotation_rule(facts: dict, type_k: str, type_v: str, mode: str = "auto", environ=None) -> dict[str, bool]:
     """{"k": ..., "v": ...}: whether llama.cpp rotates each cache, by its rule, for a model of these facts
-    (qeval.capture.modelinfo) and these cache types under `mode`; `on` where it cannot rotate is refused."""
+    (qeval.engine.modelinfo) and these cache types under `mode`; `on` where it cannot rotate is refused."""
     if mode not in ROTATION_MODES:
         raise QevalError(f"--kv-rotation must be one of {', '.join(ROTATION_MODES)}, not {mode!r}")
     geometry = (facts or {}).get("kv_cache") or {}

@@ -3,7 +3,7 @@ only the logits of scored positions.
 
 LlamaModel is qeval's one llama.cpp wrapper: model and context set-up (RoPE scaling and the trained
 context included), tokenization, the tokenizer fingerprint, decode calls and teardown. Engine decodes
-corpus windows on it (the default Backend of qeval.capture.backends); qeval.capture.taskscore.TaskModel
+corpus windows on it (the default Backend of qeval.engine.backends); qeval.capture.taskscore.TaskModel
 decodes task batches on it in a context of its own shape.
 
 Windows are decoded the way llama-perplexity decodes them: KV cache cleared, one sequence per
@@ -27,10 +27,10 @@ from typing import Iterator, Protocol
 
 import numpy as np
 
-from qeval.capture.buildflags import cpu_model
-from qeval.capture import numerics
-from qeval.capture.modelinfo import model_facts, require_decoder_context
-from qeval.capture.probe import ensure_llama_runs
+from qeval.engine import numerics
+from qeval.engine.buildflags import cpu_model
+from qeval.engine.modelinfo import model_facts, require_decoder_context
+from qeval.engine.probe import ensure_llama_runs
 from qeval.errors import QevalError
 from qeval.storage.scoring import HALF, Scoring
 
@@ -56,7 +56,7 @@ CPU_BATCH = 128
 OFFLOAD_BATCH = 2048
 DEFAULT_UBATCH = 512  # llama.cpp's default n_ubatch
 MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ: windows per call at most
-LLAMA_CPP = "llama.cpp"  # the default backend (qeval.capture.backends): Engine
+LLAMA_CPP = "llama.cpp"  # the default backend (qeval.engine.backends): Engine
 
 
 def _llama_cpp():
@@ -136,7 +136,7 @@ class EngineSettings:
     # RoPE scaling, opted into as with llama.cpp's --rope-scaling/--rope-scale: needed beyond the trained context
     rope_scaling: str | None = None  # "linear" or "yarn"
     rope_scale: float | None = None  # context scale factor (rope_freq_scale = 1/rope_scale); None: n_ctx/trained
-    backend: str = LLAMA_CPP  # what computes the logits: a name registered in qeval.capture.backends
+    backend: str = LLAMA_CPP  # what computes the logits: a name registered in qeval.engine.backends
     kv_rotation: str = "auto"  # llama.cpp's Hadamard rotation of a quantized cache: auto (its rule), on, off
     decode: str = PROMPT  # how scored positions are decoded: PROMPT or GENERATE
 
@@ -185,7 +185,7 @@ class EngineSettings:
         return n_batch, min(self.n_ubatch or DEFAULT_UBATCH, n_batch)
 
     def numerics(self, facts: dict) -> dict:
-        """What this llama.cpp computes with beyond these settings (qeval.capture.numerics): build, environment,
+        """What this llama.cpp computes with beyond these settings (qeval.engine.numerics): build, environment,
         layers offloaded."""
         gpu_layers = numerics.offloaded_layers(facts, self.n_gpu_layers, self.offloaded)
         return numerics.numerics_block(numerics.build_info(_llama_cpp()), gpu_layers)
@@ -275,8 +275,8 @@ class LlamaModel:
     """A GGUF model on llama-cpp-python and, given a ContextShape, one context with a batch of shape.n_batch
     tokens: the one place qeval sets llama.cpp up (Engine decodes windows in it, TaskModel task batches; the Ray
     planner only tokenizes, with the vocabulary alone). Before a context is made, the model file is checked,
-    refused when qeval cannot evaluate it (qeval.capture.modelinfo), its context checked against the trained
-    one, and this llama.cpp build probed in a child (qeval.capture.probe)."""
+    refused when qeval cannot evaluate it (qeval.engine.modelinfo), its context checked against the trained
+    one, and this llama.cpp build probed in a child (qeval.engine.probe)."""
 
     def __init__(self, model_path: str | os.PathLike, settings: EngineSettings = EngineSettings(),
                  shape: ContextShape | None = None):
@@ -456,7 +456,7 @@ class ScoredRows:
 
 class Backend(Protocol):
     """What a capture or a live candidate needs of a loaded model (qeval.capture.capture), opened by name through
-    qeval.capture.backends: Engine, on llama-cpp-python, is the default. The scored positions of each window are
+    qeval.engine.backends: Engine, on llama-cpp-python, is the default. The scored positions of each window are
     given with the windows (a store's header.positions_of), else `scoring`'s for every window."""
 
     settings: EngineSettings
@@ -466,9 +466,9 @@ class Backend(Protocol):
     n_batch: int  # tokens per decode call, recorded in the store
     n_ubatch: int
     add_bos: bool  # the first token of a window is replaced by BOS, recorded in the store
-    facts: dict  # the model's facts (qeval.capture.modelinfo), recorded in the store
+    facts: dict  # the model's facts (qeval.engine.modelinfo), recorded in the store
     provenance: dict  # how it runs, recorded in the store's capture block
-    kv_rotation: dict  # {"k": bool, "v": bool}: the rotation of each quantized cache (qeval.capture.numerics)
+    kv_rotation: dict  # {"k": bool, "v": bool}: the rotation of each quantized cache (qeval.engine.numerics)
     numerics: dict  # build, environment, offload (EngineSettings.numerics), recorded in the store
 
     def tokenize(self, text: str) -> np.ndarray: ...

@@ -1,7 +1,7 @@
 """Backends by name: what computes the logits a capture or a live candidate codes.
 
-A model spec picks its backend with EngineSettings.backend; llama.cpp (qeval.capture.engine.Engine) is the
-default. Another backend is one module implementing qeval.capture.engine.Backend and one register_backend
+A model spec picks its backend with EngineSettings.backend; llama.cpp (qeval.engine.engine.Engine) is the
+default. Another backend is one module implementing qeval.engine.engine.Backend and one register_backend
 call; its name is recorded in the stores it writes (EngineSettings.as_json), so its logits are never taken
 for another backend's.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from qeval.capture.engine import LLAMA_CPP, Backend, Engine, EngineSettings
+from qeval.engine.engine import LLAMA_CPP, Backend, Engine, EngineSettings
 from qeval.errors import QevalError
 from qeval.storage.scoring import HALF, Scoring
 

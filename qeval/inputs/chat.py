@@ -30,10 +30,10 @@ from functools import cached_property
 from importlib import resources
 from pathlib import Path
 
-from qeval.capture.corpus import load_hf_rows, parse_hf_spec
-from qeval.capture.engine import LlamaModel
-from qeval.capture.modelinfo import is_model_file
+from qeval.engine.engine import LlamaModel
+from qeval.engine.modelinfo import is_model_file
 from qeval.errors import QevalError
+from qeval.inputs.corpus import load_hf_rows, parse_hf_spec
 
 SHIPPED = "conversations"  # the shipped suite's name as a corpus
 ROLES = ("system", "user", "assistant", "tool")
