@@ -250,11 +250,17 @@ def _padded(n: int) -> int:
     return -(-n // GGUF_ALIGNMENT) * GGUF_ALIGNMENT
 
 
+def planned_data_bytes(plan: dict[str, TensorPlan]) -> int:
+    """The bytes of the variant's tensor data, each tensor padded to the alignment, as the file holds them."""
+    return sum(_padded(tensor_bytes(t.type, t.shape)) for t in plan.values())
+
+
 def planned_bytes(plan: dict[str, TensorPlan], source_size: int) -> int:
-    """The variant's file size: the source's, its tensors' data swapped for the variant's (metadata and padding
-    are the source's: a variant's metadata differs from it by no byte that changes its length)."""
-    return source_size + sum(_padded(tensor_bytes(t.type, t.shape)) - _padded(tensor_bytes(t.source_type, t.shape))
-                             for t in plan.values())
+    """The variant's file size: the source's, its tensor data swapped for the variant's. The metadata is taken to be
+    the source's: exact for a source llama.cpp's quantizer wrote, a few bytes short for one written elsewhere (llama.cpp
+    adds general.quantization_version)."""
+    source_data = sum(_padded(tensor_bytes(t.source_type, t.shape)) for t in plan.values())
+    return source_size - source_data + planned_data_bytes(plan)
 
 
 def quantize_in_child(job: dict) -> None:

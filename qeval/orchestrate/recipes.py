@@ -21,10 +21,12 @@ from qeval.capture import recipe as recipes
 from qeval.capture.engine import EngineSettings, available_cores
 from qeval.capture.modelinfo import model_facts
 from qeval.capture.probe import build_id
+from qeval.compare.paired_stats import PairedDifference
 from qeval.compare.summary import ComparisonSummary
 from qeval.errors import QevalError
 from qeval.identity import digest
 from qeval.orchestrate import matrix
+from qeval.orchestrate.paired import paired_difference
 from qeval.present import results
 from qeval.storage import runs
 
@@ -155,3 +157,32 @@ def _built(request: RecipeRequest, ref, n: int, recipe: recipes.Recipe, key: str
 def _variant(recipe: recipes.Recipe, facts: dict, path: Path, status: str) -> Variant:
     res = results.load_result(path, with_per_token=True)
     return Variant(recipe, recipe.label(), int(facts["file_size"]), res.summary, res.per_token, path, status)
+
+
+def kld_cost(variant: Variant, base: Variant) -> PairedDifference:
+    """The variant's mean KLD minus the base's on the same tokens, chunks as the unit."""
+    a, b = variant.per_token, base.per_token
+    return paired_difference(a["kld"], b["kld"], b["chunk"], "kld_mean", names=(variant.label, base.label))
+
+
+def is_stock(recipe: recipes.Recipe) -> bool:
+    """A llama.cpp stock type: a base type alone."""
+    return not recipe.overrides and recipe.imatrix is None
+
+
+def board_rows(variants: list[Variant]) -> list[dict]:
+    """Each variant's row (Variant.to_json, its same top-1, stock or recipe), a recipe's with `vs`: its paired
+    difference of mean KLD against the measured stock type nearest in size."""
+    stock = [v for v in variants if is_stock(v.recipe)]
+    rows = []
+    for v in variants:
+        top1 = v.summary.measured().get("same_top1_pct")
+        row = {**v.to_json(), "same_top1_pct": top1.value if top1 else None,
+               "kind": "stock" if is_stock(v.recipe) else "recipe"}
+        if stock and not is_stock(v.recipe):
+            nearest = min(stock, key=lambda s: abs(s.bytes - v.bytes))
+            cost = kld_cost(v, nearest)
+            row["vs"] = {"label": nearest.label, "bytes": nearest.bytes, "diff": cost.diff, "se": cost.se,
+                         "p_value": cost.p_value}
+        rows.append(row)
+    return rows

@@ -15,6 +15,7 @@ bytes under a KLD budget: qeval.compare.recipe_choice), then builds and measures
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,8 +23,9 @@ from qeval.capture import recipe as recipes
 from qeval.compare import recipe_choice
 from qeval.compare.paired_stats import PairedDifference
 from qeval.errors import QevalError
-from qeval.orchestrate.paired import paired_difference
-from qeval.orchestrate.recipes import RecipeRequest, Variant, measure_recipes
+from qeval.orchestrate.recipes import RecipeRequest, Variant, board_rows, kld_cost, measure_recipes
+from qeval.present import recipes_text
+from qeval.present.progress import say
 
 
 @dataclass(frozen=True)
@@ -107,12 +109,6 @@ def plan_moves(source: str | Path, base: recipes.Recipe, targets: tuple[str, ...
     return moves, skipped
 
 
-def kld_cost(variant: Variant, base: Variant) -> PairedDifference:
-    """The variant's mean KLD minus the base's on the same tokens, chunks as the unit."""
-    a, b = variant.per_token, base.per_token
-    return paired_difference(a["kld"], b["kld"], b["chunk"], "kld_mean", names=(variant.label, base.label))
-
-
 def sweep(request: RecipeRequest, targets: tuple[str, ...], only: tuple[str, ...] = (), on_variant=None,
           on_chunk=None) -> Sweep:
     """The sensitivity of every group of the request's one recipe (the base) to each target type."""
@@ -134,3 +130,70 @@ def fitted_recipe(swept: Sweep, max_bytes: int | None = None, max_kld: float | N
     patterns = {r.move.group.name: r.move.group.pattern for r in swept.rows}
     recipe = swept.base.recipe.with_overrides(*((patterns[o.group], o.type) for o in choice.moves()))
     return recipe, choice
+
+
+def _announce(progress: bool):
+    def said(v: Variant) -> None:
+        kld = v.summary.measured()["kld_mean"]
+        say(f"recipe {v.label} ({v.recipe.text()}): {v.status}: {v.bytes / 1e6:.1f} MB, mean KLD {kld.value:.5f}",
+            progress)
+    return said
+
+
+def measure_report(request: RecipeRequest, progress: bool = False) -> tuple[dict, str]:
+    """Every recipe of the request measured (or reused): its board, stock types beside recipes."""
+    rows = board_rows(measure_recipes(request, _announce(progress)))
+    return {"rows": rows}, recipes_text.recipes_markdown(rows)
+
+
+def sweep_report(request: RecipeRequest, targets: tuple[str, ...], only: tuple[str, ...] = (),
+                 out: Path | None = None, progress: bool = False) -> tuple[dict, str]:
+    """The sensitivity table of a sweep; with `out`, written there too (sensitivity.md, .json, and the plot)."""
+    swept = sweep(request, targets, only, _announce(progress))
+    rows = [r.to_json() for r in swept.rows]
+    kld = swept.base.summary.measured()["kld_mean"]
+    head = (f"base {swept.base.recipe.text()}: {swept.base.bytes / 1e6:.1f} MB, mean KLD "
+            f"{recipes_text.plus_minus(kld.value, kld.se, '.5f')} over {swept.base.summary.chunks} chunks")
+    text = "\n".join([head, *swept.skipped, "", recipes_text.sensitivity_markdown(rows)])
+    result = {"base": swept.base.to_json(), "rows": rows, "skipped": list(swept.skipped)}
+    if out is not None:
+        _write(out, "sensitivity", result, text, recipes_text.plot_sensitivity(rows, f"Tensor sensitivity: base "
+                                                                                     f"{swept.base.recipe.text()}"))
+    return result, text
+
+
+def fit_report(request: RecipeRequest, targets: tuple[str, ...], max_bytes=(), max_kld=(), stock=(),
+               only: tuple[str, ...] = (), out: Path | None = None, progress: bool = False) -> tuple[dict, str]:
+    """A sweep (reused when done), then the recipe the chooser picks under each budget, built and measured beside the
+    stock types `stock` (base type names) and the request's other recipes; with `out`, written there too."""
+    if not max_bytes and not max_kld:
+        raise QevalError("give a budget: --max-mb or --max-kld")
+    base, *others = request.recipes
+    swept = sweep(dataclasses.replace(request, recipes=(base,)), targets, only, _announce(progress))
+    fits = [(f"≤ {b / 1e6:.1f} MB", *fitted_recipe(swept, max_bytes=b)) for b in max_bytes]
+    fits += [(f"KLD ≤ {k:g}", *fitted_recipe(swept, max_kld=k)) for k in max_kld]
+    chosen = tuple(dict.fromkeys([*(r for _, r, _ in fits), *others, *(recipes.Recipe(s) for s in stock)]))
+    rows = board_rows(measure_recipes(dataclasses.replace(request, recipes=chosen), _announce(progress)))
+    by_recipe = {row["recipe"]: row for row in rows}
+    budgets = [{"budget": name, "recipe": r.text(), "predicted_bytes": c.bytes, "predicted_kld": c.kld,
+                "measured": by_recipe[r.text()]} for name, r, c in fits]
+    text = "\n".join(["Budgeted recipes (predicted from the sweep, then measured)", "",
+                      "| budget | recipe | predicted MB | predicted KLD | measured MB | measured KLD |",
+                      "|---|---|---|---|---|---|",
+                      *(f"| {b['budget']} | `{b['recipe']}` | {b['predicted_bytes'] / 1e6:.1f} | "
+                        f"{b['predicted_kld']:.5f} | {b['measured']['bytes'] / 1e6:.1f} | "
+                        f"{b['measured']['kld_mean']:.5f} |" for b in budgets),
+                      "", recipes_text.recipes_markdown(rows)])
+    result = {"budgets": budgets, "rows": rows}
+    if out is not None:
+        _write(out, "recipes", result, text, recipes_text.plot_recipe_front(rows))
+    return result, text
+
+
+def _write(out: Path, name: str, result: dict, text: str, fig) -> None:
+    from qeval.present.plots import save_figure  # noqa: PLC0415
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.md").write_text(text + "\n")
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    save_figure(fig, out, name)
