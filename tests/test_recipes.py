@@ -269,7 +269,8 @@ def test_sweep_figures_and_reuse(qwen, monkeypatch):
     assert not list((qwen["runs"] / "recipes").glob("*.gguf"))  # each variant deleted once measured
     base = swept.base
     for r in swept.rows:
-        assert r.bytes_saved == base.bytes - r.variant.bytes == base.bytes - r.move.bytes
+        assert r.bytes_saved == base.bytes - r.variant.bytes
+        assert abs(r.variant.bytes - r.move.bytes) <= 256  # planned from a source gguf-py wrote: within its metadata
         assert r.bytes_saved < 0  # q8_0 costs bytes
         a, b = r.variant.per_token, base.per_token
         assert np.array_equal(a["chunk"], b["chunk"]) and np.array_equal(a["position"], b["position"])

@@ -9,7 +9,8 @@ options' costs: additive, which the confirming measurement checks.
 The choice is the greedy of the multiple-choice knapsack: every group starts at its smallest option; each group's
 options are reduced to its lower convex hull in (bytes, KLD) (an option above the hull is never worth its bytes
 at any budget); the hull's steps, across groups, are taken in order of KLD removed per byte added, best first,
-while they fit the size budget (a group whose step does not fit takes none of its later ones), or until the predicted KLD is within a KLD budget).
+while they fit the size budget (a group whose step does not fit takes none of its later ones), or until the
+predicted KLD is within a KLD budget.
 """
 
 from __future__ import annotations

@@ -61,7 +61,8 @@ class Sensitivity:
         return self.cost.diff / (self.bytes_saved / 1e6) if self.bytes_saved else None
 
     def to_json(self) -> dict:
-        return {"group": self.move.group.name, "pattern": self.move.group.pattern, "tensors": len(self.move.group.tensors),
+        group = self.move.group
+        return {"group": group.name, "pattern": group.pattern, "tensors": len(group.tensors),
                 "target": self.move.target, "types": self.move.types_text(), "label": self.variant.label,
                 "bytes": self.variant.bytes, "bytes_saved": self.bytes_saved, "kld_cost": self.cost.diff,
                 "kld_cost_se": self.cost.se, "kld_per_mb": self.kld_per_mb}

@@ -33,7 +33,8 @@ def _cheapness(row: dict) -> tuple:
 def recipes_markdown(rows: list[dict]) -> str:
     """The measured recipes by size: bytes, mean KLD ± SE, same top-1, and (`vs`) the paired difference of mean KLD
     against the stock type nearest in size, on the same tokens."""
-    lines = ["| label | recipe | MB | mean KLD ± SE | same top-1 % | vs stock: Δ KLD ± SE |", "|---|---|---|---|---|---|"]
+    lines = ["| label | recipe | MB | mean KLD ± SE | same top-1 % | vs stock: Δ KLD ± SE |",
+             "|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: r["bytes"]):
         vs = r.get("vs")
         diff = f"{vs['label']}: {plus_minus(vs['diff'], vs['se'], '+.5f', '.5f')}" if vs else ""
