@@ -301,3 +301,10 @@ def test_fit_builds_what_the_sweep_predicts(qwen):
     result, _ = api.recipe_measure_report(api.recipe_request("REF", str(qwen["source"]), [recipe], N_CHUNKS,
                                                              qwen["runs"], threads=2))
     assert result["rows"][0]["bytes"] == choice.bytes  # sizes add exactly
+
+
+def test_a_pattern_llama_cpp_cannot_read_gets_its_message(qwen):
+    # a Python named group: valid for re, not for llama.cpp's std::regex (ECMAScript)
+    bad = recipes.Recipe("Q4_0", (("(?P<x>ffn_down)", "q8_0"),))
+    with pytest.raises(QevalError, match="failed to quantize"):
+        recipes.plan(qwen["source"], bad)

@@ -57,7 +57,8 @@ def plot_sensitivity(rows: list[dict], title: str = ""):
         ax.annotate(f"{r['group']}→{r['target']}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.axhline(0.0, color="grey", lw=0.5)
     ax.axvline(0.0, color="grey", lw=0.5)
-    ax.set_xlabel("MB saved against the base recipe (negative: added)")
+    ax.set_xscale("symlog", linthresh=1.0)  # the embedding's tens of MB beside a layer group's one or two
+    ax.set_xlabel("MB saved against the base recipe (negative: added; linear within ±1, log beyond)")
     ax.set_ylabel("mean KLD added (nats; ± 2 SE, chunks as the unit)")
     ax.set_title(title or "Tensor sensitivity: each group alone moved")
     ax.grid(True, alpha=0.3)
