@@ -86,21 +86,36 @@ def test_legacy_imatrix_is_sums_over_calls(tmp_path):
         np.testing.assert_allclose(got[name], want, rtol=1e-6)
 
 
-def test_gguf_imatrix_is_sums_over_counts_per_expert(tmp_path):
-    rng = np.random.default_rng(1)
-    sums = rng.random((3, 16)).astype(np.float32)  # 3 experts x 16 columns
-    counts = np.array([[4.0], [0.0], [10.0]], dtype=np.float32)
-    path = tmp_path / "imatrix.gguf"
+def write_gguf_imatrix(path: Path, entries: dict[str, tuple[np.ndarray, np.ndarray]]) -> Path:
+    """llama-imatrix's GGUF layout: NAME.in_sum2 (experts x columns) and NAME.counts (experts x 1), float32."""
     w = gguf.GGUFWriter(path, "imatrix")
-    w.add_tensor("blk.0.ffn_down_exps.weight.in_sum2", sums)
-    w.add_tensor("blk.0.ffn_down_exps.weight.counts", counts)
+    for name, (sums, counts) in entries.items():
+        w.add_tensor(f"{name}.in_sum2", sums.astype(np.float32))
+        w.add_tensor(f"{name}.counts", counts.astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return path
+
+
+def test_gguf_imatrix_is_sums_over_counts_per_expert(tmp_path):
+    rng = np.random.default_rng(1)
+    sums = rng.random((3, 16)).astype(np.float32)  # 3 experts x 16 columns
+    counts = np.array([[4.0], [0.0], [10.0]], dtype=np.float32)
+    path = write_gguf_imatrix(tmp_path / "imatrix.gguf", {"blk.0.ffn_down_exps.weight": (sums, counts)})
     got = recipes.read_imatrix(path)["blk.0.ffn_down_exps.weight"]
     want = np.concatenate([sums[0] / 4.0, np.ones(16), sums[2] / 10.0])  # a count of 0: ones, as llama-quantize
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_an_imatrix_is_known_by_its_content(tmp_path):
+    a = write_gguf_imatrix(tmp_path / "a.gguf", {"x.weight": (np.ones((1, 8)), np.ones((1, 1)))})
+    b = write_gguf_imatrix(tmp_path / "b.gguf", {"x.weight": (np.ones((1, 8)), np.ones((1, 1)))})
+    c = write_gguf_imatrix(tmp_path / "c.gguf", {"x.weight": (np.full((1, 8), 2.0), np.ones((1, 1)))})
+    ra, rb, rc = (recipes.parse(f"Q4_0 imatrix={p}") for p in (a, b, c))
+    assert ra.canonical() == rb.canonical() != rc.canonical()  # the path is no part of it, the content is
+    assert recipes.parse(ra.text()) == ra and ra.label() == rb.label() != rc.label()
 
 
 def test_a_file_that_is_no_imatrix_is_refused(tmp_path):
@@ -294,13 +309,42 @@ def test_sweep_figures_and_reuse(qwen, monkeypatch):
 
 def test_fit_builds_what_the_sweep_predicts(qwen):
     request = api.recipe_request("REF", str(qwen["source"]), ["Q4_0"], N_CHUNKS, qwen["runs"], threads=2)
-    swept = sensitivity.sweep(request, ("q8_0",), ("ssm_out", "ffn_down_exps"))
+    groups = ("ssm_out", "ffn_down_exps")
+    swept = sensitivity.sweep(request, ("q8_0",), groups)
     budget = swept.base.bytes + min(-r.bytes_saved for r in swept.rows)  # room for the cheaper move only
     recipe, choice = sensitivity.fitted_recipe(swept, max_bytes=budget)
-    assert choice.bytes <= budget and len(choice.moves()) <= 1
-    result, _ = api.recipe_measure_report(api.recipe_request("REF", str(qwen["source"]), [recipe], N_CHUNKS,
-                                                             qwen["runs"], threads=2))
-    assert result["rows"][0]["bytes"] == choice.bytes  # sizes add exactly
+    assert choice.bytes <= budget and len(choice.moves()) == 1
+    result, text = api.recipe_fit_report(request, ["q8_0"], max_mb=[budget / 1e6], stock=["Q4_0", "Q8_0"],
+                                         only=groups)
+    (fitted,) = result["budgets"]
+    assert fitted["recipe"] == recipe.text() and fitted["predicted_bytes"] == choice.bytes
+    assert fitted["measured"]["bytes"] == choice.bytes  # sizes add exactly
+    assert fitted["stock"]["label"] == "Q4_0"  # the stock type nearest the budget in size
+    rows = {r["label"]: r for r in result["rows"]}
+    assert rows["Q4_0"]["kind"] == "stock" and rows[fitted["measured"]["label"]]["kind"] == "recipe"
+    # the paired difference against the stock type: float64 over chunk means of the two saved per-token columns
+    per = {label: np.load(Path(rows[label]["result"]).with_suffix(".npz")) for label in (fitted["measured"]["label"],
+                                                                                          "Q4_0")}
+    cand, stock = per[fitted["measured"]["label"]], per["Q4_0"]
+    d = np.array([np.mean(cand["kld"][cand["chunk"] == c].astype(np.float64) - stock["kld"][stock["chunk"] == c])
+                  for c in range(N_CHUNKS)])
+    assert fitted["stock"]["diff"] == pytest.approx(d.mean(), rel=1e-9, abs=1e-15)
+    assert fitted["stock"]["se"] == pytest.approx(d.std(ddof=1) / np.sqrt(N_CHUNKS), rel=1e-9, abs=1e-15)
+    assert fitted["measured"]["label"] in text
+
+
+def test_an_imatrix_reaches_the_quantizer(qwen, tmp_path):
+    """A skewed importance on one tensor's columns changes that tensor's q4_0 blocks, and only that tensor's."""
+    name, n_columns = "blk.0.ffn_up_shexp.weight", tinymodels.N_EMBD
+    importance = np.where(np.arange(n_columns) % 2 == 0, 100.0, 0.01)[None, :]
+    path = write_gguf_imatrix(tmp_path / "imatrix.gguf", {name: (importance, np.ones((1, 1)))})
+    plain = recipes.build(qwen["source"], recipes.parse("Q4_0"), tmp_path / "plain.gguf", nthread=2)
+    weighted = recipes.build(qwen["source"], recipes.parse(f"Q4_0 imatrix={path}"), tmp_path / "weighted.gguf",
+                             nthread=2)
+    a = {t.name: bytes(t.data.tobytes()) for t in gguf.GGUFReader(plain).tensors}
+    b = {t.name: bytes(t.data.tobytes()) for t in gguf.GGUFReader(weighted).tensors}
+    assert a[name] != b[name]
+    assert [n for n in a if a[n] != b[n]] == [name]
 
 
 def test_a_pattern_llama_cpp_cannot_read_gets_its_message(qwen):
@@ -308,3 +352,18 @@ def test_a_pattern_llama_cpp_cannot_read_gets_its_message(qwen):
     bad = recipes.Recipe("Q4_0", (("(?P<x>ffn_down)", "q8_0"),))
     with pytest.raises(QevalError, match="failed to quantize"):
         recipes.plan(qwen["source"], bad)
+
+
+def test_the_command_measures_keeps_and_then_reuses(qwen):
+    import json  # noqa: PLC0415
+
+    args = ("recipe", "measure", "Q8_0 ^output\\.weight$=q4_0", "--ref", "REF", "--source", qwen["source"],
+            "--chunks", N_CHUNKS, "--runs-dir", qwen["runs"], "--json")
+    first = run_cli(*args, "--keep")
+    assert first.returncode == 0, first.stderr
+    row = json.loads(first.stdout)["rows"][0]
+    assert row["status"] == measured.MEASURED and row["kind"] == "recipe"
+    kept = qwen["runs"] / "recipes" / f"{row['label']}.gguf"
+    assert kept.stat().st_size == row["bytes"] and tensor_types_of(kept)["output.weight"] == "q4_0"
+    again = json.loads(run_cli(*args).stdout)["rows"][0]
+    assert again["status"] == measured.REUSED and again["kld_mean"] == row["kld_mean"]

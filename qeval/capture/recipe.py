@@ -314,8 +314,8 @@ def planned_types(log: str) -> dict[str, list]:
 
 
 def _job(source: Path, dest: Path, recipe: Recipe, dry_run: bool, nthread: int) -> list[str]:
-    job = {"source": str(source), "dest": str(dest), "base": recipe.base,
-           "overrides": [list(o) for o in recipe.overrides], "imatrix": recipe.imatrix, "dry_run": dry_run, "nthread": nthread}
+    job = {"source": str(source), "dest": str(dest), "base": recipe.base, "overrides": [list(o) for o in recipe.overrides],
+           "imatrix": recipe.imatrix, "dry_run": dry_run, "nthread": nthread}
     return ["recipe", json.dumps(job)]
 
 

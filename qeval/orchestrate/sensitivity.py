@@ -23,7 +23,7 @@ from qeval.capture import recipe as recipes
 from qeval.compare import recipe_choice
 from qeval.compare.paired_stats import PairedDifference
 from qeval.errors import QevalError
-from qeval.orchestrate.recipes import RecipeRequest, Variant, board_rows, kld_cost, measure_recipes
+from qeval.orchestrate.recipes import RecipeRequest, Variant, board_rows, is_stock, kld_cost, measure_recipes
 from qeval.present import recipes_text
 from qeval.present.progress import say
 
@@ -171,24 +171,43 @@ def fit_report(request: RecipeRequest, targets: tuple[str, ...], max_bytes=(), m
         raise QevalError("give a budget: --max-mb or --max-kld")
     base, *others = request.recipes
     swept = sweep(dataclasses.replace(request, recipes=(base,)), targets, only, _announce(progress))
-    fits = [(f"≤ {b / 1e6:.1f} MB", *fitted_recipe(swept, max_bytes=b)) for b in max_bytes]
-    fits += [(f"KLD ≤ {k:g}", *fitted_recipe(swept, max_kld=k)) for k in max_kld]
-    chosen = tuple(dict.fromkeys([*(r for _, r, _ in fits), *others, *(recipes.Recipe(s) for s in stock)]))
-    rows = board_rows(measure_recipes(dataclasses.replace(request, recipes=chosen), _announce(progress)))
-    by_recipe = {row["recipe"]: row for row in rows}
-    budgets = [{"budget": name, "recipe": r.text(), "predicted_bytes": c.bytes, "predicted_kld": c.kld,
-                "measured": by_recipe[r.text()]} for name, r, c in fits]
-    text = "\n".join(["Budgeted recipes (predicted from the sweep, then measured)", "",
-                      "| budget | recipe | predicted MB | predicted KLD | measured MB | measured KLD |",
-                      "|---|---|---|---|---|---|",
-                      *(f"| {b['budget']} | `{b['recipe']}` | {b['predicted_bytes'] / 1e6:.1f} | "
-                        f"{b['predicted_kld']:.5f} | {b['measured']['bytes'] / 1e6:.1f} | "
-                        f"{b['measured']['kld_mean']:.5f} |" for b in budgets),
-                      "", recipes_text.recipes_markdown(rows)])
+    fits = [(f"≤ {b / 1e6:.1f} MB", "bytes", b, *fitted_recipe(swept, max_bytes=b)) for b in max_bytes]
+    fits += [(f"KLD ≤ {k:g}", "kld", k, *fitted_recipe(swept, max_kld=k)) for k in max_kld]
+    chosen = tuple(dict.fromkeys([*(f[3] for f in fits), *others, *(recipes.Recipe(s) for s in stock)]))
+    variants = measure_recipes(dataclasses.replace(request, recipes=chosen), _announce(progress))
+    by_recipe = {v.recipe: v for v in variants}
+    budgets = [_budget_row(name, kind, value, by_recipe[r], choice, variants)
+               for name, kind, value, r, choice in fits]
+    rows = board_rows(variants)
+    text = "\n".join(["Budgeted recipes (predicted from the sweep, then measured), each beside the stock type nearest "
+                      "its budget (in size for a size budget, in mean KLD for a KLD budget)", "",
+                      recipes_text.budgets_markdown(budgets), "", recipes_text.recipes_markdown(rows)])
     result = {"budgets": budgets, "rows": rows}
     if out is not None:
         _write(out, "recipes", result, text, recipes_text.plot_recipe_front(rows))
     return result, text
+
+
+def _budget_row(name: str, kind: str, value: float, fitted: Variant, choice: recipe_choice.Choice,
+                variants: list[Variant]) -> dict:
+    """A budget's line: the recipe chosen, predicted and measured, and the measured stock type nearest the budget with
+    the paired difference of mean KLD (recipe minus stock) on the same tokens."""
+    def kld(v: Variant) -> float:
+        return v.summary.measured()["kld_mean"].value
+
+    def figures(v: Variant) -> dict:
+        m = v.summary.measured()
+        return {"label": v.label, "bytes": v.bytes, "kld_mean": m["kld_mean"].value, "kld_mean_se": m["kld_mean"].se,
+                "same_top1_pct": m["same_top1_pct"].value}
+
+    stock = [v for v in variants if is_stock(v.recipe)]
+    row = {"budget": name, "recipe": fitted.recipe.text(), "predicted_bytes": choice.bytes,
+           "predicted_kld": choice.kld, "measured": figures(fitted)}
+    if stock:
+        near = min(stock, key=lambda v: abs(v.bytes - value) if kind == "bytes" else abs(kld(v) - value))
+        cost = kld_cost(fitted, near) if near is not fitted else None
+        row["stock"] = {**figures(near), "diff": cost.diff if cost else 0.0, "se": cost.se if cost else 0.0}
+    return row
 
 
 def _write(out: Path, name: str, result: dict, text: str, fig) -> None:

@@ -44,6 +44,21 @@ def recipes_markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def budgets_markdown(budgets: list[dict]) -> str:
+    """One line per budget: the recipe chosen (predicted, then measured) beside the stock type nearest the budget, and
+    their paired difference of mean KLD."""
+    lines = ["| budget | recipe | predicted MB, KLD | MB | mean KLD ± SE | same top-1 % | stock | MB | mean KLD ± SE | "
+             "same top-1 % | Δ KLD ± SE (paired) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for b in budgets:
+        m, s = b["measured"], b.get("stock")
+        cells = [b["budget"], m["label"], f"{_mb(b['predicted_bytes'])}, {b['predicted_kld']:.5f}", _mb(m["bytes"]),
+                 plus_minus(m["kld_mean"], m["kld_mean_se"], ".5f"), f"{m['same_top1_pct']:.2f}"]
+        cells += ([s["label"], _mb(s["bytes"]), plus_minus(s["kld_mean"], s["kld_mean_se"], ".5f"),
+                   f"{s['same_top1_pct']:.2f}", plus_minus(s["diff"], s["se"], "+.5f", ".5f")] if s else [""] * 5)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot_sensitivity(rows: list[dict], title: str = ""):
     """KLD cost (± 2 SE) against MB saved, one labelled point per move: the lower right is where the bytes buy the
     least damage."""
