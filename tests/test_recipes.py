@@ -180,6 +180,17 @@ def test_greedy_equals_plain_greedy_and_keeps_the_budget(seed):
     assert choice.kld == pytest.approx(base_kld + sum(o.kld for o in want.values()), rel=1e-12)
 
 
+def test_the_base_recipe_beats_a_greedy_that_walks_past_a_large_step():
+    # from the smallest recipe (the embedding down: 50 bytes), two steps up of 10 bytes that remove KLD at a better
+    # rate are taken first; then the embedding's step of 50 no longer fits a budget of 105, which the base keeps
+    options = [Option("embd", "", 0, 0.0), Option("embd", "q4", -50, 0.01),
+               Option("a", "", 0, 0.0), Option("a", "q8", 10, -0.004), Option("b", "", 0, 0.0),
+               Option("b", "q8", 10, -0.004)]
+    choice = recipe_choice.choose(options, 100, 0.01, max_bytes=105)
+    assert choice.moves() == () and (choice.bytes, choice.kld) == (100, 0.01)
+    assert plain_greedy(options, 100, 0.01, 105)["embd"].type == "q4"  # what the greedy alone reaches
+
+
 def test_greedy_under_a_kld_budget_stops_once_within_it():
     options = [Option("a", "", 0, 0.0), Option("a", "lo", -100, 0.010), Option("b", "", 0, 0.0),
                Option("b", "lo", -100, 0.001)]

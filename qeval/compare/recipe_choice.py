@@ -10,7 +10,8 @@ The choice is the greedy of the multiple-choice knapsack: every group starts at 
 options are reduced to its lower convex hull in (bytes, KLD) (an option above the hull is never worth its bytes
 at any budget); the hull's steps, across groups, are taken in order of KLD removed per byte added, best first,
 while they fit the size budget (a group whose step does not fit takes none of its later ones), or until the
-predicted KLD is within a KLD budget.
+predicted KLD is within a KLD budget. Where the base recipe itself keeps the budget and beats that, it is the choice
+(a large step that no longer fits once smaller ones were taken is where the greedy falls short).
 """
 
 from __future__ import annotations
@@ -89,4 +90,14 @@ def choose(options: list[Option], base_bytes: int, base_kld: float, max_bytes: i
             continue
         size, kld = size + added, kld + step.kld - current[g].kld
         current[g] = step
-    return Choice(tuple(current[g] for g in groups), size, kld)
+    greedy = Choice(tuple(current[g] for g in groups), size, kld)
+    base = Choice(tuple(next(o for o in opts if not o.type) for opts in groups.values()), base_bytes, base_kld)
+    return base if _better(base, greedy, max_bytes, max_kld) else greedy
+
+
+def _better(a: Choice, b: Choice, max_bytes: int | None, max_kld: float | None) -> bool:
+    """Whether `a` keeps the budget and beats `b`: the greedy walks past a large step that no longer fits once smaller
+    ones were taken (the embedding's last step up, say), so the base recipe itself can beat what it reaches."""
+    if max_bytes is not None:
+        return a.bytes <= max_bytes and a.kld < b.kld
+    return a.kld <= max_kld and (b.kld > max_kld or a.bytes < b.bytes)
