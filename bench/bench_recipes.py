@@ -25,7 +25,7 @@ from qeval.orchestrate import demo
 
 STOCK = ("Q2_K", "Q3_K_M", "Q4_0", "Q4_K_M")
 HAND = ("Q3_K_M token_embd=q5_0 ffn_.*=q5_0", "Q4_K_M token_embd=q5_1")
-TARGETS = ("q4_0", "q8_0")
+TARGETS = ("q4_0", "q5_0", "q5_1", "q8_0")
 
 
 def tree_bytes(root: Path) -> int:

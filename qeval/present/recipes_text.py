@@ -89,9 +89,9 @@ def plot_recipe_front(rows: list[dict], title: str = ""):
     for kind, marker in (("stock", "s"), ("recipe", "o")):
         mine = sorted((r for r in rows if r["kind"] == kind), key=lambda r: r["bytes"])
         xs, ys = [r["bytes"] / MB for r in mine], [r["kld_mean"] for r in mine]
-        ax.errorbar(xs, ys, yerr=[2 * r["kld_mean_se"] for r in mine], fmt=marker, ms=5, capsize=2, label=kind)
+        bars = ax.errorbar(xs, ys, yerr=[2 * r["kld_mean_se"] for r in mine], fmt=marker, ms=5, capsize=2, label=kind)
         front = _front(mine)
-        ax.plot([r["bytes"] / MB for r in front], [r["kld_mean"] for r in front], lw=1)
+        ax.plot([r["bytes"] / MB for r in front], [r["kld_mean"] for r in front], lw=1, color=bars[0].get_color())
         for r in mine:
             ax.annotate(r["label"], (r["bytes"] / MB, r["kld_mean"]), fontsize=6, xytext=(3, 3),
                         textcoords="offset points")
