@@ -240,6 +240,43 @@ def flips_report(ref: str, cand: str, runs_dir=None, task: str | None = None, bi
     return tasks.flips_report(ref, cand, runs_dir, task, bins, max_listed)
 
 
+# --- recipes: variants built by llama.cpp's quantizer, their sensitivity, the best under a budget --------------
+def recipe_request(ref: str, source: str, recipes=(), chunks: int | None = None, runs_dir=None,
+                   threads: int | None = None, keep: bool = False):
+    """The RecipeRequest of these arguments: `recipes` as texts (qeval.engine.recipe.parse) or Recipe values. A bad
+    recipe (unknown type, bad regex, missing imatrix) is refused here, before anything is built."""
+    from qeval.engine.recipe import Recipe, parse  # noqa: PLC0415
+    from qeval.orchestrate.recipes import RecipeRequest  # noqa: PLC0415
+
+    parsed = tuple(r if isinstance(r, Recipe) else parse(r) for r in recipes)
+    return RecipeRequest(ref, str(resolve_model(source)), parsed, runs.runs_dir(runs_dir), chunks,
+                         EngineSettings(n_threads=threads), keep)
+
+
+def recipe_measure_report(request, progress: bool = False) -> tuple[dict, str]:
+    """Build and measure every recipe of a RecipeRequest (reusing what was measured under the same identity)."""
+    from qeval.orchestrate import sensitivity  # noqa: PLC0415
+
+    return sensitivity.measure_report(request, progress)
+
+
+def recipe_sweep_report(request, targets, only=(), out: Path | None = None, progress: bool = False) -> tuple[dict, str]:
+    """Each tensor group of the request's base recipe alone moved to each of `targets`: KLD cost, bytes saved."""
+    from qeval.orchestrate import sensitivity  # noqa: PLC0415
+
+    return sensitivity.sweep_report(request, tuple(targets), tuple(only), out, progress)
+
+
+def recipe_fit_report(request, targets, max_mb=(), max_kld=(), stock=(), only=(), out: Path | None = None,
+                      progress: bool = False) -> tuple[dict, str]:
+    """The recipe the sweep's sensitivities choose under each budget (MB = 10^6 bytes, or mean KLD), measured beside
+    the stock types `stock`."""
+    from qeval.orchestrate import sensitivity  # noqa: PLC0415
+
+    return sensitivity.fit_report(request, tuple(targets), tuple(int(mb * 1e6) for mb in max_mb), tuple(max_kld),
+                                  tuple(stock), tuple(only), out, progress)
+
+
 # --- stores from shards, leaderboards, paired comparison, release gate, baselines ------------------------------
 def merge_report(parts: list[Path], out: Path, label: str | None = None, progress: bool = False) -> tuple[dict, str]:
     """Assemble one complete store from shards of a capture (qeval.orchestrate.merge)."""

@@ -440,6 +440,80 @@ def baseline_from_result_cmd(
     typer.echo(api.baseline_from_result(result, out, title, entry))
 
 
+# --- recipes (qeval.orchestrate.recipes, qeval.orchestrate.sensitivity) ---------------------------------------------
+recipe_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help=(
+    "Quant variants from recipes, built by llama.cpp's own quantizer from a high-precision GGUF and measured against "
+    "a reference store: a recipe is `BASE [PATTERN=TYPE ...] [imatrix=FILE]`, e.g. 'Q3_K_M token_embd=q5_0 "
+    "ffn_.*=q5_0' (PATTERN a regex searched in tensor names, the first that matches wins, as llama-quantize's "
+    "--tensor-type). A variant already measured under the same recipe, source and numerics is not built again."))
+app.add_typer(recipe_app, name="recipe")
+RecipeRef = typer.Option(..., "--ref", help="Reference store (path or label), captured from the model the variants approximate.")
+RecipeSource = typer.Option(..., "--source", help="The high-precision GGUF every variant is built from (a path or hf:USER/REPO[:QUANT]).")
+RecipeKeep = typer.Option(False, "--keep", help="Keep each variant's GGUF in RUNS_DIR/recipes (by default it is deleted once measured: one variant on disk at a time).")
+RecipeTargets = typer.Option(..., "--to", help="Type each tensor group is moved to, alone (repeat for several: q2_K, q4_0, q8_0, ...).")
+RecipeGroups = typer.Option(None, "--group", help="Sweep only this tensor group (repeatable; default: every group the GGUF holds).")
+RecipeOut = typer.Option(None, "--out", help="Also write the tables, JSON and plot in this directory.")
+
+
+@recipe_app.command("measure")
+def recipe_measure(
+    recipe: list[str] = typer.Argument(..., help="Recipes, each one argument: 'Q4_K_M token_embd=q5_1'."),
+    ref: str = RecipeRef,
+    source: str = RecipeSource,
+    chunks: Optional[int] = Chunks,
+    keep: bool = RecipeKeep,
+    threads: Optional[int] = Threads,
+    as_json: bool = Json,
+    runs_dir: Optional[Path] = RunsDir,
+):
+    """Build each recipe's variant, measure it against the reference, and show the board (stock types beside recipes)."""
+    request = api.recipe_request(ref, source, recipe, chunks, runs_dir, threads, keep)
+    _emit(*api.recipe_measure_report(request, progress=True), as_json)
+
+
+@recipe_app.command("sweep")
+def recipe_sweep(
+    base: str = typer.Argument(..., help="The base recipe, e.g. Q4_K_M."),
+    to: list[str] = RecipeTargets,
+    group: Optional[list[str]] = RecipeGroups,
+    ref: str = RecipeRef,
+    source: str = RecipeSource,
+    chunks: Optional[int] = Chunks,
+    out: Optional[Path] = RecipeOut,
+    keep: bool = RecipeKeep,
+    threads: Optional[int] = Threads,
+    as_json: bool = Json,
+    runs_dir: Optional[Path] = RunsDir,
+):
+    """Tensor sensitivity: each tensor group alone moved to each --to type, everything else kept; KLD cost ± SE, MB saved."""
+    request = api.recipe_request(ref, source, [base], chunks, runs_dir, threads, keep)
+    _emit(*api.recipe_sweep_report(request, to, group or (), out, progress=True), as_json)
+
+
+@recipe_app.command("fit")
+def recipe_fit(
+    base: str = typer.Argument(..., help="The base recipe the sweep starts from, e.g. Q4_K_M."),
+    to: list[str] = RecipeTargets,
+    max_mb: Optional[list[float]] = typer.Option(None, "--max-mb", help="Size budget in MB (10^6 bytes); repeatable."),
+    max_kld: Optional[list[float]] = typer.Option(None, "--max-kld", help="Mean KLD budget; repeatable."),
+    stock: Optional[list[str]] = typer.Option(None, "--stock", help="Stock type measured beside (Q4_K_M, Q3_K_M, ...); repeatable."),
+    recipe: Optional[list[str]] = typer.Option(None, "--recipe", help="Another recipe measured beside (a hand-made one); repeatable."),
+    group: Optional[list[str]] = RecipeGroups,
+    ref: str = RecipeRef,
+    source: str = RecipeSource,
+    chunks: Optional[int] = Chunks,
+    out: Optional[Path] = RecipeOut,
+    keep: bool = RecipeKeep,
+    threads: Optional[int] = Threads,
+    as_json: bool = Json,
+    runs_dir: Optional[Path] = RunsDir,
+):
+    """The best recipe under each budget: chosen from the sweep's sensitivities (greedy by KLD per byte), built and measured."""
+    request = api.recipe_request(ref, source, [base, *(recipe or ())], chunks, runs_dir, threads, keep)
+    _emit(*api.recipe_fit_report(request, to, max_mb or (), max_kld or (), stock or (), group or (), out,
+                                 progress=True), as_json)
+
+
 # --- task accuracy and answer flips (qeval.orchestrate.tasks) ---------------------------------------------------
 tasks_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help=(
     "Task accuracy as llama-perplexity computes it (--hellaswag, --winogrande, --multiple-choice), stored per "

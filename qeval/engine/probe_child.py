@@ -7,6 +7,7 @@ A module of its own: it runs the engine, which itself asks the probe (the parent
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import sys
 
@@ -39,7 +40,13 @@ def _quantize(src: str, dst: str, ftype: str) -> None:
         sys.exit(f"llama_model_quantize returned {rc}")
 
 
-CHILD_JOBS = {"decode": _decode, "quantize": _quantize}
+def _recipe(job: str) -> None:
+    from qeval.engine.recipe import quantize_in_child  # noqa: PLC0415
+
+    quantize_in_child(json.loads(job))
+
+
+CHILD_JOBS = {"decode": _decode, "quantize": _quantize, "recipe": _recipe}
 
 if __name__ == "__main__":
     _print_system_info()

@@ -315,13 +315,10 @@ def plan_pair(ref_store, n_chunks: int, label: str, model: str, settings: Engine
     again to keep it. A saved early result (a board decided early) never stands for a full run: the pair runs on
     from its checkpoint; early: the board is decided early again (run_early), which reads it back."""
     try:
-        facts = model_facts(model)
-        planned = identity.planned_producer(facts, planned_fields(facts, settings, ref_store.header.n_ctx),
-                                            ref_store.header.n_ctx, SqrtLogCode().params(), ref_store.header.scoring)
+        request = planned_request(ref_store, n_chunks, model_facts(model), settings, samplers)
     except (QevalError, OSError):  # running it says what is wrong
         return PairPlan(label, model, settings, RUN_LIVE, samplers=samplers, keep_logits=keep_logits)
-    request = identity.ComparisonRequest(identity.reference_identity(ref_store, n_chunks), planned, n_chunks,
-                                         samplers=tuple(sampler.settings_names(samplers)))
+    planned = request.candidate
     result_path = results.result_path(directory / results.RESULTS_SUBDIR, label, ref_store.header.label)
     saved = results.saved_request(result_path)
     store = runs.store_path(label, directory)
@@ -347,6 +344,18 @@ def plan_pair(ref_store, n_chunks: int, label: str, model: str, settings: Engine
     else:
         note = ""
     return PairPlan(label, model, settings, action, note, samplers, keep_logits and action == RUN_LIVE)
+
+
+def planned_request(ref_store, n_chunks: int, facts: dict, settings: EngineSettings,
+                    samplers: tuple[str, ...] = ()) -> identity.ComparisonRequest:
+    """What running the GGUF model with facts `facts` (qeval.engine.modelinfo.model_facts) live with `settings`
+    against the open reference store over its first n_chunks chunks would measure: known before the model runs,
+    so that a saved result answering it is reused."""
+    n_ctx = ref_store.header.n_ctx
+    planned = identity.planned_producer(facts, planned_fields(facts, settings, n_ctx), n_ctx, SqrtLogCode().params(),
+                                        ref_store.header.scoring)
+    return identity.ComparisonRequest(identity.reference_identity(ref_store, n_chunks), planned, n_chunks,
+                                      samplers=tuple(sampler.settings_names(samplers)))
 
 
 def _listed(changes: list[str]) -> str:

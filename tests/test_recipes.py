@@ -1,0 +1,380 @@
+"""Recipes (issue 27): parsing and refusals, llama-imatrix's files, overrides reaching llama.cpp's quantizer (read back
+from the built GGUF with gguf-py), tensor groups of Gemma-3 and of a tiny qwen35moe, a sweep's figures against
+float64 arithmetic on its saved per-token values, reuse by variant identity, and the greedy chooser against a plain
+step-by-step greedy."""
+
+from __future__ import annotations
+
+import re
+import struct
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import tinymodels
+from conftest import assert_cli_error, run_cli
+
+from qeval import api
+from qeval.engine import recipe as recipes
+from qeval.compare import recipe_choice
+from qeval.compare.recipe_choice import Option
+from qeval.errors import QevalError
+from qeval.orchestrate import demo
+from qeval.orchestrate import recipes as measured
+from qeval.orchestrate import sensitivity
+
+
+# --------------------------------------------------------------------------------------------------
+# recipes as text
+# --------------------------------------------------------------------------------------------------
+def test_recipe_text_round_trips_and_names_what_it_is():
+    r = recipes.parse("q3_k_m token_embd=Q5_0 'ffn_.*=q5_0'")
+    assert r.base == "Q3_K_M" and r.overrides == (("token_embd", "q5_0"), ("ffn_.*", "q5_0"))
+    assert recipes.parse(r.text()) == r
+    assert r.canonical() == {"base": "Q3_K_M", "overrides": [["token_embd", "q5_0"], ["ffn_.*", "q5_0"]],
+                             "imatrix": None}
+    # the order of overrides is part of the recipe: llama.cpp takes the first pattern that matches
+    swapped = recipes.parse("Q3_K_M ffn_.*=q5_0 token_embd=q5_0")
+    assert swapped.label() != r.label() and swapped.canonical() != r.canonical()
+    assert recipes.parse("Q4_K_M").label() == "Q4_K_M"
+    assert re.fullmatch(r"Q3_K_M\+q5_0\.[0-9a-f]{8}", r.label())
+
+
+@pytest.mark.parametrize("recipe, fragment", [
+    ("Q9_K_X", "unknown base type"),
+    ("Q4_K_M ffn_down=q9_9", "unknown tensor type"),
+    ("Q4_K_M ffn_(=q4_0", "no valid regex"),
+    ("Q4_K_M ffn_down", "no PATTERN=TYPE"),
+    ("ffn_down=q4_0", "must start with a base type"),
+    ("Q4_K_M imatrix=/nonexistent/imatrix.gguf", "does not exist"),
+])
+def test_bad_recipes_get_one_clear_message(tmp_path, recipe, fragment):
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"GGUF")
+    assert_cli_error(run_cli("recipe", "measure", recipe, "--ref", "REF", "--source", source,
+                             "--runs-dir", tmp_path), fragment)
+
+
+def test_a_missing_source_gets_one_clear_message(tmp_path):
+    assert_cli_error(run_cli("recipe", "measure", "Q4_K_M", "--ref", "REF", "--source", tmp_path / "none.gguf",
+                             "--runs-dir", tmp_path), "does not exist")
+
+
+def test_a_sweep_refuses_an_unknown_target_type(tmp_path):
+    assert_cli_error(run_cli("recipe", "sweep", "Q4_K_M", "--to", "q7_x", "--ref", "REF", "--source",
+                             tmp_path / "none.gguf", "--runs-dir", tmp_path), "unknown tensor type")
+
+
+# --------------------------------------------------------------------------------------------------
+# llama-imatrix's files
+# --------------------------------------------------------------------------------------------------
+def test_legacy_imatrix_is_sums_over_calls(tmp_path):
+    rng = np.random.default_rng(0)
+    entries = {"blk.0.ffn_down.weight": (7, rng.random(64)), "output.weight": (0, rng.random(32))}
+    parts = [struct.pack("<i", len(entries))]
+    for name, (ncall, sums) in entries.items():
+        parts += [struct.pack("<i", len(name)), name.encode(), struct.pack("<ii", ncall, len(sums)),
+                  sums.astype("<f4").tobytes()]
+    parts += [struct.pack("<i", 12), struct.pack("<i", 4), b"wiki"]  # chunk count and dataset (optional trailer)
+    path = tmp_path / "imatrix.dat"
+    path.write_bytes(b"".join(parts))
+    got = recipes.read_imatrix(path)
+    assert set(got) == set(entries)
+    for name, (ncall, sums) in entries.items():
+        want = sums.astype(np.float32).astype(np.float64) / (ncall if ncall > 0 else 1)
+        np.testing.assert_allclose(got[name], want, rtol=1e-6)
+
+
+def write_gguf_imatrix(path: Path, entries: dict[str, tuple[np.ndarray, np.ndarray]]) -> Path:
+    """llama-imatrix's GGUF layout: NAME.in_sum2 (experts x columns) and NAME.counts (experts x 1), float32."""
+    w = gguf.GGUFWriter(path, "imatrix")
+    for name, (sums, counts) in entries.items():
+        w.add_tensor(f"{name}.in_sum2", sums.astype(np.float32))
+        w.add_tensor(f"{name}.counts", counts.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_gguf_imatrix_is_sums_over_counts_per_expert(tmp_path):
+    rng = np.random.default_rng(1)
+    sums = rng.random((3, 16)).astype(np.float32)  # 3 experts x 16 columns
+    counts = np.array([[4.0], [0.0], [10.0]], dtype=np.float32)
+    path = write_gguf_imatrix(tmp_path / "imatrix.gguf", {"blk.0.ffn_down_exps.weight": (sums, counts)})
+    got = recipes.read_imatrix(path)["blk.0.ffn_down_exps.weight"]
+    want = np.concatenate([sums[0] / 4.0, np.ones(16), sums[2] / 10.0])  # a count of 0: ones, as llama-quantize
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_an_imatrix_is_known_by_its_content(tmp_path):
+    a = write_gguf_imatrix(tmp_path / "a.gguf", {"x.weight": (np.ones((1, 8)), np.ones((1, 1)))})
+    b = write_gguf_imatrix(tmp_path / "b.gguf", {"x.weight": (np.ones((1, 8)), np.ones((1, 1)))})
+    c = write_gguf_imatrix(tmp_path / "c.gguf", {"x.weight": (np.full((1, 8), 2.0), np.ones((1, 1)))})
+    ra, rb, rc = (recipes.parse(f"Q4_0 imatrix={p}") for p in (a, b, c))
+    assert ra.canonical() == rb.canonical() != rc.canonical()  # the path is no part of it, the content is
+    assert recipes.parse(ra.text()) == ra and ra.label() == rb.label() != rc.label()
+
+
+def test_a_file_that_is_no_imatrix_is_refused(tmp_path):
+    path = tmp_path / "junk.dat"
+    path.write_bytes(b"\x05\x00\x00\x00abc")
+    with pytest.raises(QevalError, match="neither a GGUF imatrix"):
+        recipes.read_imatrix(path)
+
+
+# --------------------------------------------------------------------------------------------------
+# the greedy chooser
+# --------------------------------------------------------------------------------------------------
+def random_options(rng, n_groups: int) -> list[Option]:
+    """Each group: its base (0, 0) and 1-4 moves; convex in (bytes, KLD) so that every option is on its hull."""
+    out = []
+    for g in range(n_groups):
+        out.append(Option(f"g{g}", "", 0, 0.0))
+        steps = np.sort(rng.uniform(1e-4, 1e-2, size=rng.integers(1, 5)))  # KLD per byte saved, rising
+        bytes_, kld = 0, 0.0
+        for i, rate in enumerate(steps):
+            saved = int(rng.integers(1_000, 50_000))
+            bytes_, kld = bytes_ - saved, kld + rate * saved
+            out.append(Option(f"g{g}", f"t{i}", bytes_, kld))
+    return out
+
+
+def plain_greedy(options: list[Option], base_bytes: int, base_kld: float, max_bytes: int) -> dict[str, Option]:
+    """Every group at its smallest option; then, over and over, the one next step (one group one option up) that
+    removes the most KLD per byte and fits, until none fits."""
+    by_group: dict[str, list[Option]] = {}
+    for o in options:
+        by_group.setdefault(o.group, []).append(o)
+    ladders = {g: sorted(opts, key=lambda o: o.bytes) for g, opts in by_group.items()}
+    at = {g: 0 for g in ladders}
+    size = base_bytes + sum(lad[0].bytes for lad in ladders.values())
+    while True:
+        best = None
+        for g, lad in ladders.items():
+            if at[g] + 1 < len(lad):
+                cur, nxt = lad[at[g]], lad[at[g] + 1]
+                rate = (nxt.kld - cur.kld) / (nxt.bytes - cur.bytes)
+                if size + nxt.bytes - cur.bytes <= max_bytes and (best is None or rate < best[0]):
+                    best = (rate, g)
+        if best is None:
+            return {g: lad[at[g]] for g, lad in ladders.items()}
+        g = best[1]
+        size += ladders[g][at[g] + 1].bytes - ladders[g][at[g]].bytes
+        at[g] += 1
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_greedy_equals_plain_greedy_and_keeps_the_budget(seed):
+    rng = np.random.default_rng(seed)
+    options = random_options(rng, int(rng.integers(2, 7)))
+    base_bytes, base_kld = 1_000_000, 0.01
+    smallest = base_bytes + sum(min(o.bytes for o in options if o.group == g) for g in {o.group for o in options})
+    budget = int(rng.uniform(smallest, base_bytes))
+    choice = recipe_choice.choose(options, base_bytes, base_kld, max_bytes=budget)
+    want = plain_greedy(options, base_bytes, base_kld, budget)
+    assert {o.group: o for o in choice.options} == want
+    assert choice.bytes == base_bytes + sum(o.bytes for o in want.values()) <= budget
+    assert choice.kld == pytest.approx(base_kld + sum(o.kld for o in want.values()), rel=1e-12)
+
+
+def test_the_base_recipe_beats_a_greedy_that_walks_past_a_large_step():
+    # from the smallest recipe (the embedding down: 50 bytes), two steps up of 10 bytes that remove KLD at a better
+    # rate are taken first; then the embedding's step of 50 no longer fits a budget of 105, which the base keeps
+    options = [Option("embd", "", 0, 0.0), Option("embd", "q4", -50, 0.01),
+               Option("a", "", 0, 0.0), Option("a", "q8", 10, -0.004), Option("b", "", 0, 0.0),
+               Option("b", "q8", 10, -0.004)]
+    choice = recipe_choice.choose(options, 100, 0.01, max_bytes=105)
+    assert choice.moves() == () and (choice.bytes, choice.kld) == (100, 0.01)
+    assert plain_greedy(options, 100, 0.01, 105)["embd"].type == "q4"  # what the greedy alone reaches
+
+
+def test_greedy_under_a_kld_budget_stops_once_within_it():
+    options = [Option("a", "", 0, 0.0), Option("a", "lo", -100, 0.010), Option("b", "", 0, 0.0),
+               Option("b", "lo", -100, 0.001)]
+    # from the smallest recipe (both moved: 0.011), a's 100 bytes remove the most KLD: taken first, and then the
+    # budget is met: b stays moved
+    choice = recipe_choice.choose(options, 1000, 0.0, max_kld=0.0105)
+    assert {o.group: o.type for o in choice.options} == {"a": "", "b": "lo"}
+    assert choice.bytes == 900 and choice.kld == pytest.approx(0.001)
+    assert recipe_choice.choose(options, 1000, 0.0, max_kld=0.02).bytes == 800  # both moved already within it
+
+
+def test_hull_drops_options_not_worth_their_bytes():
+    a, mid_bad, b = Option("g", "x", -200, 0.02), Option("g", "y", -100, 0.015), Option("g", "", 0, 0.0)
+    assert recipe_choice.hull([b, mid_bad, a]) == [a, b]  # y sits above the line from x to the base
+    worse = Option("g", "z", -50, 0.03)  # more bytes than x and more KLD: never chosen
+    assert recipe_choice.hull([a, b, worse]) == [a, b]
+
+
+# --------------------------------------------------------------------------------------------------
+# a tiny qwen35moe through the quantizer, the groups, a sweep and reuse
+# --------------------------------------------------------------------------------------------------
+N_CTX, N_CHUNKS = 64, 4
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory, gemma_tokenizer) -> dict:
+    """A tiny random-weight qwen35moe in F16 (the source), its Q8_0 and a reference store of it."""
+    directory = tmp_path_factory.mktemp("recipes-qwen35moe")
+    f16 = tinymodels.build_qwen35moe(directory / "qwen35moe-F16.gguf", gemma_tokenizer)
+    q8 = demo.quantize(f16, directory / "qwen35moe-Q8_0.gguf", demo.DERIVED_FTYPES["Q8_0"])
+    runs = directory / "runs"
+    api.capture_store(str(q8), "REF", runs_dir=runs, n_ctx=N_CTX, chunks=N_CHUNKS,
+                      settings=api.EngineSettings(flash_attn="off"))
+    return {"source": f16, "runs": runs}
+
+
+def tensor_types_of(path: Path) -> dict[str, str]:
+    return {t.name: t.tensor_type.name.lower() for t in gguf.GGUFReader(path).tensors}
+
+
+def test_overrides_reach_the_quantizer_and_the_dry_run_predicts_the_file(qwen, tmp_path):
+    source = qwen["source"]
+    r = recipes.parse(r"Q4_0 ffn_down_exps=q8_0 ^blk\.[0-9]+\.ssm_out\.weight$=q5_1 ^output\.weight$=q5_0")
+    built = recipes.build(source, r, tmp_path / "variant.gguf", nthread=2)
+    stock = recipes.build(source, recipes.parse("Q4_0"), tmp_path / "stock.gguf", nthread=2)
+    got, base = tensor_types_of(built), tensor_types_of(stock)
+    for name, t in got.items():
+        if ".ffn_down_exps." in name:
+            assert t == "q8_0", name
+        elif re.fullmatch(r"blk\.\d+\.ssm_out\.weight", name):
+            assert t == "q5_1", name
+        elif name == "output.weight":
+            assert t == "q5_0"
+        else:
+            assert t == base[name], name  # everything else as the stock type makes it
+    assert sum(".ffn_down_exps." in n for n in got) == 4 and sum(".ssm_out." in n for n in got) == 3
+    planned = recipes.plan(source, r)
+    assert {n: p.type for n, p in planned.items()} == got
+    reader = gguf.GGUFReader(built)
+    data = sum(-(-int(t.n_bytes) // 32) * 32 for t in reader.tensors)
+    assert recipes.planned_data_bytes(planned) == data
+    # the metadata is the source's but for what llama.cpp adds (gguf-py wrote this source): within a few bytes
+    assert 0 <= built.stat().st_size - recipes.planned_bytes(planned, source.stat().st_size) <= 256
+
+
+def test_groups_of_a_qwen35moe_follow_its_tensor_names(qwen):
+    planned = recipes.plan(qwen["source"], recipes.parse("Q8_0"))
+    groups = {g.name: g for g in recipes.tensor_groups(planned)}
+    for name in ("token_embd", "output", "attn_q", "attn_k", "attn_v", "attn_output", "attn_qkv", "attn_gate",
+                 "ssm_out", "ssm_alpha", "ssm_beta", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps",
+                 "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"):
+        assert name in groups, (name, sorted(groups))
+    assert "attn_norm" not in groups and "ssm_norm" not in groups  # one-dimensional: kept in float
+    assert len(groups["ssm_out"].tensors) == 3 and len(groups["attn_q"].tensors) == 1  # 3 recurrent, 1 attention
+    names = list(planned)
+    for g in groups.values():  # each pattern names exactly its group's tensors
+        assert sorted(n for n in names if re.search(g.pattern, n)) == sorted(g.tensors), g.name
+
+
+def test_groups_of_gemma3_and_its_planned_sizes(models):
+    source = models["Q4_K_M"]
+    planned = recipes.plan(source, recipes.parse("Q4_K_M"))
+    groups = {g.name: len(g.tensors) for g in recipes.tensor_groups(planned)}
+    assert groups == {"token_embd": 1, **{name: 18 for name in ("attn_q", "attn_k", "attn_v", "attn_output",
+                                                                   "ffn_gate", "ffn_up", "ffn_down")}}
+    # a source llama.cpp wrote: the planned size is the file's to the byte (the demo's stock files, same quantizer)
+    for quant in ("Q3_K_M", "Q2_K"):
+        stock = recipes.plan(source, recipes.parse(quant))
+        assert recipes.planned_bytes(stock, source.stat().st_size) == models[quant].stat().st_size
+        assert {n: p.type for n, p in stock.items()} == tensor_types_of(models[quant])
+
+
+def test_sweep_figures_and_reuse(qwen, monkeypatch):
+    def request(chunks=N_CHUNKS):
+        return api.recipe_request("REF", str(qwen["source"]), ["Q4_0"], chunks, qwen["runs"], threads=2)
+
+    groups = ("ssm_out", "ffn_down_exps", "ffn_up_shexp", "token_embd")
+    swept = sensitivity.sweep(request(), ("q8_0", "q4_0"), groups)
+    assert {r.move.group.name for r in swept.rows} == set(groups)
+    assert all(r.move.target == "q8_0" for r in swept.rows)  # -> q4_0 changes nothing in a Q4_0 base
+    assert len(swept.skipped) == len(groups)
+    assert not list((qwen["runs"] / "recipes").glob("*.gguf"))  # each variant deleted once measured
+    base = swept.base
+    for r in swept.rows:
+        assert r.bytes_saved == base.bytes - r.variant.bytes
+        assert abs(r.variant.bytes - r.move.bytes) <= 256  # planned from a source gguf-py wrote: within its metadata
+        assert r.bytes_saved < 0  # q8_0 costs bytes
+        a, b = r.variant.per_token, base.per_token
+        assert np.array_equal(a["chunk"], b["chunk"]) and np.array_equal(a["position"], b["position"])
+        d = np.array([np.mean(a["kld"][a["chunk"] == c].astype(np.float64) - b["kld"][b["chunk"] == c])
+                      for c in np.unique(b["chunk"])])
+        assert r.cost.diff == pytest.approx(d.mean(), rel=1e-9, abs=1e-15)
+        assert r.cost.se == pytest.approx(d.std(ddof=1) / np.sqrt(len(d)), rel=1e-9, abs=1e-15)
+        assert r.cost.n_chunks == N_CHUNKS
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("a variant measured under the same identity was built again")
+
+    monkeypatch.setattr(recipes, "build", no_build)
+    again = sensitivity.sweep(request(), ("q8_0", "q4_0"), groups)
+    assert {v.variant.status for v in again.rows} == {measured.REUSED} and again.base.status == measured.REUSED
+    assert [r.cost.diff for r in again.rows] == [r.cost.diff for r in swept.rows]
+    # fewer chunks is another request: measured again (built again, which the stub refuses)
+    with pytest.raises(AssertionError, match="built again"):
+        sensitivity.sweep(request(N_CHUNKS - 1), ("q8_0",), groups[:1])
+
+
+def test_fit_builds_what_the_sweep_predicts(qwen):
+    request = api.recipe_request("REF", str(qwen["source"]), ["Q4_0"], N_CHUNKS, qwen["runs"], threads=2)
+    groups = ("ssm_out", "ffn_down_exps")
+    swept = sensitivity.sweep(request, ("q8_0",), groups)
+    budget = swept.base.bytes + min(-r.bytes_saved for r in swept.rows)  # room for the cheaper move only
+    recipe, choice = sensitivity.fitted_recipe(swept, max_bytes=budget)
+    assert choice.bytes <= budget and len(choice.moves()) == 1
+    result, text = api.recipe_fit_report(request, ["q8_0"], max_mb=[budget / 1e6], stock=["Q4_0", "Q8_0"],
+                                         only=groups)
+    (fitted,) = result["budgets"]
+    assert fitted["recipe"] == recipe.text() and fitted["predicted_bytes"] == choice.bytes
+    assert fitted["measured"]["bytes"] == choice.bytes  # sizes add exactly
+    assert fitted["stock"]["label"] == "Q4_0"  # the stock type nearest the budget in size
+    rows = {r["label"]: r for r in result["rows"]}
+    assert rows["Q4_0"]["kind"] == "stock" and rows[fitted["measured"]["label"]]["kind"] == "recipe"
+    # the paired difference against the stock type: float64 over chunk means of the two saved per-token columns
+    per = {label: np.load(Path(rows[label]["result"]).with_suffix(".npz")) for label in (fitted["measured"]["label"],
+                                                                                          "Q4_0")}
+    cand, stock = per[fitted["measured"]["label"]], per["Q4_0"]
+    d = np.array([np.mean(cand["kld"][cand["chunk"] == c].astype(np.float64) - stock["kld"][stock["chunk"] == c])
+                  for c in range(N_CHUNKS)])
+    assert fitted["stock"]["diff"] == pytest.approx(d.mean(), rel=1e-9, abs=1e-15)
+    assert fitted["stock"]["se"] == pytest.approx(d.std(ddof=1) / np.sqrt(N_CHUNKS), rel=1e-9, abs=1e-15)
+    assert fitted["measured"]["label"] in text
+
+
+def test_an_imatrix_reaches_the_quantizer(qwen, tmp_path):
+    """A skewed importance on one tensor's columns changes that tensor's q4_0 blocks, and only that tensor's."""
+    name, n_columns = "blk.0.ffn_up_shexp.weight", tinymodels.N_EMBD
+    importance = np.where(np.arange(n_columns) % 2 == 0, 100.0, 0.01)[None, :]
+    path = write_gguf_imatrix(tmp_path / "imatrix.gguf", {name: (importance, np.ones((1, 1)))})
+    plain = recipes.build(qwen["source"], recipes.parse("Q4_0"), tmp_path / "plain.gguf", nthread=2)
+    weighted = recipes.build(qwen["source"], recipes.parse(f"Q4_0 imatrix={path}"), tmp_path / "weighted.gguf",
+                             nthread=2)
+    a = {t.name: bytes(t.data.tobytes()) for t in gguf.GGUFReader(plain).tensors}
+    b = {t.name: bytes(t.data.tobytes()) for t in gguf.GGUFReader(weighted).tensors}
+    assert a[name] != b[name]
+    assert [n for n in a if a[n] != b[n]] == [name]
+
+
+def test_a_pattern_llama_cpp_cannot_read_gets_its_message(qwen):
+    # a Python named group: valid for re, not for llama.cpp's std::regex (ECMAScript)
+    bad = recipes.Recipe("Q4_0", (("(?P<x>ffn_down)", "q8_0"),))
+    with pytest.raises(QevalError, match="failed to quantize"):
+        recipes.plan(qwen["source"], bad)
+
+
+def test_the_command_measures_keeps_and_then_reuses(qwen):
+    import json  # noqa: PLC0415
+
+    args = ("recipe", "measure", "Q8_0 ^output\\.weight$=q4_0", "--ref", "REF", "--source", qwen["source"],
+            "--chunks", N_CHUNKS, "--runs-dir", qwen["runs"], "--json")
+    first = run_cli(*args, "--keep")
+    assert first.returncode == 0, first.stderr
+    row = json.loads(first.stdout)["rows"][0]
+    assert row["status"] == measured.MEASURED and row["kind"] == "recipe"
+    kept = qwen["runs"] / "recipes" / f"{row['label']}.gguf"
+    assert kept.stat().st_size == row["bytes"] and tensor_types_of(kept)["output.weight"] == "q4_0"
+    again = json.loads(run_cli(*args).stdout)["rows"][0]
+    assert again["status"] == measured.REUSED and again["kld_mean"] == row["kld_mean"]
