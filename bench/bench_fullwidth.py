@@ -36,8 +36,10 @@ from fullwidth_model import build
 
 from qeval.capture.corpus import load_corpus
 
-OOM_SIGNS = ("bad_alloc", "Cannot allocate memory", "MemoryError", "failed to allocate", "out of memory",
-             "unable to allocate", "mmap failed", "failed to mmap")
+OOM_SIGNS = ("bad_alloc", "Cannot allocate memory", "MemoryError", "failed to allocate", "insufficient memory",
+             "out of memory", "unable to allocate", "failed to mmap")
+# llama-perplexity reports a failed llama_decode (e.g. an output buffer it could not allocate) and exits 0
+FAILURE_SIGNS = ("failed to decode",)
 SCRATCH = Path(tempfile.gettempdir()) / "qeval-fullwidth"
 
 
@@ -50,10 +52,19 @@ def run_capped(argv: list[str], as_bytes: int, env: dict | None = None) -> dict:
     out = {"argv": argv, "rc": proc.returncode, "wall_s": float(timing.group(1)) if timing else None,
            "peak_rss_gib": round(int(timing.group(2)) / 2**20, 3) if timing else None,
            "tail": [line for line in text.splitlines() if line.strip()][-8:], "stdout": proc.stdout}
-    if proc.returncode != 0:
-        out["stopped"] = (f"out of memory under a {as_bytes / 2**30:g} GiB address-space cap"
-                          if any(s in text for s in OOM_SIGNS) else "failed")
+    stopped = stop_reason(proc.returncode, text, as_bytes)
+    if stopped:
+        out["stopped"] = stopped
     return out
+
+
+def stop_reason(rc: int, text: str, as_bytes: int) -> str | None:
+    """Why a run did not finish (None if it did): out of memory under the cap, or another failure."""
+    if rc == 0 and not any(s in text for s in FAILURE_SIGNS):
+        return None
+    if any(s in text for s in OOM_SIGNS):
+        return f"out of memory under a {as_bytes / 2**30:g} GiB address-space cap"
+    return "failed"
 
 
 def qeval_argv(*args: str) -> list[str]:
@@ -95,6 +106,7 @@ def main() -> None:
     ap.add_argument("--score", default="every:64")
     ap.add_argument("--llama-perplexity")
     ap.add_argument("--as-gib", type=float, default=14.0, help="address-space cap of every step, GiB")
+    ap.add_argument("--beside", default="", help="what else of this series ran at the same time (recorded)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--models-dir", type=Path, default=SCRATCH / "models")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results"
@@ -102,6 +114,7 @@ def main() -> None:
     args = ap.parse_args()
     models = build(args.models_dir)
     runs = SCRATCH / "runs"
+    SCRATCH.mkdir(parents=True, exist_ok=True)
     corpus = SCRATCH / "corpus.txt"
     corpus.write_text(load_corpus().text)
     doc = json.loads(args.out.read_text()) if args.out.is_file() else {
@@ -110,7 +123,7 @@ def main() -> None:
     as_bytes = int(args.as_gib * 2**30)
     for step in args.steps.split(","):
         argv, env = step_argv(step, models, args, runs, corpus)
-        result = {"step": step, "score": args.score, "as_cap_gib": args.as_gib, **run_capped(argv, as_bytes, env)}
+        result = {"step": step, "score": args.score, "as_cap_gib": args.as_gib, "ran_beside": args.beside, **run_capped(argv, as_bytes, env)}
         stdout = result.pop("stdout")
         if step.startswith("kld"):
             result["result"] = qeval_json(stdout)
