@@ -13,7 +13,7 @@ is depth and expert count, so that the model fits a small machine's disk and tim
   per token (default 2, of 8).
 
 The tokenizer is Gemma-3's real one (from the demo's cached Gemma-3-270M GGUF) cut to its first 248,320 pieces
-(tinymodels.truncate_tokenizer): no GGUF tokenizer of Qwen3.5's own is shipped by a package registry, and
+(tinymodels.truncate_tokenizer): no GGUF tokenizer of Qwen3.5's own was found in the package registry's lists, and
 what the measurements need is the vocab's size, which sets every per-row cost and the logits' memory.
 The F16 source is built once; the quants come from llama.cpp's own quantizer (demo.quantize), each
 skipped when it exists.
