@@ -123,7 +123,8 @@ def main() -> None:
     as_bytes = int(args.as_gib * 2**30)
     for step in args.steps.split(","):
         argv, env = step_argv(step, models, args, runs, corpus)
-        result = {"step": step, "score": args.score, "as_cap_gib": args.as_gib, "ran_beside": args.beside, **run_capped(argv, as_bytes, env)}
+        result = {"step": step, "score": args.score, "as_cap_gib": args.as_gib, "ran_beside": args.beside,
+                  **run_capped(argv, as_bytes, env)}
         stdout = result.pop("stdout")
         if step.startswith("kld"):
             result["result"] = qeval_json(stdout)
