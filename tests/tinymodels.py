@@ -23,6 +23,7 @@ import numpy as np
 T = gguf.MODEL_TENSOR
 N_EMBD = 64
 LOGIT_SPREAD = 3.0  # std of the logits: a few nats between likely and unlikely tokens
+NORMAL_BLOCK_ROWS = 4096  # rows drawn per call: a full-width vocab matrix never exists in float64
 
 
 @dataclass(frozen=True)
@@ -69,18 +70,28 @@ class TinyGGUF:
         defaulting to 1/sqrt(ne[0]), which keeps a matmul's output at its input's size."""
         shape = tuple(reversed(ne))  # numpy's shape is ggml's ne reversed
         if data is None:
-            data = self.rng.normal(0.0, scale if scale is not None else ne[0] ** -0.5, size=shape)
+            data = self._normal(shape, scale if scale is not None else ne[0] ** -0.5, dtype)
         name = gguf.TENSOR_NAMES[kind].format(bid=bid) + suffix
         self.writer.add_tensor(name, np.asarray(data, dtype=dtype).reshape(shape))
+
+    def _normal(self, shape: tuple[int, ...], scale: float, dtype) -> np.ndarray:
+        """N(0, scale²) drawn a block of rows at a time into `dtype`: the same numbers as one draw
+        (the generator's stream is sequential), without a float64 copy of a vocab-sized matrix."""
+        out = np.empty(shape, dtype=dtype)
+        rows = out.reshape(-1, shape[-1])
+        for start in range(0, len(rows), NORMAL_BLOCK_ROWS):
+            block = rows[start:start + NORMAL_BLOCK_ROWS]
+            block[...] = self.rng.normal(0.0, scale, size=block.shape)
+        return out
 
     def norm(self, kind: T, n: int, bid: int | None = None) -> None:
         self.tensor(kind, (n,), bid, data=np.ones(n))
 
-    def vocab_matrices(self, n_vocab: int) -> None:
+    def vocab_matrices(self, n_vocab: int, n_embd: int = N_EMBD) -> None:
         """Input embedding and a separate output head (tied ones make a random model echo its input)."""
-        self.tensor(T.TOKEN_EMBD, (N_EMBD, n_vocab), scale=1.0, dtype=np.float16)
-        self.norm(T.OUTPUT_NORM, N_EMBD)
-        self.tensor(T.OUTPUT, (N_EMBD, n_vocab), scale=LOGIT_SPREAD / N_EMBD ** 0.5, dtype=np.float16)
+        self.tensor(T.TOKEN_EMBD, (n_embd, n_vocab), scale=1.0, dtype=np.float16)
+        self.norm(T.OUTPUT_NORM, n_embd)
+        self.tensor(T.OUTPUT, (n_embd, n_vocab), scale=LOGIT_SPREAD / n_embd ** 0.5, dtype=np.float16)
 
     def finish(self) -> Path:
         self.writer.write_header_to_file()
@@ -95,6 +106,8 @@ class TinyGGUF:
 # --------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Qwen35MoeDims:
+    n_embd: int = N_EMBD
+    n_ctx_train: int = 4096
     n_layer: int = 4  # layers 0-2 recurrent, layer 3 full attention
     full_attention_interval: int = 4
     n_head: int = 2
@@ -119,8 +132,8 @@ def build_qwen35moe(path: Path, tokenizer: list[MetadataEntry], dims: Qwen35MoeD
                     seed: int = 0) -> Path:
     m = TinyGGUF(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.QWEN35MOE], tokenizer, seed)
     w = m.writer
-    w.add_context_length(4096)
-    w.add_embedding_length(N_EMBD)
+    w.add_context_length(dims.n_ctx_train)
+    w.add_embedding_length(dims.n_embd)
     w.add_block_count(dims.n_layer)
     w.add_head_count(dims.n_head)
     w.add_head_count_kv(dims.n_head_kv)
@@ -140,10 +153,10 @@ def build_qwen35moe(path: Path, tokenizer: list[MetadataEntry], dims: Qwen35MoeD
     w.add_ssm_time_step_rank(dims.ssm_v_heads)
     w.add_ssm_inner_size(dims.ssm_head_dim * dims.ssm_v_heads)
     w.add_full_attention_interval(dims.full_attention_interval)
-    m.vocab_matrices(vocab_size(tokenizer))
+    m.vocab_matrices(vocab_size(tokenizer), dims.n_embd)
     for layer in range(dims.n_layer):
-        m.norm(T.ATTN_NORM, N_EMBD, layer)
-        m.norm(T.ATTN_POST_NORM, N_EMBD, layer)
+        m.norm(T.ATTN_NORM, dims.n_embd, layer)
+        m.norm(T.ATTN_POST_NORM, dims.n_embd, layer)
         if dims.is_recurrent(layer):
             _delta_net_layer(m, dims, layer)
         else:
@@ -154,10 +167,10 @@ def build_qwen35moe(path: Path, tokenizer: list[MetadataEntry], dims: Qwen35MoeD
 
 def _attention_layer(m: TinyGGUF, dims: Qwen35MoeDims, layer: int) -> None:
     q_width = dims.head_dim * dims.n_head
-    m.tensor(T.ATTN_Q, (N_EMBD, 2 * q_width), layer)  # query and its output gate, interleaved per head
-    m.tensor(T.ATTN_K, (N_EMBD, dims.head_dim * dims.n_head_kv), layer)
-    m.tensor(T.ATTN_V, (N_EMBD, dims.head_dim * dims.n_head_kv), layer)
-    m.tensor(T.ATTN_OUT, (q_width, N_EMBD), layer)
+    m.tensor(T.ATTN_Q, (dims.n_embd, 2 * q_width), layer)  # query and its output gate, interleaved per head
+    m.tensor(T.ATTN_K, (dims.n_embd, dims.head_dim * dims.n_head_kv), layer)
+    m.tensor(T.ATTN_V, (dims.n_embd, dims.head_dim * dims.n_head_kv), layer)
+    m.tensor(T.ATTN_OUT, (q_width, dims.n_embd), layer)
     m.norm(T.ATTN_Q_NORM, dims.head_dim, layer)
     m.norm(T.ATTN_K_NORM, dims.head_dim, layer)
 
@@ -166,28 +179,28 @@ def _delta_net_layer(m: TinyGGUF, dims: Qwen35MoeDims, layer: int) -> None:
     key_dim = dims.ssm_head_dim * dims.ssm_k_heads
     value_dim = dims.ssm_head_dim * dims.ssm_v_heads
     heads = dims.ssm_v_heads
-    m.tensor(T.ATTN_QKV, (N_EMBD, 2 * key_dim + value_dim), layer)
-    m.tensor(T.ATTN_GATE, (N_EMBD, value_dim), layer)
+    m.tensor(T.ATTN_QKV, (dims.n_embd, 2 * key_dim + value_dim), layer)
+    m.tensor(T.ATTN_GATE, (dims.n_embd, value_dim), layer)
     m.tensor(T.SSM_CONV1D, (dims.ssm_conv_kernel, 2 * key_dim + value_dim), layer)
     # decay per step exp(-softplus(alpha + dt_bias) * exp(A_log)), initialised as in transformers
     dt = np.exp(m.rng.uniform(np.log(1e-3), np.log(1e-1), size=heads))
     m.tensor(T.SSM_DT, (heads,), layer, suffix=".bias", data=np.log(np.expm1(dt)))
     m.tensor(T.SSM_A, (heads,), layer, suffix="", data=-m.rng.uniform(1.0, 16.0, size=heads))
-    m.tensor(T.SSM_BETA, (N_EMBD, heads), layer)
-    m.tensor(T.SSM_ALPHA, (N_EMBD, heads), layer)
+    m.tensor(T.SSM_BETA, (dims.n_embd, heads), layer)
+    m.tensor(T.SSM_ALPHA, (dims.n_embd, heads), layer)
     m.norm(T.SSM_NORM, dims.ssm_head_dim, layer)
-    m.tensor(T.SSM_OUT, (value_dim, N_EMBD), layer)
+    m.tensor(T.SSM_OUT, (value_dim, dims.n_embd), layer)
 
 
 def _moe_layer(m: TinyGGUF, dims: Qwen35MoeDims, layer: int) -> None:
-    m.tensor(T.FFN_GATE_INP, (N_EMBD, dims.n_expert), layer)
-    m.tensor(T.FFN_GATE_EXP, (N_EMBD, dims.n_ff_expert, dims.n_expert), layer)
-    m.tensor(T.FFN_UP_EXP, (N_EMBD, dims.n_ff_expert, dims.n_expert), layer)
-    m.tensor(T.FFN_DOWN_EXP, (dims.n_ff_expert, N_EMBD, dims.n_expert), layer)
-    m.tensor(T.FFN_GATE_INP_SHEXP, (N_EMBD,), layer)
-    m.tensor(T.FFN_GATE_SHEXP, (N_EMBD, dims.n_ff_shared), layer)
-    m.tensor(T.FFN_UP_SHEXP, (N_EMBD, dims.n_ff_shared), layer)
-    m.tensor(T.FFN_DOWN_SHEXP, (dims.n_ff_shared, N_EMBD), layer)
+    m.tensor(T.FFN_GATE_INP, (dims.n_embd, dims.n_expert), layer)
+    m.tensor(T.FFN_GATE_EXP, (dims.n_embd, dims.n_ff_expert, dims.n_expert), layer)
+    m.tensor(T.FFN_UP_EXP, (dims.n_embd, dims.n_ff_expert, dims.n_expert), layer)
+    m.tensor(T.FFN_DOWN_EXP, (dims.n_ff_expert, dims.n_embd, dims.n_expert), layer)
+    m.tensor(T.FFN_GATE_INP_SHEXP, (dims.n_embd,), layer)
+    m.tensor(T.FFN_GATE_SHEXP, (dims.n_embd, dims.n_ff_shared), layer)
+    m.tensor(T.FFN_UP_SHEXP, (dims.n_embd, dims.n_ff_shared), layer)
+    m.tensor(T.FFN_DOWN_SHEXP, (dims.n_ff_shared, dims.n_embd), layer)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,0 +1,141 @@
+"""The seeds' width, measured (issue 28): qeval capture, a live qeval candidate and llama-perplexity on the
+full-width qwen35moe model of bench/fullwidth_model.py, at long n_ctx, one window each.
+
+    python bench/bench_fullwidth.py --steps capture:8192,kld:8192:f16,llama:8192 \
+        [--score every:64] [--llama-perplexity PATH] [--as-gib 14] [--models-dir DIR] \
+        [--out bench/results/fullwidth-qwen35moe-amd-epyc.json]
+
+A step is one child process, run under `prlimit --as` (an address-space cap: a run that asks for more
+memory fails alone instead of pushing a shared machine out of memory) and timed by /usr/bin/time (wall
+clock, peak RSS):
+
+* capture:N — `qeval capture` of the Q8_0 reference, n_ctx N, one window, --score S;
+* kld:N:KV[:ROT] — `qeval kld` of the Q4_0 model run live against that capture, KV cache type KV for K and V,
+  Hadamard rotation ROT (on/off; default auto);
+* llama:N — llama-perplexity --kl-divergence-base of the Q8_0 reference, n_ctx N, one chunk, over the same
+  corpus text (llama-perplexity's stream: the documents joined, which is what --concat makes qeval do).
+
+Flash attention is on in every step (a quantized V cache needs it). Each finished step is appended to --out
+at once, so an interrupted series keeps what it measured; a step that failed is kept with its exit code and
+last lines, and one that asked for more memory than the cap is marked so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from common import TIME, cpu_name
+from fullwidth_model import build
+
+from qeval.capture.corpus import load_corpus
+
+OOM_SIGNS = ("bad_alloc", "Cannot allocate memory", "MemoryError", "failed to allocate", "insufficient memory",
+             "out of memory", "unable to allocate", "failed to mmap")
+# llama-perplexity reports a failed llama_decode (e.g. an output buffer it could not allocate) and exits 0
+FAILURE_SIGNS = ("failed to decode",)
+SCRATCH = Path(tempfile.gettempdir()) / "qeval-fullwidth"
+
+
+def run_capped(argv: list[str], as_bytes: int, env: dict | None = None) -> dict:
+    """Exit code, wall seconds, peak RSS and the last lines of `argv` run under an address-space cap."""
+    proc = subprocess.run(["prlimit", f"--as={as_bytes}", "--", *TIME, *argv], capture_output=True, text=True,
+                          env=env)
+    timing = re.search(r"WALL=([\d.]+) RSS_KB=(\d+)", proc.stderr)
+    text = (proc.stdout + proc.stderr).replace("\r", "\n")
+    out = {"argv": argv, "rc": proc.returncode, "wall_s": float(timing.group(1)) if timing else None,
+           "peak_rss_gib": round(int(timing.group(2)) / 2**20, 3) if timing else None,
+           "tail": [line for line in text.splitlines() if line.strip()][-8:], "stdout": proc.stdout}
+    stopped = stop_reason(proc.returncode, text, as_bytes)
+    if stopped:
+        out["stopped"] = stopped
+    return out
+
+
+def stop_reason(rc: int, text: str, as_bytes: int) -> str | None:
+    """Why a run did not finish (None if it did): out of memory under the cap, or another failure."""
+    if rc == 0 and not any(s in text for s in FAILURE_SIGNS):
+        return None
+    if any(s in text for s in OOM_SIGNS):
+        return f"out of memory under a {as_bytes / 2**30:g} GiB address-space cap"
+    return "failed"
+
+
+def qeval_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "qeval", *args]
+
+
+def step_argv(step: str, models: dict[str, Path], args, runs: Path, corpus: Path) -> tuple[list[str], dict | None]:
+    kind, n_ctx, *rest = step.split(":")
+    common = ["-fa", "on", "-t", str(args.threads), "--runs-dir", str(runs)]  # kld takes n_ctx from the reference
+    if kind == "capture":
+        return qeval_argv("capture", str(models["Q8_0"]), "-l", f"ref{n_ctx}", "-c", n_ctx, "--score", args.score,
+                          "--chunks", "1", "--concat", "--force", *common), None
+    if kind == "kld":
+        kv, rotation = (rest + ["auto"])[:2] if rest else ("f16", "auto")
+        return qeval_argv("kld", "--ref", f"ref{n_ctx}", "--cand", str(models["Q4_0"]), "--json",
+                          "-ctk", kv, "-ctv", kv, "--kv-rotation", rotation, *common), None
+    if kind == "llama":
+        if not args.llama_perplexity:
+            sys.exit("llama:N needs --llama-perplexity")
+        lp = Path(args.llama_perplexity)
+        env = {**os.environ, "LD_LIBRARY_PATH": str(lp.parent)}
+        base = SCRATCH / f"base{n_ctx}.kld"
+        return [str(lp), "-m", str(models["Q8_0"]), "-f", str(corpus), "-c", n_ctx, "--chunks", "1",
+                "--kl-divergence-base", str(base), "-fa", "on", "-t", str(args.threads)], env
+    sys.exit(f"unknown step {step!r}: capture:N, kld:N:KV[:ROT] or llama:N")
+
+
+def qeval_json(stdout: str) -> dict | None:
+    """The result object `qeval kld --json` prints (None if the run printed none)."""
+    try:
+        return json.loads(stdout)
+    except json.JSONDecodeError:
+        return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", required=True, help="comma-separated capture:N, kld:N:KV[:ROT], llama:N")
+    ap.add_argument("--score", default="every:64")
+    ap.add_argument("--llama-perplexity")
+    ap.add_argument("--as-gib", type=float, default=14.0, help="address-space cap of every step, GiB")
+    ap.add_argument("--beside", default="", help="what else of this series ran at the same time (recorded)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--models-dir", type=Path, default=SCRATCH / "models")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results"
+                    / "fullwidth-qwen35moe-amd-epyc.json")
+    args = ap.parse_args()
+    models = build(args.models_dir)
+    runs = SCRATCH / "runs"
+    SCRATCH.mkdir(parents=True, exist_ok=True)
+    corpus = SCRATCH / "corpus.txt"
+    corpus.write_text(load_corpus().text)
+    doc = json.loads(args.out.read_text()) if args.out.is_file() else {
+        "cpu": cpu_name(), "cores": os.cpu_count(), "note": "shared machine: other jobs ran beside these",
+        "models": {q: {"file": p.name, "bytes": p.stat().st_size} for q, p in models.items()}, "steps": []}
+    as_bytes = int(args.as_gib * 2**30)
+    for step in args.steps.split(","):
+        argv, env = step_argv(step, models, args, runs, corpus)
+        result = {"step": step, "score": args.score, "as_cap_gib": args.as_gib, "ran_beside": args.beside,
+                  **run_capped(argv, as_bytes, env)}
+        stdout = result.pop("stdout")
+        if step.startswith("kld"):
+            result["result"] = qeval_json(stdout)
+        if step.startswith("llama"):
+            base = SCRATCH / f"base{step.split(':')[1]}.kld"
+            result["kld_base_bytes"] = base.stat().st_size if base.is_file() else 0
+            base.unlink(missing_ok=True)
+        doc["steps"].append(result)
+        args.out.write_text(json.dumps(doc, indent=2) + "\n")
+        print(json.dumps({k: result.get(k) for k in ("step", "rc", "wall_s", "peak_rss_gib", "stopped")}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
