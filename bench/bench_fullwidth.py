@@ -34,7 +34,7 @@ from pathlib import Path
 from common import TIME, cpu_name
 from fullwidth_model import build
 
-from qeval.capture.corpus import load_corpus
+from qeval.inputs.corpus import load_corpus
 
 OOM_SIGNS = ("bad_alloc", "Cannot allocate memory", "MemoryError", "failed to allocate", "insufficient memory",
              "out of memory", "unable to allocate", "failed to mmap")
