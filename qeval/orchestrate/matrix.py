@@ -752,8 +752,7 @@ def matrix_result(plan: MatrixPlan, run: MatrixRun, task_lines: list[str] = ()) 
         n_chunks = run.n_chunks
         for row, decision in zip(rows, early_decisions(plan, n_chunks)):
             row.stopped = decision.reason
-        early = {"early": {**plan.early.record(plan.early.order(n_chunks)), "step": plan.early.step,
-                           "chunks_held": sum(r.chunks for r in rows), "chunks_full": n_chunks * len(rows)}}
+        early = early_figures(plan.early, n_chunks, [r.chunks for r in rows])
     ref_label = plan.reference.label
     text = "\n".join([run.reference_text, *run.lines, *task_lines, "",
                       f"reference {ref_label}: {summaries[0].chunks} chunks of {plan.reference.n_ctx}, "
@@ -767,6 +766,13 @@ def matrix_result(plan: MatrixPlan, run: MatrixRun, task_lines: list[str] = ()) 
                       *(["", board.EARLY_NOTE, early_line(early["early"])] if early else [])])
     return {"reference": ref_label, "rows": [r.to_json() for r in rows], **early,
             "results": [s.to_json() for s in summaries]}, text
+
+
+def early_figures(settings: EarlySettings, n_chunks: int, held: list[int]) -> dict:
+    """What a board decided early records and cost, as its JSON's `early`: the seed, the order and the rule, the step,
+    and the chunks its rows hold (`held`, one count per row) of the chunks the full board runs."""
+    return {"early": {**settings.record(settings.order(n_chunks)), "step": settings.step, "chunks_held": sum(held),
+                      "chunks_full": n_chunks * len(held)}}
 
 
 def early_line(early: dict) -> str:
