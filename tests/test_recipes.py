@@ -479,3 +479,18 @@ def test_a_cost_of_variants_decided_early_is_paired_on_their_common_chunks(qwen_
 def test_early_options_of_recipes_are_the_matrix_s(qwen, args, message):
     assert_cli_error(run_cli("recipe", "measure", "Q4_0", "--ref", "REF", "--source", qwen["source"],
                              "--runs-dir", qwen["runs"], *args), message)
+
+
+def test_a_sweep_decided_early_pairs_each_move_with_the_base_on_their_common_chunks(qwen_early, tmp_path):
+    request = early_request(qwen_early, tmp_path, recipes_=("Q4_0",))
+    result, text = sensitivity.sweep_report(request, ("q8_0",), ("ssm_out", "ffn_down_exps", "token_embd"))
+    assert result["early"]["chunks_held"] < result["early"]["chunks_full"] == N_EARLY * (1 + len(result["rows"]))
+    assert "| chunks | stopped |" in text and "Early: seed 0" in text
+    base = per_chunk_kld(np.load(Path(result["base"]["result"]).with_suffix(".npz")))
+    for r in result["rows"]:
+        moved = per_chunk_kld(np.load((tmp_path / "recipes" / "results" / f"{r['label']}.vs.REF.npz")))
+        common = sorted(set(moved) & set(base))
+        assert r["chunks"] == len(common) and r["stopped"]
+        d = np.array([np.mean(moved[c].astype(np.float64) - base[c]) for c in common])
+        assert r["kld_cost"] == pytest.approx(d.mean(), rel=1e-9, abs=1e-15)
+        assert r["kld_cost_se"] == pytest.approx(d.std(ddof=1) / np.sqrt(len(d)), rel=1e-9, abs=1e-15)
