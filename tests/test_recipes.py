@@ -494,3 +494,8 @@ def test_a_sweep_decided_early_pairs_each_move_with_the_base_on_their_common_chu
         d = np.array([np.mean(moved[c].astype(np.float64) - base[c]) for c in common])
         assert r["kld_cost"] == pytest.approx(d.mean(), rel=1e-9, abs=1e-15)
         assert r["kld_cost_se"] == pytest.approx(d.std(ddof=1) / np.sqrt(len(d)), rel=1e-9, abs=1e-15)
+
+
+def test_a_recipe_given_twice_to_an_early_board_gets_one_clear_message(qwen):
+    assert_cli_error(run_cli("recipe", "measure", "Q4_0", "Q4_0", "--ref", "REF", "--source", qwen["source"],
+                             "--runs-dir", qwen["runs"], "--early"), "Q4_0 given twice")

@@ -153,6 +153,10 @@ def _measure_early(request: RecipeRequest, ref, n: int, keyed: list[tuple[recipe
     """The recipes as one board decided early (the module's docstring): a variant whose saved full result answers the
     request is reused as it is; the others run in the matrix's rounds, each built when a round needs chunks its saved
     result does not hold, kept while it runs and deleted (unless kept) once the board stops it."""
+    labels = [recipe.label() for recipe, _ in keyed]
+    twice = sorted({label for label in labels if labels.count(label) > 1})
+    if twice:
+        raise QevalError(f"recipe {', '.join(twice)} given twice: a board decided early holds each variant once")
     settings = request.early
     order = [int(c) for c in settings.order(n)]
     record = settings.record(order)
