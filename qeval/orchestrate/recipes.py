@@ -182,8 +182,7 @@ def _measure_early(request: RecipeRequest, ref, n: int, keyed: list[tuple[recipe
             gguf.unlink(missing_ok=True)
 
     def decisions():
-        return matrix.decisions_of([(recipe.label(), _result_path(request, recipe.label(), ref)) for recipe, _ in keyed],
-                                   n, settings)
+        return matrix.decisions_of([(label, _result_path(request, label, ref)) for label in labels], n, settings)
 
     try:
         matrix.decide_in_rounds(settings, [k for k, v in enumerate(full) if v is None], run, decisions, drop)

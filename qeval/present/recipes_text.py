@@ -50,14 +50,16 @@ def recipes_markdown(rows: list[dict]) -> str:
     """The measured recipes by size: bytes, mean KLD ± SE, same top-1, and (`vs`) the paired difference of mean KLD
     against the stock type nearest in size, on the same tokens."""
     early = _decided_early(rows)
-    lines = ["| label | recipe | MB | mean KLD ± SE | same top-1 % | vs stock: Δ KLD ± SE |" + _EARLY_HEAD[0] * early,
+    lines = ["| label | recipe | MB | mean KLD ± SE | same top-1 % | vs stock: Δ KLD ± SE |"
+             + _EARLY_HEAD[0] * early,
              "|---|---|---|---|---|---|" + _EARLY_HEAD[1] * early]
     for r in sorted(rows, key=lambda r: r["bytes"]):
         vs = r.get("vs")
         diff = f"{vs['label']}: {plus_minus(vs['diff'], vs['se'], '+.5f', '.5f')}" if vs else ""
         top1 = "?" if r.get("same_top1_pct") is None else f"{r['same_top1_pct']:.2f}"
         lines.append(f"| {r['label']} | `{r['recipe']}` | {_mb(r['bytes'])} | "
-                     f"{plus_minus(r['kld_mean'], r['kld_mean_se'], '.5f')} | {top1} | {diff} |" + _early_cells(r) * early)
+                     f"{plus_minus(r['kld_mean'], r['kld_mean_se'], '.5f')} | {top1} | {diff} |"
+                     + _early_cells(r) * early)
     return "\n".join(lines)
 
 
