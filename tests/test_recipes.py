@@ -457,6 +457,14 @@ def test_early_recipes_stop_on_the_matrix_rule_and_a_full_run_extends_them(qwen_
         assert all(np.array_equal(per_full[c], per_early[c]) for c in per_early)
         assert f["kld_mean"] == g["kld_mean"] and f["kld_mean_se"] == g["kld_mean_se"]
 
+    # --early again after the full run: the full results answer it, nothing is built, each row holds every chunk
+    with monkeypatch.context() as m:
+        m.setattr(recipes, "build", no_build)
+        after, _ = sensitivity.measure_report(request)
+    assert [(r["status"], r["chunks"], r["stopped"]) for r in after["rows"]] == \
+        [(measured.REUSED, N_EARLY, early.ALL_CHUNKS)] * len(rows)
+    assert [r["kld_mean"] for r in after["rows"]] == [r["kld_mean"] for r in full["rows"]]
+
 
 def test_a_cost_of_variants_decided_early_is_paired_on_their_common_chunks(qwen_early, tmp_path):
     """Two variants holding different prefixes of the order: the cost is over the chunks both hold, float64."""
