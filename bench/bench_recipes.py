@@ -2,6 +2,10 @@
 and mean KLD, measured beside the stock types and the issue's hand-made recipes.
 
     python bench/bench_recipes.py --chunks 4 --out bench/results/recipes-gemma3-270m
+    python bench/bench_recipes.py --chunks 16 --early --runs-dir /tmp/qeval-recipes-early --out /tmp/early
+
+With --early every board (the stock types, the sweep, the budgets) is decided early with the matrix's defaults, and
+the record says how many variant-chunks (forward passes, at most) each board held of its full run's.
 
 The source is the demo's Gemma-3-270M Q4_K_M (the only real file: every other type is its requantization), the
 reference the demo's Q8_0 captured over the first --chunks windows of 512 tokens. Every variant is built from the
@@ -60,13 +64,15 @@ def main() -> None:
     ap.add_argument("--runs-dir", type=Path, default=Path("/tmp/qeval-recipes"))
     ap.add_argument("--chunks", type=int, default=4)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "recipes-gemma3-270m")
+    ap.add_argument("--early", action="store_true", help="decide every board early (qeval recipe ... --early)")
     args = ap.parse_args()
     paths = demo.prepare_models(demo.models_dir())
     api.capture_store(str(paths["Q8_0"]), "Q8_0", runs_dir=args.runs_dir, chunks=args.chunks)
     source = str(paths[demo.SOURCE_QUANT])
 
     def request(*recipes):
-        return api.recipe_request("Q8_0", source, recipes, args.chunks, args.runs_dir)
+        return api.recipe_request("Q8_0", source, recipes, args.chunks, args.runs_dir,
+                                  early=api.early_settings() if args.early else None)
 
     start = time.monotonic()
     with PeakDisk(args.runs_dir / "recipes") as disk:
@@ -80,7 +86,10 @@ def main() -> None:
     machine = f"{cpu_name()}, {os.cpu_count()} cores, shared with other jobs"
     record = {"machine": machine, "chunks": args.chunks, "wall_s": round(wall, 1), "peak_disk_bytes": disk.peak,
               "variants_built": len(json.loads((args.runs_dir / "recipes" / "variants.json").read_text())),
-              "early_decisions": "none: boards are not decided early in this run (every variant runs every chunk)"}
+              "early_decisions": ({name: board["early"] for name, board in (("stock", stock), ("sweep", sweep),
+                                                                               ("fit", fit))}
+                                  if args.early else "none: boards are not decided early in this run (every variant "
+                                                     "runs every chunk)")}
     (args.out / "run.json").write_text(json.dumps(record, indent=1))
     print(json.dumps(record, indent=1))
     print(sweep_text)

@@ -242,15 +242,16 @@ def flips_report(ref: str, cand: str, runs_dir=None, task: str | None = None, bi
 
 # --- recipes: variants built by llama.cpp's quantizer, their sensitivity, the best under a budget --------------
 def recipe_request(ref: str, source: str, recipes=(), chunks: int | None = None, runs_dir=None,
-                   threads: int | None = None, keep: bool = False):
+                   threads: int | None = None, keep: bool = False, early: matrix.EarlySettings | None = None):
     """The RecipeRequest of these arguments: `recipes` as texts (qeval.engine.recipe.parse) or Recipe values. A bad
-    recipe (unknown type, bad regex, missing imatrix) is refused here, before anything is built."""
+    recipe (unknown type, bad regex, missing imatrix) is refused here, before anything is built. early
+    (early_settings(...)): the variants are one board decided early, as a matrix's (qeval.orchestrate.recipes)."""
     from qeval.engine.recipe import Recipe, parse  # noqa: PLC0415
     from qeval.orchestrate.recipes import RecipeRequest  # noqa: PLC0415
 
     parsed = tuple(r if isinstance(r, Recipe) else parse(r) for r in recipes)
     return RecipeRequest(ref, str(resolve_model(source)), parsed, runs.runs_dir(runs_dir), chunks,
-                         EngineSettings(n_threads=threads), keep)
+                         EngineSettings(n_threads=threads), keep, early)
 
 
 def recipe_measure_report(request, progress: bool = False) -> tuple[dict, str]:

@@ -462,12 +462,19 @@ def recipe_measure(
     source: str = RecipeSource,
     chunks: Optional[int] = Chunks,
     keep: bool = RecipeKeep,
+    early: bool = Early,
+    early_precision: Optional[float] = EarlyPrecision,
+    early_min_chunks: Optional[int] = EarlyMinChunks,
+    early_sigmas: Optional[float] = EarlySigmas,
+    early_confidence: Optional[float] = EarlyConfidence,
+    early_seed: Optional[int] = EarlySeed,
     threads: Optional[int] = Threads,
     as_json: bool = Json,
     runs_dir: Optional[Path] = RunsDir,
 ):
     """Build each recipe's variant, measure it against the reference, and show the board (stock types beside recipes)."""
-    request = api.recipe_request(ref, source, recipe, chunks, runs_dir, threads, keep)
+    decided_early = _early(early, early_precision, early_min_chunks, early_sigmas, early_confidence, early_seed)
+    request = api.recipe_request(ref, source, recipe, chunks, runs_dir, threads, keep, decided_early)
     _emit(*api.recipe_measure_report(request, progress=True), as_json)
 
 
@@ -481,12 +488,19 @@ def recipe_sweep(
     chunks: Optional[int] = Chunks,
     out: Optional[Path] = RecipeOut,
     keep: bool = RecipeKeep,
+    early: bool = Early,
+    early_precision: Optional[float] = EarlyPrecision,
+    early_min_chunks: Optional[int] = EarlyMinChunks,
+    early_sigmas: Optional[float] = EarlySigmas,
+    early_confidence: Optional[float] = EarlyConfidence,
+    early_seed: Optional[int] = EarlySeed,
     threads: Optional[int] = Threads,
     as_json: bool = Json,
     runs_dir: Optional[Path] = RunsDir,
 ):
     """Tensor sensitivity: each tensor group alone moved to each --to type, everything else kept; KLD cost ± SE, MB saved."""
-    request = api.recipe_request(ref, source, [base], chunks, runs_dir, threads, keep)
+    decided_early = _early(early, early_precision, early_min_chunks, early_sigmas, early_confidence, early_seed)
+    request = api.recipe_request(ref, source, [base], chunks, runs_dir, threads, keep, decided_early)
     _emit(*api.recipe_sweep_report(request, to, group or (), out, progress=True), as_json)
 
 
@@ -504,12 +518,19 @@ def recipe_fit(
     chunks: Optional[int] = Chunks,
     out: Optional[Path] = RecipeOut,
     keep: bool = RecipeKeep,
+    early: bool = Early,
+    early_precision: Optional[float] = EarlyPrecision,
+    early_min_chunks: Optional[int] = EarlyMinChunks,
+    early_sigmas: Optional[float] = EarlySigmas,
+    early_confidence: Optional[float] = EarlyConfidence,
+    early_seed: Optional[int] = EarlySeed,
     threads: Optional[int] = Threads,
     as_json: bool = Json,
     runs_dir: Optional[Path] = RunsDir,
 ):
     """The best recipe under each budget: chosen from the sweep's sensitivities (greedy by KLD per byte), built and measured."""
-    request = api.recipe_request(ref, source, [base, *(recipe or ())], chunks, runs_dir, threads, keep)
+    decided_early = _early(early, early_precision, early_min_chunks, early_sigmas, early_confidence, early_seed)
+    request = api.recipe_request(ref, source, [base, *(recipe or ())], chunks, runs_dir, threads, keep, decided_early)
     _emit(*api.recipe_fit_report(request, to, max_mb or (), max_kld or (), stock or (), group or (), out,
                                  progress=True), as_json)
 

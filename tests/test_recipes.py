@@ -5,6 +5,7 @@ step-by-step greedy."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import struct
 from pathlib import Path
@@ -378,3 +379,131 @@ def test_the_command_measures_keeps_and_then_reuses(qwen):
     assert kept.stat().st_size == row["bytes"] and tensor_types_of(kept)["output.weight"] == "q4_0"
     again = json.loads(run_cli(*args).stdout)["rows"][0]
     assert again["status"] == measured.REUSED and again["kld_mean"] == row["kld_mean"]
+
+
+# --------------------------------------------------------------------------------------------------
+# recipes decided early (--early: the matrix's rounds and rule over the variants)
+# --------------------------------------------------------------------------------------------------
+N_EARLY = 16  # chunks of the early board's reference: room to stop before the end
+EARLY_RECIPES = ("Q4_0", "Q5_0", "Q4_0 ffn_down_exps=q8_0", "Q8_0 ssm_out=q4_0")
+
+
+@pytest.fixture(scope="module")
+def qwen_early(qwen, tmp_path_factory) -> dict:
+    """The qwen35moe's reference over N_EARLY chunks, in its own runs directory."""
+    runs = tmp_path_factory.mktemp("recipes-early")
+    q8 = qwen["source"].parent / "qwen35moe-Q8_0.gguf"
+    api.capture_store(str(q8), "REF", runs_dir=runs, n_ctx=N_CTX, chunks=N_EARLY,
+                      settings=api.EngineSettings(flash_attn="off"))
+    return {"source": qwen["source"], "runs": runs}
+
+
+def early_request(setup: dict, runs: Path | None = None, early=True, recipes_=EARLY_RECIPES):
+    settings = api.early_settings(min_chunks=3) if early else None
+    return api.recipe_request(str(setup["runs"] / "REF.qeval"), str(setup["source"]), recipes_, None,
+                              runs or setup["runs"], threads=2, early=settings)
+
+
+def per_chunk_kld(per_token: dict) -> dict[int, np.ndarray]:
+    return {int(c): per_token["kld"][per_token["chunk"] == c] for c in np.unique(per_token["chunk"])}
+
+
+def test_early_recipes_stop_on_the_matrix_rule_and_a_full_run_extends_them(qwen_early, tmp_path, monkeypatch):
+    from qeval.compare import early  # noqa: PLC0415
+
+    request = early_request(qwen_early)
+    result, text = sensitivity.measure_report(request)
+    rows = result["rows"]
+    order = result["early"]["order"]
+    assert sorted(order) == list(range(N_EARLY)) and result["early"]["chunks_full"] == N_EARLY * len(rows)
+    assert result["early"]["chunks_held"] == sum(r["chunks"] for r in rows) < N_EARLY * len(rows)  # passes saved
+    assert "Early: seed 0" in text and "| chunks | stopped |" in text
+    assert not list((qwen_early["runs"] / "recipes").glob("*.gguf"))  # each deleted once stopped
+    board = []
+    for r in rows:
+        assert r["status"] == measured.MEASURED and r["stopped"] in (early.SETTLED, early.PRECISION, early.ALL_CHUNKS)
+        per = np.load(Path(r["result"]).with_suffix(".npz"))
+        held = per_chunk_kld(per)
+        assert list(held) == sorted(order[:r["chunks"]])  # a prefix of the board's order
+        tokens = np.array([len(held[c]) for c in order[:r["chunks"]]])
+        sums = np.array([held[c].astype(np.float64).sum() for c in order[:r["chunks"]]])
+        assert r["kld_mean"] == pytest.approx(sums.sum() / tokens.sum(), rel=1e-9)
+        size_gib = round(r["bytes"] / 2**30, 4)  # the board's axis: a GGUF's size as its facts hold it
+        board.append(early.PairChunks(r["label"], np.array(order[:r["chunks"]]), sums, tokens, size_gib))
+    # the reasons are early.decide()'s over what the rows hold, recomputed here from their saved per-token columns
+    assert [d.reason for d in early.decide(board, N_EARLY, request.early.rule)] == [r["stopped"] for r in rows]
+    assert all(d.stop for d in early.decide(board, N_EARLY, request.early.rule))
+
+    # the same command again: every variant's saved early result answers it, nothing is built
+    def no_build(*args, **kwargs):
+        raise AssertionError("a variant decided early was built again")
+
+    with monkeypatch.context() as m:
+        m.setattr(recipes, "build", no_build)
+        again, _ = sensitivity.measure_report(request)
+    assert [r["status"] for r in again["rows"]] == [measured.REUSED] * len(rows)
+    assert [r["kld_mean"] for r in again["rows"]] == [r["kld_mean"] for r in rows]
+
+    # without --early: each variant runs on from its checkpoint over every chunk, the chunks held kept as they were,
+    # and its result is the full run's of a fresh directory, bit for bit
+    full, full_text = sensitivity.measure_report(early_request(qwen_early, early=False))
+    fresh, _ = sensitivity.measure_report(early_request(qwen_early, tmp_path / "fresh", early=False))
+    assert "stopped" not in full_text and "early" not in full
+    for e, f, g in zip(rows, full["rows"], fresh["rows"]):
+        assert "stopped" not in f and f["status"] == measured.MEASURED
+        per_full = per_chunk_kld(np.load(Path(f["result"]).with_suffix(".npz")))
+        per_early = per_chunk_kld(np.load(Path(e["result"]).with_suffix(".npz")))
+        assert len(per_full) == N_EARLY
+        assert all(np.array_equal(per_full[c], per_early[c]) for c in per_early)
+        assert f["kld_mean"] == g["kld_mean"] and f["kld_mean_se"] == g["kld_mean_se"]
+
+    # --early again after the full run: the full results answer it, nothing is built, each row holds every chunk
+    with monkeypatch.context() as m:
+        m.setattr(recipes, "build", no_build)
+        after, _ = sensitivity.measure_report(request)
+    assert [(r["status"], r["chunks"], r["stopped"]) for r in after["rows"]] == \
+        [(measured.REUSED, N_EARLY, early.ALL_CHUNKS)] * len(rows)
+    assert [r["kld_mean"] for r in after["rows"]] == [r["kld_mean"] for r in full["rows"]]
+
+
+def test_a_cost_of_variants_decided_early_is_paired_on_their_common_chunks(qwen_early, tmp_path):
+    """Two variants holding different prefixes of the order: the cost is over the chunks both hold, float64."""
+    request = early_request(qwen_early, tmp_path, recipes_=EARLY_RECIPES[:2])
+    a, b = measured.measure_recipes(dataclasses.replace(request, early=dataclasses.replace(request.early, step=1)))
+    if a.summary.chunks == b.summary.chunks:  # make them differ: the second runs on over every chunk
+        b = measured.measure_recipes(dataclasses.replace(request, recipes=(b.recipe,), early=None))[0]
+    cost = measured.kld_cost(a, b)
+    pa, pb = per_chunk_kld(a.per_token), per_chunk_kld(b.per_token)
+    common = sorted(set(pa) & set(pb))
+    assert len(common) == min(a.summary.chunks, b.summary.chunks) < max(len(pa), len(pb))
+    d = np.array([np.mean(pa[c].astype(np.float64) - pb[c]) for c in common])
+    assert cost.n_chunks == len(common)
+    assert cost.diff == pytest.approx(d.mean(), rel=1e-9, abs=1e-15)
+    assert cost.se == pytest.approx(d.std(ddof=1) / np.sqrt(len(d)), rel=1e-9, abs=1e-15)
+
+
+@pytest.mark.parametrize("args, message", [(["--early-seed", "3"], "need --early"),
+                                           (["--early", "--early-min-chunks", "1"], "--early-min-chunks")])
+def test_early_options_of_recipes_are_the_matrix_s(qwen, args, message):
+    assert_cli_error(run_cli("recipe", "measure", "Q4_0", "--ref", "REF", "--source", qwen["source"],
+                             "--runs-dir", qwen["runs"], *args), message)
+
+
+def test_a_sweep_decided_early_pairs_each_move_with_the_base_on_their_common_chunks(qwen_early, tmp_path):
+    request = early_request(qwen_early, tmp_path, recipes_=("Q4_0",))
+    result, text = sensitivity.sweep_report(request, ("q8_0",), ("ssm_out", "ffn_down_exps", "token_embd"))
+    assert result["early"]["chunks_held"] < result["early"]["chunks_full"] == N_EARLY * (1 + len(result["rows"]))
+    assert "| chunks | stopped |" in text and "Early: seed 0" in text
+    base = per_chunk_kld(np.load(Path(result["base"]["result"]).with_suffix(".npz")))
+    for r in result["rows"]:
+        moved = per_chunk_kld(np.load((tmp_path / "recipes" / "results" / f"{r['label']}.vs.REF.npz")))
+        common = sorted(set(moved) & set(base))
+        assert r["chunks"] == len(common) and r["stopped"]
+        d = np.array([np.mean(moved[c].astype(np.float64) - base[c]) for c in common])
+        assert r["kld_cost"] == pytest.approx(d.mean(), rel=1e-9, abs=1e-15)
+        assert r["kld_cost_se"] == pytest.approx(d.std(ddof=1) / np.sqrt(len(d)), rel=1e-9, abs=1e-15)
+
+
+def test_a_recipe_given_twice_to_an_early_board_gets_one_clear_message(qwen):
+    assert_cli_error(run_cli("recipe", "measure", "Q4_0", "Q4_0", "--ref", "REF", "--source", qwen["source"],
+                             "--runs-dir", qwen["runs"], "--early"), "Q4_0 given twice")

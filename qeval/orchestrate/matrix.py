@@ -641,53 +641,78 @@ def run_full(plan: MatrixPlan, pairs: list[PairPlan], ref, n_chunks: int, advanc
 
 
 def run_early(plan: MatrixPlan, pairs: list[PairPlan], ref, n_chunks: int, advance) -> list[str]:
-    """The board decided early (plan.early): every pair visits the chunks in the seeded order, in rounds: first
-    min_chunks each, then early.decide() reads the whole board (so a pair's neighbours are known) and every pair it
-    does not stop runs `step` more, until every pair has stopped (or visited every chunk). Each round leaves every
-    pair's result saved (an early one, or a full one once it has every chunk) and its checkpoint kept, which a
-    later round, a rerun, or a full run of the same pair extends. The lines worth a mention."""
+    """The board decided early (plan.early, decide_in_rounds): every pair not skipped visits the chunks in the seeded
+    order, in rounds. Each round leaves every pair's result saved (an early one, or a full one once it has every
+    chunk) and its checkpoint kept, which a later round, a rerun, or a full run of the same pair extends. The lines
+    worth a mention."""
     settings = plan.early
     order = [int(c) for c in settings.order(n_chunks)]
     record = settings.record(order)
-    target = {p.label: settings.rule.min_chunks for p in pairs}
     counted = {p.label: n_chunks if p.action == SKIP else 0 for p in pairs}  # chunks the progress bar has had
     advance(sum(counted.values()))
-    running, lines, rounds = [k for k, p in enumerate(pairs) if p.action != SKIP], [], 0
-    while running:
-        for k in running:
-            label = pairs[k].label
+    lines, ran = [], set()
 
-            def reached(parts: dict, label=label) -> bool:
-                held = len(held_prefix(order, parts))
-                advance(max(held - counted[label], 0))
-                counted[label] = max(held, counted[label])
-                return held >= target[label]
+    def run(k: int, target: int) -> None:
+        label = pairs[k].label
 
-            # progress is counted by `reached`, not by run_pair: each round reads its earlier chunks back
-            done = _run_pair_said(plan, pairs, k, ref, n_chunks, None, order=order, stop=reached, early=record)
-            if not rounds:
-                lines += ([done.note] if done.note else []) + _resumed_line(label, done)
-        rounds += 1
-        decided = early_decisions(plan, n_chunks)
-        running = [k for k, p in enumerate(pairs) if not decided[k].stop]
-        for k in running:
-            target[pairs[k].label] = decided[k].n_chunks + settings.step
+        def reached(parts: dict) -> bool:
+            held = len(held_prefix(order, parts))
+            advance(max(held - counted[label], 0))
+            counted[label] = max(held, counted[label])
+            return held >= target
+
+        # progress is counted by `reached`, not by run_pair: each round reads its earlier chunks back
+        done = _run_pair_said(plan, pairs, k, ref, n_chunks, None, order=order, stop=reached, early=record)
+        if k not in ran:
+            ran.add(k)
+            lines.extend(([done.note] if done.note else []) + _resumed_line(label, done))
+
+    decide_in_rounds(settings, [k for k, p in enumerate(pairs) if p.action != SKIP], run,
+                     lambda: early_decisions(plan, n_chunks))
     advance(sum(n_chunks - n for n in counted.values()))  # the chunks the stopped pairs leave: the bar ends full
     return lines
 
 
+def decide_in_rounds(settings: EarlySettings, running: list[int], run: Callable[[int, int], None],
+                     decisions: Callable[[], list[early_stop.Decision]],
+                     on_stop: Callable[[int], None] | None = None) -> None:
+    """The rounds of a board decided early (a matrix's, a recipe board's): run(k, target) runs pair k on until it
+    holds `target` chunks of the order (or every chunk): first min_chunks each, then decisions() reads the whole
+    board (so a pair's neighbours are known; one Decision per pair, in the indices `running` uses) and every pair it
+    does not stop runs `step` more, until every pair has stopped. on_stop(k): each pair that ran in a round and
+    that round stopped (a stopped pair may be asked to run again in a later round: its neighbours moved)."""
+    target = dict.fromkeys(running, settings.rule.min_chunks)
+    while running:
+        for k in running:
+            run(k, target[k])
+        decided = decisions()
+        for k in running:
+            if decided[k].stop and on_stop is not None:
+                on_stop(k)
+        running = [k for k, d in enumerate(decided) if not d.stop]
+        for k in running:
+            target[k] = decided[k].n_chunks + settings.step
+
+
 def early_decisions(plan: MatrixPlan, n_chunks: int) -> list[early_stop.Decision]:
     """early.decide() over every pair's saved result (early or full), in plan order: the board as decided now."""
-    order = plan.early.order(n_chunks)
+    result_dir = plan.directory / results.RESULTS_SUBDIR
+    return decisions_of([(p.label, results.result_path(result_dir, p.label, plan.reference.label))
+                         for p in plan.pairs], n_chunks, plan.early)
+
+
+def decisions_of(saved: list[tuple[str, Path]], n_chunks: int, settings: EarlySettings) -> list[early_stop.Decision]:
+    """early.decide() over saved results (label, path: early or full, each on its board row's Pareto axes), in the
+    order given, visited in the order of `settings`."""
+    order = settings.order(n_chunks)
     board_pairs = []
-    for p in plan.pairs:
-        saved = results.load_result(results.result_path(plan.directory / results.RESULTS_SUBDIR, p.label,
-                                                        plan.reference.label))
-        row = board.board_row(saved.summary)
-        chunks, sums, tokens = early_stop.chunk_sums(saved.per_token, "kld", order)
-        board_pairs.append(early_stop.PairChunks(p.label, chunks, sums, tokens, row.size_gib, row.memory_gib,
+    for label, path in saved:
+        result = results.load_result(path)
+        row = board.board_row(result.summary)
+        chunks, sums, tokens = early_stop.chunk_sums(result.per_token, "kld", order)
+        board_pairs.append(early_stop.PairChunks(label, chunks, sums, tokens, row.size_gib, row.memory_gib,
                                                  row.kv_quant, board.is_baseline(row)))
-    return early_stop.decide(board_pairs, n_chunks, plan.early.rule)
+    return early_stop.decide(board_pairs, n_chunks, settings.rule)
 
 
 def run_tasks(plan: MatrixPlan, on_plan: Callable[[int, int], None] | None = None,
@@ -727,8 +752,7 @@ def matrix_result(plan: MatrixPlan, run: MatrixRun, task_lines: list[str] = ()) 
         n_chunks = run.n_chunks
         for row, decision in zip(rows, early_decisions(plan, n_chunks)):
             row.stopped = decision.reason
-        early = {"early": {**plan.early.record(plan.early.order(n_chunks)), "step": plan.early.step,
-                           "chunks_held": sum(r.chunks for r in rows), "chunks_full": n_chunks * len(rows)}}
+        early = early_figures(plan.early, n_chunks, [r.chunks for r in rows])
     ref_label = plan.reference.label
     text = "\n".join([run.reference_text, *run.lines, *task_lines, "",
                       f"reference {ref_label}: {summaries[0].chunks} chunks of {plan.reference.n_ctx}, "
@@ -742,6 +766,13 @@ def matrix_result(plan: MatrixPlan, run: MatrixRun, task_lines: list[str] = ()) 
                       *(["", board.EARLY_NOTE, early_line(early["early"])] if early else [])])
     return {"reference": ref_label, "rows": [r.to_json() for r in rows], **early,
             "results": [s.to_json() for s in summaries]}, text
+
+
+def early_figures(settings: EarlySettings, n_chunks: int, held: list[int]) -> dict:
+    """What a board decided early records and cost, as its JSON's `early`: the seed, the order and the rule, the step,
+    and the chunks its rows hold (`held`, one count per row) of the chunks the full board runs."""
+    return {"early": {**settings.record(settings.order(n_chunks)), "step": settings.step, "chunks_held": sum(held),
+                      "chunks_full": n_chunks * len(held)}}
 
 
 def early_line(early: dict) -> str:

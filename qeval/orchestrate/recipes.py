@@ -7,20 +7,33 @@ maps each variant's identity (qeval.engine.recipe.variant_identity: source, reci
 of the file it built; with them the request a measurement answers is known without the file
 (qeval.orchestrate.matrix.planned_request), so a variant whose saved result answers it is neither rebuilt nor
 measured again.
+
+Decided early (RecipeRequest.early, `--early`): the variants are one board, run in the matrix's rounds
+(qeval.orchestrate.matrix.decide_in_rounds, the rule of qeval.compare.early): each visits the chunks in the seeded
+order and stops once its mean KLD is known to the stated precision or its place (order against its neighbours, size
+/ KLD front) is settled. The board needs its running variants at hand between rounds, so with --early a variant stays
+on disk while it runs and is deleted once a round stops it (rebuilt if a later round asks it to run on): more than
+one variant on disk at a time, up to every variant of the board in the first round. Its result is an early one (the
+chunks it holds, why it stopped), which a later run without --early extends from its checkpoint; a variant whose
+saved early result already holds the chunks a round asks for is not built.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 from qeval.engine import recipe as recipes
 from qeval.engine.engine import EngineSettings, available_cores
 from qeval.engine.modelinfo import model_facts
 from qeval.engine.probe import build_id
+from qeval.compare.early import EarlySettings, held_prefix
 from qeval.compare.paired_stats import PairedDifference
 from qeval.compare.summary import ComparisonSummary
 from qeval.errors import QevalError
@@ -47,6 +60,7 @@ class RecipeRequest:
     chunks: int | None = None
     engine: EngineSettings = EngineSettings()
     keep: bool = False  # keep each variant's GGUF in RUNS_DIR/recipes (else deleted once measured)
+    early: EarlySettings | None = None  # the board decided early (the module's docstring); None: every chunk
 
     @property
     def recipes_dir(self) -> Path:
@@ -65,12 +79,15 @@ class Variant:
     per_token: dict
     result: Path
     status: str
+    stopped: str | None = None  # on a board decided early: why it stopped (qeval.compare.early); None: not early
 
     def to_json(self) -> dict:
         kld = self.summary.measured().get("kld_mean")
+        early = ({"chunks": self.summary.chunks, "scored_tokens": self.summary.scored_tokens, "stopped": self.stopped}
+                 if self.stopped is not None else {})
         return {"label": self.label, "recipe": self.recipe.text(), "canonical": self.recipe.canonical(),
                 "bytes": self.bytes, "kld_mean": kld.value if kld else None, "kld_mean_se": kld.se if kld else None,
-                "result": str(self.result), "status": self.status}
+                "result": str(self.result), "status": self.status, **early}
 
 
 class Ledger:
@@ -100,24 +117,104 @@ class Ledger:
 
 def measure_recipes(request: RecipeRequest, on_variant: Callable[[Variant], None] | None = None,
                     on_chunk: Callable[[int], None] | None = None) -> list[Variant]:
-    """Every recipe of the request, measured (or its saved result reused), in order."""
+    """Every recipe of the request, measured (or its saved result reused), in order; decided early with
+    request.early (on_variant then called once the board has stopped, on_chunk not at all)."""
     source = Path(request.source)
     if not source.is_file():
         raise QevalError(f"source model {source} does not exist")
     source_facts = model_facts(source)
     quantizer = build_id()
     ledger = Ledger(request.recipes_dir / LEDGER)
-    out = []
+    keyed = [(recipe, digest(recipes.variant_identity(source_facts, recipe, quantizer))) for recipe in request.recipes]
     with contextlib.closing(runs.open_source(request.ref, request.directory)) as ref:
-        n = ref.header.chunk_stop if request.chunks is None else min(request.chunks, ref.header.chunk_stop)
-        for recipe in request.recipes:
-            key = digest(recipes.variant_identity(source_facts, recipe, quantizer))
+        n = chunks_compared(request, ref)
+        if request.early is not None:
+            out = _measure_early(request, ref, n, keyed, ledger)
+            for variant in out if on_variant else ():
+                on_variant(variant)
+            return out
+        out = []
+        for recipe, key in keyed:
             variant = _reused(request, ref, n, recipe, ledger.get(key)) or _built(request, ref, n, recipe, key,
                                                                                   ledger, on_chunk)
             out.append(variant)
             if on_variant:
                 on_variant(variant)
     return out
+
+
+def chunks_compared(request: RecipeRequest, ref) -> int:
+    """The chunks of the open reference store every variant is compared over: its first request.chunks, or all."""
+    return ref.header.chunk_stop if request.chunks is None else min(request.chunks, ref.header.chunk_stop)
+
+
+def _measure_early(request: RecipeRequest, ref, n: int, keyed: list[tuple[recipes.Recipe, str]],
+                   ledger: Ledger) -> list[Variant]:
+    """The recipes as one board decided early (the module's docstring): a variant whose saved full result answers the
+    request is reused as it is; the others run in the matrix's rounds, each built when a round needs chunks its saved
+    result does not hold, kept while it runs and deleted (unless kept) once the board stops it."""
+    labels = [recipe.label() for recipe, _ in keyed]
+    twice = sorted({label for label in labels if labels.count(label) > 1})
+    if twice:
+        raise QevalError(f"recipe {', '.join(twice)} given twice: a board decided early holds each variant once")
+    settings = request.early
+    order = [int(c) for c in settings.order(n)]
+    record = settings.record(order)
+    threads = request.engine.n_threads or available_cores()
+    full = [_reused(request, ref, n, recipe, ledger.get(key)) for recipe, key in keyed]
+    on_disk: dict[int, Path] = {}
+    built: set[int] = set()
+
+    def run(k: int, target: int) -> None:
+        recipe, key = keyed[k]
+        if _held(request, ref, n, recipe, ledger.get(key), order) >= target:
+            return  # its saved early result (an earlier run's) holds them already: nothing to build
+        if k not in on_disk:
+            on_disk[k] = _build(request, recipe, key, ledger, threads)
+            built.add(k)
+        pair = matrix.PairPlan(recipe.label(), str(on_disk[k]), request.engine, matrix.RUN_LIVE)
+        matrix.run_pair(pair, ref, n, request.recipes_dir, threads, order=order, early=record,
+                        stop=lambda parts: len(held_prefix(order, parts)) >= target)
+
+    def drop(k: int) -> None:
+        gguf = on_disk.pop(k, None)
+        if gguf is not None and not request.keep:
+            gguf.unlink(missing_ok=True)
+
+    def decisions():
+        return matrix.decisions_of([(label, _result_path(request, label, ref)) for label in labels], n, settings)
+
+    try:
+        matrix.decide_in_rounds(settings, [k for k, v in enumerate(full) if v is None], run, decisions, drop)
+    finally:
+        for k in list(on_disk):
+            drop(k)
+    return [dataclasses.replace(full[k] or _variant(recipe, ledger.get(key), _result_path(request, recipe.label(), ref),
+                                                    MEASURED if k in built else REUSED), stopped=decision.reason)
+            for k, ((recipe, key), decision) in enumerate(zip(keyed, decisions()))]
+
+
+def _held(request: RecipeRequest, ref, n: int, recipe: recipes.Recipe, facts: dict | None, order: list[int]) -> int:
+    """The chunks of `order` the variant's saved result holds, when (early or full) it answers what measuring the
+    variant now would; else 0."""
+    if facts is None:
+        return 0
+    saved = results.saved_request(_result_path(request, recipe.label(), ref))
+    if saved is None or dataclasses.replace(saved, early=None).key != matrix.planned_request(ref, n, facts,
+                                                                                            request.engine).key:
+        return 0
+    if saved.early is None:
+        return n
+    return int(saved.early["visited"]) if saved.early.get("order") == order else 0
+
+
+def early_figures(request: RecipeRequest, variants: list[Variant]) -> dict:
+    """What the request's board decided early records and cost (matrix.early_figures); {} when not decided early."""
+    if request.early is None:
+        return {}
+    with contextlib.closing(runs.open_source(request.ref, request.directory)) as ref:
+        n = chunks_compared(request, ref)
+    return matrix.early_figures(request.early, n, [v.summary.chunks for v in variants])
 
 
 def _result_path(request: RecipeRequest, label: str, ref) -> Path:
@@ -137,21 +234,29 @@ def _reused(request: RecipeRequest, ref, n: int, recipe: recipes.Recipe, facts: 
 
 def _built(request: RecipeRequest, ref, n: int, recipe: recipes.Recipe, key: str, ledger: Ledger,
            on_chunk) -> Variant:
-    """Build the variant, measure it live, save its result; its GGUF deleted unless kept."""
-    label = recipe.label()
-    request.recipes_dir.mkdir(parents=True, exist_ok=True)
-    gguf = request.recipes_dir / f"{label}.gguf"
+    """Build the variant, measure it live over every chunk, save its result; its GGUF deleted unless kept."""
     threads = request.engine.n_threads or available_cores()
-    recipes.build(request.source, recipe, gguf, threads)
+    gguf = _build(request, recipe, key, ledger, threads)
     try:
-        facts = model_facts(gguf)
-        pair = matrix.PairPlan(label, str(gguf), request.engine, matrix.RUN_LIVE)
+        pair = matrix.PairPlan(recipe.label(), str(gguf), request.engine, matrix.RUN_LIVE)
         run = matrix.run_pair(pair, ref, n, request.recipes_dir, threads, on_chunk)
-        ledger.put(key, recipe, facts)
     finally:
         if not request.keep:
             gguf.unlink(missing_ok=True)
-    return _variant(recipe, facts, run.result, MEASURED)
+    return _variant(recipe, ledger.get(key), run.result, MEASURED)
+
+
+def _build(request: RecipeRequest, recipe: recipes.Recipe, key: str, ledger: Ledger, threads: int) -> Path:
+    """The variant's GGUF, built in RUNS_DIR/recipes; its facts in the ledger under its identity."""
+    request.recipes_dir.mkdir(parents=True, exist_ok=True)
+    gguf = request.recipes_dir / f"{recipe.label()}.gguf"
+    recipes.build(request.source, recipe, gguf, threads)
+    try:
+        ledger.put(key, recipe, model_facts(gguf))
+    except BaseException:
+        gguf.unlink(missing_ok=True)
+        raise
+    return gguf
 
 
 def _variant(recipe: recipes.Recipe, facts: dict, path: Path, status: str) -> Variant:
@@ -160,9 +265,18 @@ def _variant(recipe: recipes.Recipe, facts: dict, path: Path, status: str) -> Va
 
 
 def kld_cost(variant: Variant, base: Variant) -> PairedDifference:
-    """The variant's mean KLD minus the base's on the same tokens, chunks as the unit."""
-    a, b = variant.per_token, base.per_token
+    """The variant's mean KLD minus the base's on the same tokens, chunks as the unit: the chunks both hold (on a board
+    decided early, each holds a prefix of one chunk order)."""
+    a, b = _on_common_chunks(variant.per_token, base.per_token), _on_common_chunks(base.per_token, variant.per_token)
     return paired_difference(a["kld"], b["kld"], b["chunk"], "kld_mean", names=(variant.label, base.label))
+
+
+def _on_common_chunks(per_token: dict, other: dict) -> dict:
+    """The per-token columns of the chunks `other` holds too, by chunk and position: a result decided early keeps its
+    chunks in visit order, a full one by chunk."""
+    at = np.flatnonzero(np.isin(per_token["chunk"], other["chunk"]))
+    at = at[np.lexsort((per_token["position"][at], per_token["chunk"][at]))]
+    return {name: per_token[name][at] for name in ("chunk", "position", "kld")}
 
 
 def is_stock(recipe: recipes.Recipe) -> bool:

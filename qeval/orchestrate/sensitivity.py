@@ -23,8 +23,17 @@ from qeval.engine import recipe as recipes
 from qeval.compare import recipe_choice
 from qeval.compare.paired_stats import PairedDifference
 from qeval.errors import QevalError
-from qeval.orchestrate.recipes import RecipeRequest, Variant, board_rows, is_stock, kld_cost, measure_recipes
-from qeval.present import recipes_text
+from qeval.orchestrate import matrix
+from qeval.orchestrate.recipes import (
+    RecipeRequest,
+    Variant,
+    board_rows,
+    early_figures,
+    is_stock,
+    kld_cost,
+    measure_recipes,
+)
+from qeval.present import board, recipes_text
 from qeval.present.progress import say
 
 
@@ -65,7 +74,8 @@ class Sensitivity:
         return {"group": group.name, "pattern": group.pattern, "tensors": len(group.tensors),
                 "target": self.move.target, "types": self.move.types_text(), "label": self.variant.label,
                 "bytes": self.variant.bytes, "bytes_saved": self.bytes_saved, "kld_cost": self.cost.diff,
-                "kld_cost_se": self.cost.se, "kld_per_mb": self.kld_per_mb}
+                "kld_cost_se": self.cost.se, "kld_per_mb": self.kld_per_mb,
+                **({"chunks": self.cost.n_chunks, "stopped": self.variant.stopped} if self.variant.stopped else {})}
 
 
 @dataclass(frozen=True)
@@ -136,15 +146,22 @@ def fitted_recipe(swept: Sweep, max_bytes: int | None = None, max_kld: float | N
 def _announce(progress: bool):
     def said(v: Variant) -> None:
         kld = v.summary.measured()["kld_mean"]
-        say(f"recipe {v.label} ({v.recipe.text()}): {v.status}: {v.bytes / 1e6:.1f} MB, mean KLD {kld.value:.5f}",
-            progress)
+        early = f" (decided early: {v.summary.chunks} chunks, {v.stopped})" if v.stopped else ""
+        say(f"recipe {v.label} ({v.recipe.text()}): {v.status}: {v.bytes / 1e6:.1f} MB, mean KLD {kld.value:.5f}"
+            f"{early}", progress)
     return said
 
 
 def measure_report(request: RecipeRequest, progress: bool = False) -> tuple[dict, str]:
     """Every recipe of the request measured (or reused): its board, stock types beside recipes."""
-    rows = board_rows(measure_recipes(request, _announce(progress)))
-    return {"rows": rows}, recipes_text.recipes_markdown(rows)
+    variants = measure_recipes(request, _announce(progress))
+    rows, early = board_rows(variants), early_figures(request, variants)
+    return {"rows": rows, **early}, "\n".join([recipes_text.recipes_markdown(rows), *_early_text(early)])
+
+
+def _early_text(early: dict) -> list[str]:
+    """The note and cost line of a board decided early (the matrix's), none otherwise."""
+    return ["", board.EARLY_NOTE, matrix.early_line(early["early"])] if early else []
 
 
 def sweep_report(request: RecipeRequest, targets: tuple[str, ...], only: tuple[str, ...] = (),
@@ -155,8 +172,9 @@ def sweep_report(request: RecipeRequest, targets: tuple[str, ...], only: tuple[s
     kld = swept.base.summary.measured()["kld_mean"]
     head = (f"base {swept.base.recipe.text()}: {swept.base.bytes / 1e6:.1f} MB, mean KLD "
             f"{recipes_text.plus_minus(kld.value, kld.se, '.5f')} over {swept.base.summary.chunks} chunks")
-    text = "\n".join([head, *swept.skipped, "", recipes_text.sensitivity_markdown(rows)])
-    result = {"base": swept.base.to_json(), "rows": rows, "skipped": list(swept.skipped)}
+    early = early_figures(request, [swept.base, *(r.variant for r in swept.rows)])
+    text = "\n".join([head, *swept.skipped, "", recipes_text.sensitivity_markdown(rows), *_early_text(early)])
+    result = {"base": swept.base.to_json(), "rows": rows, "skipped": list(swept.skipped), **early}
     if out is not None:
         _write(out, "sensitivity", result, text, recipes_text.plot_sensitivity(rows, f"Tensor sensitivity: base "
                                                                                      f"{swept.base.recipe.text()}"))
@@ -179,10 +197,13 @@ def fit_report(request: RecipeRequest, targets: tuple[str, ...], max_bytes=(), m
     budgets = [_budget_row(name, kind, value, by_recipe[r], choice, variants)
                for name, kind, value, r, choice in fits]
     rows = board_rows(variants)
+    # decided early: the sweep's board and the budgets' board, their chunks together
+    early = early_figures(request, [swept.base, *(r.variant for r in swept.rows), *variants])
     text = "\n".join(["Budgeted recipes (predicted from the sweep, then measured), each beside the stock type nearest "
                       "its budget (in size for a size budget, in mean KLD for a KLD budget)", "",
-                      recipes_text.budgets_markdown(budgets), "", recipes_text.recipes_markdown(rows)])
-    result = {"budgets": budgets, "rows": rows}
+                      recipes_text.budgets_markdown(budgets), "", recipes_text.recipes_markdown(rows),
+                      *_early_text(early)])
+    result = {"budgets": budgets, "rows": rows, **early}
     if out is not None:
         _write(out, "recipes", result, text, recipes_text.plot_recipe_front(rows))
     return result, text

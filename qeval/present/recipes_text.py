@@ -17,12 +17,28 @@ def _mb(n: float | None) -> str:
 
 def sensitivity_markdown(rows: list[dict]) -> str:
     """One line per move, cheapest bytes first (lowest KLD per MB saved; moves that add bytes last)."""
-    lines = ["| group | tensors | move | MB saved | KLD cost ± SE | KLD per MB saved |", "|---|---|---|---|---|---|"]
+    early = _decided_early(rows)
+    lines = ["| group | tensors | move | MB saved | KLD cost ± SE | KLD per MB saved |" + _EARLY_HEAD[0] * early,
+             "|---|---|---|---|---|---|" + _EARLY_HEAD[1] * early]
     for r in sorted(rows, key=_cheapness):
         ratio = "" if r["kld_per_mb"] is None else f"{r['kld_per_mb']:.2e}"
         lines.append(f"| {r['group']} | {r['tensors']} | {r['types']} | {_mb(r['bytes_saved'])} | "
-                     f"{plus_minus(r['kld_cost'], r['kld_cost_se'], '+.5f', '.5f')} | {ratio} |")
+                     f"{plus_minus(r['kld_cost'], r['kld_cost_se'], '+.5f', '.5f')} | {ratio} |"
+                     + _early_cells(r) * early)
     return "\n".join(lines)
+
+
+# a board decided early (--early): the chunks each row stands on (a sweep's: those its cost is paired over) and why it
+# stopped (qeval.present.board.EARLY_NOTE)
+_EARLY_HEAD = (" chunks | stopped |", "---|---|")
+
+
+def _decided_early(rows: list[dict]) -> bool:
+    return any(r.get("stopped") for r in rows)
+
+
+def _early_cells(row: dict) -> str:
+    return f" {row.get('chunks', '')} | {row.get('stopped', '')} |"
 
 
 def _cheapness(row: dict) -> tuple:
@@ -33,14 +49,17 @@ def _cheapness(row: dict) -> tuple:
 def recipes_markdown(rows: list[dict]) -> str:
     """The measured recipes by size: bytes, mean KLD ± SE, same top-1, and (`vs`) the paired difference of mean KLD
     against the stock type nearest in size, on the same tokens."""
-    lines = ["| label | recipe | MB | mean KLD ± SE | same top-1 % | vs stock: Δ KLD ± SE |",
-             "|---|---|---|---|---|---|"]
+    early = _decided_early(rows)
+    lines = ["| label | recipe | MB | mean KLD ± SE | same top-1 % | vs stock: Δ KLD ± SE |"
+             + _EARLY_HEAD[0] * early,
+             "|---|---|---|---|---|---|" + _EARLY_HEAD[1] * early]
     for r in sorted(rows, key=lambda r: r["bytes"]):
         vs = r.get("vs")
         diff = f"{vs['label']}: {plus_minus(vs['diff'], vs['se'], '+.5f', '.5f')}" if vs else ""
         top1 = "?" if r.get("same_top1_pct") is None else f"{r['same_top1_pct']:.2f}"
         lines.append(f"| {r['label']} | `{r['recipe']}` | {_mb(r['bytes'])} | "
-                     f"{plus_minus(r['kld_mean'], r['kld_mean_se'], '.5f')} | {top1} | {diff} |")
+                     f"{plus_minus(r['kld_mean'], r['kld_mean_se'], '.5f')} | {top1} | {diff} |"
+                     + _early_cells(r) * early)
     return "\n".join(lines)
 
 
