@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import assert_cli_error, run_cli
 from test_matrix_checkpoint import (  # noqa: F401 - decoded and planned_as_replayed are fixtures
@@ -24,7 +25,7 @@ from test_matrix_checkpoint import (  # noqa: F401 - decoded and planned_as_repl
 from qeval.compare import early
 from qeval.identity import ComparisonRequest
 from qeval.orchestrate import matrix, sweep
-from qeval.present import checkpoint, results
+from qeval.present import board, checkpoint, results
 
 V, N_CTX, N = 200, 64, 32  # 31 scored tokens a chunk (--score half), 32 chunks
 # noise sizes: mean KLDs about an order of magnitude apart; CLOSE's a few % above A's
@@ -214,3 +215,28 @@ def test_the_control_row_stops_at_the_minimum(replayed, tmp_path):
     rows = rows_of(result)
     assert rows["control"]["control"] and rows["control"]["chunks"] == MIN
     assert rows["control"]["stopped"] == early.SETTLED and "KLD over control" in text
+
+
+def test_an_early_kv_row_is_paired_with_the_floor_on_the_chunks_it_holds():
+    """A KV row decided early holds some chunks, in visit order; the floor ran them all: its cost over the floor is
+    the t-interval over the chunks both hold, computed here in plain float64."""
+    rng = np.random.default_rng(5)
+    n_chunks, per_chunk = 6, 7
+    chunk = np.repeat(np.arange(n_chunks), per_chunk)
+    position = np.tile(np.arange(per_chunk), n_chunks)
+    floor_kld = rng.gamma(2.0, 0.001, chunk.size)
+    held = [4, 1, 3]  # the early row's visit order
+    at = np.concatenate([np.flatnonzero(chunk == c) for c in held])
+    row_kld = (floor_kld + rng.normal(0.002, 0.0005, chunk.size))[at]
+    columns = {"floor": {"chunk": chunk, "position": position, "kld": floor_kld.astype(np.float32)},
+               "q4_0": {"chunk": chunk[at], "position": position[at], "kld": row_kld.astype(np.float32)}}
+
+    def row(label, **flags):
+        return board.BoardRow(label, "Q8_0", "f16/f16", None, None, None, None, None, {}, {}, None, **flags)
+
+    rows = [row("floor", floor=True), row("q4_0", kv_quant=True)]
+    board.compare_with_floor(rows, lambda r: columns[r.label])
+    d = [np.mean(row_kld[chunk[at] == c].astype(np.float32).astype(np.float64)
+                 - floor_kld[chunk == c].astype(np.float32).astype(np.float64)) for c in sorted(held)]
+    assert rows[1].kld_over_floor == pytest.approx(np.mean(d), rel=1e-12)
+    assert rows[1].kld_over_floor_se == pytest.approx(np.std(d, ddof=1) / np.sqrt(len(d)), rel=1e-12)

@@ -44,6 +44,15 @@ def chunk_means(values: np.ndarray, chunk: np.ndarray) -> np.ndarray:
     return sums / counts
 
 
+def on_common_chunks(per_token: dict, other: dict, columns=("chunk", "position", "kld")) -> dict:
+    """`columns` of the per-token columns `per_token` at the chunks `other` holds too, ordered by chunk and position:
+    two results over one reference then pair token for token even when one was decided early (it keeps a prefix of
+    a chunk order, in visit order) and the other ran every chunk."""
+    at = np.flatnonzero(np.isin(per_token["chunk"], other["chunk"]))
+    at = at[np.lexsort((per_token["position"][at], per_token["chunk"][at]))]
+    return {name: np.asarray(per_token[name])[at] for name in columns}
+
+
 def t_quantile(confidence: float, df: int) -> float:
     """The multiplier of a two-sided t-interval at `confidence` with df degrees of freedom."""
     return float(sps.t.ppf(0.5 + confidence / 2.0, df))

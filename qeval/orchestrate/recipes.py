@@ -27,14 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
-
 from qeval.engine import recipe as recipes
 from qeval.engine.engine import EngineSettings, available_cores
 from qeval.engine.modelinfo import model_facts
 from qeval.engine.probe import build_id
 from qeval.compare.early import EarlySettings, held_prefix
-from qeval.compare.paired_stats import PairedDifference
+from qeval.compare.paired_stats import PairedDifference, on_common_chunks
 from qeval.compare.summary import ComparisonSummary
 from qeval.errors import QevalError
 from qeval.identity import digest
@@ -267,16 +265,8 @@ def _variant(recipe: recipes.Recipe, facts: dict, path: Path, status: str) -> Va
 def kld_cost(variant: Variant, base: Variant) -> PairedDifference:
     """The variant's mean KLD minus the base's on the same tokens, chunks as the unit: the chunks both hold (on a board
     decided early, each holds a prefix of one chunk order)."""
-    a, b = _on_common_chunks(variant.per_token, base.per_token), _on_common_chunks(base.per_token, variant.per_token)
+    a, b = on_common_chunks(variant.per_token, base.per_token), on_common_chunks(base.per_token, variant.per_token)
     return paired_difference(a["kld"], b["kld"], b["chunk"], "kld_mean", names=(variant.label, base.label))
-
-
-def _on_common_chunks(per_token: dict, other: dict) -> dict:
-    """The per-token columns of the chunks `other` holds too, by chunk and position: a result decided early keeps its
-    chunks in visit order, a full one by chunk."""
-    at = np.flatnonzero(np.isin(per_token["chunk"], other["chunk"]))
-    at = at[np.lexsort((per_token["position"][at], per_token["chunk"][at]))]
-    return {name: per_token[name][at] for name in ("chunk", "position", "kld")}
 
 
 def is_stock(recipe: recipes.Recipe) -> bool:

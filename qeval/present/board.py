@@ -16,7 +16,7 @@ import numpy as np
 
 from qeval.compare import metric_registry, ranking, sampler
 from qeval.compare.metric_registry import Metric, MetricValue, plus_minus, sampler_metrics
-from qeval.compare.paired_stats import NOISE_SIGMAS, chunk_means, excess_over, interval_t
+from qeval.compare.paired_stats import NOISE_SIGMAS, chunk_means, excess_over, interval_t, on_common_chunks
 from qeval.compare.summary import ComparisonSummary, DepthBand, TokenGroup
 from qeval.engine.modelinfo import kv_cache_gib
 from qeval.identity import is_control, is_floor
@@ -214,7 +214,7 @@ def is_baseline(row: BoardRow) -> bool:
 
 def compare_with_floor(rows: list[BoardRow], per_token) -> None:
     """Fill kld_over_floor, its SE and above_floor of every KV-cache row against the board's floor row: the mean of
-    the per-token differences of KLD on the same tokens, chunks as the unit (a t-interval over chunk means, at the
+    the per-token differences of KLD on the same tokens (the chunks both hold), chunks as the unit (a t-interval over chunk means, at the
     confidence of qeval.compare.paired_stats). per_token(row): its per-token columns ({"kld", "chunk", "position"}),
     None when not at hand. Nothing when the board has no floor."""
     floor = next((r for r in rows if r.floor), None)
@@ -223,9 +223,12 @@ def compare_with_floor(rows: list[BoardRow], per_token) -> None:
         return
     for row in rows:
         values = per_token(row) if row.kv_quant and not is_baseline(row) else None
-        if values is None or not all(np.array_equal(values[k], base[k]) for k in ("chunk", "position")):
+        if values is None:
+            continue
+        mine, floors = on_common_chunks(values, base), on_common_chunks(base, values)  # an early row holds fewer chunks
+        if not all(np.array_equal(mine[k], floors[k]) for k in ("chunk", "position")):
             continue  # not on the floor's tokens: no paired difference
-        d = chunk_means(np.asarray(values["kld"], np.float64) - np.asarray(base["kld"], np.float64), base["chunk"])
+        d = chunk_means(mine["kld"].astype(np.float64) - floors["kld"].astype(np.float64), floors["chunk"])
         if len(d) < 2:
             continue
         mean, se, low, _, _ = interval_t(d)
