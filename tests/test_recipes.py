@@ -504,6 +504,27 @@ def test_a_sweep_decided_early_pairs_each_move_with_the_base_on_their_common_chu
         assert r["kld_cost_se"] == pytest.approx(d.std(ddof=1) / np.sqrt(len(d)), rel=1e-9, abs=1e-15)
 
 
-def test_a_recipe_given_twice_to_an_early_board_gets_one_clear_message(qwen):
-    assert_cli_error(run_cli("recipe", "measure", "Q4_0", "Q4_0", "--ref", "REF", "--source", qwen["source"],
-                             "--runs-dir", qwen["runs"], "--early"), "Q4_0 given twice")
+@pytest.mark.parametrize("early", [False, True], ids=["every-chunk", "early"])
+def test_spellings_of_one_variant_are_built_and_measured_once(qwen_early, tmp_path, monkeypatch, early):
+    """Recipes that plan the same tensor types are one variant: built and measured once, in one call and across calls,
+    each row showing its own spelling."""
+    built = []
+    build = recipes.build
+    monkeypatch.setattr(recipes, "build", lambda source, recipe, *a, **k: built.append(recipe) or build(source, recipe,
+                                                                                                          *a, **k))
+    spellings = ("Q4_0 ssm_out=q8_0", r"Q4_0 ^blk\.[0-9]+\.ssm_out\.weight$=q8_0", "Q4_0 ssm_out=q8_0")
+    request = early_request(qwen_early, tmp_path, early=early, recipes_=spellings)
+    got = measured.measure_recipes(request)
+    assert [v.recipe for v in got] == [recipes.parse(t) for t in spellings] and len(built) == 1
+    assert got[0].label != got[1].label == recipes.parse(spellings[1]).label()
+    assert [v.status for v in got] == [measured.MEASURED, measured.REUSED, measured.REUSED]
+    assert len({v.result for v in got}) == 1 and len({v.summary.measured()["kld_mean"].value for v in got}) == 1
+    assert len(list((tmp_path / "recipes" / "results").glob("*.json"))) == 1
+
+    built.clear()  # the other spelling alone, later: its saved result answers it
+    alone = measured.measure_recipes(dataclasses.replace(request, recipes=(recipes.parse(spellings[1]),)))[0]
+    assert not built and alone.status == measured.REUSED and alone.result == got[0].result
+    assert alone.recipe == recipes.parse(spellings[1])
+    # another plan is another variant
+    other = measured.measure_recipes(dataclasses.replace(request, recipes=(recipes.parse("Q4_0 ssm_out=q5_0"),)))[0]
+    assert len(built) == 1 and other.status == measured.MEASURED and other.result != got[0].result

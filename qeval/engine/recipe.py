@@ -12,9 +12,11 @@ The variant is built by `llama_model_quantize` (llama-cpp-python's ctypes bindin
 `dry_run` llama.cpp writes nothing and logs each tensor's planned type: `plan()` reads that log, so a recipe's
 per-tensor types and its size are known in a second, before anything is built.
 
-`identity()` is what makes two variants the same: the source's content fingerprint, the recipe's canonical form
-(the imatrix by its content, not its path) and the quantizer's build. The quantizer is deterministic, so a
-variant rebuilt under the same identity is the same file.
+`variant_identity()` is what makes two variants the same: the source's content fingerprint, the type the dry run
+plans for each tensor, the imatrix by its content (not its path) and the quantizer's build. Two spellings of one
+recipe (`Q4_K_M token_embd=q5_1` and `Q4_K_M ^token_embd=q5_1`, or an override that restates a base type's
+choice) plan the same types and so are one variant. The quantizer is deterministic, so a variant rebuilt under the
+same identity holds the same tensors.
 """
 
 from __future__ import annotations
@@ -150,9 +152,11 @@ def _file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def variant_identity(source_facts: dict, recipe: Recipe, quantizer: str) -> dict:
-    """What a variant is: its source (content fingerprint), its recipe, and the quantizer's build (probe.build_id)."""
-    return {"source": source_facts["fingerprint"], "recipe": recipe.canonical(), "quantizer": quantizer}
+def variant_identity(source_facts: dict, recipe: Recipe, planned: dict[str, "TensorPlan"], quantizer: str) -> dict:
+    """What a variant is (the module's docstring): its source (content fingerprint), the type `planned` (plan() of
+    the recipe) gives each tensor, the recipe's imatrix by its content, and the quantizer's build (probe.build_id)."""
+    return {"source": source_facts["fingerprint"], "tensors": {name: planned[name].type for name in sorted(planned)},
+            "imatrix": recipe.canonical()["imatrix"], "quantizer": quantizer}
 
 
 # --------------------------------------------------------------------------------------------------

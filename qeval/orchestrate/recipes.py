@@ -3,10 +3,12 @@ quantizer, run live against a reference store as `qeval kld --ref STORE --cand V
 in RUNS_DIR/recipes/results.
 
 One variant is on disk at a time: it is deleted once measured, unless kept. A ledger (RUNS_DIR/recipes/variants.json)
-maps each variant's identity (qeval.engine.recipe.variant_identity: source, recipe, quantizer build) to the facts
-of the file it built; with them the request a measurement answers is known without the file
+maps each variant's identity (qeval.engine.recipe.variant_identity: source, each tensor's planned type, imatrix,
+quantizer build) to the facts of the file it built and the label of the recipe that built it, under which its
+result is saved; with them the request a measurement answers is known without the file
 (qeval.orchestrate.matrix.planned_request), so a variant whose saved result answers it is neither rebuilt nor
-measured again.
+measured again — under any spelling: recipes that plan the same types are one variant, measured once (a dry run
+per recipe, about a second, tells).
 
 Decided early (RecipeRequest.early, `--early`): the variants are one board, run in the matrix's rounds
 (qeval.orchestrate.matrix.decide_in_rounds, the rule of qeval.compare.early): each visits the chunks in the seeded
@@ -88,8 +90,19 @@ class Variant:
                 "result": str(self.result), "status": self.status, **early}
 
 
+@dataclass(frozen=True)
+class Keyed:
+    """A recipe of a request, its variant's identity (a digest of qeval.engine.recipe.variant_identity) and the label
+    the variant's result is saved under: the label of the recipe that first built it (the ledger's), else its own."""
+
+    recipe: recipes.Recipe
+    key: str
+    result_label: str
+
+
 class Ledger:
-    """Variant identity -> the facts of the GGUF it built (qeval.engine.modelinfo.model_facts), in a JSON file."""
+    """Variant identity -> the facts of the GGUF it built (qeval.engine.modelinfo.model_facts) and the label its
+    result is saved under, in a JSON file."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -105,8 +118,12 @@ class Ledger:
         entry = self.entries.get(key)
         return entry["facts"] if entry else None
 
-    def put(self, key: str, recipe: recipes.Recipe, facts: dict) -> None:
-        self.entries[key] = {"recipe": recipe.text(), "facts": facts}
+    def label(self, key: str) -> str | None:
+        entry = self.entries.get(key)
+        return entry.get("label") if entry else None
+
+    def put(self, keyed: Keyed, facts: dict) -> None:
+        self.entries[keyed.key] = {"recipe": keyed.recipe.text(), "label": keyed.result_label, "facts": facts}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".json.part")
         tmp.write_text(json.dumps(self.entries, indent=1))
@@ -115,30 +132,49 @@ class Ledger:
 
 def measure_recipes(request: RecipeRequest, on_variant: Callable[[Variant], None] | None = None,
                     on_chunk: Callable[[int], None] | None = None) -> list[Variant]:
-    """Every recipe of the request, measured (or its saved result reused), in order; decided early with
-    request.early (on_variant then called once the board has stopped, on_chunk not at all)."""
+    """Every recipe of the request, measured (or its saved result reused), in order; recipes that are one variant
+    (the module's docstring) measured once. Decided early with request.early (on_variant then called once the board
+    has stopped, on_chunk not at all)."""
     source = Path(request.source)
     if not source.is_file():
         raise QevalError(f"source model {source} does not exist")
     source_facts = model_facts(source)
     quantizer = build_id()
     ledger = Ledger(request.recipes_dir / LEDGER)
-    keyed = [(recipe, digest(recipes.variant_identity(source_facts, recipe, quantizer))) for recipe in request.recipes]
+    keyed = [_keyed(source, source_facts, recipe, quantizer, ledger) for recipe in request.recipes]
     with contextlib.closing(runs.open_source(request.ref, request.directory)) as ref:
         n = chunks_compared(request, ref)
         if request.early is not None:
-            out = _measure_early(request, ref, n, keyed, ledger)
+            first: dict[str, Keyed] = {}  # each variant's first spelling
+            for k in keyed:
+                first.setdefault(k.key, k)
+            board = dict(zip(first, _measure_early(request, ref, n, list(first.values()), ledger)))
+            out = [board[k.key] if first[k.key] is k else _as_spelled(board[k.key], k.recipe) for k in keyed]
             for variant in out if on_variant else ():
                 on_variant(variant)
             return out
-        out = []
-        for recipe, key in keyed:
-            variant = _reused(request, ref, n, recipe, ledger.get(key)) or _built(request, ref, n, recipe, key,
-                                                                                  ledger, on_chunk)
+        out, done = [], {}
+        for k in keyed:
+            if k.key in done:
+                variant = _as_spelled(done[k.key], k.recipe)
+            else:
+                variant = done[k.key] = (_reused(request, ref, n, k, ledger.get(k.key))
+                                         or _built(request, ref, n, k, ledger, on_chunk))
             out.append(variant)
             if on_variant:
                 on_variant(variant)
     return out
+
+
+def _keyed(source: Path, source_facts: dict, recipe: recipes.Recipe, quantizer: str, ledger: Ledger) -> Keyed:
+    """The recipe's variant identity, from llama.cpp's dry run of it, and the label its result is saved under."""
+    key = digest(recipes.variant_identity(source_facts, recipe, recipes.plan(source, recipe), quantizer))
+    return Keyed(recipe, key, ledger.label(key) or recipe.label())
+
+
+def _as_spelled(variant: Variant, recipe: recipes.Recipe) -> Variant:
+    """`variant` shown as `recipe`, given again (in that spelling or another): its measurement reused."""
+    return dataclasses.replace(variant, recipe=recipe, label=recipe.label(), status=REUSED)
 
 
 def chunks_compared(request: RecipeRequest, ref) -> int:
@@ -146,58 +182,57 @@ def chunks_compared(request: RecipeRequest, ref) -> int:
     return ref.header.chunk_stop if request.chunks is None else min(request.chunks, ref.header.chunk_stop)
 
 
-def _measure_early(request: RecipeRequest, ref, n: int, keyed: list[tuple[recipes.Recipe, str]],
-                   ledger: Ledger) -> list[Variant]:
-    """The recipes as one board decided early (the module's docstring): a variant whose saved full result answers the
-    request is reused as it is; the others run in the matrix's rounds, each built when a round needs chunks its saved
-    result does not hold, kept while it runs and deleted (unless kept) once the board stops it."""
-    labels = [recipe.label() for recipe, _ in keyed]
-    twice = sorted({label for label in labels if labels.count(label) > 1})
-    if twice:
-        raise QevalError(f"recipe {', '.join(twice)} given twice: a board decided early holds each variant once")
+def _measure_early(request: RecipeRequest, ref, n: int, keyed: list[Keyed], ledger: Ledger) -> list[Variant]:
+    """The variants (one recipe each) as one board decided early (the module's docstring): a variant whose saved full
+    result answers the request is reused as it is; the others run in the matrix's rounds, each built when a round needs
+    chunks its saved result does not hold, kept while it runs and deleted (unless kept) once the board stops it."""
     settings = request.early
     order = [int(c) for c in settings.order(n)]
     record = settings.record(order)
     threads = request.engine.n_threads or available_cores()
-    full = [_reused(request, ref, n, recipe, ledger.get(key)) for recipe, key in keyed]
+    full = [_reused(request, ref, n, k, ledger.get(k.key)) for k in keyed]
     on_disk: dict[int, Path] = {}
     built: set[int] = set()
 
-    def run(k: int, target: int) -> None:
-        recipe, key = keyed[k]
-        if _held(request, ref, n, recipe, ledger.get(key), order) >= target:
+    def run(i: int, target: int) -> None:
+        k = keyed[i]
+        if _held(request, ref, n, k, ledger.get(k.key), order) >= target:
             return  # its saved early result (an earlier run's) holds them already: nothing to build
-        if k not in on_disk:
-            on_disk[k] = _build(request, recipe, key, ledger, threads)
-            built.add(k)
-        pair = matrix.PairPlan(recipe.label(), str(on_disk[k]), request.engine, matrix.RUN_LIVE)
+        if i not in on_disk:
+            on_disk[i] = _build(request, k, ledger, threads)
+            built.add(i)
+        pair = matrix.PairPlan(k.result_label, str(on_disk[i]), request.engine, matrix.RUN_LIVE)
         matrix.run_pair(pair, ref, n, request.recipes_dir, threads, order=order, early=record,
                         stop=lambda parts: len(held_prefix(order, parts)) >= target)
 
-    def drop(k: int) -> None:
-        gguf = on_disk.pop(k, None)
+    def drop(i: int) -> None:
+        gguf = on_disk.pop(i, None)
         if gguf is not None and not request.keep:
             gguf.unlink(missing_ok=True)
 
     def decisions():
-        return matrix.decisions_of([(label, _result_path(request, label, ref)) for label in labels], n, settings)
+        return matrix.decisions_of([(k.recipe.label(), _result_path(request, k.result_label, ref)) for k in keyed], n,
+                                   settings)
 
     try:
-        matrix.decide_in_rounds(settings, [k for k, v in enumerate(full) if v is None], run, decisions, drop)
+        matrix.decide_in_rounds(settings, [i for i, v in enumerate(full) if v is None], run, decisions, drop)
     finally:
-        for k in list(on_disk):
-            drop(k)
-    return [dataclasses.replace(full[k] or _variant(recipe, ledger.get(key), _result_path(request, recipe.label(), ref),
-                                                    MEASURED if k in built else REUSED), stopped=decision.reason)
-            for k, ((recipe, key), decision) in enumerate(zip(keyed, decisions()))]
+        for i in list(on_disk):
+            drop(i)
+    out = []
+    for i, (k, decision) in enumerate(zip(keyed, decisions())):
+        status = MEASURED if i in built else REUSED
+        variant = full[i] or _variant(k.recipe, ledger.get(k.key), _result_path(request, k.result_label, ref), status)
+        out.append(dataclasses.replace(variant, stopped=decision.reason))
+    return out
 
 
-def _held(request: RecipeRequest, ref, n: int, recipe: recipes.Recipe, facts: dict | None, order: list[int]) -> int:
+def _held(request: RecipeRequest, ref, n: int, keyed: Keyed, facts: dict | None, order: list[int]) -> int:
     """The chunks of `order` the variant's saved result holds, when (early or full) it answers what measuring the
     variant now would; else 0."""
     if facts is None:
         return 0
-    saved = results.saved_request(_result_path(request, recipe.label(), ref))
+    saved = results.saved_request(_result_path(request, keyed.result_label, ref))
     if saved is None or dataclasses.replace(saved, early=None).key != matrix.planned_request(ref, n, facts,
                                                                                             request.engine).key:
         return 0
@@ -219,38 +254,37 @@ def _result_path(request: RecipeRequest, label: str, ref) -> Path:
     return results.result_path(request.recipes_dir / results.RESULTS_SUBDIR, label, ref.header.label)
 
 
-def _reused(request: RecipeRequest, ref, n: int, recipe: recipes.Recipe, facts: dict | None) -> Variant | None:
+def _reused(request: RecipeRequest, ref, n: int, keyed: Keyed, facts: dict | None) -> Variant | None:
     """The variant whose saved result answers what measuring it now would (its facts from the ledger), else None."""
     if facts is None:
         return None
-    path = _result_path(request, recipe.label(), ref)
+    path = _result_path(request, keyed.result_label, ref)
     saved = results.saved_request(path)
     if saved is None or saved.key != matrix.planned_request(ref, n, facts, request.engine).key:
         return None
-    return _variant(recipe, facts, path, REUSED)
+    return _variant(keyed.recipe, facts, path, REUSED)
 
 
-def _built(request: RecipeRequest, ref, n: int, recipe: recipes.Recipe, key: str, ledger: Ledger,
-           on_chunk) -> Variant:
+def _built(request: RecipeRequest, ref, n: int, keyed: Keyed, ledger: Ledger, on_chunk) -> Variant:
     """Build the variant, measure it live over every chunk, save its result; its GGUF deleted unless kept."""
     threads = request.engine.n_threads or available_cores()
-    gguf = _build(request, recipe, key, ledger, threads)
+    gguf = _build(request, keyed, ledger, threads)
     try:
-        pair = matrix.PairPlan(recipe.label(), str(gguf), request.engine, matrix.RUN_LIVE)
+        pair = matrix.PairPlan(keyed.result_label, str(gguf), request.engine, matrix.RUN_LIVE)
         run = matrix.run_pair(pair, ref, n, request.recipes_dir, threads, on_chunk)
     finally:
         if not request.keep:
             gguf.unlink(missing_ok=True)
-    return _variant(recipe, ledger.get(key), run.result, MEASURED)
+    return _variant(keyed.recipe, ledger.get(keyed.key), run.result, MEASURED)
 
 
-def _build(request: RecipeRequest, recipe: recipes.Recipe, key: str, ledger: Ledger, threads: int) -> Path:
-    """The variant's GGUF, built in RUNS_DIR/recipes; its facts in the ledger under its identity."""
+def _build(request: RecipeRequest, keyed: Keyed, ledger: Ledger, threads: int) -> Path:
+    """The variant's GGUF, built in RUNS_DIR/recipes under its result label; its facts in the ledger."""
     request.recipes_dir.mkdir(parents=True, exist_ok=True)
-    gguf = request.recipes_dir / f"{recipe.label()}.gguf"
-    recipes.build(request.source, recipe, gguf, threads)
+    gguf = request.recipes_dir / f"{keyed.result_label}.gguf"
+    recipes.build(request.source, keyed.recipe, gguf, threads)
     try:
-        ledger.put(key, recipe, model_facts(gguf))
+        ledger.put(keyed, model_facts(gguf))
     except BaseException:
         gguf.unlink(missing_ok=True)
         raise
