@@ -1,6 +1,6 @@
 """A board decided early against the full board, on real models (issue 25, item 2: `qeval matrix --early`).
 
-    python bench/bench_early_matrix.py [--chunks 20] [--ctx 512] [--seed 0] [--close] [--out bench/results/...json]
+    python bench/bench_early_matrix.py [--chunks 20] [--ctx 512] [--seed 0] [--q4-k-s] [--out bench/results/...json]
 
 Gemma-3-270M (the demo's quants: Q4_K_M, Q3_K_M, Q2_K, Q4_0 against Q8_0, KV f16, no control or floor row), in one
 fresh runs directory, in-process through qeval.api:
@@ -14,7 +14,7 @@ decoded once), and the time per pair-chunk of each step is recorded too. Compare
 |early - full| in early SEs, whether each full mean lies inside its early interval. Then bench/bench_early.py
 replays the same per-token results over many seeds (coverage, same order over seeds).
 
---close adds Q4_K_S requantized from Q4_K_M (into the runs directory's models/), meant as Q4_K_M's close neighbour
+--q4-k-s adds Q4_K_S requantized from Q4_K_M (into the runs directory's models/), meant as Q4_K_M's close neighbour
 (where the rule must run longer rather than guess). Requantized from a Q4_K_M it is not close: 5x Q4_K_M's mean
 KLD on this board (a Q4_K_S made from F16 weights would be; the demo ships none).
 """
@@ -78,13 +78,13 @@ def main(argv=None) -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--runs", help="runs directory to use and keep (default: a temporary one)")
-    ap.add_argument("--close", action="store_true", help="add Q4_K_S, requantized from Q4_K_M")
+    ap.add_argument("--q4-k-s", action="store_true", help="add Q4_K_S, requantized from Q4_K_M")
     ap.add_argument("--out", default=str(OUT_DIR / "early-matrix-gemma3-270m-amd-epyc.json"))
     args = ap.parse_args(argv)
     paths = demo.prepare_models(demo.models_dir())
     runs = Path(args.runs) if args.runs else Path(tempfile.mkdtemp(prefix="qeval-early-"))
     candidates = CANDIDATES
-    if args.close:
+    if args.q4_k_s:
         (runs / "models").mkdir(parents=True, exist_ok=True)
         paths[CLOSE[0]] = demo.quantize(paths["Q4_K_M"], demo.model_path(CLOSE[0], runs / "models"), CLOSE[1])
         candidates += (CLOSE[0],)
@@ -117,7 +117,7 @@ def main(argv=None) -> None:
         "bench": "bench/bench_early_matrix.py", "argv": sys.argv[1:],
         "machine": f"{cpu_name()}, 2 cores, shared with other jobs (wall times inflated by their load)",
         "models": "Gemma-3-270M quants requantized from the published Q4_K_M (qeval demo's"
-                  + (", and Q4_K_S from it" if args.close else "") + ")",
+                  + (", and Q4_K_S from it" if args.q4_k_s else "") + ")",
         "reference": "Q8_0", "candidates": list(candidates), "n_ctx": args.ctx, "chunks": args.chunks,
         "rule": settings.rule.to_json(), "step": settings.step, "seed": settings.seed,
         "order": early_json["early"]["order"],
