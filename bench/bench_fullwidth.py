@@ -2,14 +2,15 @@
 full-width qwen35moe model of bench/fullwidth_model.py, at long n_ctx, one window each.
 
     python bench/bench_fullwidth.py --steps capture:8192,kld:8192:f16,llama:8192 \
-        [--score every:64] [--llama-perplexity PATH] [--as-gib 14] [--models-dir DIR] \
+        [--score every:64] [--corpus NAME] [--llama-perplexity PATH] [--as-gib 14] [--models-dir DIR] \
         [--out bench/results/fullwidth-qwen35moe-amd-epyc.json]
 
 A step is one child process, run under `prlimit --as` (an address-space cap: a run that asks for more
 memory fails alone instead of pushing a shared machine out of memory) and timed by /usr/bin/time (wall
 clock, peak RSS):
 
-* capture:N — `qeval capture` of the Q8_0 reference, n_ctx N, one window, --score S;
+* capture:N — `qeval capture` of the Q8_0 reference, n_ctx N, one window of --corpus (its documents joined:
+  --concat), --score S;
 * kld:N:KV[:ROT] — `qeval kld` of the Q4_0 model run live against that capture, KV cache type KV for K and V,
   Hadamard rotation ROT (on/off; default auto);
 * llama:N — llama-perplexity --kl-divergence-base of the Q8_0 reference, n_ctx N, one chunk, over the same
@@ -34,12 +35,13 @@ from pathlib import Path
 from common import TIME, cpu_name
 from fullwidth_model import build
 
-from qeval.inputs.corpus import load_corpus
+from qeval.inputs.corpus import DEFAULT_CORPUS, load_corpus
 
 OOM_SIGNS = ("bad_alloc", "Cannot allocate memory", "MemoryError", "failed to allocate", "insufficient memory",
              "out of memory", "unable to allocate", "failed to mmap")
-# llama-perplexity reports a failed llama_decode (e.g. an output buffer it could not allocate) and exits 0
-FAILURE_SIGNS = ("failed to decode",)
+# llama-perplexity exits 0 after a failed llama_decode (e.g. an output buffer it could not allocate) and after
+# refusing a text shorter than 2 x n_ctx tokens
+FAILURE_SIGNS = ("failed to decode", "you need at least")
 SCRATCH = Path(tempfile.gettempdir()) / "qeval-fullwidth"
 
 
@@ -76,7 +78,7 @@ def step_argv(step: str, models: dict[str, Path], args, runs: Path, corpus: Path
     common = ["-fa", "on", "-t", str(args.threads), "--runs-dir", str(runs)]  # kld takes n_ctx from the reference
     if kind == "capture":
         return qeval_argv("capture", str(models["Q8_0"]), "-l", f"ref{n_ctx}", "-c", n_ctx, "--score", args.score,
-                          "--chunks", "1", "--concat", "--force", *common), None
+                          "--corpus", args.corpus, "--chunks", "1", "--concat", "--force", *common), None
     if kind == "kld":
         kv, rotation = (rest + ["auto"])[:2] if rest else ("f16", "auto")
         return qeval_argv("kld", "--ref", f"ref{n_ctx}", "--cand", str(models["Q4_0"]), "--json",
@@ -104,6 +106,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", required=True, help="comma-separated capture:N, kld:N:KV[:ROT], llama:N")
     ap.add_argument("--score", default="every:64")
+    ap.add_argument("--corpus", default=DEFAULT_CORPUS,
+                    help="what capture:N and llama:N read (`shipped`: every shipped text, for n_ctx past one book)")
     ap.add_argument("--llama-perplexity")
     ap.add_argument("--as-gib", type=float, default=14.0, help="address-space cap of every step, GiB")
     ap.add_argument("--beside", default="", help="what else of this series ran at the same time (recorded)")
@@ -116,14 +120,15 @@ def main() -> None:
     runs = SCRATCH / "runs"
     SCRATCH.mkdir(parents=True, exist_ok=True)
     corpus = SCRATCH / "corpus.txt"
-    corpus.write_text(load_corpus().text)
+    corpus.write_text(load_corpus(args.corpus).text)
     doc = json.loads(args.out.read_text()) if args.out.is_file() else {
         "cpu": cpu_name(), "cores": os.cpu_count(), "note": "shared machine: other jobs ran beside these",
         "models": {q: {"file": p.name, "bytes": p.stat().st_size} for q, p in models.items()}, "steps": []}
     as_bytes = int(args.as_gib * 2**30)
     for step in args.steps.split(","):
         argv, env = step_argv(step, models, args, runs, corpus)
-        result = {"step": step, "score": args.score, "as_cap_gib": args.as_gib, "ran_beside": args.beside,
+        result = {"step": step, "score": args.score, "corpus": args.corpus, "as_cap_gib": args.as_gib,
+                  "ran_beside": args.beside,
                   **run_capped(argv, as_bytes, env)}
         stdout = result.pop("stdout")
         if step.startswith("kld"):
