@@ -18,7 +18,11 @@ clock, peak RSS):
 
 Flash attention is on in every step (a quantized V cache needs it). Each finished step is appended to --out
 at once, so an interrupted series keeps what it measured; a step that failed is kept with its exit code and
-last lines, and one that asked for more memory than the cap is marked so.
+last lines, and one that asked for more memory than the cap is marked so. A capture's store size is recorded.
+
+    python bench/bench_fullwidth.py --table [--out FILE]
+
+prints the table docs/scaling.md shows: the last run of each step in FILE.
 """
 
 from __future__ import annotations
@@ -66,7 +70,8 @@ def stop_reason(rc: int, text: str, as_bytes: int) -> str | None:
         return None
     if any(s in text for s in OOM_SIGNS):
         return f"out of memory under a {as_bytes / 2**30:g} GiB address-space cap"
-    return "failed"
+    said = [line for line in text.splitlines() if any(s in line for s in FAILURE_SIGNS)]
+    return f"failed ({said[0].split(' E ')[-1].strip()})" if said else "failed"
 
 
 def qeval_argv(*args: str) -> list[str]:
@@ -102,9 +107,44 @@ def qeval_json(stdout: str) -> dict | None:
         return None
 
 
+RUNS = {"capture": "qeval capture (Q8_0)", "kld": "qeval live candidate (Q4_0)",
+        "llama": "llama-perplexity --kl-divergence-base (Q8_0)"}
+
+
+KV_ORDER = ("f16", "q8_0", "q4_0")
+
+
+def table(doc: dict) -> str:
+    """Markdown: the last run of each step (per --score, corpus and cap), by n_ctx, run, KV type and rotation."""
+    last = {(s["step"], s["score"], s.get("corpus", DEFAULT_CORPUS), s["as_cap_gib"]): s for s in doc["steps"]}
+
+    def order(s: dict) -> tuple:
+        kind, n_ctx, *kv = s["step"].split(":")
+        kv = kv or ["f16"]
+        return int(n_ctx), list(RUNS).index(kind), KV_ORDER.index(kv[0]), kv[1:] != ["on"], s["score"]
+
+    rows = ["| n_ctx | run | KV (rotation) | scored rows | wall, peak RSS | store | mean KLD ± SE, same top-1 | beside |",
+            "|---|---|---|---|---|---|---|---|"]
+    for s in sorted(last.values(), key=order):
+        kind, n_ctx, *kv = s["step"].split(":")
+        kv = kv or ["f16"]
+        stopped = s.get("stopped") or stop_reason(s["rc"], "\n".join(s["tail"]), int(s["as_cap_gib"] * 2**30))
+        done = (f"stopped after {s['wall_s']:.0f} s, {s['peak_rss_gib']:.2f} GiB: {stopped}" if stopped
+                else f"{s['wall_s']:.0f} s, **{s['peak_rss_gib']:.2f} GiB**")
+        store = f"{s['store_bytes'] / 1e6:,.0f} MB" if s.get("store_bytes") else ""
+        metrics = (s.get("result") or {}).get("metrics", {})
+        quality = (f"{metrics['kld_mean']['value']:.4f} ± {metrics['kld_mean']['se']:.4f}, "
+                   f"{metrics['same_top1_pct']['value']:.1f} %" if metrics else "")
+        rows.append(f"| {int(n_ctx) // 1024}K | {RUNS[kind]} | {kv[0]}{f' ({kv[1]})' if len(kv) > 1 else ''} | "
+                    f"{s['score'] if kind != 'llama' else 'second half'} | {done} | {store} | {quality} | "
+                    f"{s.get('ran_beside', '')} |")
+    return "\n".join(rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", required=True, help="comma-separated capture:N, kld:N:KV[:ROT], llama:N")
+    ap.add_argument("--steps", help="comma-separated capture:N, kld:N:KV[:ROT], llama:N")
+    ap.add_argument("--table", action="store_true", help="print --out's table (the last run of each step) and stop")
     ap.add_argument("--score", default="every:64")
     ap.add_argument("--corpus", default=DEFAULT_CORPUS,
                     help="what capture:N and llama:N read (`shipped`: every shipped text, for n_ctx past one book)")
@@ -116,6 +156,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results"
                     / "fullwidth-qwen35moe-amd-epyc.json")
     args = ap.parse_args()
+    if args.table:
+        print(table(json.loads(args.out.read_text())))
+        return
+    if not args.steps:
+        ap.error("give --steps (or --table)")
     models = build(args.models_dir)
     runs = SCRATCH / "runs"
     SCRATCH.mkdir(parents=True, exist_ok=True)
@@ -133,6 +178,9 @@ def main() -> None:
         stdout = result.pop("stdout")
         if step.startswith("kld"):
             result["result"] = qeval_json(stdout)
+        if step.startswith("capture"):
+            store = runs / f"ref{step.split(':')[1]}.qeval"
+            result["store_bytes"] = store.stat().st_size if store.is_file() else 0
         if step.startswith("llama"):
             base = SCRATCH / f"base{step.split(':')[1]}.kld"
             result["kld_base_bytes"] = base.stat().st_size if base.is_file() else 0
