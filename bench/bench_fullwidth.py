@@ -123,8 +123,9 @@ def table(doc: dict) -> str:
         kv = kv or ["f16"]
         return int(n_ctx), list(RUNS).index(kind), KV_ORDER.index(kv[0]), kv[1:] != ["on"], s["score"]
 
-    rows = ["| n_ctx | run | KV (rotation) | scored rows | wall, peak RSS | store | mean KLD ± SE, same top-1 | beside |",
-            "|---|---|---|---|---|---|---|---|"]
+    columns = ("n_ctx", "run", "KV (rotation)", "text", "scored rows", "wall, peak RSS", "store",
+               "mean KLD ± SE, same top-1", "beside")
+    rows = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
     for s in sorted(last.values(), key=order):
         kind, n_ctx, *kv = s["step"].split(":")
         kv = kv or ["f16"]
@@ -135,7 +136,9 @@ def table(doc: dict) -> str:
         metrics = (s.get("result") or {}).get("metrics", {})
         quality = (f"{metrics['kld_mean']['value']:.4f} ± {metrics['kld_mean']['se']:.4f}, "
                    f"{metrics['same_top1_pct']['value']:.1f} %" if metrics else "")
-        rows.append(f"| {int(n_ctx) // 1024}K | {RUNS[kind]} | {kv[0]}{f' ({kv[1]})' if len(kv) > 1 else ''} | "
+        text = "" if kind == "kld" else Path(s.get("corpus", DEFAULT_CORPUS)).name  # kld: the reference's text
+        kv_text = f"{kv[0]} ({kv[1]})" if len(kv) > 1 else kv[0]
+        rows.append(f"| {int(n_ctx) // 1024}K | {RUNS[kind]} | {kv_text} | {text} | "
                     f"{s['score'] if kind != 'llama' else 'second half'} | {done} | {store} | {quality} | "
                     f"{s.get('ran_beside', '')} |")
     return "\n".join(rows)
