@@ -83,7 +83,7 @@ def step_argv(step: str, models: dict[str, Path], args, runs: Path, corpus: Path
     common = ["-fa", "on", "-t", str(args.threads), "--runs-dir", str(runs)]  # kld takes n_ctx from the reference
     if kind == "capture":
         return qeval_argv("capture", str(models["Q8_0"]), "-l", f"ref{n_ctx}", "-c", n_ctx, "--score", args.score,
-                          "--corpus", args.corpus, "--chunks", "1", "--concat", "--force", *common), None
+                          "--corpus", args.corpus, "--chunks", "1", "--concat", *common), None
     if kind == "kld":
         kv, rotation = (rest + ["auto"])[:2] if rest else ("f16", "auto")
         return qeval_argv("kld", "--ref", f"ref{n_ctx}", "--cand", str(models["Q4_0"]), "--json",
@@ -114,21 +114,25 @@ RUNS = {"capture": "qeval capture (Q8_0)", "kld": "qeval live candidate (Q4_0)",
 KV_ORDER = ("f16", "q8_0", "q4_0")
 
 
+def parse_step(step: str) -> tuple[str, str, list[str]]:
+    """A step's kind, n_ctx and KV part ([type] or [type, rotation]; f16 where the step names none)."""
+    kind, n_ctx, *kv = step.split(":")
+    return kind, n_ctx, kv or ["f16"]
+
+
 def table(doc: dict) -> str:
     """Markdown: the last run of each step (per --score, corpus and cap), by n_ctx, run, KV type and rotation."""
     last = {(s["step"], s["score"], s.get("corpus", DEFAULT_CORPUS), s["as_cap_gib"]): s for s in doc["steps"]}
 
     def order(s: dict) -> tuple:
-        kind, n_ctx, *kv = s["step"].split(":")
-        kv = kv or ["f16"]
+        kind, n_ctx, kv = parse_step(s["step"])
         return int(n_ctx), list(RUNS).index(kind), KV_ORDER.index(kv[0]), kv[1:] != ["on"], s["score"]
 
     columns = ("n_ctx", "run", "KV (rotation)", "text", "scored rows", "wall, peak RSS", "store",
                "mean KLD ± SE, same top-1", "beside")
     rows = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
     for s in sorted(last.values(), key=order):
-        kind, n_ctx, *kv = s["step"].split(":")
-        kv = kv or ["f16"]
+        kind, n_ctx, kv = parse_step(s["step"])
         stopped = s.get("stopped") or stop_reason(s["rc"], "\n".join(s["tail"]), int(s["as_cap_gib"] * 2**30))
         done = (f"stopped after {s['wall_s']:.0f} s, {s['peak_rss_gib']:.2f} GiB: {stopped}" if stopped
                 else f"{s['wall_s']:.0f} s, **{s['peak_rss_gib']:.2f} GiB**")
@@ -175,6 +179,8 @@ def main() -> None:
     as_bytes = int(args.as_gib * 2**30)
     for step in args.steps.split(","):
         argv, env = step_argv(step, models, args, runs, corpus)
+        if step.startswith("capture"):  # a finished store of the same capture would be reused, not measured
+            (runs / f"ref{step.split(':')[1]}.qeval").unlink(missing_ok=True)
         result = {"step": step, "score": args.score, "corpus": args.corpus, "as_cap_gib": args.as_gib,
                   "ran_beside": args.beside,
                   **run_capped(argv, as_bytes, env)}
