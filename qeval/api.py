@@ -20,6 +20,7 @@ from qeval.engine.engine import EngineSettings, fixed_mmap_threshold  # noqa: F4
 from qeval.errors import QevalError
 from qeval.inputs.hub import resolve_model
 from qeval.orchestrate import budget, matrix, sweep
+from qeval.orchestrate import deploy as deploy_run
 from qeval.orchestrate.matrix import (  # noqa: F401 - public
     TaskRequest,
     early_settings,
@@ -40,10 +41,13 @@ def kld_report(ref: str, cand: str, chunks: int | None = None, runs_dir=None, th
                per_token: Path | None = None, progress: bool = False,
                settings: EngineSettings = EngineSettings(), save: str | None = None,
                save_result: bool = False, on_chunk=None, force: bool = False,
-               bands: str | None = None, samplers=()) -> tuple[dict, str]:
+               bands: str | None = None, samplers=(), deploy=None) -> tuple[dict, str]:
     """bands: inner edges of the by-depth block, e.g. "512,2048,8192" (default: powers of 4 from 512).
-    samplers: see compare(); their figures are the result's "samplers" block (and sampler metrics)."""
+    samplers: see compare(); their figures are the result's "samplers" block (and sampler metrics).
+    deploy (a DeploySpec or its text): then also the live candidate's speed and memory as deployed with `settings`
+    (qeval.orchestrate.deploy), saved as the record of its label (`save`, else the file's stem) on this machine."""
     depth.parse_bands(bands, 1 << 40)  # a bad --bands is refused before any work
+    rows = _kld_deploy_rows(cand, save, settings, deploy)
     cmp = compare(ref, cand, chunks, runs_dir, threads, settings, save, progress, on_chunk, force, samplers,
                   save_result)
     if save_result:
@@ -54,7 +58,64 @@ def kld_report(ref: str, cand: str, chunks: int | None = None, runs_dir=None, th
         except OSError as exc:
             raise QevalError(f"cannot write --per-token file {per_token}: {exc.strerror}") from None
     summary = summarize(cmp, depth.parse_bands(bands, cmp.ref.header.n_ctx))
-    return summary.to_json(), report.comparison_text(summary)
+    result, text = summary.to_json(), report.comparison_text(summary)
+    if not rows:
+        return result, text
+    measured = deploy_run.measure_rows(rows, deploy_spec(deploy), runs.runs_dir(runs_dir),
+                                       say=lambda line: say(line, progress))
+    return {**result, "deployment": measured.to_json()}, text + "\n\n" + measured.text()
+
+
+def deploy_spec(spec) -> "deploy_run.DeploySpec":
+    """A DeploySpec from its text (qeval.orchestrate.deploy.parse_deploy_spec), or as it is."""
+    return deploy_run.parse_deploy_spec(spec) if isinstance(spec, str) else spec
+
+
+def _kld_deploy_rows(cand: str, save: str | None, settings: EngineSettings, deploy) -> list:
+    """The row `kld --deploy` measures: the live candidate, checked against the spec before the comparison runs."""
+    if deploy is None:
+        return []
+    spec = deploy_spec(deploy)
+    path = resolve_model(cand)
+    if not is_model_file(path):
+        raise QevalError(f"--deploy measures a GGUF candidate as it is deployed; {cand} is a store: give its GGUF "
+                         "(or use `qeval deploy MODEL`)")
+    rows = [deploy_run.DeployRow(runs.check_label(save or Path(path).stem), str(path), settings)]
+    deploy_run.plan_rows(rows, spec)
+    return rows
+
+
+def deploy_report(models: list[str], kv_types: list[str] = ("f16",), spec=None, runs_dir=None,
+                  threads: int | None = None, n_gpu_layers: int = 0, kv_rotation: str = "auto",
+                  rope_scaling: str | None = None, rope_scale: float | None = None, force: bool = False,
+                  progress: bool = False) -> tuple[dict, str]:
+    """Speed and memory alone (`qeval deploy`): every model (MODEL or LABEL=MODEL, a path or an hf: spec) under
+    every KV spec of `kv_types` (as matrix's --kv), labelled as a matrix labels its pairs, measured as `spec` (a
+    DeploySpec or its text; default: llama-bench's pp512 and tg128 at depth 0, memory at 4096) says, on this
+    machine, one row after another; saved as deployment records in RUNS_DIR/deployment, reused where they answer.
+    result["errors"]: every figure that could not be measured (the CLI exits non-zero after printing)."""
+    spec = deploy_run.parse_deploy_spec(spec, "--spec") if isinstance(spec, str) else spec or deploy_run.DeploySpec()
+    engine = EngineSettings(n_gpu_layers=n_gpu_layers, n_threads=threads, rope_scaling=rope_scaling,
+                            rope_scale=rope_scale, kv_rotation=kv_rotation).validate()
+    for kv in kv_types:
+        matrix.parse_kv_spec(kv)
+    rows = []
+    for model in models:
+        label, path = parse_model_arg(model)
+        rows += [deploy_run.DeployRow(pair_label(label, kv), str(path), pair_settings(kv, engine).validate())
+                 for kv in kv_types]
+    labels = [r.label for r in rows]
+    if len(set(labels)) != len(labels):
+        raise QevalError(f"labels must be unique ({', '.join(labels)}); name models with LABEL=PATH")
+    deploy_run.plan_rows(rows, spec)
+    measured = deploy_run.measure_rows(rows, spec, runs.runs_dir(runs_dir), force,
+                                       say=lambda line: say(line, progress))
+    return {"spec": spec.to_json(), "deployment": measured.to_json()}, measured.text()
+
+
+def deployment_errors(result: dict) -> list[str]:
+    """The figures a command's --deploy (or `qeval deploy`) could not measure, one message each."""
+    return list((result.get("deployment") or {}).get("errors") or ())
 
 
 def ppl_report(spec: str, chunks: int | None = None, runs_dir=None) -> tuple[dict, str]:
@@ -133,7 +194,7 @@ def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int 
                   control: bool = False, chat_template: str | None = None,
                   chat_template_kwargs: str | None = None, kv_rotation: str = "auto", decode: str = "prompt",
                   floor: str = "none", keep_logits: bool = False,
-                  early: matrix.EarlySettings | None = None) -> tuple[dict, str]:
+                  early: matrix.EarlySettings | None = None, deploy=None) -> tuple[dict, str]:
     """Capture `ref` once, then every model x KV pair (live, or reusing finished stores and results).
     models: GGUF paths or hf: specs (LABEL=… to name one); hf:USER/REPO:* and each of `repos` (hf:USER/REPO) stand
     for every model of the repository, filtered by `include`/`exclude` globs on its file paths and labelled
@@ -166,16 +227,21 @@ def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int 
     that holds another capture is refused, or replaced with `force`.
 
     executor: None or "local" runs here; "ray" or a qeval.orchestrate.distributed.RayExecutor runs every capture
-    and pair as a Ray task (the runs directory must then be on a shared filesystem)."""
+    and pair as a Ray task (the runs directory must then be on a shared filesystem).
+
+    deploy (a DeploySpec or its text, qeval.orchestrate.deploy): after every pair, the speed and memory of the
+    reference and every pair as deployed, here, one at a time (under Ray too), saved as this machine's records."""
     ref_label, ref_path = parse_model_arg(ref)
     models = matrix.expand_models(models, repos, tuple(include), tuple(exclude))
     engine = EngineSettings(n_gpu_layers=n_gpu_layers, n_threads=threads, n_batch=n_batch, n_ubatch=n_ubatch,
                             rope_scaling=rope_scaling, rope_scale=rope_scale, kv_rotation=kv_rotation, decode=decode)
     requests = tuple(t if isinstance(t, matrix.TaskRequest) else matrix.TaskRequest(str(t)) for t in tasks)
     request = matrix.MatrixRequest(
-        ref_label, ref_path, tuple(matrix.model_kv_pairs(models, kv_types, ref_path)), runs.runs_dir(runs_dir), chunks,
-        n_ctx, corpus, engine, force, scoring, concat, tuple(samplers), requests, control, floor, chat_template,
-        chat_template_kwargs, keep_logits, early)
+        ref_label=ref_label, ref_path=ref_path, pairs=tuple(matrix.model_kv_pairs(models, kv_types, ref_path)),
+        directory=runs.runs_dir(runs_dir), chunks=chunks, n_ctx=n_ctx, corpus=corpus, engine=engine, force=force,
+        scoring=scoring, concat=concat, samplers=tuple(samplers), tasks=requests, control=control, floor=floor,
+        chat_template=chat_template, chat_template_kwargs=chat_template_kwargs, keep_logits=keep_logits, early=early,
+        deploy=None if deploy is None else deploy_spec(deploy))
     return sweep.run_matrix(request, progress, executor)
 
 
@@ -197,9 +263,9 @@ def demo_report(chunks: int | None = 80, runs_dir=None, models_dir=None, n_ctx: 
                              "--models-dir")
     paths = demo.prepare_models(directory)
     pairs = [(run.label, str(paths[run.quant]), run.type_k) for run in demo.demo_runs()]
-    request = matrix.MatrixRequest(demo.REFERENCE, str(paths[demo.REFERENCE]), tuple(pairs), runs.runs_dir(runs_dir),
-                                   chunks, n_ctx, engine=EngineSettings(n_threads=threads), control=True, floor="auto",
-                                   early=early)
+    request = matrix.MatrixRequest(ref_label=demo.REFERENCE, ref_path=str(paths[demo.REFERENCE]), pairs=tuple(pairs),
+                                   directory=runs.runs_dir(runs_dir), chunks=chunks, n_ctx=n_ctx,
+                                   engine=EngineSettings(n_threads=threads), control=True, floor="auto", early=early)
     if conversations:
         c = demo.CONVERSATIONS
         request = dataclasses.replace(request, directory=request.directory / c["subdir"], corpus=c["corpus"],
@@ -242,16 +308,24 @@ def flips_report(ref: str, cand: str, runs_dir=None, task: str | None = None, bi
 
 # --- recipes: variants built by llama.cpp's quantizer, their sensitivity, the best under a budget --------------
 def recipe_request(ref: str, source: str, recipes=(), chunks: int | None = None, runs_dir=None,
-                   threads: int | None = None, keep: bool = False, early: matrix.EarlySettings | None = None):
+                   threads: int | None = None, keep: bool = False, early: matrix.EarlySettings | None = None,
+                   deploy=None):
     """The RecipeRequest of these arguments: `recipes` as texts (qeval.engine.recipe.parse) or Recipe values. A bad
     recipe (unknown type, bad regex, missing imatrix) is refused here, before anything is built. early
-    (early_settings(...)): the variants are one board decided early, as a matrix's (qeval.orchestrate.recipes)."""
+    (early_settings(...)): the variants are one board decided early, as a matrix's (qeval.orchestrate.recipes).
+    deploy (a DeploySpec or its text): also every variant's speed and memory (`recipe measure` and `recipe fit`),
+    measured while its GGUF is on disk, refused here when it reaches beyond the source's trained context."""
     from qeval.engine.recipe import Recipe, parse  # noqa: PLC0415
     from qeval.orchestrate.recipes import RecipeRequest  # noqa: PLC0415
 
     parsed = tuple(r if isinstance(r, Recipe) else parse(r) for r in recipes)
-    return RecipeRequest(ref, str(resolve_model(source)), parsed, runs.runs_dir(runs_dir), chunks,
-                         EngineSettings(n_threads=threads), keep, early)
+    source = str(resolve_model(source))
+    engine = EngineSettings(n_threads=threads)
+    spec = None if deploy is None else deploy_spec(deploy)
+    if spec is not None:  # a variant has its source's trained context
+        deploy_run.plan_rows([deploy_run.DeployRow("source", source, engine)], spec)
+    return RecipeRequest(ref=ref, source=source, recipes=parsed, directory=runs.runs_dir(runs_dir), chunks=chunks,
+                         engine=engine, keep=keep, early=early, deploy=spec)
 
 
 def recipe_measure_report(request, progress: bool = False) -> tuple[dict, str]:

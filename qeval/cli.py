@@ -67,9 +67,24 @@ DecodeAhead = typer.Option(None, "--decode-ahead/--no-decode-ahead", help=(
     "memory). Default: on with -ngl, so the GPU never waits for the CPU; off on CPU, where decoding and coding "
     "share the cores."), show_default=False)
 
+SPEC_HELP = (
+    "KEY=VALUE[,VALUE...] joined by ';': ctx (deployment contexts for memory, default 4096), depth (of the speed tests, "
+    "default 0), pp and tg (prompt and generated tokens, llama-bench's -p/-n: default 512 and 128; 0: none), reps "
+    "(default 5), b and ub (batch sizes, default 2048 and 512), ncmoe (llama.cpp's --n-cpu-moe), rss (1: also fill "
+    "each context in a child and measure its RSS growth). E.g. 'ctx=4096,32768;depth=0,4096'.")
+Deploy = typer.Option(None, "--deploy", help=(
+    "Also measure speed (pp/tg tokens per second, as llama-bench measures them) and memory (as llama.cpp allocates "
+    "it, by component, at deployment contexts) of every model run, as deployed with these settings, on this machine, "
+    "after the quality work, one at a time; saved in RUNS_DIR/deployment and reused only on this machine. SPEC: "
+    + SPEC_HELP))
+
 
 def _emit(result: dict, text: str, as_json: bool) -> None:
     typer.echo(json.dumps(result, indent=2, sort_keys=False) if as_json else text)
+    failed = api.deployment_errors(result)
+    if failed:  # printed with the rest; the exit says that something could not be measured
+        more = f" (and {len(failed) - 1} more, listed above)" if len(failed) > 1 else ""
+        raise QevalError(f"{failed[0]}{more}")
 
 
 @app.command()
@@ -101,6 +116,7 @@ def kld(
     rope_scaling: Optional[str] = RopeScaling,
     rope_scale: Optional[float] = RopeScale,
     runs_dir: Optional[Path] = RunsDir,
+    deploy: Optional[str] = Deploy,
 ):
     """KL divergence, PPL ratio, Δp and same-top-1 of a candidate against a reference.
 
@@ -110,7 +126,7 @@ def kld(
                               rope_scaling, rope_scale, kv_rotation=kv_rotation, decode=decode)
     result, text = api.kld_report(ref, cand, chunks=chunks, runs_dir=runs_dir, per_token=per_token,
                                   progress=True, settings=settings, save=save, save_result=save_result, force=force,
-                                  bands=bands, samplers=sampler or ())
+                                  bands=bands, samplers=sampler or (), deploy=deploy)
     _emit(result, text, as_json)
 
 
@@ -254,6 +270,7 @@ def matrix(
     early_sigmas: Optional[float] = EarlySigmas,
     early_confidence: Optional[float] = EarlyConfidence,
     early_seed: Optional[int] = EarlySeed,
+    deploy: Optional[str] = Deploy,
 ):
     """Every model x KV type against one reference: resumable, skips finished pairs."""
     kv_types = [k.strip() for k in kv.split(",") if k.strip()]
@@ -277,8 +294,30 @@ def matrix(
                                      rope_scale=rope_scale, repos=repo or (), include=include or (),
                                      exclude=exclude or (), control=control, chat_template=chat_template,
                                      chat_template_kwargs=chat_template_kwargs, kv_rotation=kv_rotation,
-                                     decode=decode, floor=floor, keep_logits=keep_logits, early=decided_early)
+                                     decode=decode, floor=floor, keep_logits=keep_logits, early=decided_early,
+                                     deploy=deploy)
     _emit(result, text, as_json)
+
+
+@app.command("deploy")
+def deploy_cmd(
+    model: list[str] = typer.Argument(..., help="GGUF models (MODEL or LABEL=MODEL, MODEL a path or hf:USER/REPO[:QUANT]), labelled as matrix labels them."),
+    kv: str = typer.Option("f16", "--kv", help="Comma-separated KV cache types for every model, as matrix's --kv (f16,q8_0,q4_0; :rot/:norot); rows are labelled as matrix's pairs (Q4_K_M+kv-q8_0)."),
+    spec: Optional[str] = typer.Option(None, "--spec", help="What to measure (default: pp512 and tg128 at depth 0, memory at 4096, 5 repetitions): " + SPEC_HELP),
+    n_gpu_layers: int = GpuLayers,
+    threads: Optional[int] = typer.Option(None, "-t", "--threads", help="CPU threads (default: all cores)."),
+    kv_rotation: str = KvRotation,
+    rope_scaling: Optional[str] = RopeScaling,
+    rope_scale: Optional[float] = RopeScale,
+    force: bool = typer.Option(False, "--force", help="Measure again what this machine's records already hold."),
+    as_json: bool = Json,
+    runs_dir: Optional[Path] = RunsDir,
+):
+    """Speed and memory alone, as deployed on this machine: pp/tg tokens per second as llama-bench measures them, and
+    what llama.cpp allocates by component at deployment contexts, cross-checked; saved per machine, reused only there."""
+    kv_types = [k.strip() for k in kv.split(",") if k.strip()]
+    _emit(*api.deploy_report(model, kv_types, spec, runs_dir, threads, n_gpu_layers, kv_rotation, rope_scaling,
+                             rope_scale, force, progress=True), as_json)
 
 
 @app.command("merge")
@@ -471,10 +510,11 @@ def recipe_measure(
     threads: Optional[int] = Threads,
     as_json: bool = Json,
     runs_dir: Optional[Path] = RunsDir,
+    deploy: Optional[str] = Deploy,
 ):
     """Build each recipe's variant, measure it against the reference, and show the board (stock types beside recipes)."""
     decided_early = _early(early, early_precision, early_min_chunks, early_sigmas, early_confidence, early_seed)
-    request = api.recipe_request(ref, source, recipe, chunks, runs_dir, threads, keep, decided_early)
+    request = api.recipe_request(ref, source, recipe, chunks, runs_dir, threads, keep, decided_early, deploy)
     _emit(*api.recipe_measure_report(request, progress=True), as_json)
 
 
@@ -527,10 +567,12 @@ def recipe_fit(
     threads: Optional[int] = Threads,
     as_json: bool = Json,
     runs_dir: Optional[Path] = RunsDir,
+    deploy: Optional[str] = Deploy,
 ):
     """The best recipe under each budget: chosen from the sweep's sensitivities (greedy by KLD per byte), built and measured."""
     decided_early = _early(early, early_precision, early_min_chunks, early_sigmas, early_confidence, early_seed)
-    request = api.recipe_request(ref, source, [base, *(recipe or ())], chunks, runs_dir, threads, keep, decided_early)
+    request = api.recipe_request(ref, source, [base, *(recipe or ())], chunks, runs_dir, threads, keep, decided_early,
+                                 deploy)
     _emit(*api.recipe_fit_report(request, to, max_mb or (), max_kld or (), stock or (), group or (), out,
                                  progress=True), as_json)
 

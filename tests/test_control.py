@@ -106,13 +106,14 @@ def test_control_batch_rule(n_batch, n_ctx, expected):
 
 
 def test_matrix_plans_the_control_as_one_more_pair_of_the_reference(tmp_path):
-    plan = matrix.plan_matrix(matrix.MatrixRequest("R", "r.gguf", (("C", "c.gguf", "f16"),), tmp_path, 2, 64,
-                                                   control=True))
+    plan = matrix.plan_matrix(matrix.MatrixRequest(ref_label="R", ref_path="r.gguf", pairs=(("C", "c.gguf", "f16"),),
+                                                   directory=tmp_path, chunks=2, n_ctx=64, control=True))
     pair = plan.pairs[-1]
     assert (pair.label, pair.model, pair.kv) == (matrix.CONTROL, "r.gguf", "f16")
     assert pair.settings.batch_sizes(64) == (32, 32) != plan.reference.settings.batch_sizes(64)
     assert plan.reference.settings.as_json() == pair.settings.as_json()  # KV and flash attention as the reference's
-    assert [p.label for p in matrix.plan_matrix(matrix.MatrixRequest("R", "r.gguf", (), tmp_path, 2, 64)).pairs] == []
+    empty = matrix.MatrixRequest(ref_label="R", ref_path="r.gguf", pairs=(), directory=tmp_path, chunks=2, n_ctx=64)
+    assert [p.label for p in matrix.plan_matrix(empty).pairs] == []
 
 
 def test_matrix_control_on_gemma(models, tmp_path):

@@ -40,7 +40,8 @@ def replayed(tmp_path_factory):
 
 def request(replayed, directory: Path, labels=("A", "B", "C"), **kw) -> matrix.MatrixRequest:
     models, corpus = replayed
-    return matrix.MatrixRequest("R", models["R"], tuple((x, models[x], "f16") for x in labels), directory, n_ctx=N_CTX,
+    return matrix.MatrixRequest(ref_label="R", ref_path=models["R"], pairs=tuple((x, models[x], "f16") for x in labels),
+                                directory=directory, n_ctx=N_CTX,
                                 corpus=str(corpus), engine=REPLAY, **kw)
 
 

@@ -65,14 +65,16 @@ def test_beyond_the_trained_context_is_refused(models, runs):
 def test_matrix_runs_every_model_with_the_rope_scaling_asked_for(tmp_path):
     from qeval.orchestrate import matrix
 
-    plan = matrix.plan_matrix(matrix.MatrixRequest("R", "r.gguf", (("C", "c.gguf", "q4_0"),), tmp_path, None, 65536,
+    plan = matrix.plan_matrix(matrix.MatrixRequest(ref_label="R", ref_path="r.gguf", pairs=(("C", "c.gguf", "q4_0"),),
+                                                   directory=tmp_path, n_ctx=65536,
                                                    engine=EngineSettings(n_threads=1, rope_scaling="yarn",
                                                                          rope_scale=2.0)))
     for settings in (plan.reference.settings, plan.pairs[0].settings):
         assert (settings.rope_scaling, settings.rope_scale, settings.n_threads) == ("yarn", 2.0, 1)
     assert (plan.pairs[0].settings.type_k, plan.pairs[0].settings.flash_attn) == ("q4_0", "on")
     with pytest.raises(QevalError, match="--rope-scale needs --rope-scaling"):
-        matrix.plan_matrix(matrix.MatrixRequest("R", "r.gguf", (("C", "c.gguf", "f16"),), tmp_path, None, 512,
+        matrix.plan_matrix(matrix.MatrixRequest(ref_label="R", ref_path="r.gguf", pairs=(("C", "c.gguf", "f16"),),
+                                                directory=tmp_path, n_ctx=512,
                                                 engine=EngineSettings(rope_scale=2.0)))
 
 

@@ -75,8 +75,8 @@ def planned_as_replayed(request, monkeypatch):
 def matrix_request(replayed, directory: Path, b: str = "B", **kw) -> matrix.MatrixRequest:
     models, corpus = replayed
     pairs = (("A", models["A"], "f16"), ("B", models[b], "f16"))
-    return matrix.MatrixRequest("R", models["R"], pairs, directory, n_ctx=N_CTX, corpus=str(corpus), engine=REPLAY,
-                                **kw)
+    return matrix.MatrixRequest(ref_label="R", ref_path=models["R"], pairs=pairs, directory=directory, n_ctx=N_CTX,
+                                corpus=str(corpus), engine=REPLAY, **kw)
 
 
 def run(replayed, directory: Path, **kw) -> tuple[dict, str]:

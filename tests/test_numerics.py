@@ -90,7 +90,8 @@ def test_the_floor_is_the_reference_on_another_kernel_path():
 def test_floor_kinds_and_kv_specs(tmp_path):
     def plan(kv: str, floor: str = "auto") -> matrix.MatrixPlan:
         pairs = tuple((matrix.pair_label("Q", k), "q.gguf", k) for k in kv.split(","))
-        return matrix.plan_matrix(matrix.MatrixRequest("R", "r.gguf", pairs, tmp_path, 2, 64, floor=floor))
+        return matrix.plan_matrix(matrix.MatrixRequest(ref_label="R", ref_path="r.gguf", pairs=pairs,
+                                                       directory=tmp_path, chunks=2, n_ctx=64, floor=floor))
 
     auto = plan("q4_0,q4_0:norot")
     assert [p.label for p in auto.pairs] == ["Q+kv-q4_0", "Q+kv-q4_0-norot", matrix.FLOOR]

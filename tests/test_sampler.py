@@ -537,7 +537,8 @@ def test_a_matrix_pair_is_measured_with_its_samplers_and_reused_only_for_them(tm
     monkeypatch.setattr(identity, "planned_producer", lambda *a, **k: identity.producer(pair.cand.header))
 
     def plan(*samplers) -> tuple[matrix.MatrixPlan, matrix.PairPlan]:
-        p = matrix.plan_matrix(matrix.MatrixRequest("REF", "ref.gguf", (("CAND", "cand.gguf", "f16"),), runs, None, 16,
+        p = matrix.plan_matrix(matrix.MatrixRequest(ref_label="REF", ref_path="ref.gguf", pairs=(("CAND", "cand.gguf", "f16"),),
+                                                    directory=runs, n_ctx=16,
                                                     engine=EngineSettings(n_threads=1), samplers=samplers))
         with StoreReader(runs / "REF.qeval") as ref:
             return p, matrix.plan_pair(ref, 2, "CAND", "cand.gguf", p.pairs[0].settings, runs, p.samplers)

@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import hashlib
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -29,6 +30,7 @@ import numpy as np
 
 from qeval.engine import numerics
 from qeval.engine.buildflags import cpu_model
+from qeval.engine.memory import failed_allocation
 from qeval.engine.modelinfo import model_facts, require_decoder_context
 from qeval.engine.probe import ensure_llama_runs
 from qeval.errors import QevalError
@@ -98,6 +100,23 @@ def quiet_llama() -> None:
 def _record_log(level, text, user) -> None:
     if _LOG_RECORD is not None and text:
         _LOG_RECORD.append(text.decode("utf-8", "replace"))
+
+
+class ContextFailed(QevalError):
+    """llama.cpp could not create a context; `asked`: the bytes of the buffer it could not allocate (None: unsaid)."""
+
+    def __init__(self, message: str, asked: int | None = None, what: str | None = None):
+        super().__init__(message)
+        self.asked, self.what = asked, what  # and what llama.cpp said it was making
+
+
+_ERROR_LINE = re.compile(r"error[^:]*: (.+)", re.IGNORECASE)
+
+
+def _logged_errors(lines: list[str]) -> str:
+    """What llama.cpp's log said went wrong (its error lines, joined), empty when it said nothing."""
+    found = [m.group(1).strip() for line in lines if (m := _ERROR_LINE.search(line))]
+    return "; ".join(dict.fromkeys(found))
 
 
 @contextlib.contextmanager
@@ -279,55 +298,91 @@ class LlamaModel:
     one, and this llama.cpp build probed in a child (qeval.engine.probe)."""
 
     def __init__(self, model_path: str | os.PathLike, settings: EngineSettings = EngineSettings(),
-                 shape: ContextShape | None = None):
+                 shape: ContextShape | None = None, weights: bool | None = None):
+        """weights: load the model's weights (default: when a context is asked for; without them only the
+        vocabulary is there); a context is opened later with open_context."""
         self.settings = settings.validate()
         self.model_path = check_model_file(model_path)
         self.model = self.ctx = self._batch = None
         self._fingerprint: str | None = None
-        if shape is not None:
+        self.load_log: list[str] = []  # llama.cpp's log while it loaded the model (its buffers: qeval.engine.memory)
+        self.context_log: list[str] = []  # and while it created the last context
+        weights = shape is not None if weights is None else weights
+        if weights:
             self.facts = model_facts(self.model_path)  # refuses what qeval cannot evaluate before a child loads it
-            self.rope_scale = check_context(self.facts, shape.n_ctx_seq, self.settings)
+            if shape is not None:
+                check_context(self.facts, shape.n_ctx_seq, self.settings)
             ensure_llama_runs(self.model_path)
         fixed_mmap_threshold()
         quiet_llama()
         self._lc = _llama_cpp()
-        self.model = self._load_model(vocab_only=shape is None)
+        self.model = self._load_model(vocab_only=not weights)
         self.vocab = self._lc.llama_model_get_vocab(self.model)
         self.n_vocab = self._lc.llama_vocab_n_tokens(self.vocab)
         self.add_bos = bool(self._lc.llama_vocab_get_add_bos(self.vocab))
         self.bos = int(self._lc.llama_vocab_bos(self.vocab))
         self.eos = int(self._lc.llama_vocab_eos(self.vocab))
         if shape is not None:
-            self._open_context(shape)
+            try:
+                self.open_context(shape)
+            except QevalError:
+                self.close()
+                raise
+
+    def _model_params(self):
+        """llama_model_params for these settings (a subclass adds what it needs)."""
+        mparams = self._lc.llama_model_default_params()
+        mparams.n_gpu_layers = self.settings.n_gpu_layers
+        return mparams
 
     def _load_model(self, vocab_only: bool):
-        lc, mparams = self._lc, self._lc.llama_model_default_params()
-        mparams.n_gpu_layers = self.settings.n_gpu_layers
+        lc, mparams = self._lc, self._model_params()
         mparams.vocab_only = vocab_only
-        model = lc.llama_model_load_from_file(str(self.model_path).encode(), mparams)
+        with recorded_log() as log:
+            model = lc.llama_model_load_from_file(str(self.model_path).encode(), mparams)
+        self.load_log = log
         if not model:
+            why = _logged_errors(log)
             raise QevalError(f"llama.cpp could not load the vocabulary of {self.model_path}" if vocab_only else
-                             f"llama.cpp could not load {self.model_path} (corrupt or unsupported GGUF)")
+                             f"llama.cpp could not load {self.model_path} "
+                             f"({why or 'corrupt or unsupported GGUF'})")
         return model
 
-    def _open_context(self, shape: ContextShape) -> None:
+    def open_context(self, shape: ContextShape) -> None:
+        """Create a context of this shape (and its batch), freeing the one before. QevalError when llama.cpp cannot
+        (the message names the shape, and the bytes llama.cpp asked for where it says): the model stays loaded."""
+        self.free_context()
+        self.rope_scale = check_context(self.facts, shape.n_ctx_seq, self.settings)
         lc, s = self._lc, self.settings
         rule = numerics.rotation_rule(self.facts, s.type_k, s.type_v, s.kv_rotation)  # `on` it cannot do: refused
         with numerics.rotation_env(s.kv_rotation), recorded_log() as log:
             self.ctx = lc.llama_init_from_model(self.model, self._context_params(shape))
+        self.context_log = log
         # what llama.cpp says it did; its rule where it says nothing (no attention cache: nothing to rotate)
         self.kv_rotation = numerics.reported_rotation("".join(log)) or rule
         self.numerics = s.numerics(self.facts)
         if not self.ctx:
-            self.close()
-            raise QevalError(f"llama.cpp could not create a context for {self.model_path.name} {shape.described}: "
-                             "out of memory, or a setting this build does not support")
+            asked, what = failed_allocation(log)
+            cause = (f"llama.cpp asked for {asked / 2**20:,.2f} MiB ({asked:,} bytes)"
+                     f"{f' ({what})' if what else ''} and could not allocate it" if asked is not None else
+                     "out of memory, or a setting this build does not support")
+            raise ContextFailed(f"llama.cpp could not create a context for {self.model_path.name} {shape.described}: "
+                                f"{cause}", asked, what)
         try:  # an encoder decodes without complaint, returning meaningless logits
             require_decoder_context(lc, self.model, self.ctx, self.model_path)
         except QevalError:
-            self.close()
+            self.free_context()
             raise
         self._batch = lc.llama_batch_init(shape.n_batch, 0, shape.n_seq)
+
+    def free_context(self) -> None:
+        """Free the batch and the context (the model stays); safe to repeat."""
+        if self._batch is not None:
+            self._lc.llama_batch_free(self._batch)
+            self._batch = None
+        if self.ctx:
+            self._lc.llama_free(self.ctx)
+            self.ctx = None
 
     def _context_params(self, shape: ContextShape):
         s, cparams = self.settings, self._lc.llama_context_default_params()
@@ -414,15 +469,9 @@ class LlamaModel:
 
     def close(self) -> None:
         """Free the batch, context and model, in that order; safe to repeat."""
-        lc = self._lc
-        if self._batch is not None:
-            lc.llama_batch_free(self._batch)
-            self._batch = None
-        if self.ctx:
-            lc.llama_free(self.ctx)
-            self.ctx = None
+        self.free_context()
         if self.model:
-            lc.llama_model_free(self.model)
+            self._lc.llama_model_free(self.model)
             self.model = None
 
     def __enter__(self):

@@ -75,14 +75,19 @@ def model_facts(path: str | os.PathLike) -> dict:
 
 
 def _cached_facts(path: Path) -> dict:
+    return cached_gguf_read(path, "model-facts", FACTS_VERSION, _read_facts)
+
+
+def cached_gguf_read(path: Path, kind: str, version: int, read) -> dict:
+    """read(path), a dict of what a GGUF says, cached under cache_dir()/kind per (version, path, size, mtime)."""
     st = path.stat()
-    key = hashlib.sha256(f"{FACTS_VERSION}:{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:32]
-    cached = cache_dir() / "model-facts" / f"{key}.json"
+    key = hashlib.sha256(f"{version}:{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:32]
+    cached = cache_dir() / kind / f"{key}.json"
     try:
         return json.loads(cached.read_text())
     except (OSError, ValueError):
         pass
-    facts = _read_facts(path)
+    facts = read(path)
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
         cached.write_text(json.dumps(facts))
@@ -137,7 +142,8 @@ def require_decoder_context(lc, model, ctx, path: Path) -> None:
     _refuse(reason, Path(path).name, arch.value.decode(errors="replace"))
 
 
-def _read_facts(path: Path) -> dict:
+def gguf_reader(path: Path):
+    """(the gguf package's reader of `path`, field(name) -> its value or None)."""
     import gguf  # noqa: PLC0415 - slow import, only when a model is used
 
     try:
@@ -149,6 +155,13 @@ def _read_facts(path: Path) -> dict:
         f = reader.get_field(name)
         return f.contents() if f is not None else None
 
+    return reader, field
+
+
+def _read_facts(path: Path) -> dict:
+    import gguf  # noqa: PLC0415 - slow import, only when a model is used
+
+    reader, field = gguf_reader(path)
     arch = field("general.architecture") or "unknown"
     file_type = field("general.file_type")
     try:
@@ -208,8 +221,10 @@ KV_BYTES_PER_VALUE = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_
 
 
 def kv_cache_gib(facts: dict, type_k: str | None, type_v: str | None, n_ctx: int) -> float | None:
-    """The KV cache's size at n_ctx tokens of context for these cache types (kv_geometry), None when the facts
-    or types do not tell."""
+    """An estimate of the KV cache's size at n_ctx tokens of context for these cache types (kv_geometry: sliding-
+    window layers counted in full), None when the facts or types do not tell. What llama.cpp allocates at a
+    deployment context, compute buffers included, is measured by qeval.engine.deploy (`qeval deploy`, `--deploy`);
+    its KV bytes are computed exactly by qeval.engine.memory.formula_bytes."""
     geometry = facts.get("kv_cache") if facts else None
     if geometry is None or type_k not in KV_BYTES_PER_VALUE or type_v not in KV_BYTES_PER_VALUE:
         return None

@@ -86,6 +86,8 @@ def run_guarded(args: list[str], what: str, timeout: float = 3600) -> subprocess
     # the child is the probe: the model it loads must not spawn another one (qeval.engine.engine.LlamaModel)
     env = {**os.environ, "QEVAL_SKIP_PROBE": "1"}
     proc = subprocess.run(child_command(args), capture_output=True, text=True, timeout=timeout, env=env)
+    if proc.returncode == -signal.SIGKILL:  # not a crash of the build: the kernel's out-of-memory killer, or a user
+        raise QevalError(f"the child running {what} was killed (SIGKILL): most likely the system ran out of memory")
     if proc.returncode < 0:
         raise QevalError(crash_message(proc.returncode, proc.stdout, what))
     return proc

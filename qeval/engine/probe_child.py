@@ -46,7 +46,13 @@ def _recipe(job: str) -> None:
     quantize_in_child(json.loads(job))
 
 
-CHILD_JOBS = {"decode": _decode, "quantize": _quantize, "recipe": _recipe}
+def _fill(job: str) -> None:
+    from qeval.engine.deploy import fill_in_child  # noqa: PLC0415
+
+    fill_in_child(json.loads(job))
+
+
+CHILD_JOBS = {"decode": _decode, "quantize": _quantize, "recipe": _recipe, "fill": _fill}
 
 if __name__ == "__main__":
     _print_system_info()

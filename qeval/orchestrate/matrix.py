@@ -43,6 +43,7 @@ from qeval.errors import QevalError, WriteFailed
 from qeval.inputs.hub import hub_label, is_hub_spec, is_whole_repo, repo_models, resolve_model, uploader_labels
 from qeval.inputs.taskfiles import load_tasks
 from qeval.orchestrate import budget
+from qeval.orchestrate.deploy import DeployRow, DeploySpec
 from qeval.orchestrate import tasks as taskrun
 from qeval.present import board, checkpoint, report, results
 from qeval.storage import runs
@@ -216,9 +217,10 @@ class MatrixPlan:
         return [cell for cell, _ in kept], [s for _, s in kept]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MatrixRequest:
-    """Everything a matrix is asked for, as one value (`qeval matrix`, `qeval demo` and the API build one)."""
+    """Everything a matrix is asked for, as one value (`qeval matrix`, `qeval demo` and the API build one), built
+    with keywords only."""
 
     ref_label: str
     ref_path: str  # a local GGUF
@@ -239,6 +241,7 @@ class MatrixRequest:
     chat_template_kwargs: str | None = None
     keep_logits: bool = False  # a pair run live keeps its candidate's logits in a store (the module's docstring)
     early: EarlySettings | None = None  # decide the board early (run_early); None: every pair over every chunk
+    deploy: DeploySpec | None = None  # also the speed and memory of the reference and every pair (--deploy)
 
     def floor_kind(self) -> str | None:
         """Which floor row the board carries (FLOORS), None for none."""
@@ -248,6 +251,14 @@ class MatrixRequest:
             quantized = any(parse_kv_spec(kv)[0] not in UNQUANTIZED_KV for _, _, kv in self.pairs)
             return "decode" if quantized else None
         return None if self.floor == "none" else self.floor
+
+
+def deploy_rows(plan: MatrixPlan) -> list[DeployRow]:
+    """The rows a matrix's --deploy measures: the reference and every pair as it was run, but the control and the
+    floor (the reference again under other batch layouts or kernels: noise floors, not deployments)."""
+    ref = plan.reference
+    return [DeployRow(ref.label, ref.model, ref.settings),
+            *(DeployRow(p.label, p.model, p.settings) for p in plan.pairs if p.label not in (CONTROL, FLOOR))]
 
 
 def plan_matrix(request: MatrixRequest) -> MatrixPlan:

@@ -38,7 +38,8 @@ from qeval.compare.paired_stats import PairedDifference, on_common_chunks
 from qeval.compare.summary import ComparisonSummary
 from qeval.errors import QevalError
 from qeval.identity import digest
-from qeval.orchestrate import matrix
+from qeval.orchestrate import deploy, matrix
+from qeval.orchestrate.deploy import DeployRow, DeploySpec
 from qeval.orchestrate.paired import paired_difference
 from qeval.present import results
 from qeval.storage import runs
@@ -61,6 +62,7 @@ class RecipeRequest:
     engine: EngineSettings = EngineSettings()
     keep: bool = False  # keep each variant's GGUF in RUNS_DIR/recipes (else deleted once measured)
     early: EarlySettings | None = None  # the board decided early (the module's docstring); None: every chunk
+    deploy: DeploySpec | None = None  # also every variant's speed and memory (--deploy; the module's docstring)
 
     @property
     def recipes_dir(self) -> Path:
@@ -152,18 +154,53 @@ def measure_recipes(request: RecipeRequest, on_variant: Callable[[Variant], None
             out = [board[k.key] if first[k.key] is k else _as_spelled(board[k.key], k.recipe) for k in keyed]
             for variant in out if on_variant else ():
                 on_variant(variant)
-            return out
-        out, done = [], {}
-        for k in keyed:
-            if k.key in done:
-                variant = _as_spelled(done[k.key], k.recipe)
-            else:
-                variant = done[k.key] = (_reused(request, ref, n, k, ledger.get(k.key))
-                                         or _built(request, ref, n, k, ledger, on_chunk))
-            out.append(variant)
-            if on_variant:
-                on_variant(variant)
+        else:
+            out, done = [], {}
+            for k in keyed:
+                if k.key in done:
+                    variant = _as_spelled(done[k.key], k.recipe)
+                else:
+                    variant = done[k.key] = (_reused(request, ref, n, k, ledger.get(k.key))
+                                             or _built(request, ref, n, k, ledger, on_chunk))
+                out.append(variant)
+                if on_variant:
+                    on_variant(variant)
+    _deploy_missing(request, keyed, ledger)
     return out
+
+
+def _deploy(request: RecipeRequest, keyed: Keyed, gguf: Path) -> None:
+    """The variant's speed and memory (request.deploy), measured while its GGUF is on disk; saved as its record."""
+    if request.deploy is not None:
+        deploy.measure_rows([DeployRow(keyed.result_label, str(gguf), request.engine)], request.deploy,
+                            request.directory)
+
+
+def _deploy_missing(request: RecipeRequest, keyed: list[Keyed], ledger: Ledger) -> None:
+    """With request.deploy: every variant whose record on this machine lacks figures (its result reused, its GGUF
+    deleted long ago) built again, measured, and deleted unless kept."""
+    if request.deploy is None:
+        return
+    threads = request.engine.n_threads or available_cores()
+    for k in {k.key: k for k in keyed}.values():
+        row = DeployRow(k.result_label, "", request.engine)
+        if deploy.answered(row, request.deploy, request.directory, ledger.get(k.key)):
+            continue
+        gguf = request.recipes_dir / f"{k.result_label}.gguf"
+        kept = gguf.is_file() and model_facts(gguf)["fingerprint"] == ledger.get(k.key)["fingerprint"]
+        gguf = gguf if kept else _build(request, k, ledger, threads)
+        try:
+            _deploy(request, k, gguf)
+        finally:
+            if not request.keep:
+                gguf.unlink(missing_ok=True)
+
+
+def deployment(request: RecipeRequest, variants: list[Variant]) -> deploy.DeployRun | None:
+    """The records of the variants' speed and memory on this machine (request.deploy), None without --deploy."""
+    if request.deploy is None:
+        return None
+    return deploy.saved_run([v.summary.candidate.label for v in variants], request.directory)
 
 
 def _keyed(source: Path, source_facts: dict, recipe: recipes.Recipe, quantizer: str, ledger: Ledger) -> Keyed:
@@ -210,12 +247,17 @@ def _measure_early(request: RecipeRequest, ref, n: int, keyed: list[Keyed], ledg
         if gguf is not None and not request.keep:
             gguf.unlink(missing_ok=True)
 
+    def stopped(i: int) -> None:  # the board stopped it: its speed and memory measured before its GGUF goes
+        if i in on_disk:
+            _deploy(request, keyed[i], on_disk[i])
+        drop(i)
+
     def decisions():
         return matrix.decisions_of([(k.recipe.label(), _result_path(request, k.result_label, ref)) for k in keyed], n,
                                    settings)
 
     try:
-        matrix.decide_in_rounds(settings, [i for i, v in enumerate(full) if v is None], run, decisions, drop)
+        matrix.decide_in_rounds(settings, [i for i, v in enumerate(full) if v is None], run, decisions, stopped)
     finally:
         for i in list(on_disk):
             drop(i)
@@ -272,6 +314,7 @@ def _built(request: RecipeRequest, ref, n: int, keyed: Keyed, ledger: Ledger, on
     try:
         pair = matrix.PairPlan(keyed.result_label, str(gguf), request.engine, matrix.RUN_LIVE)
         run = matrix.run_pair(pair, ref, n, request.recipes_dir, threads, on_chunk)
+        _deploy(request, keyed, gguf)
     finally:
         if not request.keep:
             gguf.unlink(missing_ok=True)

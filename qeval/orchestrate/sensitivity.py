@@ -28,6 +28,7 @@ from qeval.orchestrate.recipes import (
     RecipeRequest,
     Variant,
     board_rows,
+    deployment,
     early_figures,
     is_stock,
     kld_cost,
@@ -156,7 +157,16 @@ def measure_report(request: RecipeRequest, progress: bool = False) -> tuple[dict
     """Every recipe of the request measured (or reused): its board, stock types beside recipes."""
     variants = measure_recipes(request, _announce(progress))
     rows, early = board_rows(variants), early_figures(request, variants)
-    return {"rows": rows, **early}, "\n".join([recipes_text.recipes_markdown(rows), *_early_text(early)])
+    result, text = {"rows": rows, **early}, "\n".join([recipes_text.recipes_markdown(rows), *_early_text(early)])
+    return _with_deployment(request, variants, result, text)
+
+
+def _with_deployment(request: RecipeRequest, variants: list[Variant], result: dict, text: str) -> tuple[dict, str]:
+    """A recipe board with its variants' speed and memory (--deploy): their records' JSON and tables."""
+    measured = deployment(request, variants)
+    if measured is None:
+        return result, text
+    return {**result, "deployment": measured.to_json()}, text + "\n\n" + measured.text()
 
 
 def _early_text(early: dict) -> list[str]:
@@ -188,7 +198,8 @@ def fit_report(request: RecipeRequest, targets: tuple[str, ...], max_bytes=(), m
     if not max_bytes and not max_kld:
         raise QevalError("give a budget: --max-mb or --max-kld")
     base, *others = request.recipes
-    swept = sweep(dataclasses.replace(request, recipes=(base,)), targets, only, _announce(progress))
+    # the sweep's single-group variants are analysis, not candidates: only the chosen ones are deployed
+    swept = sweep(dataclasses.replace(request, recipes=(base,), deploy=None), targets, only, _announce(progress))
     fits = [(f"≤ {b / 1e6:.1f} MB", "bytes", b, *fitted_recipe(swept, max_bytes=b)) for b in max_bytes]
     fits += [(f"KLD ≤ {k:g}", "kld", k, *fitted_recipe(swept, max_kld=k)) for k in max_kld]
     chosen = tuple(dict.fromkeys([*(f[3] for f in fits), *others, *(recipes.Recipe(s) for s in stock)]))
@@ -203,7 +214,7 @@ def fit_report(request: RecipeRequest, targets: tuple[str, ...], max_bytes=(), m
                       "its budget (in size for a size budget, in mean KLD for a KLD budget)", "",
                       recipes_text.budgets_markdown(budgets), "", recipes_text.recipes_markdown(rows),
                       *_early_text(early)])
-    result = {"budgets": budgets, "rows": rows, **early}
+    result, text = _with_deployment(request, variants, {"budgets": budgets, "rows": rows, **early}, text)
     if out is not None:
         _write(out, "recipes", result, text, recipes_text.plot_recipe_front(rows))
     return result, text

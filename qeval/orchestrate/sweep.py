@@ -5,14 +5,19 @@ both run through here."""
 from __future__ import annotations
 
 from qeval.errors import QevalError
-from qeval.orchestrate import matrix
+from qeval.orchestrate import deploy, matrix
 from qeval.orchestrate.distributed import as_executor
-from qeval.present.progress import progress_bar
+from qeval.present.progress import progress_bar, say
 
 
 def run_matrix(request: matrix.MatrixRequest, progress: bool = True, executor=None) -> tuple[dict, str]:
-    """The matrix of a request (see qeval.api.matrix_report), here or on `executor`."""
+    """The matrix of a request (see qeval.api.matrix_report), here or on `executor`; with request.deploy, then the
+    speed and memory of the reference and every pair, here, one row at a time after every pair is done (under Ray
+    too: the figures are this machine's, recorded as such)."""
     plan = matrix.plan_matrix(request)
+    rows = matrix.deploy_rows(plan) if request.deploy is not None else []
+    if rows:
+        deploy.plan_rows(rows, request.deploy)  # a spec beyond a model's trained context: refused before any work
     directory = request.directory
     directory.mkdir(parents=True, exist_ok=True)
     if executor not in (None, "local"):
@@ -26,4 +31,8 @@ def run_matrix(request: matrix.MatrixRequest, progress: bool = True, executor=No
     with progress_bar(f"matrix: {len(plan.tasks)} task sets x {1 + len(plan.pairs)} models", None,
                       progress and bool(plan.tasks)) as advance:
         task_lines = matrix.run_tasks(plan, on_tasks=advance)
-    return matrix.matrix_result(plan, run, task_lines)
+    result, text = matrix.matrix_result(plan, run, task_lines)
+    if not rows:
+        return result, text
+    measured = deploy.measure_rows(rows, request.deploy, directory, say=lambda line: say(line, progress))
+    return {**result, "deployment": measured.to_json()}, text + "\n\n" + measured.text()
