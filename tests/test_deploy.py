@@ -388,6 +388,23 @@ def test_deploy_command_bad_input(models, tmp_path):
     assert not deployment.load_records(tmp_path)
 
 
+def test_a_model_llamacpp_cannot_load_gets_its_message_and_the_others_are_measured(gemma_tokenizer, tmp_path,
+                                                                                 monkeypatch):
+    class MissingExperts(tinymodels.TinyGGUF):
+        def tensor(self, kind, ne, bid=None, **kw):
+            if not (kind == tinymodels.T.FFN_UP_EXP and bid == 0):
+                super().tensor(kind, ne, bid, **kw)
+
+    good = tinymodels.build_qwen35moe(tmp_path / "good.gguf", gemma_tokenizer)
+    monkeypatch.setattr(tinymodels, "TinyGGUF", MissingExperts)
+    broken = tinymodels.build_qwen35moe(tmp_path / "broken.gguf", gemma_tokenizer)
+    res = run_cli("deploy", f"B={broken}", f"G={good}", "--spec", "ctx=1024;pp=0;tg=0", "--runs-dir", tmp_path)
+    msg = assert_cli_error(res, "deploy B: llama.cpp could not load", "broken.gguf", "not found")
+    assert "blk.0.ffn_up_exps" in msg
+    assert [r.label for r in deployment.load_records(tmp_path)] == ["G"]
+    assert "| G | f16/f16 | 1024 |" in res.stdout
+
+
 AS_LIMIT_CHILD = textwrap.dedent("""
     import json, resource, sys
     import qeval.engine.deploy as engine_deploy

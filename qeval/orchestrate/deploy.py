@@ -171,7 +171,6 @@ class _Plan:
 
     row: DeployRow
     settings: EngineSettings
-    facts: dict
     base: DeploymentRecord  # the record with every figure that is reused
     contexts: list[int]  # memory to measure
     tests: list[SpeedTest]  # speed to measure
@@ -201,7 +200,7 @@ def _plan(row: DeployRow, spec: DeploySpec, machine: dict, runs_dir: Path, force
         note = f"deploy {row.label}: its record on this machine holds another {' and '.join(differs)}: measured again"
     contexts = [n for n in spec.contexts if not _memory_done(base.memory_at(n), spec.rss)]
     tests = [t for t in spec.tests if base.speed_of(t.test, t.tokens, t.depth, spec.reps) is None]
-    return _Plan(row, settings, facts, base, contexts, tests, bool(base.memory or base.speed), note)
+    return _Plan(row, settings, base, contexts, tests, bool(base.memory or base.speed), note)
 
 
 def answered(row: DeployRow, spec: DeploySpec, runs_dir: str | os.PathLike, facts: dict) -> bool:
