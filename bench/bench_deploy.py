@@ -60,10 +60,10 @@ def qeval(*args: str) -> dict:
     return json.loads(proc.stdout)
 
 
-def qeval_speed(label: str, model: Path, kv: str, a) -> dict[str, float]:
+def qeval_speed(quant: str, model: Path, kv: str, a) -> dict[str, float]:
     spec = f"ctx=0;depth={','.join(map(str, a.depths))};pp={a.pp};tg={a.tg};reps={a.reps}"
-    out = qeval(f"{label}={model}", "--kv", kv, "--spec", spec, "-t", str(a.threads), "--runs-dir", a.work,
-                "--force")
+    out = qeval(f"{quant}={model}", "--kv", kv, "--spec", spec, "-t", str(a.threads), "--runs-dir", a.work,
+                "--force")  # qeval labels the KV row itself: Q8_0+kv-q8_0
     record = out["deployment"]["records"][0]
     return {name(s["test"], s["tokens"], s["depth"]): s["tokens_per_s"]["median"] for s in record["speed"]}
 
@@ -90,7 +90,7 @@ def speed(models: dict, a) -> list[dict]:
     runs = {label: {"qeval": [], "llama-bench": []} for label, _, _ in ROWS}
     for k in range(a.rounds):
         for label, quant, kv in ROWS:
-            tools = [("qeval", lambda: qeval_speed(label, models[quant], kv, a)),
+            tools = [("qeval", lambda: qeval_speed(quant, models[quant], kv, a)),
                      ("llama-bench", lambda: llama_bench_speed(models[quant], kv, a))]
             for tool, run in tools if k % 2 == 0 else tools[::-1]:
                 runs[label][tool].append(run())
@@ -133,7 +133,7 @@ def memory(models: dict, a) -> list[dict]:
     rows = []
     spec = f"ctx={','.join(map(str, CONTEXTS))};pp=0;tg=0;rss={0 if a.no_rss else 1}"
     for label, quant, kv in ROWS:
-        record = qeval(f"{label}={models[quant]}", "--kv", kv, "--spec", spec, "-t", str(a.threads),
+        record = qeval(f"{quant}={models[quant]}", "--kv", kv, "--spec", spec, "-t", str(a.threads),
                        "--runs-dir", a.work, "--force")["deployment"]["records"][0]
         for figure in record["memory"]:
             theirs = llama_perplexity_buffers(models[quant], kv, figure["n_ctx"], a)
