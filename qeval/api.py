@@ -27,7 +27,7 @@ from qeval.orchestrate.matrix import (  # noqa: F401 - public
     pair_settings,
     parse_model_arg,
 )
-from qeval.orchestrate.sources import compare, is_model_file, open_source  # noqa: F401 - public here as before
+from qeval.orchestrate.sources import compare, is_model_file, measure, open_source  # noqa: F401 - public here as before
 from qeval.present import report, results
 from qeval.present.progress import PlannedProgress, progress_bar, say
 from qeval.storage import runs
@@ -44,17 +44,22 @@ def kld_report(ref: str, cand: str, chunks: int | None = None, runs_dir=None, th
     """bands: inner edges of the by-depth block, e.g. "512,2048,8192" (default: powers of 4 from 512).
     samplers: see compare(); their figures are the result's "samplers" block (and sampler metrics)."""
     depth.parse_bands(bands, 1 << 40)  # a bad --bands is refused before any work
-    cmp = compare(ref, cand, chunks, runs_dir, threads, settings, save, progress, on_chunk, force, samplers,
+    res = measure(ref, cand, chunks, runs_dir, threads, settings, save, progress, on_chunk, force, samplers,
                   save_result)
-    if save_result:
-        results.save_result(cmp, runs.runs_dir(runs_dir) / results.RESULTS_SUBDIR)
+    if save_result and res.comparison is not None:
+        results.save_result(res.comparison, runs.runs_dir(runs_dir) / results.RESULTS_SUBDIR)
     if per_token is not None:
         try:
-            report.write_per_token(cmp, Path(per_token))
+            report.write_per_token(res.per_token, res.summary.labels, Path(per_token))
         except OSError as exc:
             raise QevalError(f"cannot write --per-token file {per_token}: {exc.strerror}") from None
-    summary = summarize(cmp, depth.parse_bands(bands, cmp.ref.header.n_ctx))
-    return summary.to_json(), report.comparison_text(summary)
+    bounds = depth.parse_bands(bands, res.summary.reference.n_ctx)
+    summary = summarize(res.comparison, bounds) if res.comparison is not None else \
+        results.recomputed(res.summary, res.per_token, bounds) if bands else res.summary
+    out = summary.to_json()
+    if res.note:  # how the figures were obtained, when a saved result stood in (qeval.orchestrate.candidates)
+        out["obtained"] = [res.note]
+    return out, "\n".join(filter(None, [res.note, report.comparison_text(summary)]))
 
 
 def ppl_report(spec: str, chunks: int | None = None, runs_dir=None) -> tuple[dict, str]:

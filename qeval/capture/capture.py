@@ -424,6 +424,14 @@ def iter_scored_rows(engine: Backend, windows: np.ndarray, indices: list[int], s
             yield indices[rows.window], rows.first_row, rows.logits, k == len(call) - 1
 
 
+LIVE_SUFFIX = " (live)"  # a live candidate's path: its GGUF's, so marked (what a saved result records of it)
+
+
+def live_model_path(path: str | None) -> str | None:
+    """The GGUF a live candidate ran, from the path a comparison recorded of it (None: it was no live candidate)."""
+    return path[:-len(LIVE_SUFFIX)] if path and path.endswith(LIVE_SUFFIX) else None
+
+
 def open_live(model: str, ref, n_chunks: int | None, settings: EngineSettings, label: str,
               save_path: Path | None, code: SqrtLogCode = SqrtLogCode(), replace: bool = False,
               coded: bool = False):
@@ -455,7 +463,7 @@ def open_live(model: str, ref, n_chunks: int | None, settings: EngineSettings, l
             except StoreComplete:
                 raise QevalError(f"{save_path} already exists and is complete; compare it with --cand "
                                  f"{label}") from None
-        return engine, LiveSource(engine, header, windows, code, writer, path=f"{model} (live)", coded=coded)
+        return engine, LiveSource(engine, header, windows, code, writer, path=f"{model}{LIVE_SUFFIX}", coded=coded)
     except BaseException:
         engine.close()
         raise

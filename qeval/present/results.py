@@ -25,8 +25,8 @@ from qeval.compare.metrics import GROUP_FIELDS, PER_TOKEN_FIELDS, Comparison
 from qeval.compare.summary import ComparisonSummary, of_figures, summarize
 from qeval.errors import QevalError, WriteFailed
 from qeval.identity import METRICS_VERSION, ComparisonRequest
+from qeval.storage.runs import RESULT_SEPARATOR, RESULTS_SUBDIR  # noqa: F401 - RESULTS_SUBDIR public here too
 
-RESULTS_SUBDIR = "results"
 
 
 @dataclass
@@ -36,6 +36,8 @@ class Result:
     summary: ComparisonSummary
     per_token: dict[str, np.ndarray] | None
     path: Path | None  # None when computed from stores, not loaded
+    note: str = ""  # how it was obtained, when a reader should know (a saved result reused, extended live)
+    comparison: Comparison | None = None  # when computed just now: what save_result writes
 
     @property
     def label(self) -> str:
@@ -59,7 +61,7 @@ class Result:
             raise QevalError(f"{self.origin} has no per-token values: it cannot be cut to fewer chunks")
         keep = np.isin(self.per_token["chunk"], np.asarray(chunk_ids))
         per_token = {k: v[keep] for k, v in self.per_token.items()}
-        return Result(recomputed(self.summary, per_token), per_token, self.path)
+        return Result(recomputed(self.summary, per_token), per_token, self.path, self.note)
 
     def selected(self, selection: depth.Selection) -> "Result":
         """The same measurement over only the scored tokens `selection` picks (a depth band, a segment, a
@@ -73,19 +75,21 @@ class Result:
         if selection.depth is not None:
             summary.depth = {"lo": selection.depth[0], "hi": selection.depth[1]}
         summary.selection = selection.labels() or None
-        return Result(summary, per_token, self.path)
+        return Result(summary, per_token, self.path, self.note)
 
 
-def recomputed(head: ComparisonSummary, per_token: dict[str, np.ndarray]) -> ComparisonSummary:
-    """The summary of these per-token values, its reference and candidate those of `head`."""
+def recomputed(head: ComparisonSummary, per_token: dict[str, np.ndarray],
+               bands: list[tuple[int, int]] | None = None) -> ComparisonSummary:
+    """The summary of these per-token values, its reference and candidate those of `head`; bands: of its by-depth
+    figures (default: powers of 4 from 512)."""
     chunks = [int(c) for c in np.unique(per_token["chunk"])]
-    bands = depth.parse_bands(None, head.reference.n_ctx)
+    bands = bands or depth.parse_bands(None, head.reference.n_ctx)
     body = Comparison(None, None, chunks, per_token, head.labels).summary(bands)  # reads only per_token and chunks
     return of_figures(head.reference, head.candidate, body)
 
 
 def result_stem(cand_label: str, ref_label: str) -> str:
-    return f"{cand_label}.vs.{ref_label}"
+    return f"{cand_label}{RESULT_SEPARATOR}{ref_label}"
 
 
 def result_path(directory: Path, cand_label: str, ref_label: str) -> Path:
