@@ -328,7 +328,8 @@ def leaderboard_cmd(
     title: Optional[str] = typer.Option(None, "--title", help="Page and markdown heading."),
     machine: Optional[str] = Machine,
 ):
-    """Leaderboard of saved results: markdown for a model card, CSV, JSON, HTML page and plots (PNG + SVG), with the speed and memory measured beside them."""
+    """Leaderboard of saved results: markdown for a model card, CSV, JSON, HTML page and plots (PNG + SVG), with
+    the speed and memory measured beside them."""
     board = api.leaderboard_report(run, out=out, title=title, machine=machine)
     typer.echo(board.markdown())
     typer.echo("wrote " + ", ".join(str(p) for p in board.paths.values()))
@@ -359,7 +360,8 @@ def choose_cmd(
     machine: Optional[str] = Machine,
     as_json: bool = Json,
 ):
-    """The best quality that fits M GiB at context C and generates at least S tokens/s at depth D, from measured figures only (no interpolation); every other row named with why it is ruled out."""
+    """The best quality that fits M GiB at context C and generates at least S tokens/s at depth D, from measured
+    figures only (no interpolation); every other row named with why it is ruled out."""
     result, text = api.choose_report(run, memory=memory, context=context, min_tg=min_tg, depth=depth, by=by,
                                      machine=machine)
     _emit(result, text, as_json)

@@ -39,8 +39,8 @@ CANDIDATES = (("Q8_0", "m-Q8_0.gguf", "Q8_0", 1.06, 8.5, "f16", 0.15),
               ("Q2_K", "m-Q2_K.gguf", "Q2_K", 0.45, 2.9, "f16", 1.6),
               ("Q4_0+kv-q4_0", "m-Q4_0.gguf", "Q4_0", 0.60, 4.5, "q4_0", 2.0))
 HERE = machine()  # the machine the tests run "on"
-GPU = machine("Intel Xeon 8480+", gpus=({"name": "NVIDIA H100 80GB HBM3", "driver": "580.65", "memory_bytes": 85 * GIB},),
-              backend="CUDA", cores=16)
+GPU = machine("Intel Xeon 8480+", backend="CUDA", cores=16,
+              gpus=({"name": "NVIDIA H100 80GB HBM3", "driver": "580.65", "memory_bytes": 85 * GIB},))
 CTX, DEPTH = 32768, 4096
 OOM = "cannot allocate a context of 32768 tokens: llama.cpp asked for 9.90 GiB"
 
@@ -429,3 +429,32 @@ def test_the_control_is_named_not_chosen():
     view = DeploymentBoard(Machine("a" * 12, {"id": "a" * 64}, True), {}, {})
     (c,) = view.candidates(rows)
     assert deployment_choice.reasons(c, Question(min_tg=1, depth=0))[0].text == CONTROL_WHY
+
+
+# --------------------------------------------------------------------------------------------------
+# early decisions stay decided on quality alone
+# --------------------------------------------------------------------------------------------------
+def test_early_decisions_never_read_speed_or_memory(runs, tmp_path, monkeypatch):
+    """The matrix's early rule (matrix.decisions_of over saved results) decides the same with and without the
+    records beside them, and never calls their reader (the import contract keeps qeval.compare.early from them)."""
+    import shutil  # noqa: PLC0415
+
+    from qeval.compare.early import EarlySettings  # noqa: PLC0415
+    from qeval.orchestrate import matrix  # noqa: PLC0415
+
+    def refuse(*_):
+        raise AssertionError("the early path read speed or memory")
+
+    monkeypatch.setattr(boards, "records_in", refuse)
+    monkeypatch.setattr(boards, "this_machine", refuse)
+    bare = tmp_path / "runs"
+    shutil.copytree(runs / "results", bare / "results")
+    labels = [c[0] for c in CANDIDATES]
+
+    def decided(where: Path) -> list:
+        saved = [(label, where / "results" / f"{label}.vs.REF.json") for label in labels]
+        return [(d.label, d.stop, d.reason, d.on_front, d.estimate.mean)
+                for d in matrix.decisions_of(saved, 6, EarlySettings())]
+
+    assert (runs / "deployment").is_dir() and not (bare / "deployment").exists()
+    assert decided(runs) == decided(bare)

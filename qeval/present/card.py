@@ -135,7 +135,8 @@ def record(r: CardRow, bands: tuple[str, ...], tasks: tuple[str, ...], segments:
     if segments:
         out["by_segment"] = {name: boardrows.kld_of(row.segments.get(name), "kld_mean") for name in segments}
     out["flips"] = {task: row.task_flips[task].to_json() for task in tasks if task in row.task_flips}
-    out.update(memory_estimate_gib=row.memory_estimate_gib, kv_quant=row.kv_quant, control=row.control, kld_excess=row.kld_excess,
+    out.update(memory_estimate_gib=row.memory_estimate_gib, kv_quant=row.kv_quant, control=row.control,
+               kld_excess=row.kld_excess,
                within_noise=row.within_noise, **{k: getattr(row, k) for k in boardrows.FLOOR_KEYS},
                pareto=row.pareto, result=row.result)
     if deployment is not None:
@@ -158,7 +159,8 @@ def cells(r: CardRow, bands: tuple[str, ...], tasks: tuple[str, ...], control: b
     return [row.label, row.model_file or "?", row.kv, _fixed(row.size_gib, ".3f"), _fixed(row.bpw, ".2f"),
             *(boardrows.metric_cell(row, m, row.metrics.get(m.key)) for m in card_metrics()),
             *([boardrows.control_cell(row)] if control else []), *([boardrows.floor_cell(row)] if floor else []),
-            *(_kld_cell(r.bands.get(name)) for name in bands), *(_kld_cell(row.segments.get(name)) for name in segments),
+            *(_kld_cell(r.bands.get(name)) for name in bands),
+            *(_kld_cell(row.segments.get(name)) for name in segments),
             *(row.task_flips[task].cell() if task in row.task_flips else "" for task in tasks),
             *(deployment.cells(row.label) if deployment else ()), boardrows.pareto_mark(row)]
 

@@ -58,7 +58,8 @@ class Leaderboard:
     def pareto(self) -> list[str]:
         """Labels on a Pareto front: weight quants, smallest file first, then KV-cache quants, least memory first."""
         front = [r for r in self.rows if r.pareto]
-        return [r.label for r in sorted(front, key=lambda r: (r.kv_quant, r.memory_estimate_gib if r.kv_quant else r.size_gib,
+        return [r.label for r in sorted(front, key=lambda r: (r.kv_quant,
+                                                               r.memory_estimate_gib if r.kv_quant else r.size_gib,
                                                                r.kld_mean))]
 
     def markdown(self) -> str:
