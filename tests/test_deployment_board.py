@@ -458,3 +458,19 @@ def test_early_decisions_never_read_speed_or_memory(runs, tmp_path, monkeypatch)
 
     assert (runs / "deployment").is_dir() and not (bare / "deployment").exists()
     assert decided(runs) == decided(bare)
+
+
+def test_a_board_measured_only_elsewhere_says_so_and_points_to_the_machine(runs, tmp_path):
+    there = tmp_path / "runs"
+    build_results(there, candidates=CANDIDATES[:1], seed=3)
+    write_figures(there, {"Q8_0": FIGURES["Q8_0"]}, GPU)
+    board = board_of(there)
+    view = board.deployment
+    assert view.machine.key == HERE["id"][:12] and view.contexts() == () and not view.front_column
+    md = board.markdown()
+    assert f"Nothing on this board was measured on {HERE['id'][:12]}" in md
+    assert f"**Measured on another machine, {GPU['id'][:12]}:**" in md
+    assert_cli_error(run_cli("choose", there, "--memory", "8", "--context", "4096"),
+                     "--context 4096 was not measured", f"--machine {GPU['id'][:12]} asks it")
+    res = run_cli("choose", there, "--memory", "8", "--context", "4096", "--machine", GPU["id"][:12])
+    assert res.returncode == 0 and "Answer: Q8_0" in res.stdout

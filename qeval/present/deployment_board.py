@@ -59,6 +59,8 @@ class Machine:
     def text(self) -> str:
         """Everything that makes its speed its own: CPU and cores, GPUs and driver, backend, llama.cpp build."""
         f = self.facts
+        if set(f) == {"id"}:  # this machine, which measured nothing on the board
+            return f"[{self.key}, this machine]"
         parts = [(f.get("cpu") or "unknown CPU") + (f" ({f['cores']} cores)" if f.get("cores") else "")]
         parts += [(g.get("name") or "GPU") + (f" (driver {g['driver']})" if g.get("driver") else "")
                   for g in f.get("gpus") or ()]
@@ -148,7 +150,7 @@ class Measured:
         r = self.record
         return {"machine": self.machine.key, "settings": r.settings, "kv": r.kv,
                 "memory": [dataclasses.asdict(m) for m in r.memory], "speed": [dataclasses.asdict(s) for s in r.speed],
-                "measured_at": getattr(r, "measured_at", None)}
+                "measured_at": getattr(r, "measured_at", None), "load_average": getattr(r, "load_average", None)}
 
 
 def _memory_cell(figure: float | str | None) -> str:
@@ -277,10 +279,14 @@ class DeploymentBoard:
         mine = self._all_on(None)
         settings = sorted({settings_text(m.record.settings) for m in mine})
         layouts = sorted({f.layout for m in mine for f in m.record.memory if getattr(f, "layout", None)})
+        loads = [rec.load_average[0] for rec in (m.record for m in mine) if getattr(rec, "load_average", None)]
         out = [("Speed and memory measured on", self.machine.text)]
         if mine:
             out.append(("Engine settings", settings[0] if len(settings) == 1 else
                         "differ between rows (" + "; ".join(settings) + "): their speeds are not like for like"))
+        if loads:
+            out.append(("Load average when measured", f"{min(loads):.2f} to {max(loads):.2f} (1 minute; other work "
+                                                      "on the machine slows its speed figures)"))
         if layouts:
             out.append(("KV cache layout", "; ".join(layouts)))
         return out
@@ -325,13 +331,16 @@ class DeploymentBoard:
 
     def check(self, question: deployment_choice.Question) -> None:
         """Refuse a question about a context or depth never measured on this board's machine."""
-        where = f"on {self.machine.key} ({self.machine.short})"
+        where = f"on {self.machine.text}"
+        elsewhere = "".join(f"; {m.key} ({m.short}) measured {self._count(m.key)} rows: --machine {m.key} asks it"
+                            for m in self.others)
         if question.n_ctx is not None and question.n_ctx not in self.contexts():
             raise QevalError(f"--context {question.n_ctx} was not measured {where}: measured contexts are "
-                             f"{_listed(self.contexts())} (figures are never interpolated)")
+                             f"{_listed(self.contexts())} (figures are never interpolated){elsewhere}")
         if question.depth is not None and question.depth not in self.depths():
             raise QevalError(f"--depth {question.depth}: no generation speed was measured at that depth {where}: "
-                             f"measured depths are {_listed(self.depths())} (figures are never interpolated)")
+                             f"measured depths are {_listed(self.depths())} (figures are never "
+                             f"interpolated){elsewhere}")
 
 
 def _listed(values) -> str:
