@@ -163,11 +163,13 @@ def test_csv_and_json_hold_every_figure_of_this_machine(runs, tmp_path):
             assert json_row[column] == speed.get((test, n, depth))
             assert json_row[f"{column}_spread"] == (0.04 if (test, n, depth) in speed else None)
         assert json_row["measured_on"] == HERE["id"][:12] + (" " + GPU["id"][:12] if label in ON_GPU else "")
+        assert json_row["figures_machine"] == csv_row["figures_machine"] == HERE["id"][:12]
     assert rows["REF"]["reference"] == "True" and by_label["Q8_0"]["reference"] is False
     # Q5_K: no record anywhere; Q2_K: only on the other machine, whose figures stay out of these columns
     for label in ("Q5_K", "Q2_K"):
         assert all(by_label[label][k] is None for k in doc["columns"] if "@" in k), label
     assert by_label["Q2_K"]["measured_on"] == GPU["id"][:12] and by_label["Q5_K"]["measured_on"] is None
+    assert by_label["Q2_K"]["figures_machine"] is None and rows["Q2_K"]["figures_machine"] == ""
     # the per-device breakdown of every record, both machines
     records = doc["deployment"]["records"]
     assert records["Q2_K"][GPU["id"][:12]]["memory"][0]["devices"] == {"CPU": {"model": 461 * MIB, "kv": 512 * MIB,
@@ -469,6 +471,7 @@ def test_a_board_measured_only_elsewhere_says_so_and_points_to_the_machine(runs,
     assert view.machine.key == HERE["id"][:12] and view.contexts() == () and not view.front_column
     md = board.markdown()
     assert f"Nothing on this board was measured on {HERE['id'][:12]}" in md
+    assert f"Rows were measured on other machines only ({GPU['id'][:12]}: Intel Xeon 8480+" in md
     assert f"**Measured on another machine, {GPU['id'][:12]}:**" in md
     assert_cli_error(run_cli("choose", there, "--memory", "8", "--context", "4096"),
                      "--context 4096 was not measured", f"--machine {GPU['id'][:12]} asks it")

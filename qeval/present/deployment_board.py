@@ -235,9 +235,10 @@ class DeploymentBoard:
         return (*(p for p in MEMORY_PARTS if p in named), *sorted(named - set(MEMORY_PARTS)))
 
     def keys(self) -> tuple[str, ...]:
-        """The written columns: the machines a row was measured on, then the board machine's figures: per context
-        the total and each part in GiB and why it failed, per speed test the median, spread and why it failed."""
-        out = ["measured_on"]
+        """The written columns: the machines a row was measured on, the machine its figures here belong to (the
+        board's; none where it has no record there), then those figures: per context the total and each part in GiB
+        and why it failed, per speed test the median, spread and why it failed."""
+        out = ["measured_on", "figures_machine"]
         for n in self.contexts():
             out += [memory_column(n), *(memory_column(n, p) for p in self.parts()), f"memory_error@{n}"]
         for k in self.speeds():
@@ -251,6 +252,7 @@ class DeploymentBoard:
         out["measured_on"] = " ".join(keys) or None  # the board's machine first
         m = self.on(label)
         if m is not None:
+            out["figures_machine"] = self.machine.key
             for n in self.contexts():
                 figure, parts = m.memory_at(n), m.parts_at(n)
                 out[memory_column(n)] = figure / GIB if isinstance(figure, (int, float)) else None
@@ -304,10 +306,13 @@ class DeploymentBoard:
         if not self._all_on(None):
             out.append(f"Nothing on this board was measured on {self.machine.key}: its speed and memory columns are "
                        "empty.")
-        if self.others:
-            where = "; ".join(f"{m.key}: {m.text} ({self._count(m.key)} rows)" for m in self.others)
+        where = "; ".join(f"{m.key}: {m.text} ({self._count(m.key)} rows)" for m in self.others)
+        if self.others and self.machine.key in self.machines:
             out.append(f"Rows were measured on {len(self.machines)} machines; the columns show {self.machine.key}'s "
-                       f"figures only, another machine's are in a table of their own ({where}).")
+                       f"figures only, every other machine's are in a table of their own ({where}).")
+        elif self.others:
+            out.append(f"Rows were measured on other machines only ({where}): their figures are in tables of their "
+                       "own; --machine with a machine's id shows its figures in the columns.")
         out += self.stale
         return out
 

@@ -58,8 +58,7 @@ def table_html(board) -> str:
     floor, early, view = has_floor(board.rows), has_early(board.rows), board.deployment
     columns = (*leaderboard_columns(board.samplers, board.tasks, board.control, segments, floor, early, view),
                *((("your question", "answer"),) if view else ()))
-    head = '<th>#</th><th data-col="label">label</th>' + "".join(
-        f'<th data-col="{html.escape(key)}">{html.escape(name)}</th>' for name, key in columns)
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in ("#", "label", *(name for name, _ in columns)))
     klds = [r.kld_mean for r in board.rows if r.kld_mean > 0]
     lo, hi = (math.log10(min(klds)), math.log10(max(klds))) if klds else (0.0, 0.0)
     body = []
