@@ -477,3 +477,9 @@ def test_a_board_measured_only_elsewhere_says_so_and_points_to_the_machine(runs,
                      "--context 4096 was not measured", f"--machine {GPU['id'][:12]} asks it")
     res = run_cli("choose", there, "--memory", "8", "--context", "4096", "--machine", GPU["id"][:12])
     assert res.returncode == 0 and "Answer: Q8_0" in res.stdout
+
+
+def test_a_record_without_the_asked_figures_is_not_measured_there():
+    """A record that holds a prompt speed only: the row is measured, not at the asked depth."""
+    c = Candidate("pp-only", 0.1, recorded=True)
+    assert [r.text for r in deployment_choice.reasons(c, Question(min_tg=1, depth=0))] == ["not measured at depth 0"]

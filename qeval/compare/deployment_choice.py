@@ -135,10 +135,11 @@ class Candidate:
     reference: bool = False  # the reference itself: the best quality by definition
     elsewhere: str | None = None  # no figure on the asked machine, but on these other machines
     excluded: str | None = None  # never a candidate, and why (the control, the numerics floor)
+    recorded: bool = False  # it has a record on the asked machine (even one without these figures)
 
     @property
     def measured(self) -> bool:
-        return bool(self.memory or self.tg)
+        return self.recorded or bool(self.memory or self.tg)
 
 
 @dataclass(frozen=True)

@@ -331,7 +331,8 @@ class DeploymentBoard:
             memory = {} if m is None else {n: m.memory_at(n) for n in m.memory}
             tg = {} if m is None else {s.depth: m.tg_at(s.depth) for s in m.record.speed if s.test == "tg"}
             out.append(Candidate(row.label, row.value(by), memory, tg, reference=row.reference,
-                                 elsewhere=None if m is not None else elsewhere or None, excluded=excluded))
+                                 elsewhere=None if m is not None else elsewhere or None, excluded=excluded,
+                                 recorded=m is not None))
         return out
 
     def check(self, question: deployment_choice.Question) -> None:

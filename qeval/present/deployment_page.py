@@ -32,7 +32,7 @@ def page_data(board: DeploymentBoard, rows) -> dict:
                                                      m.cell(*((mv.value, mv.se) if mv else (None, None))))
         out_rows.append({"label": c.label, "reference": c.reference, "quality": quality, "quality_text": quality_text,
                          "memory": {str(k): v for k, v in c.memory.items()}, "tg": {str(k): v for k, v in c.tg.items()},
-                         "elsewhere": c.elsewhere, "excluded": c.excluded})
+                         "elsewhere": c.elsewhere, "excluded": c.excluded, "recorded": c.recorded})
     context, depth = board.front_at
     return {"machine": {"key": board.machine.key, "text": board.machine.text},
             "contexts": list(board.contexts()), "depths": list(board.depths()),
@@ -106,7 +106,7 @@ SCRIPT = """
 
   function reasons(row, q) {
     if (row.excluded) { return [["not a candidate", row.excluded]]; }
-    var measured = Object.keys(row.memory).length || Object.keys(row.tg).length;
+    var measured = row.recorded || Object.keys(row.memory).length || Object.keys(row.tg).length;
     if (!measured) {
       if (row.elsewhere) { return [["measured on another machine", "measured on another machine: " + row.elsewhere]]; }
       return [["not measured", "not measured: no speed or memory record"]];
