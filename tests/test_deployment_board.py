@@ -375,6 +375,13 @@ def test_every_reason_on_plain_candidates():
     assert choice.best.label == "ok" and [c.label for c, _ in choice.ruled_out] == [c.label for c, _ in cases[:-1]]
 
 
+def test_a_near_miss_never_reads_as_the_limit():
+    q = Question(memory_gib=1.0, n_ctx=100, min_tg=10.0, depth=0)
+    near = Candidate("near", 0.1, {100: 1.004 * GIB}, {0: 9.96})
+    assert [r.text for r in deployment_choice.reasons(near, q)] == [
+        "does not fit: 1.004 GiB > 1 GiB at context 100", "too slow: 9.96 tokens/s < 10 tokens/s at depth 0"]
+
+
 def test_ties_break_on_memory_then_speed_then_label():
     q = Question(memory_gib=10.0, n_ctx=1, min_tg=0.0, depth=0)
     cs = [Candidate("b", 0.2, {1: 2.0}, {0: 5.0}), Candidate("a", 0.2, {1: 2.0}, {0: 5.0}),

@@ -87,6 +87,8 @@ def test_the_page_answers_the_question_in_its_url_as_qeval_choose_does(runs, pag
     ((("type", "tg", ""), ("choose", "depth", "")), dict(memory=2.5, context=CTX)),
     ((("choose", "by", "same_top1_pct"),), dict(memory=2.5, context=CTX, min_tg=20, depth=DEPTH, by="same_top1_pct")),
     ((("type", "tg", "1000"),), dict(memory=2.5, context=CTX, min_tg=1000, depth=DEPTH)),
+    # a near miss (1,700 MiB = 1.66016 GiB against 1.66 GiB) is written with the decimals that show it
+    ((("type", "mem", "1.66"),), dict(memory=1.66, context=CTX, min_tg=20, depth=DEPTH)),
 ])
 def test_changing_an_input_updates_the_answer(runs, page_file, browser, steps, asked):  # noqa: F811
     url = page_file.paths["leaderboard.html"].resolve().as_uri()

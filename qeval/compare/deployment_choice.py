@@ -175,6 +175,15 @@ def tokens(n: int) -> str:
     return f"{n:,}"
 
 
+def beside(value: float, limit: float, decimals: int) -> str:
+    """`value` with `decimals` decimals, or more (up to 6) until it does not read as the limit it missed."""
+    for d in range(decimals, 7):
+        text = f"{value:.{d}f}"
+        if float(text) != limit:
+            return text
+    return text
+
+
 def _figure_reasons(figures: Mapping[int, float | str], at: int, where: str, measured_text: str) -> list[Reason]:
     """Not measured at `at`, or measured there and failed."""
     figure = figures.get(at)
@@ -201,14 +210,14 @@ def reasons(c: Candidate, q: Question) -> tuple[Reason, ...]:
         missing = _figure_reasons(c.memory, q.n_ctx, "context", "measured contexts")
         out += missing
         if not missing and c.memory[q.n_ctx] > q.memory_gib * GIB:
-            out.append(Reason("does not fit", f"does not fit: {c.memory[q.n_ctx] / GIB:.2f} GiB > "
-                                              f"{q.memory_gib:g} GiB at context {tokens(q.n_ctx)}"))
+            out.append(Reason("does not fit", f"does not fit: {beside(c.memory[q.n_ctx] / GIB, q.memory_gib, 2)} "
+                                              f"GiB > {q.memory_gib:g} GiB at context {tokens(q.n_ctx)}"))
     if q.depth is not None:
         missing = _figure_reasons(c.tg, q.depth, "depth", "measured depths")
         out += missing
         if not missing and c.tg[q.depth] < q.min_tg:
-            out.append(Reason("too slow", f"too slow: {c.tg[q.depth]:.1f} tokens/s < {q.min_tg:g} tokens/s at "
-                                          f"depth {tokens(q.depth)}"))
+            out.append(Reason("too slow", f"too slow: {beside(c.tg[q.depth], q.min_tg, 1)} tokens/s < "
+                                          f"{q.min_tg:g} tokens/s at depth {tokens(q.depth)}"))
     return tuple(out)
 
 

@@ -90,6 +90,11 @@ SCRIPT = """
   var count = function (n) { return Number(n).toLocaleString("en-US"); };
   var quality = function (key) { return data.qualities.filter(function (q) { return q.key === key; })[0]; };
   var listed = function (xs) { return xs.length ? xs.join(", ") : "none"; };
+  var beside = function (value, limit, decimals) {  // deployment_choice.beside
+    var text = value.toFixed(decimals);
+    for (var d = decimals; d < 7 && Number(text) === limit; d++) { text = value.toFixed(d + 1); }
+    return text;
+  };
 
   function figureReasons(figures, at, where, measuredText) {
     var figure = figures[String(at)];
@@ -119,7 +124,7 @@ SCRIPT = """
       out = out.concat(missing);
       var bytes = row.memory[String(q.ctx)];
       if (!missing.length && bytes > q.mem * GIB) {
-        out.push(["does not fit", "does not fit: " + (bytes / GIB).toFixed(2) + " GiB > " + String(q.mem) +
+        out.push(["does not fit", "does not fit: " + beside(bytes / GIB, q.mem, 2) + " GiB > " + String(q.mem) +
                   " GiB at context " + count(q.ctx)]);
       }
     }
@@ -128,8 +133,8 @@ SCRIPT = """
       out = out.concat(missing);
       var tps = row.tg[String(q.depth)];
       if (!missing.length && tps < q.tg) {
-        out.push(["too slow", "too slow: " + tps.toFixed(1) + " tokens/s < " + String(q.tg) + " tokens/s at depth " +
-                  count(q.depth)]);
+        out.push(["too slow", "too slow: " + beside(tps, q.tg, 1) + " tokens/s < " + String(q.tg) +
+                  " tokens/s at depth " + count(q.depth)]);
       }
     }
     return out;
