@@ -71,7 +71,7 @@ def choose(runs: list[str | os.PathLike], question: deployment_choice.Question,
     board = boards.build(runs, deployment=records) if records is not None else None
     if board is None or board.deployment is None:
         raise QevalError("no speed or memory record of any row beside these results: measure them first "
-                         "(docs/deployment.md), then ask")
+                         "(qeval deploy), then ask")
     view = board.deployment
     view.check(question)
     choice = deployment_choice.choose(view.candidates(board.table_rows, question.by), question)
