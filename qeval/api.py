@@ -291,20 +291,35 @@ def merge_report(parts: list[Path], out: Path, label: str | None = None, progres
     return merge(parts, out, label=label, progress=progress)
 
 
-def leaderboard_report(runs: list[Path], out: Path, title: str | None = None):
-    """The leaderboard of saved results, written under `out` (markdown, CSV, JSON, HTML, plots)."""
-    from qeval.present import leaderboard  # noqa: PLC0415 - matplotlib loads only for boards
+def leaderboard_report(runs: list[Path], out: Path, title: str | None = None, machine: str | None = None):
+    """The leaderboard of saved results, written under `out` (markdown, CSV, JSON, HTML, plots), with the speed and
+    memory measured beside them: this machine's, or `machine`'s (a machine id or its first digits)."""
+    from qeval.orchestrate import boards  # noqa: PLC0415 - matplotlib loads only for boards
 
-    return leaderboard.leaderboard(runs, out=out, title=title)
+    return boards.leaderboard(runs, out=out, title=title, machine=machine)
 
 
 def card_report(runs: list[Path], out: Path = Path("card"), merge: Path | None = None,
-                title: str | None = None) -> tuple[dict, str]:
+                title: str | None = None, machine: str | None = None) -> tuple[dict, str]:
     """A model-card block of saved results (table, Pareto plot, provenance, JSON sidecar) written under `out`;
-    with `merge`, also put between the card markers of that markdown file (qeval.present.card)."""
-    from qeval.present import card  # noqa: PLC0415 - matplotlib loads only for cards and boards
+    with `merge`, also put between the card markers of that markdown file (qeval.present.card); speed and memory
+    as leaderboard_report."""
+    from qeval.orchestrate import boards  # noqa: PLC0415 - matplotlib loads only for cards and boards
 
-    return card.report(runs, out=out, merge=merge, title=title)
+    return boards.card(runs, out=out, merge=merge, title=title, machine=machine)
+
+
+def choose_report(runs: list[Path], memory: str | float | None = None, context: str | int | None = None,
+                  min_tg: str | float | None = None, depth: str | int | None = None, by: str = "kld_mean",
+                  machine: str | None = None) -> tuple[dict, str]:
+    """The deployment question over the board of saved results: the best quality (`by`, a board metric; mean KLD)
+    that fits `memory` (GiB, or a size with a unit: "8GiB") at deployment context `context` and generates at least
+    `min_tg` tokens/s at depth `depth`, on this machine or `machine`, from measured figures only; every other row
+    named with why it is ruled out (qeval.compare.deployment_choice)."""
+    from qeval.compare.deployment_choice import Question  # noqa: PLC0415
+    from qeval.orchestrate import boards  # noqa: PLC0415
+
+    return boards.choose(runs, Question.parse(memory, context, min_tg, depth, by), machine=machine)
 
 
 def paired_report(ref: str, cand_a: str, cand_b: str, chunks: int | None = None, runs_dir=None, method: str = "t",

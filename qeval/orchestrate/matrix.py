@@ -710,7 +710,7 @@ def decisions_of(saved: list[tuple[str, Path]], n_chunks: int, settings: EarlySe
         result = results.load_result(path)
         row = board.board_row(result.summary)
         chunks, sums, tokens = early_stop.chunk_sums(result.per_token, "kld", order)
-        board_pairs.append(early_stop.PairChunks(label, chunks, sums, tokens, row.size_gib, row.memory_gib,
+        board_pairs.append(early_stop.PairChunks(label, chunks, sums, tokens, row.size_gib, row.memory_estimate_gib,
                                                  row.kv_quant, board.is_baseline(row)))
     return early_stop.decide(board_pairs, n_chunks, settings.rule)
 

@@ -168,6 +168,13 @@ def load_result(path: str | os.PathLike, with_per_token: bool = True) -> Result:
     return Result(summary, per_token, path)
 
 
+def runs_dir_of(result_path: Path) -> Path:
+    """The runs directory a saved result lies in (RUNS_DIR/results/X.vs.Y.json), or its own folder when it lies
+    elsewhere."""
+    folder = Path(result_path).parent
+    return folder.parent if folder.name == RESULTS_SUBDIR else folder
+
+
 def find_results(paths: list[str | os.PathLike]) -> list[Path]:
     """Result JSON files named directly, or found in directories (a runs dir or its results/)."""
     found: list[Path] = []
