@@ -25,6 +25,7 @@ from qeval.inputs.conversation_windows import conversation_windows, is_conversat
 from qeval.inputs.corpus import load_corpus, make_windows, tokenize_documents
 from qeval.pool import bounded_map
 from qeval.storage.codec import BadLogits, EncodedBlock, SqrtLogCode
+from qeval.storage.runs import LIVE_SUFFIX
 from qeval.storage.scoring import ASSISTANT, Scoring, WindowLabels
 from qeval.storage.store import (
     PIECE_ROWS,
@@ -422,14 +423,6 @@ def iter_scored_rows(engine: Backend, windows: np.ndarray, indices: list[int], s
     for call in engine.iter_calls(windows, scored):
         for k, rows in enumerate(call):
             yield indices[rows.window], rows.first_row, rows.logits, k == len(call) - 1
-
-
-LIVE_SUFFIX = " (live)"  # a live candidate's path: its GGUF's, so marked (what a saved result records of it)
-
-
-def live_model_path(path: str | None) -> str | None:
-    """The GGUF a live candidate ran, from the path a comparison recorded of it (None: it was no live candidate)."""
-    return path[:-len(LIVE_SUFFIX)] if path and path.endswith(LIVE_SUFFIX) else None
 
 
 def open_live(model: str, ref, n_chunks: int | None, settings: EngineSettings, label: str,

@@ -23,13 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
-from qeval.capture.capture import live_model_path, open_live
+from qeval.capture.capture import open_live
 from qeval.compare import metrics, sampler
 from qeval.compare.summary import summarize
 from qeval.engine.engine import EngineSettings, available_cores
 from qeval.engine.modelinfo import model_facts
 from qeval.errors import QevalError
-from qeval.identity import changes, reference_identity
 from qeval.orchestrate import budget
 from qeval.orchestrate.matrix import planned_request
 from qeval.present import results
@@ -63,7 +62,7 @@ def measure_saved(saved: SavedCandidate, ref, chunks: int | None, settings: Engi
     wanted = range(wanted_chunks(ref, chunks))
     requested = sampler.parse_all(samplers)
     run_settings = _recorded_settings(saved, res, settings)
-    held, why_not = _held_chunks(res, ref, sampler.settings_names(requested))
+    held, why_not = results.reusable_chunks(res, ref, None, sampler.settings_names(requested))
     if set(wanted) <= held:
         return _reused(res, saved, wanted)
     gguf = _model_of(saved, res, ref, wanted, held, why_not)
@@ -71,10 +70,9 @@ def measure_saved(saved: SavedCandidate, ref, chunks: int | None, settings: Engi
     measured_with = sampler.parse_all([*(s.name for s in requested), *(res.summary.samplers or {})]) if held \
         else requested
     plan = planned_request(ref, len(wanted), facts, run_settings, tuple(s.name for s in measured_with))
-    differences = changes(res.summary.comparison_request().candidate, plan.candidate)
-    if held and differences:
-        why_not, held = f"it was measured otherwise ({'; '.join(differences)}, saved vs now)", set()
-        measured_with = requested
+    if held:
+        held, why_not = results.reusable_chunks(res, ref, plan.candidate, plan.samplers)
+        measured_with = measured_with if held else requested
     return _run_rest(saved, res, ref, gguf, run_settings, wanted, held, why_not, measured_with, threads, progress,
                      on_chunk)
 
@@ -106,33 +104,12 @@ def _recorded_settings(saved: SavedCandidate, res: results.Result, settings: Eng
     asked = [name for name in EngineSettings.DEFINING
              if getattr(settings, name) != getattr(default, name) and getattr(settings, name) != getattr(recorded, name)]
     if asked:
-        model = live_model_path(res.summary.candidate.path) or res.summary.candidate.facts.get("file_name", "MODEL.gguf")
+        model = runs.live_model_path(res.summary.candidate.path) or res.summary.candidate.facts.get("file_name", "MODEL.gguf")
         differences = "; ".join(f"{name}: {getattr(recorded, name)} vs {getattr(settings, name)}" for name in asked)
         raise QevalError(f"{saved.label!r} stands for the candidate its result {saved.path} measured; the flags given "
                          f"would compute another ({differences}, recorded vs given). Measure that one from its GGUF: "
                          f"`qeval kld --ref {res.ref_label} --cand {model} {settings.flags(asked)} --save-result`")
     return recorded
-
-
-def _held_chunks(res: results.Result, ref, sampler_names: list[str]) -> tuple[set[int], str]:
-    """(the chunks whose per-token values of `res` stand for this request, why none do when that is so)."""
-    try:
-        request = results.require_current(res)
-    except QevalError as exc:
-        return set(), str(exc)
-    if res.per_token is None:
-        return set(), f"its per-token file is missing ({res.summary.per_token_file or 'none recorded'})"
-    n_saved = len(request.early["order"]) if request.early else request.chunks
-    if n_saved > ref.header.chunk_stop:
-        return set(), (f"it was measured against another reference (of {n_saved} chunks or more; this one holds "
-                       f"{ref.header.chunk_stop})")
-    differences = changes(request.reference, reference_identity(ref, n_saved))
-    if differences:
-        return set(), f"it was measured against another reference ({'; '.join(differences)}, saved vs now)"
-    missing = sorted(set(sampler_names) - set(request.samplers))
-    if missing:
-        return set(), f"it holds no figures for sampler {', '.join(missing)}"
-    return {int(c) for c in np.unique(res.per_token["chunk"])}, ""
 
 
 def _reused(res: results.Result, saved: SavedCandidate, wanted: range) -> results.Result:
@@ -147,7 +124,7 @@ def _model_of(saved: SavedCandidate, res: results.Result, ref, wanted: range, he
     """The GGUF the saved result measured, when it is still there with the fingerprint it had; else one message
     naming what is missing and the commands that would measure the candidate."""
     side = res.summary.candidate
-    gguf = live_model_path(side.path)
+    gguf = runs.live_model_path(side.path)
     recorded = side.facts.get("fingerprint")
     if gguf is not None and Path(gguf).is_file() and recorded:
         try:
@@ -179,7 +156,7 @@ def _run_rest(saved: SavedCandidate, res: results.Result, ref, gguf: str, settin
     directory = saved.path.parent.parent
     budget.check_live(ref.header, len(todo), saved.label, gguf, settings, False, False, len(samplers), directory,
                       progress)
-    parts = _parts_by_chunk(res.per_token, held & set(wanted)) if held else {}
+    parts = res.chunk_columns(held & set(wanted))
     with contextlib.ExitStack() as stack:
         engine, cand = open_live(gguf, ref, len(wanted), settings, saved.label, None,
                                  coded=sampler.reads_distribution(samplers))
@@ -196,9 +173,3 @@ def _run_rest(saved: SavedCandidate, res: results.Result, ref, gguf: str, settin
     else:
         note = f"{saved.label}: its saved result {saved.path} does not answer ({why_not}): every chunk run live from {gguf}"
     return results.Result(summarize(cmp), cmp.per_token, None, note=note, comparison=cmp)
-
-
-def _parts_by_chunk(per_token: dict[str, np.ndarray], chunks: set[int]) -> dict[int, dict[str, np.ndarray]]:
-    """The per-token columns of each of `chunks`, as compare_chunk gives them (a saved result keeps them bit for bit)."""
-    column = per_token["chunk"]
-    return {c: {k: v[column == c] for k, v in per_token.items()} for c in sorted(chunks)}

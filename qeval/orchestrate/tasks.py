@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 
 from qeval.capture import tasks as taskcapture
-from qeval.capture.capture import live_model_path
 from qeval.compare import flips as flipmath
 from qeval.errors import QevalError
 from qeval.present import results, tasks_text
@@ -60,7 +59,7 @@ def _measured_otherwise(label: str, directory: Path) -> str:
     if refs:
         side = results.load_result(results.result_path(directory / runs.RESULTS_SUBDIR, label, refs[0]),
                                    with_per_token=False).summary.candidate
-        what, model = f"a KLD result against {', '.join(refs)}", live_model_path(side.path) or side.facts.get("file_name")
+        what, model = f"a KLD result against {', '.join(refs)}", runs.live_model_path(side.path) or side.facts.get("file_name")
     elif runs.store_path(label, directory).is_file():
         with StoreReader(runs.store_path(label, directory), tolerate_torn_tail=True) as store:
             what, model = "a logits store", store.header.model.get("file_name")

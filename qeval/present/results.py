@@ -24,8 +24,8 @@ from qeval.compare import depth, sampler
 from qeval.compare.metrics import GROUP_FIELDS, PER_TOKEN_FIELDS, Comparison
 from qeval.compare.summary import ComparisonSummary, of_figures, summarize
 from qeval.errors import QevalError, WriteFailed
-from qeval.identity import METRICS_VERSION, ComparisonRequest
-from qeval.storage.runs import RESULT_SEPARATOR, RESULTS_SUBDIR  # noqa: F401 - RESULTS_SUBDIR public here too
+from qeval.identity import METRICS_VERSION, ComparisonRequest, changes, reference_identity
+from qeval.storage.runs import LIVE_SUFFIX, RESULT_SEPARATOR, RESULTS_SUBDIR  # noqa: F401 - RESULTS_SUBDIR public here too
 
 
 
@@ -54,6 +54,12 @@ class Result:
     @property
     def chunk_ids(self) -> np.ndarray:
         return np.unique(self.per_token["chunk"])
+
+    def chunk_columns(self, chunks) -> dict[int, dict[str, np.ndarray]]:
+        """The per-token columns of each of `chunks`, as qeval.compare.metrics.compare_chunk gave them (a saved
+        result keeps them bit for bit): what a comparison over more chunks starts from."""
+        column = self.per_token["chunk"]
+        return {int(c): {k: v[column == c] for k, v in self.per_token.items()} for c in sorted(chunks)}
 
     def restricted(self, chunk_ids) -> "Result":
         """The same measurement over only these chunks (summary recomputed from per-token values)."""
@@ -118,6 +124,38 @@ def require_current(res: Result) -> ComparisonRequest:
                          f"{res.summary.qeval_version or '?'}); this qeval computes version {METRICS_VERSION}: "
                          f"{redo}")
     return request
+
+
+def reusable_chunks(res: Result, ref, candidate: dict | None, samplers) -> tuple[set[int], str]:
+    """(the chunks whose per-token values in `res` stand for a comparison against the open reference `ref` whose
+    candidate producer is `candidate` (None: whatever `res` measured) with `samplers` (canonical names) computed too,
+    why none do when that is so). They do when `res` was computed with this qeval's formulas against the same reference
+    windows (its chunks are among `ref`'s first), of that candidate run live (a store's coded rows differ from live
+    float32 ones by the code's rounding), and holds every sampler's figures; an early result's visited chunks count."""
+    try:
+        request = require_current(res)
+    except QevalError as exc:
+        return set(), str(exc)
+    if res.per_token is None:
+        return set(), f"its per-token file is missing ({res.summary.per_token_file or 'none recorded'})"
+    lacking = [k for k in PER_TOKEN_FIELDS if k not in res.per_token]
+    if lacking:
+        return set(), f"it was saved before qeval kept per-token {', '.join(lacking)}"
+    n_saved = len(request.early["order"]) if request.early else request.chunks
+    if n_saved > ref.header.chunk_stop:
+        return set(), (f"it was measured against another reference (of {n_saved} chunks or more; this one holds "
+                       f"{ref.header.chunk_stop})")
+    differences = changes(request.reference, reference_identity(ref, n_saved))
+    if differences:
+        return set(), f"it was measured against another reference ({'; '.join(differences)}, saved vs now)"
+    if candidate is not None and request.candidate != candidate:
+        return set(), f"it was measured otherwise ({'; '.join(changes(request.candidate, candidate))}, saved vs now)"
+    if not str(res.summary.candidate.path or "").endswith(LIVE_SUFFIX):
+        return set(), "its candidate was read from a store, not run live"
+    missing = sorted(set(samplers) - set(request.samplers))
+    if missing:
+        return set(), f"it holds no figures for sampler {', '.join(missing)}"
+    return {int(c) for c in res.chunk_ids}, ""
 
 
 def save_result(cmp: Comparison, directory: str | os.PathLike) -> Path:

@@ -16,12 +16,18 @@ STORE_SUFFIX = ".qeval"
 DEFAULT_RUNS_DIR = "qeval-runs"
 RESULTS_SUBDIR = "results"
 RESULT_SEPARATOR = ".vs."
+LIVE_SUFFIX = " (live)"  # a live candidate has no store: its path is its GGUF's, so marked (and so a result records it)
 _LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 
 
 def runs_dir(explicit: str | os.PathLike | None = None) -> Path:
     """--runs-dir, else $QEVAL_RUNS_DIR, else ./qeval-runs."""
     return Path(explicit or os.environ.get("QEVAL_RUNS_DIR") or DEFAULT_RUNS_DIR)
+
+
+def live_model_path(path: str | None) -> str | None:
+    """The GGUF a live candidate ran, from the path a comparison recorded of it (None: it was no live candidate)."""
+    return path[:-len(LIVE_SUFFIX)] if path and path.endswith(LIVE_SUFFIX) else None
 
 
 def check_label(label: str) -> str:
