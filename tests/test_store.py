@@ -93,7 +93,7 @@ def test_header_json_and_file_layout(tmp_path, inputs):
     store = write_store(tmp_path / "a.qeval", tokens, logits, N_VOCAB)
     data = store.path.read_bytes()
     magic, version, zero = struct.unpack_from("<8sII", data, 0)
-    assert (magic, version, zero) == (MAGIC, 2, 0)
+    assert (magic, version, zero) == (MAGIC, 4, 0)
     pos, records = 16, []
     end_magic, index_offset = struct.unpack_from("<8sQ", data, len(data) - 16)
     assert end_magic == TRAILER_MAGIC
@@ -106,10 +106,11 @@ def test_header_json_and_file_layout(tmp_path, inputs):
         pos += 16 + n + 8
     assert pos == len(data) - 16
     tags = [t for t, _, _ in records]
-    assert tags == [b"HEAD", b"TOKS", b"LUT_"] + [b"CHNK"] * N_CHUNKS + [b"INDX"]
+    assert tags == [b"HEAD", b"TOKS", b"LUT_"] + [b"CHNK", b"ERRS"] * N_CHUNKS + [b"INDX"]
     assert records[-1][1] == index_offset
     head = json.loads(records[0][2])
-    assert head["n_scored"] == 7 and head["first_scored"] == 8 and head["format_version"] == 2 and head["scoring"] == "half"
+    assert head["n_scored"] == 7 and head["first_scored"] == 8 and head["format_version"] == 4 and head["scoring"] == "half"
+    assert head["error"] == {"bands": 32, "band_width": 1.0} and "windows" not in head
     assert head["tokens_sha256"] == tokens_sha256(tokens)
     np.testing.assert_array_equal(np.frombuffer(records[1][2], "<i4").reshape(N_CHUNKS, N_CTX), tokens)
     index = np.frombuffer(records[-1][2], dtype=[("c", "<u4"), ("z", "<u4"), ("off", "<u8")])
@@ -126,6 +127,26 @@ def test_header_json_and_file_layout(tmp_path, inputs):
     planes = np.frombuffer(raw, np.uint8).reshape(n, 2, N_VOCAB)
     codes = (planes[:, 0].astype(np.uint16) << 8) | planes[:, 1]
     np.testing.assert_array_equal(codes, store.chunks[0].codes(N_VOCAB))
+    # an ERRS payload: u32 index, n, K, first row, f64 KL(exact || stored), f32 lo and hi per band
+    errs = records[4][2]
+    assert struct.unpack_from("<IIII", errs, 0) == (0, 7, 32, 0) and len(errs) == 16 + 8 * 7 + 2 * 4 * 7 * 32
+    kl = np.frombuffer(errs, "<f8", 7, 16)
+    lo, hi = (np.frombuffer(errs, "<f4", 7 * 32, 16 + 56 + k * 4 * 7 * 32).reshape(7, 32) for k in (0, 1))
+    exact = log_softmax64(store.logits[0])
+    lut = np.frombuffer(records[2][2], "<f4").astype(np.float64)
+    stored = decoded_logprobs(codes, lut)
+    delta = exact - stored
+    truth = (np.exp(exact) * delta).sum(axis=1)  # the record adds 1e-12 for float64 rounding
+    assert np.all(kl >= truth) and np.all(kl <= truth + 1.01e-12)
+    band = np.minimum(np.floor(-lut[codes]), 31).astype(int)
+    for t in range(7):
+        for b in range(32):
+            held = delta[t][band[t] == b]
+            if not len(held):
+                assert lo[t, b] == hi[t, b] == 0
+                continue
+            assert lo[t, b] <= held.min() and held.max() <= hi[t, b]  # rounded outward
+            np.testing.assert_allclose([lo[t, b], hi[t, b]], [held.min(), held.max()], rtol=1e-6, atol=2e-12)
 
 
 def test_incomplete_store_reads_as_incomplete(tmp_path, inputs):
@@ -492,7 +513,7 @@ def _pieces(index: int, logits: np.ndarray, targets: np.ndarray, code: SqrtLogCo
     for first in range(0, len(logits), rows):
         builder = ChunkBuilder(index, first_row=first)
         enc = code.encode_block(logits[first:first + rows], targets[first:first + rows])
-        builder.add(enc.planes, enc.logprob_target, enc.logprob_max, enc.top_ids)
+        builder.add(enc.planes, enc.logprob_target, enc.logprob_max, enc.top_ids, enc.error)
         out.append(builder.finish())
     return out
 
