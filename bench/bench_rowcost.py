@@ -134,7 +134,7 @@ def store_vs_store_kernel(r: Rows) -> Work:
 
 def live_row(r: Rows) -> Work:
     sums = np.empty(N_SUMS)
-    scratch = np.empty((2, r.n_vocab), dtype=np.float32)
+    scratch = np.empty((2, r.n_vocab), dtype=np.float64)
 
     def work() -> None:
         for k in range(len(r.targets)):

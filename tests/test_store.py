@@ -127,14 +127,16 @@ def test_header_json_and_file_layout(tmp_path, inputs):
     planes = np.frombuffer(raw, np.uint8).reshape(n, 2, N_VOCAB)
     codes = (planes[:, 0].astype(np.uint16) << 8) | planes[:, 1]
     np.testing.assert_array_equal(codes, store.chunks[0].codes(N_VOCAB))
-    # an ERRS payload: u32 index, n, K, first row, f64 KL(exact || stored), f32 lo and hi per band
+    # an ERRS payload: u32 index, n, K, first row, f64 KL(exact || stored), f64 log-normaliser of the stored row,
+    # f32 lo and hi per band
     errs = records[4][2]
-    assert struct.unpack_from("<IIII", errs, 0) == (0, 7, 32, 0) and len(errs) == 16 + 8 * 7 + 2 * 4 * 7 * 32
-    kl = np.frombuffer(errs, "<f8", 7, 16)
-    lo, hi = (np.frombuffer(errs, "<f4", 7 * 32, 16 + 56 + k * 4 * 7 * 32).reshape(7, 32) for k in (0, 1))
+    assert struct.unpack_from("<IIII", errs, 0) == (0, 7, 32, 0) and len(errs) == 16 + 2 * 8 * 7 + 2 * 4 * 7 * 32
+    kl, log_norm = (np.frombuffer(errs, "<f8", 7, 16 + 56 * k) for k in (0, 1))
+    lo, hi = (np.frombuffer(errs, "<f4", 7 * 32, 16 + 112 + k * 4 * 7 * 32).reshape(7, 32) for k in (0, 1))
     exact = log_softmax64(store.logits[0])
     lut = np.frombuffer(records[2][2], "<f4").astype(np.float64)
     stored = decoded_logprobs(codes, lut)
+    np.testing.assert_allclose(log_norm, np.log(np.exp(lut[codes]).sum(axis=1)), rtol=0, atol=1e-13)
     delta = exact - stored
     truth = (np.exp(exact) * delta).sum(axis=1)  # the record adds 1e-12 for float64 rounding
     assert np.all(kl >= truth) and np.all(kl <= truth + 1.01e-12)

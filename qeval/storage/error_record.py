@@ -7,6 +7,7 @@ it):
 
   kl              KL(exact ‖ stored) = Σ_i p_i (log p_i − log p̃_i), where p is the exact distribution (log-softmax
                   of the float32 logits, computed in float64) and p̃ the stored one (what a reader decodes).
+  log_norm        log Σ_i exp(l_i) of the stored row (l_i below): a reader normalises p̃ as it walks the row.
   lo[k], hi[k]    the smallest and largest δ_i = log p_i − log p̃_i over the entries i of band k (float32, rounded
                   outward: lo down, hi up), bands of the STORED relative log-probability l_i = log p̃_i − max_j log p̃_j:
                   entry i is in band min(K − 1, floor(−l_i / width)). An empty band holds (0, 0).
@@ -18,7 +19,7 @@ largest |lo|, |hi|). A form whose error is uniform (a replay of the hidden state
 
 On disk (docs/store-format.md): the header's `error` object {"bands": K, "band_width": w} says that every CHNK
 record is followed by an ERRS record of its rows: u32 chunk, u32 n, u32 K, u32 first_row, f64[n] kl,
-f32[n, K] lo, f32[n, K] hi.
+f64[n] log_norm, f32[n, K] lo, f32[n, K] hi.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class ErrorRecord:
     """The error record of n scored tokens (see the module's docstring)."""
 
     kl: np.ndarray  # float64 [n]
+    log_norm: np.ndarray  # float64 [n]
     lo: np.ndarray  # float32 [n, K]
     hi: np.ndarray  # float32 [n, K]
 
@@ -82,10 +84,10 @@ class ErrorRecord:
 
     @classmethod
     def concat(cls, parts: list["ErrorRecord"]) -> "ErrorRecord":
-        return cls(*(np.concatenate([getattr(p, k) for p in parts]) for k in ("kl", "lo", "hi")))
+        return cls(*(np.concatenate([getattr(p, k) for p in parts]) for k in ("kl", "log_norm", "lo", "hi")))
 
     def rows(self, start: int, stop: int) -> "ErrorRecord":
-        return ErrorRecord(self.kl[start:stop], self.lo[start:stop], self.hi[start:stop])
+        return ErrorRecord(self.kl[start:stop], self.log_norm[start:stop], self.lo[start:stop], self.hi[start:stop])
 
     def max_abs_dlogp(self) -> np.ndarray:
         """max |log p − log p̃| over the whole vocabulary, per token."""
@@ -94,27 +96,34 @@ class ErrorRecord:
     def payload(self, index: int, first_row: int) -> bytes:
         n, k = self.lo.shape
         return b"".join([ERRS_HEAD.pack(index, n, k, first_row), np.ascontiguousarray(self.kl, "<f8").tobytes(),
+                         np.ascontiguousarray(self.log_norm, "<f8").tobytes(),
                          np.ascontiguousarray(self.lo, "<f4").tobytes(), np.ascontiguousarray(self.hi, "<f4").tobytes()])
 
     @classmethod
     def from_payload(cls, payload, index: int, first_row: int, n: int, bands: int, where: str) -> "ErrorRecord":
         """The record of an ERRS payload, checked against its chunk record and the header (StoreFormatError)."""
-        if len(payload) != ERRS_HEAD.size + 8 * n + 8 * n * bands:
+        if len(payload) != record_bytes(n, bands):
             raise StoreFormatError(f"{where}: chunk {index} error record has {len(payload)} bytes, expected "
-                                   f"{ERRS_HEAD.size + 8 * n + 8 * n * bands}")
+                                   f"{record_bytes(n, bands)}")
         got = ERRS_HEAD.unpack_from(payload)
         if got != (index, n, bands, first_row):
             raise StoreFormatError(f"{where}: chunk {index} error record disagrees with its chunk record (chunk, "
                                    f"rows, bands, first row {got}, expected {(index, n, bands, first_row)})")
         pos = ERRS_HEAD.size
-        kl = np.frombuffer(payload, "<f8", n, pos).astype(np.float64)
-        lo = np.frombuffer(payload, "<f4", n * bands, pos + 8 * n).reshape(n, bands).astype(np.float32)
-        hi = np.frombuffer(payload, "<f4", n * bands, pos + 8 * n + 4 * n * bands).reshape(n, bands).astype(np.float32)
-        # kl is a finite KL divergence; a band's bounds are ordered, not NaN, hi < +inf (lo may be -inf: an entry
-        # the exact row gives probability 0)
-        if not (np.all(np.isfinite(kl)) and np.all(kl >= 0) and np.all(lo <= hi) and np.all(hi < np.inf)):
+        kl, log_norm = (np.frombuffer(payload, "<f8", n, pos + 8 * n * k).astype(np.float64) for k in (0, 1))
+        lo, hi = (np.frombuffer(payload, "<f4", n * bands, pos + 16 * n + 4 * n * bands * k).reshape(n, bands)
+                  .astype(np.float32) for k in (0, 1))
+        # kl is a finite KL divergence; log_norm of a row whose top entry is exp(0): at least 0; a band's bounds are
+        # ordered, not NaN, hi < +inf (lo may be -inf: an entry the exact row gives probability 0)
+        if not (np.all(np.isfinite(kl)) and np.all(kl >= 0) and np.all(np.isfinite(log_norm))
+                and np.all(log_norm >= 0) and np.all(lo <= hi) and np.all(hi < np.inf)):
             raise StoreFormatError(f"{where}: chunk {index} error record holds invalid values")
-        return cls(kl, lo, hi)
+        return cls(kl, log_norm, lo, hi)
+
+
+def record_bytes(n: int, bands: int) -> int:
+    """The ERRS payload of n rows with `bands` bands."""
+    return ERRS_HEAD.size + 16 * n + 8 * n * bands
 
 
 def rows_of(parts: list[tuple[int, ErrorRecord]], start: int, stop: int) -> ErrorRecord | None:
@@ -136,7 +145,7 @@ def outward(values: np.ndarray, direction: float) -> np.ndarray:
 
 
 @numba.njit(nogil=True, cache=True)
-def _exact_row(row, row_max, d):  # pragma: no cover - compiled
+def subtract_max(row, row_max, d):  # pragma: no cover - compiled
     """d = x − max of a float32 row, in float64 (exact: both are float32)."""
     m = np.float64(row_max)
     for i in range(len(row)):
@@ -177,7 +186,7 @@ class ErrorMeter:
 
     def _exact_row(self, row: np.ndarray, row_max: float) -> float:
         """Fill d = x − max and e = exp(d) of a float32 row, in float64; return Σ e."""
-        _exact_row(row, row_max, self._d)
+        subtract_max(row, row_max, self._d)
         np.exp(self._d, out=self._e)  # numpy's exp is vectorised (SIMD), a scalar exp in a compiled loop is not
         return float(self._e.sum())  # pairwise summation: relative error ~1e-16 * log2(V)
 
@@ -190,34 +199,34 @@ class ErrorMeter:
         stored_rows(t) → (index, l, exp(l), band) of row t (see _measure_row): its stored relative log-probs (≤ 0,
         0 at the top), their exponentials in float64, their bands (ErrorBands.band_of)."""
         b, k = len(logits), self.bands.count
-        kl, log_norm = np.empty(b), np.empty(b)
+        kl, log_norm, stored_log_norm = np.empty(b), np.empty(b), np.empty(b)
         lo, hi = np.empty((b, k)), np.empty((b, k))
         for t in range(b):
             z = self._exact_row(logits[t], row_max[t])
             lo[t], hi[t] = np.inf, -np.inf
             z_stored, s = _measure_row(self._d, self._e, *stored_rows(t), lo[t], hi[t])
-            log_norm[t] = math.log(z)
-            zeta = log_norm[t] - math.log(z_stored)  # log p_i − log p̃_i = r_i − zeta
+            log_norm[t], stored_log_norm[t] = math.log(z), math.log(z_stored)
+            zeta = log_norm[t] - stored_log_norm[t]  # log p_i − log p̃_i = r_i − zeta
             kl[t] = max(0.0, s / z - zeta) + FLOAT64_SLACK
             empty = lo[t] > hi[t]
             lo[t] = np.where(empty, 0.0, lo[t] - zeta - FLOAT64_SLACK)
             hi[t] = np.where(empty, 0.0, hi[t] - zeta + FLOAT64_SLACK)
-        return ErrorRecord(kl, outward(lo, -np.inf), outward(hi, np.inf)), log_norm
+        return ErrorRecord(kl, stored_log_norm, outward(lo, -np.inf), outward(hi, np.inf)), log_norm
 
 
 @dataclass
 class BandWeights:
-    """What the comparison kernels need from a side's record, per token and band (docs/error-bound.md):
-    w ≥ |exp(δ) − 1|, grow ≥ exp(δ), err ≥ |δ| for every δ of the band."""
+    """What the comparison kernels need from a side's record (docs/error-bound.md): per token and band
+    w ≥ |exp(δ) − 1|, grow ≥ exp(δ), err ≥ |δ| for every δ of the band (`bands`, float64 [3, n, K]); per token
+    its KL(exact ‖ stored) and 1 / Σ exp(l_i), the stored row's normaliser (`tokens`, float64 [2, n])."""
 
-    w: np.ndarray  # float64 [n, K]
-    grow: np.ndarray
-    err: np.ndarray
+    bands: np.ndarray
+    tokens: np.ndarray
 
     @classmethod
     def of(cls, record: ErrorRecord) -> "BandWeights":
         lo, hi = record.lo.astype(np.float64), record.hi.astype(np.float64)
         with np.errstate(over="ignore"):
             w = np.maximum(np.expm1(hi), -np.expm1(lo))
-            return cls(np.nextafter(w, np.inf), np.nextafter(np.exp(hi), np.inf),
-                       np.nextafter(np.maximum(-lo, hi), np.inf))
+            bands = np.stack([w, np.exp(hi), np.maximum(-lo, hi)])
+        return cls(np.nextafter(bands, np.inf), np.stack([record.kl, np.exp(-record.log_norm)]))

@@ -34,7 +34,7 @@ import zstandard
 from qeval import __version__
 from qeval.errors import MismatchError, QevalError, StoreFormatError, WriteFailed
 from qeval.identity import capture_conflicts, tokens_sha256
-from qeval.storage.error_record import ERRS_HEAD, ErrorBands, ErrorRecord, rows_of
+from qeval.storage.error_record import ErrorBands, ErrorRecord, record_bytes, rows_of
 from qeval.storage.scoring import HALF, Scoring, WindowLabels, positions_of
 
 MAGIC = b"QEVALLOG"
@@ -795,7 +795,7 @@ class StoreReader:
     def _error_at(self, offset: int, index: int, rows: int, first_row: int) -> tuple[ErrorRecord, int]:
         """(the error record of the piece whose CHNK ends at `offset`, where its ERRS record ends), checked."""
         bands = self.header.error_bands
-        payload, end = self._record_at(offset, b"ERRS", ERRS_HEAD.size + rows * (8 + 8 * bands.count))
+        payload, end = self._record_at(offset, b"ERRS", record_bytes(rows, bands.count))
         return ErrorRecord.from_payload(payload, index, first_row, rows, bands.count, str(self.path)), end
 
     def iter_errors(self) -> Iterator[tuple[int, ErrorRecord]]:
