@@ -37,7 +37,8 @@ import numpy as np
 # whenever a change there moves a number: results of another version are then recomputed or refused,
 # never shown. 2: results hold the "metrics" block of qeval.compare.metric_registry.
 # 3: per-token "position" is the logit position; summaries hold "by_depth".
-METRICS_VERSION = 3
+# 4: every metric holds its certified bound (docs/error-bound.md); live candidates in float64 (their NLL exact).
+METRICS_VERSION = 4
 
 # How identity fields read in messages (anything else reads as its own name).
 _NAMES = {"kv": "KV", "tokens_sha256": "token ids sha256", "tokenizer_sha256": "tokenizer",

@@ -115,15 +115,16 @@ class Figures:
         """The figures of `d`; its keys in `skip` belong to whatever holds them."""
         blocks = {k: v for k, v in d.items() if k not in cls._TYPED and k not in skip}
         held = d.get("metrics")
-        metrics = {k: MetricValue(v["value"], v.get("se")) for k, v in held.items()} if isinstance(held, dict) \
-            else None
+        metrics = {k: MetricValue(v["value"], v.get("se"), bound=v.get("bound")) for k, v in held.items()} \
+            if isinstance(held, dict) else None
         return cls(d.get("scored_tokens"), blocks, metrics, d.get("samplers"))
 
     def to_json(self) -> dict:
         out = {} if self.scored_tokens is None else {"scored_tokens": self.scored_tokens}
         out.update(self.blocks)
         if self.metrics is not None:
-            out["metrics"] = {k: {"value": v.value, "se": v.se} for k, v in self.metrics.items()}
+            out["metrics"] = {k: {"value": v.value, "se": v.se, **({} if v.bound is None else {"bound": v.bound})}
+                              for k, v in self.metrics.items()}
         if self.samplers is not None:
             out["samplers"] = self.samplers
         return out
