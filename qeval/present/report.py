@@ -10,7 +10,17 @@ from pathlib import Path
 import numpy as np
 
 from qeval.compare import sampler
-from qeval.compare.metric_registry import KLD_BLOCK, METRICS, PPL_BLOCK, TOKEN_BLOCK, Metric, MetricValue, plus_minus
+from qeval.compare.metric_registry import (
+    KLD_BLOCK,
+    METRICS,
+    NOT_BOUNDED,
+    PPL_BLOCK,
+    TOKEN_BLOCK,
+    Metric,
+    MetricValue,
+    lookup,
+    plus_minus,
+)
 from qeval.compare.metrics import GROUP_FIELDS, PER_TOKEN_FIELDS, Comparison
 from qeval.compare.summary import ComparisonSummary, Side, TokenGroup, kv_text
 from qeval.identity import NOT_RECORDED
@@ -53,10 +63,46 @@ def comparison_text(summary: ComparisonSummary) -> str:
             *(f"{name:<7} Δp: {100 * v:6.3f}%" for name, v in dp["ladder"].items()),
             f"RMS Δp    : {_percent_pm(dp['rms'], dp['rms_se'], 6)} %",
             f"Same top p: {_percent_pm(top1['fraction'], top1['se'], 6)} %"]),
+        *bound_lines(summary),
         *group_lines(summary),
         *sampler_lines(summary.samplers),
     ]
     return "\n".join(lines)
+
+
+BOUND_HEADING = "Error bound of the stored form (certified: docs/error-bound.md)"
+
+
+def bound_lines(summary: ComparisonSummary) -> list[str]:
+    """The certified bound of every figure (the figure on the exact logits lies within it): a line per bounded
+    figure, then those that are exact and those no record bounds; or why the comparison has none."""
+    held = summary.metrics or {}
+    measured = [(lookup(key), v) for key, v in held.items() if lookup(key) is not None]
+    if not measured:
+        return []
+    bounds = {m.key: v.bound for m, v in measured}
+    if all(b is None or b == NOT_RECORDED for b in bounds.values()):
+        return ["", f"====== {BOUND_HEADING} ======", not_recorded_text(summary)]
+    lines = ["", f"====== {BOUND_HEADING} ======"]
+    lines += [f"{m.title:<22}: {m.number(v.value)}{m.percent}, within {m.number(v.bound)}{m.percent}"
+              for m, v in measured if v.bound_value]
+    exact = [m.title for m, v in measured if v.bound == 0 and not m.restates]
+    if exact:
+        lines.append(f"{'exact':<22}: " + ", ".join(exact))
+    free = [m.title for m, v in measured if v.bound == NOT_BOUNDED]
+    if free:
+        lines.append(f"{'not bounded':<22}: " + ", ".join(free) + " (a sampler's truncation set may change)")
+    return lines
+
+
+def not_recorded_text(summary: ComparisonSummary) -> str:
+    """Why a comparison has no bound: which store records no error, and what gives one."""
+    sides = [(role, side) for role, side in (("reference", summary.reference), ("candidate", summary.candidate))
+             if not side.records_error]
+    which = " and ".join(f"the {role} store {side.label or side.path}" for role, side in sides) or "a store"
+    return (f"not recorded: {which} records no error of its stored form (made before qeval measured it at capture, "
+            "or imported from llama.cpp). Capture it again with this qeval (qeval capture ... --force) to get "
+            "certified bounds on every figure.")
 
 
 def sampler_lines(samplers: dict) -> list[str]:
