@@ -182,7 +182,24 @@ class Perplexity:
                 "diff": p["ppl_cand"] * math.expm1(beta_c) + p["ppl_ref"] * math.expm1(beta_r)}[self.field]
 
 
-Aggregate = Union[Mean, Proportion, Rms, Percentile, Perplexity]
+@dataclass(frozen=True)
+class BoundOf:
+    """The certified bound of another aggregate (Mean("kld").bound: the mean KLD's) as a figure of its own, so that
+    `qeval check` can hold it to a limit; NaN where it is not recorded. A bound is no estimate: it has no SE, and
+    no bound of its own (None)."""
+
+    of: Mean
+    has_se: ClassVar[bool] = False
+
+    def __call__(self, t: PerToken) -> tuple[float, None]:
+        b = self.of.bound(t)
+        return (math.nan if isinstance(b, str) else b), None
+
+    def bound(self, t: PerToken) -> None:
+        return None
+
+
+Aggregate = Union[Mean, Proportion, Rms, Percentile, Perplexity, BoundOf]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -234,7 +251,7 @@ class Metric:
         value, se = self.aggregate(t)
         bound = self.aggregate.bound(t)
         return {"value": self.scale * value, "se": None if se is None else self.scale * se,
-                "bound": bound if isinstance(bound, str) else self.scale * bound}
+                "bound": bound if bound is None or isinstance(bound, str) else self.scale * bound}
 
     def decimals(self, value: float) -> int:
         """Decimals of a value in running text (gate lines, baseline tables): about three significant digits
@@ -289,6 +306,10 @@ _METRICS = (
     Metric("kld_mean", "mean KLD", "nats", "lower", Mean("kld"),
            "mean KL divergence KL(reference ‖ candidate) per scored token, over the full vocabulary", fmt=".6f",
            board=True, gate="max-kld", paired=True),
+    Metric("kld_mean_bound", "mean KLD bound", "nats", "lower", BoundOf(Mean("kld")),
+           "certified bound on |mean KLD − mean KLD of the exact logits|, from the error the stores measured at capture "
+           "(docs/error-bound.md); not recorded (NaN) for a store made before qeval measured it", fmt=".2g",
+           gate="max-kld-bound"),
     Metric("kld_median", "median KLD", "nats", "lower", Percentile("kld", 0.5), "median per-token KLD", fmt=".6f"),
     Metric("kld_99", "99.0% KLD", "nats", "lower", Percentile("kld", 0.99), "99.0 % percentile of per-token KLD"),
     Metric("kld_999", "99.9% KLD", "nats", "lower", Percentile("kld", 0.999), "99.9 % percentile of per-token KLD",
