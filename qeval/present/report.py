@@ -23,7 +23,8 @@ from qeval.compare.metric_registry import (
 )
 from qeval.compare.metrics import GROUP_FIELDS, PER_TOKEN_FIELDS, Comparison
 from qeval.compare.summary import ComparisonSummary, Side, TokenGroup, kv_text
-from qeval.identity import NOT_RECORDED
+from qeval.identity import NOT_RECORDED, form
+from qeval.storage import error_record
 from qeval.storage.llamacpp import record_values
 from qeval.storage.store import StoreHeader
 
@@ -190,6 +191,7 @@ def ppl_text(label: str, path: str, ppl: dict, chunks: int, n_tokens: int) -> st
 
 
 def info(source) -> dict:
+    """What `qeval info` shows of a store: its header, state, size, stored form and the error it recorded."""
     h: StoreHeader = source.header
     n_chunks = len(source.chunk_indices)
     scored = sum(h.n_scored_of(c) for c in source.chunk_indices)
@@ -206,6 +208,9 @@ def info(source) -> dict:
         "bytes_per_scored_token": size / scored if scored else math.nan,
         "llamacpp_equivalent_bytes": llama_bytes,
         "ratio_vs_llamacpp": llama_bytes / size if size else math.nan,
+        "form": form(h),
+        "error": {"recorded": True, "bands": h.error, **error_record.summarize(e for _, e in source.iter_errors())}
+        if h.error_bands is not None else {"recorded": False},
     }
 
 
@@ -229,7 +234,7 @@ def info_text(d: dict) -> str:
         f"state      : {state}: {d['chunks_present']} of {d['chunks_expected']} chunks "
         f"(chunk range {h['chunk_start']}:{h['chunk_stop']} of {h['n_chunks']})",
         f"layout     : n_vocab {h['n_vocab']}, n_ctx {h['n_ctx']}, {_scored_text(h)}, top-{h['top_k']} ids kept",
-        f"code       : {json.dumps(h['codec'], sort_keys=True)}",
+        f"form       : {json.dumps(d['form'], sort_keys=True)}",
     ]
     if model:
         lines.append("model      : " + ", ".join(f"{k} {v}" for k, v in model.items() if not isinstance(v, dict)))
@@ -250,8 +255,23 @@ def info_text(d: dict) -> str:
         f"({d['scored_tokens']:,} tokens)",
         f"vs llama.cpp: {d['llamacpp_equivalent_bytes']:,} bytes in --kl-divergence-base layout, "
         f"{d['ratio_vs_llamacpp']:.1f}x larger",
+        f"error      : {error_text(d['error'])}",
     ]
     return "\n".join(lines)
+
+
+def error_text(e: dict) -> str:
+    """The error a store recorded at capture (docs/error-bound.md), or why it has none."""
+    if not e["recorded"]:
+        return (f"{NOT_RECORDED}: the store records no error of its stored form (made before qeval measured it at "
+                "capture, or imported from llama.cpp): comparisons against it show no certified bound. Capture it "
+                "again with this qeval (qeval capture ... --force) to get one.")
+    if not e["tokens"]:
+        return "recorded (no complete chunk yet)"
+    return (f"measured at capture against the exact logits, per scored token: KL(exact ‖ stored) mean "
+            f"{e['kl_mean']:.2e}, max {e['kl_max']:.2e} nats; |Δ log p| ≤ {e['max_abs_dlogp_top_band']:.2e} within "
+            f"{e['bands']['band_width']:g} nat of the top, ≤ {e['max_abs_dlogp']:.3g} over the whole vocabulary (the "
+            "deepest entries, of negligible mass); each comparison turns it into a certified bound on its figures")
 
 
 def write_per_token(cmp: Comparison, path: Path) -> None:

@@ -121,6 +121,19 @@ class ErrorRecord:
         return cls(kl, log_norm, lo, hi)
 
 
+def summarize(records) -> dict:
+    """What a store's records say over all its tokens (`qeval info`): KL(exact ‖ stored) per token, mean and max;
+    the largest |Δ log p| within the top band (the entries that carry the mass) and over the whole vocabulary."""
+    parts = list(records)
+    if not parts:
+        return {"tokens": 0}
+    kl = np.concatenate([r.kl for r in parts])
+    top = np.concatenate([np.maximum(-r.lo[:, 0], r.hi[:, 0]) for r in parts])
+    whole = np.concatenate([r.max_abs_dlogp() for r in parts])
+    return {"tokens": int(len(kl)), "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
+            "max_abs_dlogp_top_band": float(top.max()), "max_abs_dlogp": float(whole.max())}
+
+
 def record_bytes(n: int, bands: int) -> int:
     """The ERRS payload of n rows with `bands` bands."""
     return ERRS_HEAD.size + 16 * n + 8 * n * bands
