@@ -579,3 +579,116 @@ def test_resume_drops_the_pieces_of_an_unfinished_window(tmp_path, long_inputs):
         w.finish()
     with StoreReader(path, verify_chunks=True) as r:
         assert r.complete and r.chunk_indices == [0, 1, 2]
+
+
+# ------------------------------------------------------------------------------------------------
+# the per-token error record (ERRS, format version 4): checked like every other record
+# ------------------------------------------------------------------------------------------------
+def _errs_payload_offset(path) -> int:
+    data = path.read_bytes()
+    return next(off for tag, off, _ in _records(data) if tag == b"ERRS") + 16
+
+
+@pytest.mark.parametrize("what, edit, message", [
+    ("kl negative", lambda p: p.__setitem__(slice(16, 24), struct.pack("<d", -1.0)) or p, "invalid values"),
+    ("kl NaN", lambda p: p.__setitem__(slice(16, 24), struct.pack("<d", float("nan"))) or p, "invalid values"),
+    ("log-normaliser below 0", lambda p: p.__setitem__(slice(16 + 56, 24 + 56), struct.pack("<d", -0.5)) or p,
+     "invalid values"),
+    ("lo above hi", lambda p: p.__setitem__(slice(128, 132), struct.pack("<f", 5.0)) or p, "invalid values"),
+    ("hi infinite", lambda p: p.__setitem__(slice(128 + 4 * 7 * 32, 132 + 4 * 7 * 32), struct.pack("<f", np.inf)) or p,
+     "invalid values"),
+    ("wrong chunk", lambda p: p.__setitem__(slice(0, 4), struct.pack("<I", 1)) or p, "disagrees with its chunk"),
+    ("wrong rows", lambda p: p.__setitem__(slice(4, 8), struct.pack("<I", 6)) or p, "disagrees with its chunk"),
+    ("wrong bands", lambda p: p.__setitem__(slice(8, 12), struct.pack("<I", 31)) or p, "disagrees with its chunk"),
+])
+def test_error_record_with_wrong_content(small_store, what, edit, message):
+    """Well-framed (valid checksum) but wrong: refused when the chunk is read, naming the chunk."""
+    _rewrite_payload(small_store.path, b"ERRS", edit)
+    with StoreReader(small_store.path) as r:
+        with pytest.raises(StoreFormatError, match=message):
+            r.read_chunk(0)
+        with pytest.raises(StoreFormatError, match=message):
+            list(r.iter_errors())
+
+
+def test_error_record_flipped_byte_missing_or_torn(small_store, tmp_path):
+    data = small_store.path.read_bytes()
+    at = _errs_payload_offset(small_store.path)
+    flipped = tmp_path / "flipped.qeval"
+    flipped.write_bytes(data[:at + 40] + bytes([data[at + 40] ^ 0x5A]) + data[at + 41:])
+    with StoreReader(flipped) as r:
+        with pytest.raises(StoreFormatError, match="checksum mismatch in ERRS"):
+            r.read_chunk(0)
+    # a CHNK record not followed by its ERRS (another record's tag there): refused as the wrong record
+    retagged = tmp_path / "retagged.qeval"
+    retagged.write_bytes(data[:at - 16] + b"CHNK" + data[at - 12:])
+    with StoreReader(retagged) as r:
+        with pytest.raises(StoreFormatError, match="expected a ERRS record"):
+            r.read_chunk(0)
+    # cut inside the first chunk's error record: an interrupted capture, resumable from chunk 0
+    torn = tmp_path / "torn.qeval"
+    torn.write_bytes(data[:at + 30])
+    with StoreReader(torn, tolerate_torn_tail=True) as r:
+        assert not r.complete and r.chunk_indices == []
+    with pytest.raises(StoreFormatError, match="truncated"):
+        StoreReader(torn)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_corruption_of_a_version_4_store_is_refused_cleanly(small_store, tmp_path, seed):
+    """A byte flipped anywhere: a StoreFormatError when the store or a chunk is read, or (a flip in the trailer's
+    padding that changes nothing it reads) identical data; never another exception, never a wrong number."""
+    rng = np.random.default_rng(seed)
+    data = bytearray(small_store.path.read_bytes())
+    at = int(rng.integers(0, len(data)))
+    data[at] ^= 1 << int(rng.integers(0, 8))
+    bad = tmp_path / "bad.qeval"
+    bad.write_bytes(bytes(data))
+    try:
+        with StoreReader(bad) as r:
+            for c in r.chunk_indices:
+                got = r.read_chunk(c)
+                want = small_store.chunks[c]
+                np.testing.assert_array_equal(got.codes(N_VOCAB), want.codes(N_VOCAB))
+                np.testing.assert_array_equal(got.error.lo, want.error.lo)
+                np.testing.assert_array_equal(got.error.kl, want.error.kl)
+    except StoreFormatError:
+        pass
+
+
+def test_version_4_header_rules():
+    tokens = np.zeros((1, 16), np.int32)
+    with_error = make_header(tokens, 100, SqrtLogCode()).to_json()
+    assert with_error["format_version"] == 4 and with_error["error"] == {"bands": 32, "band_width": 1.0}
+    without = make_header(tokens, 100, SqrtLogCode(error=None)).to_json()
+    assert without["format_version"] == 2 and "error" not in without
+    for bad, message in (({**with_error, "error": {}}, "without an error record"),
+                         ({**without, "error": {"bands": 32, "band_width": 1.0}}, "with an error record"),
+                         ({**with_error, "error": {"bands": 0, "band_width": 1.0}}, "'bands'"),
+                         ({**with_error, "error": {"bands": 32, "band_width": -1}}, "'band_width'"),
+                         ({**with_error, "error": "yes"}, "must be an object")):
+        with pytest.raises(StoreFormatError, match=message):
+            StoreHeader.from_json(bad, "x")
+
+
+def test_a_reader_of_versions_1_to_3_refuses_version_4_cleanly(small_store, monkeypatch):
+    """What an older qeval does with a store that records its error: one message, its version named."""
+    from qeval.storage import store as store_module
+
+    monkeypatch.setattr(store_module, "READABLE_VERSIONS", (1, 2, 3))
+    with pytest.raises(StoreFormatError, match="version 4 is not supported"):
+        StoreReader(small_store.path)
+
+
+def test_info_shows_the_form_and_the_recorded_error(small_store, tmp_path):
+    d, text = api.info_report(str(small_store.path))
+    assert d["form"]["error"] == {"bands": 32, "band_width": 1.0} and d["error"]["recorded"]
+    assert d["error"]["tokens"] == 2 * 7 and 0 < d["error"]["kl_mean"] <= d["error"]["kl_max"] < 1e-6
+    assert d["error"]["max_abs_dlogp_top_band"] < 1e-4 < d["error"]["max_abs_dlogp"]
+    assert "KL(exact ‖ stored) mean" in text
+    rng = np.random.default_rng(3)
+    tokens = make_tokens(rng, 1, N_CTX, N_VOCAB)
+    old = write_store(tmp_path / "o.qeval", tokens, synth_logits(rng, tokens, N_VOCAB), N_VOCAB,
+                      code=SqrtLogCode(error=None))
+    d, text = api.info_report(str(old.path))
+    assert d["error"] == {"recorded": False} and "error      : not recorded" in text and "capture it" in text.lower()
