@@ -255,8 +255,9 @@ class ComparisonRequest:
 
 
 # What a control may change in the reference's producer: only the batch shapes, which move llama.cpp's logits
-# slightly and choose nothing about the model: what they move is the noise floor of every comparison.
-CONTROL_FREE = ("n_batch", "n_ubatch")
+# slightly and choose nothing about the model: what they move is the noise floor of every comparison; and the stored
+# form ("codec": a live control is never stored, and a reference made before error records is still its reference).
+CONTROL_FREE = ("n_batch", "n_ubatch", "codec")
 # What the floor row may change besides: the kernel path llama.cpp takes for the same cache (flash attention, one token
 # per call or prompt batches). Its KLD is what llama.cpp's own numerics cost, the floor a KV quant's cost stands on.
 FLOOR_KV_FREE = ("flash_attn", "decode")

@@ -9,7 +9,9 @@ import pytest
 from conftest import kld64, log_softmax64, make_pair, make_tokens, perturb, realistic_logits, write_store
 from test_metrics import RowsSource
 
+from qeval import api
 from qeval.compare import metrics
+from qeval.identity import NOT_RECORDED
 from qeval.storage.codec import SqrtLogCode
 from qeval.storage.store import StoreReader
 
@@ -110,3 +112,62 @@ def test_bound_holds_where_the_tail_and_the_rounding_decide(tmp_path, rows):
         assert np.median(err_r) > 1e-4 and np.median(live[2]) > 1e-4
     else:  # aligned with the rounding: the error is a sizeable part of the bound (it is not loose by much here)
         assert np.median(live[0] / live[1]) > 0.2
+
+
+def exact_rows(model, windows: np.ndarray) -> dict[int, np.ndarray]:
+    """llama.cpp's float32 scored rows of each window, as the capture decodes them (the same engine settings)."""
+    from qeval.engine.engine import Engine  # noqa: PLC0415 - the engine loads llama.cpp
+
+    out = {}
+    with Engine(model, windows.shape[1]) as engine:
+        for c, window in enumerate(windows):
+            out[c] = np.concatenate([rows.copy() for _, rows in engine.iter_scored_logits(window)])
+    return out
+
+
+def test_bound_holds_on_real_rows(models, tmp_path):
+    """Gemma-3-270M: a Q8_0 reference and a Q4_0 candidate captured by qeval (records measured at capture), 2
+    windows of 512; against the float64 KLDs of llama.cpp's float32 rows, token by token: the bound holds for every
+    token, stored or live candidate, both directions; NLL and PPL are exact, as the bound says."""
+    runs = tmp_path / "runs"
+    for quant in ("Q8_0", "Q4_0"):
+        api.capture_store(str(models[quant]), quant, runs_dir=runs, chunks=2)
+    with StoreReader(runs / "Q8_0.qeval") as ref, StoreReader(runs / "Q4_0.qeval") as cand:
+        ref_rows, cand_rows = exact_rows(models["Q8_0"], ref.tokens), exact_rows(models["Q4_0"], ref.tokens)
+        for c in range(2):  # the same logits as the capture's, and its scalars exact in float64
+            targets = ref.tokens[c, ref.header.positions + 1]
+            exact = log_softmax64(ref_rows[c])[np.arange(len(targets)), targets]
+            np.testing.assert_allclose(ref.read_chunk(c).logprob_target, exact, rtol=0, atol=1e-12)
+        for source in (cand, RowsSource(ref, cand_rows)):
+            cmp = metrics.compare(ref, source)
+            err_f, bound_f, err_r, bound_r = assert_bound_holds(cmp, ref_rows, cand_rows)
+            assert 0.2 < cmp.per_token["kld"].mean() < 0.6 and np.median(bound_f) < 1e-3
+            nll = np.concatenate([-log_softmax64(cand_rows[c])[np.arange(255), ref.tokens[c, ref.header.positions + 1]]
+                                  for c in range(2)])
+            np.testing.assert_allclose(cmp.per_token["nll_cand"], nll, rtol=0, atol=1e-12)
+
+
+def test_board_rows_show_their_bound_and_the_control_reads_its_own():
+    """The board's KLD bound column: a number, "exact"-free; "not recorded" for a row against an older store; the
+    control row shows its bound instead of a bare 0, and a row's "(noise)" verdict against the control allows for
+    both bounds."""
+    from qeval.compare.metric_registry import MetricValue  # noqa: PLC0415
+    from qeval.present import board  # noqa: PLC0415
+
+    def row(label, kld, se, bound, control=False):
+        return board.BoardRow(label, "?", "?", None, None, None, 0.5, None,
+                              {"kld_mean": MetricValue(kld, se, bound=bound)}, {}, None, control=control)
+
+    control = row("control", 4e-7, 1e-8, 3.2e-6, control=True)
+    near = row("near", 4e-6, 1e-7, 1.3e-5)  # 3.6e-6 over the control: far beyond 2 SEs, within the bounds
+    far = row("far", 0.35, 0.01, 1.1e-4)
+    old = row("old", 0.35, 0.01, NOT_RECORDED)
+    rows = [control, near, far, old]
+    board.compare_with_control(rows)
+    assert near.within_noise is True and far.within_noise is False
+    cells = {r.label: board.leaderboard_cells(r, control=True) for r in rows}
+    column = [name for name, _ in board.leaderboard_columns(control=True)].index("KLD bound") + 1
+    assert [cells[k][column] for k in ("control", "near", "far", "old")] == ["≤ 3.2e-06", "≤ 1.3e-05", "≤ 0.00011",
+                                                                             "not recorded"]
+    assert control.to_json()["kld_mean_bound"] == 3.2e-6 and old.to_json()["kld_mean_bound"] == NOT_RECORDED
+    assert "KLD bound:" in board.notes()

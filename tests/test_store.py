@@ -109,7 +109,8 @@ def test_header_json_and_file_layout(tmp_path, inputs):
     assert tags == [b"HEAD", b"TOKS", b"LUT_"] + [b"CHNK", b"ERRS"] * N_CHUNKS + [b"INDX"]
     assert records[-1][1] == index_offset
     head = json.loads(records[0][2])
-    assert head["n_scored"] == 7 and head["first_scored"] == 8 and head["format_version"] == 4 and head["scoring"] == "half"
+    assert head["n_scored"] == 7 and head["first_scored"] == 8 and head["format_version"] == 4
+    assert head["scoring"] == "half"
     assert head["error"] == {"bands": 32, "band_width": 1.0} and "windows" not in head
     assert head["tokens_sha256"] == tokens_sha256(tokens)
     np.testing.assert_array_equal(np.frombuffer(records[1][2], "<i4").reshape(N_CHUNKS, N_CTX), tokens)

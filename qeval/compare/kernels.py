@@ -115,7 +115,9 @@ def _pair_sums_row(hp, lo_p, raw, e_raw, inv_exact, floor, e_floor, e_p, l_p, ba
     spq = 0.0
     sqq = 0.0
     sqp = 0.0
-    ip = tokens_p[0, 1]
+    ip = 0.0
+    if bands_p is not None:  # (a None argument compiles the bound away: numba prunes the branch)
+        ip = tokens_p[0, 1]
     a1 = 0.0  # sum p~ w |a|: the reference's error against the rows' differences
     a2 = 0.0  # sum p~ grow g: the floor's lift g of the candidate, under the reference's mass
     b1 = 0.0  # sum e_q' |a| (the candidate as compared, unnormalised)
@@ -141,32 +143,31 @@ def _pair_sums_row(hp, lo_p, raw, e_raw, inv_exact, floor, e_floor, e_p, l_p, ba
         spq += ep * lq
         sqq += eq * lq
         sqp += eq * lp
-        b = bands_p[cp]
-        w = weights_p[0, b]
-        err = weights_p[2, b]
-        pn = ep * ip
-        a = abs(lp - lq)
-        a1 += pn * w * a
-        a2 += pn * weights_p[1, b] * g
-        b1 += eq * a
-        b2 += eq * min(1.0, g) * a
-        b3 += eq * err
-        rb += (abs(e_raw[i] * inv_exact - pn) + pn * w) * err
+        if bands_p is not None:
+            b = bands_p[cp]
+            w = weights_p[0, b]
+            err = weights_p[2, b]
+            pn = ep * ip
+            a = abs(lp - lq)
+            a1 += pn * w * a
+            a2 += pn * weights_p[1, b] * g
+            b1 += eq * a
+            b2 += eq * min(1.0, g) * a
+            b3 += eq * err
+            rb += (abs(e_raw[i] * inv_exact - pn) + pn * w) * err
     out[0] = zp
     out[1] = zq
     out[2] = spp
     out[3] = spq
     out[4] = sqq
     out[5] = sqp
-    # the candidate as compared (q') against its exact row q: log q_i - log q'_i = c - g_i, c = log(zq * inv_exact)
-    c = max(0.0, math.log(zq * inv_exact))
-    kp = tokens_p[0, 0]
-    out[6] = kp + a1 + max(c, a2)
-    out[7] = c + math.expm1(c) * b1 / zq + b2 / zq + min(math.exp(c) * b3 / zq, kp + rb)
     out[8] = 1.0 / inv_exact
-
-
-_NO_BANDS, _NO_WEIGHTS, _NO_TOKENS = np.zeros(65536, dtype=np.uint8), np.zeros((3, 1)), np.ones((1, 2))
+    if bands_p is not None:
+        # the candidate as compared (q') against its exact row q: log q_i - log q'_i = c - g_i, c = log(zq/z_exact)
+        c = max(0.0, math.log(zq * inv_exact))
+        kp = tokens_p[0, 0]
+        out[6] = kp + a1 + max(c, a2)
+        out[7] = c + math.expm1(c) * b1 / zq + b2 / zq + min(math.exp(c) * b3 / zq, kp + rb)
 
 
 def pair_sums_logits(planes_ref: np.ndarray, logits: np.ndarray, e_p: np.ndarray, l_p: np.ndarray,
@@ -178,8 +179,7 @@ def pair_sums_logits(planes_ref: np.ndarray, logits: np.ndarray, e_p: np.ndarray
     floor, as they would in a store: coded or not, a candidate gives the same figures, and a -inf
     logit gives no 0 * -inf. The bound (BOUND_FWD, BOUND_REV) is against the candidate's exact row: the floor's
     lift is part of it; Z_Q_EXACT is that row's normaliser. bands_p: each code's band; weights_p: float64 [3, K]
-    and tokens_p: float64 [1, 2], the reference row's BandWeights (without them the bound columns are
-    meaningless).
+    and tokens_p: float64 [1, 2], the reference row's BandWeights (None: no bound, the columns stay as they are).
     `scratch` is float64 [2, V], reused across calls (a fresh 4 MB array per row would cost a page fault per
     4 KB). exp runs in numpy, vectorised, unlike a scalar exp in a compiled loop."""
     raw, e_raw = scratch
@@ -189,8 +189,6 @@ def pair_sums_logits(planes_ref: np.ndarray, logits: np.ndarray, e_p: np.ndarray
     subtract_max(logits, row_max, raw)
     np.exp(raw, out=e_raw)
     floor = float(l_p[0])
-    if bands_p is None:
-        bands_p, weights_p, tokens_p = _NO_BANDS, _NO_WEIGHTS, _NO_TOKENS
     _pair_sums_row(planes_ref[0], planes_ref[1], raw, e_raw, 1.0 / e_raw.sum(), floor, math.exp(floor), e_p, l_p,
                    bands_p, weights_p, tokens_p, out)
 

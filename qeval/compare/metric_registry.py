@@ -307,8 +307,8 @@ _METRICS = (
            "mean KL divergence KL(reference ‖ candidate) per scored token, over the full vocabulary", fmt=".6f",
            board=True, gate="max-kld", paired=True),
     Metric("kld_mean_bound", "mean KLD bound", "nats", "lower", BoundOf(Mean("kld")),
-           "certified bound on |mean KLD − mean KLD of the exact logits|, from the error the stores measured at capture "
-           "(docs/error-bound.md); not recorded (NaN) for a store made before qeval measured it", fmt=".2g",
+           "certified bound on |mean KLD − mean KLD of the exact logits|, from the error the stores measured at "
+           "capture (docs/error-bound.md); not recorded (NaN) for a store made before qeval measured it", fmt=".2g",
            gate="max-kld-bound"),
     Metric("kld_median", "median KLD", "nats", "lower", Percentile("kld", 0.5), "median per-token KLD", fmt=".6f"),
     Metric("kld_99", "99.0% KLD", "nats", "lower", Percentile("kld", 0.99), "99.0 % percentile of per-token KLD"),

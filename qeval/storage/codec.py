@@ -126,17 +126,16 @@ def encode_block(logits: np.ndarray, targets: np.ndarray, code: SqrtLogCode) -> 
     half *= 0.5
     np.exp(half, out=half)  # sqrt(p / p_max), float32, in [0, 1]
     codes = np.empty((b, n_vocab), dtype=np.uint16)
-    _codes(logits, row_max[:, 0], half, np.float32(code.slope), np.float32(code.knee),
-           np.float32(2.0 * code.slope * math.exp(-0.5 * code.knee)), codes)
+    mass = np.empty(b, dtype=np.float64)
+    _codes_and_mass(logits, row_max[:, 0], half, np.float32(code.slope), np.float32(code.knee),
+                    np.float32(2.0 * code.slope * math.exp(-0.5 * code.knee)), codes, mass)
     planes = codes_to_planes(codes)  # two vectorised passes: faster than two byte stores per entry in the loop
-    # the scalars and the error record from the exact row, in float64: log sum_i exp(x_i - max)
-    meter = ErrorMeter(code.error, n_vocab)
-    if code.error is None:
-        error, log_norm = None, meter.log_norms(logits, row_max[:, 0])
-    else:
+    if code.error is None:  # as before error records: the log-normaliser from float32 sqrt(p/p_max) (~1e-7 nats)
+        error, log_norm = None, np.log(mass)
+    else:  # the scalars and the record from the exact row, in float64 (the scalars are then exact)
         lut, lut_exp, band = code.error_tables()
-        error, log_norm = meter.measure(logits, row_max[:, 0],
-                                        lambda t: (codes[t], lut, lut_exp, band))
+        error, log_norm = ErrorMeter(code.error, n_vocab).measure(logits, row_max[:, 0],
+                                                                  lambda t: (codes[t], lut, lut_exp, band))
     rows = np.arange(b)
     logprob_target = (logits[rows, targets].astype(np.float64) - row_max[:, 0]) - log_norm
     return EncodedBlock(planes, logprob_target, -log_norm, top_ids, error)
@@ -175,9 +174,10 @@ def _top_k(logits, top_vals, top_ids):  # pragma: no cover - compiled
                 ids[j] = i
 
 
-@numba.njit(nogil=True, cache=True)
-def _codes(logits, row_max, half, slope, knee, sqrt_gain, codes):  # pragma: no cover - compiled
-    """The uint16 codes of each row (half = sqrt(p / p_max), float32)."""
+@numba.njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})
+def _codes_and_mass(logits, row_max, half, slope, knee, sqrt_gain, codes, mass):  # pragma: no cover
+    """The uint16 codes, and sum(p/p_max) in float64 from the float32 half = sqrt(p/p_max) (reassociated:
+    vectorises)."""
     b, n = logits.shape
     head_base = np.float32(2.0) * slope
     for t in range(b):
@@ -185,8 +185,12 @@ def _codes(logits, row_max, half, slope, knee, sqrt_gain, codes):  # pragma: no 
         row = logits[t]
         h_row = half[t]
         out = codes[t]
+        total = 0.0
         for i in range(n):
+            h = h_row[i]
+            total += np.float64(h) * np.float64(h)
             d = row[i] - m
-            u = sqrt_gain * h_row[i] if d < knee else head_base + slope * (d - knee)
+            u = sqrt_gain * h if d < knee else head_base + slope * (d - knee)
             u = min(max(u + np.float32(0.5), np.float32(0.0)), np.float32(65535.0))
             out[i] = np.uint16(np.int32(u))
+        mass[t] = total

@@ -9,8 +9,9 @@ it):
                   of the float32 logits, computed in float64) and p̃ the stored one (what a reader decodes).
   log_norm        log Σ_i exp(l_i) of the stored row (l_i below): a reader normalises p̃ as it walks the row.
   lo[k], hi[k]    the smallest and largest δ_i = log p_i − log p̃_i over the entries i of band k (float32, rounded
-                  outward: lo down, hi up), bands of the STORED relative log-probability l_i = log p̃_i − max_j log p̃_j:
-                  entry i is in band min(K − 1, floor(−l_i / width)). An empty band holds (0, 0).
+                  outward: lo down, hi up), bands of the STORED relative log-probability
+                  l_i = log p̃_i − max_j log p̃_j: entry i is in band min(K − 1, floor(−l_i / width)). An empty band
+                  holds (0, 0).
 
 The bands are what makes the record useful for a code whose error grows with depth: with the sqrt-log code
 |δ| is ~5e-5 within 4 nats of the top but tens of nats for the deepest entries (code 0), which carry ~1e-7 of
@@ -97,7 +98,8 @@ class ErrorRecord:
         n, k = self.lo.shape
         return b"".join([ERRS_HEAD.pack(index, n, k, first_row), np.ascontiguousarray(self.kl, "<f8").tobytes(),
                          np.ascontiguousarray(self.log_norm, "<f8").tobytes(),
-                         np.ascontiguousarray(self.lo, "<f4").tobytes(), np.ascontiguousarray(self.hi, "<f4").tobytes()])
+                         np.ascontiguousarray(self.lo, "<f4").tobytes(),
+                         np.ascontiguousarray(self.hi, "<f4").tobytes()])
 
     @classmethod
     def from_payload(cls, payload, index: int, first_row: int, n: int, bands: int, where: str) -> "ErrorRecord":
@@ -189,10 +191,10 @@ def _measure_row(d, e, index, stored, stored_exp, band, lo, hi):  # pragma: no c
 
 
 class ErrorMeter:
-    """Measures rows as they are stored: the exact log-normaliser of each and, with `bands`, its error record. Its
-    row buffers are reused from row to row (one meter per thread)."""
+    """Measures rows as they are stored: the error record of each, and its exact log-normaliser. Its row buffers
+    are reused from row to row."""
 
-    def __init__(self, bands: ErrorBands | None, n_vocab: int):
+    def __init__(self, bands: ErrorBands, n_vocab: int):
         self.bands = bands
         self._d = np.empty(n_vocab, dtype=np.float64)
         self._e = np.empty(n_vocab, dtype=np.float64)
@@ -203,14 +205,10 @@ class ErrorMeter:
         np.exp(self._d, out=self._e)  # numpy's exp is vectorised (SIMD), a scalar exp in a compiled loop is not
         return float(self._e.sum())  # pairwise summation: relative error ~1e-16 * log2(V)
 
-    def log_norms(self, logits: np.ndarray, row_max: np.ndarray) -> np.ndarray:
-        """log Σ_j exp(x_j − max) of float32 logit rows [b, V] with maxima `row_max`, in float64."""
-        return np.array([math.log(self._exact_row(logits[t], row_max[t])) for t in range(len(logits))])
-
     def measure(self, logits: np.ndarray, row_max: np.ndarray, stored_rows) -> tuple[ErrorRecord, np.ndarray]:
-        """(the record, log_norms(logits, row_max)) of float32 logit rows [b, V] with maxima `row_max`, stored as
-        stored_rows(t) → (index, l, exp(l), band) of row t (see _measure_row): its stored relative log-probs (≤ 0,
-        0 at the top), their exponentials in float64, their bands (ErrorBands.band_of)."""
+        """(the record, exact log Σ_j exp(x_j − max) in float64) of float32 logit rows [b, V] with maxima
+        `row_max`, stored as stored_rows(t) → (index, l, exp(l), band) of row t (see _measure_row): its stored
+        relative log-probs (≤ 0, 0 at the top), their exponentials in float64, their bands (ErrorBands.band_of)."""
         b, k = len(logits), self.bands.count
         kl, log_norm, stored_log_norm = np.empty(b), np.empty(b), np.empty(b)
         lo, hi = np.empty((b, k)), np.empty((b, k))
