@@ -53,13 +53,15 @@ def pair_sums(planes_p, planes_q, e_p, l_p, e_q, l_q, out, bands_p=None, bands_q
         sqp = 0.0
         f1 = 0.0  # sum p~ w_p |a|: the reference's error against the rows' differences a = l_p - l_q
         r1 = 0.0  # sum q~ w_q |a|
-        fa = 0.0  # sum p~ grow_p err_q: the candidate's error under the reference's mass
-        ra = 0.0  # sum q~ grow_q err_p
-        fb = 0.0  # sum s err_q, s = |p~ - q~| + p~ w_p + q~ w_q >= |p - q|
+        fb = 0.0  # sum s err_q, s = |p~ - q~| + p~ w_p + q~ w_q >= |p - q|: the candidate's error where they differ
         rb = 0.0  # sum s err_p
         if bands_p is not None:  # (a None argument compiles this away: numba prunes the branch)
             ip = tokens_p[1, t]
             iq = tokens_q[1, t]
+            w_p = weights_p[0, t]
+            w_q = weights_q[0, t]
+            err_p = weights_p[2, t]
+            err_q = weights_q[2, t]
         for i in range(n_vocab):
             cp = (np.int32(hp[i]) << 8) | np.int32(lo_p[i])
             cq = (np.int32(hq[i]) << 8) | np.int32(lo_q[i])
@@ -79,17 +81,13 @@ def pair_sums(planes_p, planes_q, e_p, l_p, e_q, l_q, out, bands_p=None, bands_q
                 pn = ep * ip
                 qn = eq * iq
                 a = abs(lp - lq)
-                wp = weights_p[0, t, bp]
-                wq = weights_q[0, t, bq]
-                errp = weights_p[2, t, bp]
-                errq = weights_q[2, t, bq]
-                f1 += pn * wp * a
-                r1 += qn * wq * a
-                fa += pn * weights_p[1, t, bp] * errq
-                ra += qn * weights_q[1, t, bq] * errp
-                s = abs(pn - qn) + pn * wp + qn * wq
-                fb += s * errq
-                rb += s * errp
+                pw = pn * w_p[bp]
+                qw = qn * w_q[bq]
+                f1 += pw * a
+                r1 += qw * a
+                s = abs(pn - qn) + pw + qw
+                fb += s * err_q[bq]
+                rb += s * err_p[bp]
         out[t, 0] = zp
         out[t, 1] = zq
         out[t, 2] = spp
@@ -99,8 +97,8 @@ def pair_sums(planes_p, planes_q, e_p, l_p, e_q, l_q, out, bands_p=None, bands_q
         if bands_p is not None:
             kp = tokens_p[0, t]
             kq = tokens_q[0, t]
-            out[t, 6] = kp + f1 + min(fa, kq + fb)
-            out[t, 7] = kq + r1 + min(ra, kp + rb)
+            out[t, 6] = kp + f1 + kq + fb
+            out[t, 7] = kq + r1 + kp + rb
 
 
 @numba.njit(nogil=True, cache=True, fastmath=False)
@@ -122,8 +120,7 @@ def _pair_sums_row(hp, lo_p, raw, e_raw, inv_exact, floor, e_floor, e_p, l_p, ba
     a2 = 0.0  # sum p~ grow g: the floor's lift g of the candidate, under the reference's mass
     b1 = 0.0  # sum e_q' |a| (the candidate as compared, unnormalised)
     b2 = 0.0  # sum e_q' min(1, g) |a|
-    b3 = 0.0  # sum e_q' err: the reference's error under the candidate's mass
-    rb = 0.0  # sum (|q - p~| + p~ w) err, q the exact candidate
+    rb = 0.0  # sum (|q - p~| + p~ w) err, q the exact candidate: the reference's error where the rows differ
     for i in range(len(raw)):
         cp = (np.int32(hp[i]) << 8) | np.int32(lo_p[i])
         ep = e_p[cp]
@@ -145,16 +142,14 @@ def _pair_sums_row(hp, lo_p, raw, e_raw, inv_exact, floor, e_floor, e_p, l_p, ba
         sqp += eq * lp
         if bands_p is not None:
             b = bands_p[cp]
-            w = weights_p[0, b]
-            err = weights_p[2, b]
             pn = ep * ip
+            pw = pn * weights_p[0, b]
             a = abs(lp - lq)
-            a1 += pn * w * a
+            a1 += pw * a
             a2 += pn * weights_p[1, b] * g
             b1 += eq * a
             b2 += eq * min(1.0, g) * a
-            b3 += eq * err
-            rb += (abs(e_raw[i] * inv_exact - pn) + pn * w) * err
+            rb += (abs(e_raw[i] * inv_exact - pn) + pw) * weights_p[2, b]
     out[0] = zp
     out[1] = zq
     out[2] = spp
@@ -167,7 +162,7 @@ def _pair_sums_row(hp, lo_p, raw, e_raw, inv_exact, floor, e_floor, e_p, l_p, ba
         c = max(0.0, math.log(zq * inv_exact))
         kp = tokens_p[0, 0]
         out[6] = kp + a1 + max(c, a2)
-        out[7] = c + math.expm1(c) * b1 / zq + b2 / zq + min(math.exp(c) * b3 / zq, kp + rb)
+        out[7] = c + math.expm1(c) * b1 / zq + b2 / zq + kp + rb
 
 
 def pair_sums_logits(planes_ref: np.ndarray, logits: np.ndarray, e_p: np.ndarray, l_p: np.ndarray,

@@ -259,8 +259,10 @@ def logit_sums(ref: ChunkData, cand, targets: np.ndarray, ref_tables, n_vocab: i
         for k in range(len(rows)):
             _, planes_ref = next(ref_rows)
             r = start + k
-            weights = (None, None) if ref_bands is None else band_weights(ref, r, r + 1)
-            weights = (weights[0][:, 0], weights[1].T) if ref_bands is not None else weights
+            weights = (None, None)
+            if ref_bands is not None:  # the row's: per band [3, K], per token [1, 2]
+                per_band, per_token = band_weights(ref, r, r + 1)
+                weights = (per_band[:, 0], per_token.T)
             runner.submit(kernel, planes_ref, rows[k], r, weights)
         if ends_call:  # the candidate's next rows come from a new decode call, which overwrites these
             runner.drain()
