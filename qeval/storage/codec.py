@@ -134,8 +134,8 @@ def encode_block(logits: np.ndarray, targets: np.ndarray, code: SqrtLogCode) -> 
         error, log_norm = None, np.log(mass)
     else:  # the scalars and the record from the exact row, in float64 (the scalars are then exact)
         lut, lut_exp, band = code.error_tables()
-        error, log_norm = ErrorMeter(code.error, n_vocab).measure(logits, row_max[:, 0],
-                                                                  lambda t: (codes[t], lut, lut_exp, band))
+        error, log_norm = ErrorMeter.of(code.error, n_vocab).measure(logits, row_max[:, 0],
+                                                                     lambda t: (codes[t], lut, lut_exp, band))
     rows = np.arange(b)
     logprob_target = (logits[rows, targets].astype(np.float64) - row_max[:, 0]) - log_norm
     return EncodedBlock(planes, logprob_target, -log_norm, top_ids, error)
