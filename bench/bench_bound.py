@@ -13,10 +13,11 @@ Gemma-3-270M (the demo's quants, ~/.cache/qeval/models), n_ctx 512, the shipped 
 3. Per row: mean KLD as qeval reports it, its certified bound, the true difference from the mean KLD of the
    exact logits, the mean per-token |error|; how often the per-token bound holds (it must: 100 %), and how loose
    it is (median and p99 of bound / |error| over tokens with an error above 1e-12), both directions.
-4. Timings, side by side in this run (best of --repeats, one thread; the load is printed): coding the reference's
-   rows without and with the error record (ms per row; with it the scalars are exact float64 too), the live
-   comparison kernel of one row without and with the bound, and the stored-vs-stored kernel without and with
-   it; and the forward pass per scored row, for scale.
+4. Timings, side by side in this run (best of --repeats; the load is printed): coding rows without and with the
+   error record (one thread; with it the scalars are exact float64 too); comparing the stored reference with the
+   Q4_0 candidate's live rows and with its store, each without the bound (stores without a record) and with it
+   (2 threads, metrics.compare as `qeval kld` runs it, the forward pass excluded); and the forward pass per scored
+   row, for scale.
 """
 
 from __future__ import annotations
@@ -34,14 +35,12 @@ import numpy as np
 
 from qeval.capture.capture import store_header
 from qeval.compare import metrics
-from qeval.compare.kernels import N_SUMS, decode_tables, pair_sums, pair_sums_logits
 from qeval.engine.engine import Engine, EngineSettings
 from qeval.inputs.corpus import load_corpus, make_windows, tokenize_documents
 from qeval.orchestrate import demo
 from qeval.orchestrate.matrix import control_settings
 from qeval.storage.codec import SqrtLogCode
-from qeval.storage.error_record import BandWeights
-from qeval.storage.store import ChunkBuilder, StoreReader, StoreWriter, codes_to_planes
+from qeval.storage.store import ChunkBuilder, StoreReader, StoreWriter
 
 N_CTX = 512
 BLOCK = 16  # rows coded per call, as the capture codes them
@@ -73,9 +72,10 @@ def decode_rows(engine: Engine, windows: np.ndarray, out: np.ndarray | None = No
     return rows, time.perf_counter() - t0
 
 
-def write_reference(engine: Engine, windows: np.ndarray, logits: np.ndarray, path: Path, code: SqrtLogCode) -> None:
+def write_reference(engine: Engine, windows: np.ndarray, logits: np.ndarray, path: Path, label: str,
+                    code: SqrtLogCode) -> None:
     """A store of these rows, as a capture codes and writes them (with `code`'s error record or without)."""
-    header = store_header(engine, "Q8_0", windows, (0, len(windows)), {"name": "shipped"}, code)
+    header = store_header(engine, label, windows, (0, len(windows)), {"name": "shipped"}, code)
     path.unlink(missing_ok=True)
     positions = engine.scoring.positions(N_CTX)
     with StoreWriter.open(path, header, windows, code.lut()) as writer:
@@ -170,41 +170,26 @@ def best(fn, repeats: int) -> float:
     return min(times)
 
 
-def timings(ref_rows: np.ndarray, cand_rows: np.ndarray, targets: np.ndarray, repeats: int) -> dict:
-    """Per row, side by side: coding without / with the record; the live kernel and the stored kernel without /
-    with the bound. One thread each."""
-    rows, n = ref_rows[0, :32], 32
-    plain, recorded = SqrtLogCode(error=None), SqrtLogCode()
+def timings(engine_store: dict[str, Path], cand_rows: np.ndarray, repeats: int) -> dict:
+    """Side by side, best of `repeats`, ms per scored row: coding the reference's rows without / with the error
+    record (one thread); comparing the stored reference with the candidate's live float32 rows, and with the
+    candidate's store (`qeval kld` store against store), both without the bound (stores without a record) and with
+    it (2 threads, as `qeval kld` runs)."""
     out = {}
-    for name, code in (("code_without_record", plain), ("code_with_record", recorded)):
+    with StoreReader(engine_store["with"]) as ref:
+        rows = cand_rows[0, :32]
+        targets = ref.tokens[0, ref.header.positions[:32] + 1].astype(np.int64)
+    for name, code in (("code_without_record", SqrtLogCode(error=None)), ("code_with_record", SqrtLogCode())):
         code.encode_block(rows[:BLOCK], targets[:BLOCK])  # compiled and warm
         out[name] = best(lambda c=code: [c.encode_block(rows[s:s + BLOCK], targets[s:s + BLOCK])
-                                         for s in range(0, n, BLOCK)], repeats) / n * 1e3
-    ref_block = recorded.encode_block(rows, targets[:n])
-    cand_block = recorded.encode_block(cand_rows[0, :n], targets[:n])
-    planes_p, planes_q = ref_block.planes, cand_block.planes
-    tables = decode_tables(recorded.lut())
-    bands = recorded.error_tables()[2]
-    wp, wq = BandWeights.of(ref_block.error), BandWeights.of(cand_block.error)
-    scratch, sums = np.empty((2, rows.shape[1])), np.empty((n, N_SUMS))
-
-    def live(bounded: bool) -> None:
-        for r in range(n):
-            extra = (bands, wp.bands[:, r], wp.tokens[:, r:r + 1].T) if bounded else ()
-            pair_sums_logits(planes_p[r], cand_rows[0, r], *tables, sums[r], scratch, *extra)
-
-    def stored(bounded: bool) -> None:
-        for s in range(0, n, 2):  # the comparison's 2-row blocks
-            rows = slice(s, s + 2)
-            extra = (bands, bands, wp.bands[:, rows], wq.bands[:, rows], wp.tokens[:, rows], wq.tokens[:, rows]) \
-                if bounded else ()
-            pair_sums(planes_p[rows], planes_q[rows], *tables, *tables, sums[rows], *extra)
-
-    for name, fn in (("live_kernel_without_bound", lambda: live(False)), ("live_kernel_with_bound", lambda: live(True)),
-                     ("stored_kernel_without_bound", lambda: stored(False)),
-                     ("stored_kernel_with_bound", lambda: stored(True))):
-        fn()  # compiled and warm
-        out[name] = best(fn, repeats) / n * 1e3
+                                         for s in range(0, len(rows), BLOCK)], repeats) / len(rows) * 1e3
+    n = cand_rows.shape[0] * cand_rows.shape[1]
+    for kind in ("without", "with"):
+        with StoreReader(engine_store[kind]) as ref, StoreReader(engine_store[f"cand_{kind}"]) as cand:
+            live = LiveRows(ref, cand_rows)
+            metrics.compare(ref, live, threads=2)  # compiled and warm
+            out[f"compare_live_{kind}_bound"] = best(lambda: metrics.compare(ref, live, threads=2), repeats) / n * 1e3
+            out[f"compare_stored_{kind}_bound"] = best(lambda: metrics.compare(ref, cand, threads=2), repeats) / n * 1e3
     return {f"{k}_ms_per_row": v for k, v in out.items()}
 
 
@@ -226,17 +211,21 @@ def main() -> None:
         ref_rows = np.lib.format.open_memmap(args.work / "Q8_0.npy", "w+", np.float32,
                                              (len(windows), n_scored, engine.n_vocab))
         _, forward_s = decode_rows(engine, windows, ref_rows)
-        store = args.work / "Q8_0.qeval"
-        write_reference(engine, windows, ref_rows, store, SqrtLogCode())
-    targets = windows[0, engine.scoring.positions(N_CTX) + 1].astype(np.int64)
+        stores = {"with": args.work / "Q8_0.qeval", "without": args.work / "Q8_0-norecord.qeval"}
+        write_reference(engine, windows, ref_rows, stores["with"], "Q8_0", SqrtLogCode())
+        write_reference(engine, windows, ref_rows, stores["without"], "Q8_0", SqrtLogCode(error=None))
     results = {"cpu": cpu_name(), "chunks": args.chunks, "scored_tokens": int(len(windows) * n_scored),
                "load_before": load(), "forward_ms_per_scored_row": forward_s / (len(windows) * n_scored) * 1e3,
                "rows": []}
-    with StoreReader(store) as ref:
+    with StoreReader(stores["with"]) as ref:
         for label, quant, kv in ROWS:
             cand_settings = control_settings(settings, N_CTX) if kv is None else EngineSettings(**kv)
             with Engine(models[quant], N_CTX, cand_settings) as engine:
                 cand_rows, _ = decode_rows(engine, windows)
+                if label == "Q4_0":  # its stores too, for the timings of store against store
+                    stores.update(cand_with=args.work / "Q4_0.qeval", cand_without=args.work / "Q4_0-norecord.qeval")
+                    write_reference(engine, windows, cand_rows, stores["cand_with"], "Q4_0", SqrtLogCode())
+                    write_reference(engine, windows, cand_rows, stores["cand_without"], "Q4_0", SqrtLogCode(error=None))
             row = measure_row(label, ref, ref_rows, cand_rows)
             results["rows"].append(row)
             f, r = row["forward"], row["reverse"]
@@ -246,16 +235,16 @@ def main() -> None:
                   f"{f['median_ratio']:.1f} p99 {f['p99_ratio']:.0f} (reverse {r['median_ratio']:.1f}, "
                   f"{r['p99_ratio']:.0f})", flush=True)
             if row["label"] == "Q4_0":
-                results["timings"] = timings(ref_rows, cand_rows, targets, args.repeats)
+                results["timings"] = timings(stores, cand_rows, args.repeats)
             del cand_rows
     results["load_after"] = load()
     t = results["timings"]
-    print(f"coding a row: {t['code_without_record_ms_per_row']:.2f} ms without the record, "
+    print(f"coding a row (1 thread): {t['code_without_record_ms_per_row']:.2f} ms without the record, "
           f"{t['code_with_record_ms_per_row']:.2f} ms with it (forward pass {results['forward_ms_per_scored_row']:.1f} "
           f"ms per scored row)")
-    print(f"live kernel: {t['live_kernel_without_bound_ms_per_row']:.2f} ms without the bound, "
-          f"{t['live_kernel_with_bound_ms_per_row']:.2f} ms with it; stored kernel "
-          f"{t['stored_kernel_without_bound_ms_per_row']:.2f} / {t['stored_kernel_with_bound_ms_per_row']:.2f} ms")
+    print(f"comparing, per row (2 threads): live rows {t['compare_live_without_bound_ms_per_row']:.2f} ms without the "
+          f"bound, {t['compare_live_with_bound_ms_per_row']:.2f} ms with it; store against store "
+          f"{t['compare_stored_without_bound_ms_per_row']:.2f} / {t['compare_stored_with_bound_ms_per_row']:.2f} ms")
     print(results["load_after"])
     slug = "-".join(re.findall(r"[a-z0-9]+", re.sub(r"\((R|TM)\)", "", cpu_name(), flags=re.I).lower())[:3])
     out = args.out or Path("bench/results") / f"bound-{slug}.json"
