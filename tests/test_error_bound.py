@@ -171,3 +171,23 @@ def test_board_rows_show_their_bound_and_the_control_reads_its_own():
                                                                              "not recorded"]
     assert control.to_json()["kld_mean_bound"] == 3.2e-6 and old.to_json()["kld_mean_bound"] == NOT_RECORDED
     assert "KLD bound:" in board.notes()
+
+
+def test_kld_text_and_json_show_each_figures_bound_or_why_there_is_none(tmp_path):
+    pair = make_pair(tmp_path / "new", seed=3, n_chunks=2, n_ctx=16, n_vocab=800, sigma=0.4)
+    result, text = api.kld_report(str(pair.ref.path), str(pair.cand.path), threads=1, samplers=["greedy"])
+    block = text.split("====== Error bound of the stored form", 1)[1].split("======", 2)[1]
+    assert "mean KLD" in block and "within" in block and "exact" in block and "not bounded" in block
+    held = result["metrics"]
+    assert 0 < held["kld_mean"]["bound"] == held["kld_mean_bound"]["value"] < 1e-3
+    assert held["ppl"]["bound"] == 0 and held["same_top1_pct"]["bound"] == 0
+    assert held["tvd_pct@greedy"]["bound"] == "not bounded"
+    assert result["reference"]["form"]["error"] == {"bands": 32, "band_width": 1.0}
+    rng = np.random.default_rng(4)
+    tokens = make_tokens(rng, 1, 16, 300)
+    logits = {0: realistic_logits(rng, 7, 300)}
+    old = write_store(tmp_path / "OLD.qeval", tokens, logits, 300, code=SqrtLogCode(error=None), label="OLD")
+    new = write_store(tmp_path / "NEW.qeval", tokens, {0: perturb(rng, logits[0], 0.3)}, 300, label="NEW")
+    result, text = api.kld_report(str(old.path), str(new.path), threads=1)
+    assert "not recorded: the reference store OLD records no error" in text and "--force" in text
+    assert {v["bound"] for k, v in result["metrics"].items() if k != "kld_mean_bound"} == {NOT_RECORDED}
