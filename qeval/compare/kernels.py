@@ -10,8 +10,8 @@ logits (in float64: exact) and e_q = exp(l_q) (pair_sums_logits), the same six s
 coding the candidate first only by the code's rounding.
 
 In the same pass, where the stores record their error (qeval.storage.error_record), the kernels add up the
-certified bound on |ΔKLD| of docs/error-bound.md, both directions (columns BOUND_FWD, BOUND_REV: the part beyond
-the stores' recorded KL(exact ‖ stored)), from each side's band weights (error_record.BandWeights).
+certified bound on |ΔKLD| of docs/error-bound.md, both directions (columns BOUND_FWD, BOUND_REV), from each side's
+record (error_record.BandWeights).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numpy as np
 from qeval.storage.codec import BadLogits
 from qeval.storage.error_record import subtract_max
 
-# Columns of the per-token sums array: the six sums of the KLDs; the bound's linear terms beyond the recorded KLs
+# Columns of the per-token sums array: the six sums of the KLDs; the certified bounds on |ΔKLD|, forward and reverse
 # (NaN where none is computed); a live candidate's exact normaliser sum_i exp(x_i - max), unclamped.
 Z_P, Z_Q, S_PP, S_PQ, S_QQ, S_QP, BOUND_FWD, BOUND_REV, Z_Q_EXACT = range(9)
 N_SUMS = 9
