@@ -133,6 +133,18 @@ def holds_windows(header, tokens: np.ndarray, wanted: range, wanted_tokens: np.n
             and window_labels_identity(header, n) == window_labels_identity(wanted_header, n))
 
 
+def extends(old, old_tokens: np.ndarray, new, new_tokens: np.ndarray) -> bool:
+    """Whether the capture `new` is the capture of the complete store `old` over more windows: the same producer,
+    vocab and tokenizer, a whole capture (no shard) either, and the old windows (and their labels) the first of the
+    new. Such a store grows: its chunks are kept and only the new windows are run (qeval.storage.store)."""
+    a, b = capture_identity(old), capture_identity(new)
+    n = old.n_chunks
+    return (all(a.get(name) == b.get(name) for name in {**a, **b} if name not in _WINDOW_FIELDS)
+            and old.chunk_range == range(0, n) and new.chunk_range == range(0, new.n_chunks) and new.n_chunks > n
+            and np.array_equal(old_tokens, new_tokens[:n])
+            and window_labels_identity(old, n) == window_labels_identity(new, n))
+
+
 def capture_conflicts(old, old_tokens: np.ndarray, old_complete: bool, new, new_tokens: np.ndarray) -> list[str]:
     """Why the store with header `old` cannot stand for the capture `new` ([] when it can).
 

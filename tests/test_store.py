@@ -36,6 +36,7 @@ from qeval.storage.store import (
     StoreHeader,
     StoreReader,
     StoreWriter,
+    replacement_path,
     tokens_sha256,
 )
 
@@ -693,3 +694,59 @@ def test_info_shows_the_form_and_the_recorded_error(small_store, tmp_path):
                       code=SqrtLogCode(error=None))
     d, text = api.info_report(str(old.path))
     assert d["error"] == {"recorded": False} and "error      : not recorded" in text and "capture it" in text.lower()
+
+
+# --------------------------------------------------------------------------------------------------
+# a complete store grows to more windows of the same capture
+# --------------------------------------------------------------------------------------------------
+def _grown(tmp_path, n_old: int, n_new: int, **capture):
+    """A complete store of n_old windows, and a writer opened for the same capture over n_new windows."""
+    rng = np.random.default_rng(5)
+    tokens = make_tokens(rng, n_new, 16, 500)
+    logits = synth_logits(rng, tokens, 500)
+    path = tmp_path / "REF.qeval"
+    old = write_store(path, tokens[:n_old], {c: logits[c] for c in range(n_old)}, 500, label="REF",
+                      capture=dict(capture))
+    header = make_header(tokens, 500, SqrtLogCode(), "REF", capture=dict(capture))
+    return path, old, tokens, logits, StoreWriter.open(path, header, tokens, SqrtLogCode().lut())
+
+
+def test_a_complete_store_grows_to_more_windows_of_the_same_capture(tmp_path):
+    path, old, tokens, logits, writer = _grown(tmp_path, 3, 5, n_batch=8)  # one window per decode call
+    with StoreReader(path) as before:
+        kept = {c: before.raw_record(before.chunk_pieces[c][0][1]) for c in range(3)}
+    with writer:
+        assert writer.done_chunks == {0, 1, 2} and writer.path != path  # written beside the old store
+        assert StoreReader(path).complete  # which stays whole until the new one is
+        for c in (3, 4):
+            writer.write_chunk(build_chunk(c, logits[c], tokens[c, 8:15], SqrtLogCode()))
+        writer.finish()
+    with StoreReader(path, verify_chunks=True) as grown:
+        assert grown.complete and grown.header.n_chunks == 5 and grown.chunk_indices == [0, 1, 2, 3, 4]
+        assert all(grown.raw_record(grown.chunk_pieces[c][0][1]) == kept[c] for c in range(3))  # byte for byte
+        for c in range(3):  # the kept chunks keep their error records (ERRS copied with each CHNK)
+            np.testing.assert_array_equal(grown.read_chunk(c).error.kl, old.chunks[c].error.kl)
+        assert b"ERRS" in kept[0] and grown.header.format_version == 4
+        np.testing.assert_array_equal(grown.tokens, tokens)
+    assert not replacement_path(path).exists()
+
+
+def test_a_store_grows_by_whole_decode_calls_only(tmp_path):
+    """Windows decoded side by side (n_batch 32 = 2 windows of 16 per call): of 3 kept windows the third was decoded
+    alone, as it would not be in the larger capture, so it runs again."""
+    _, _, _, _, writer = _grown(tmp_path, 3, 6, n_batch=32)
+    with writer:
+        assert writer.done_chunks == {0, 1}
+
+
+def test_other_windows_or_a_shard_do_not_grow_a_store(tmp_path):
+    rng = np.random.default_rng(6)
+    tokens = make_tokens(rng, 4, 16, 500)
+    path = tmp_path / "REF.qeval"
+    write_store(path, tokens[:2], synth_logits(rng, tokens[:2], 500), 500, label="REF")
+    other = tokens.copy()
+    other[1, 3] += 1  # the second old window differs
+    for wanted, span in ((other, None), (tokens, (1, 4))):
+        header = make_header(wanted, 500, SqrtLogCode(), "REF", chunk_range=span)
+        with pytest.raises(StoreConflict, match="token windows differ"):
+            StoreWriter.open(path, header, wanted, SqrtLogCode().lut())

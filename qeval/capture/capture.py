@@ -26,6 +26,7 @@ from qeval.inputs.corpus import load_corpus, make_windows, tokenize_documents
 from qeval.pool import bounded_map
 from qeval.storage.codec import BadLogits, EncodedBlock, SqrtLogCode
 from qeval.storage.error_record import ErrorRecord, rows_of
+from qeval.storage.runs import LIVE_SUFFIX
 from qeval.storage.scoring import ASSISTANT, Scoring, WindowLabels
 from qeval.storage.store import (
     PIECE_ROWS,
@@ -464,7 +465,7 @@ def open_live(model: str, ref, n_chunks: int | None, settings: EngineSettings, l
             except StoreComplete:
                 raise QevalError(f"{save_path} already exists and is complete; compare it with --cand "
                                  f"{label}") from None
-        return engine, LiveSource(engine, header, windows, code, writer, path=f"{model} (live)", coded=coded)
+        return engine, LiveSource(engine, header, windows, code, writer, path=f"{model}{LIVE_SUFFIX}", coded=coded)
     except BaseException:
         engine.close()
         raise

@@ -258,10 +258,15 @@ def check_report(ref: str, cand: str, chunks: int | None = None, runs_dir: str |
     result = run_checks(measured.summary, base, baseline_entry, baseline_metrics, chosen, **limits)
     out = result.to_json()
     text = gate_text(result)
+    notes = [measured.note]
     if control is not None:
-        out["control"] = over_control(measured.summary, measure(ref, control, chunks, runs_dir, threads, progress,
-                                                                 need_per_token=False, selection=selection), control)
+        floor = measure(ref, control, chunks, runs_dir, threads, progress, need_per_token=False, selection=selection)
+        out["control"] = over_control(measured.summary, floor, control)
         text += "\n" + control_text(out["control"])
+        notes.append(floor.note)
+    if any(notes):  # how each figure was obtained, when a saved result stood in (qeval.orchestrate.candidates)
+        out["obtained"] = [n for n in notes if n]
+        text = "\n".join([*out["obtained"], text])
     if selection.depth is not None:
         out["depth"] = {"lo": selection.depth[0], "hi": selection.depth[1]}
     if selection.labels():

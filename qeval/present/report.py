@@ -21,7 +21,7 @@ from qeval.compare.metric_registry import (
     lookup,
     plus_minus,
 )
-from qeval.compare.metrics import GROUP_FIELDS, PER_TOKEN_FIELDS, Comparison
+from qeval.compare.metrics import GROUP_FIELDS, PER_TOKEN_FIELDS
 from qeval.compare.summary import ComparisonSummary, Side, TokenGroup, kv_text
 from qeval.identity import NOT_RECORDED, form
 from qeval.storage import error_record
@@ -274,9 +274,9 @@ def error_text(e: dict) -> str:
             "deepest entries, of negligible mass); each comparison turns it into a certified bound on its figures")
 
 
-def write_per_token(cmp: Comparison, path: Path) -> None:
-    """One row per scored token: .npz keeps full precision, anything else is written as CSV."""
-    t = cmp.per_token
+def write_per_token(t: dict[str, np.ndarray], label_names: dict | None, path: Path) -> None:
+    """One row per scored token (per-token columns `t`; label_names: a conversation comparison's, which its
+    segment and category codes index): .npz keeps full precision, anything else is written as CSV."""
     if path.suffix == ".npz":
         np.savez_compressed(path, **t)
         return
@@ -284,7 +284,7 @@ def write_per_token(cmp: Comparison, path: Path) -> None:
         w = csv.writer(fh)
         fields = (*PER_TOKEN_FIELDS, *filter(t.__contains__, GROUP_FIELDS), *filter(sampler.is_column, t))  # if any
         w.writerow(fields)
-        cols = [group_names(cmp.label_names, k, t[k]) if k in GROUP_FIELDS else t[k] for k in fields]
+        cols = [group_names(label_names, k, t[k]) if k in GROUP_FIELDS else t[k] for k in fields]
         for row in zip(*cols):
             w.writerow([v if isinstance(v, str) else int(v) if isinstance(v, (np.integer, np.bool_)) else f"{float(v):.9g}"
                         for v in row])

@@ -33,7 +33,7 @@ import zstandard
 
 from qeval import __version__
 from qeval.errors import MismatchError, QevalError, StoreFormatError, WriteFailed
-from qeval.identity import capture_conflicts, tokens_sha256
+from qeval.identity import capture_conflicts, extends, tokens_sha256
 from qeval.storage.error_record import ErrorBands, ErrorRecord, record_bytes, rows_of
 from qeval.storage.scoring import HALF, Scoring, WindowLabels, positions_of
 
@@ -383,8 +383,9 @@ class StoreWriter:
         """Create `path`, or resume it if it is an interrupted capture of exactly the same inputs.
 
         Raises StoreComplete if `path` is a complete store that holds this capture (it may hold more
-        chunks of the same windows). A store there that holds anything else is refused (StoreConflict,
-        naming what differs); with `replace`, the new capture is written to replacement_path(path)
+        chunks of the same windows). A complete store of this capture over fewer windows grows: the new capture is
+        written beside it with its chunks copied (_extension). A store there that holds anything else is refused
+        (StoreConflict, naming what differs); with `replace`, the new capture is written to replacement_path(path)
         instead (resumed there after an interruption) and renamed over `path` by finish(), so the old
         store stays until the new one is complete.
         """
@@ -406,6 +407,8 @@ class StoreWriter:
             if complete:
                 raise StoreComplete(path)
             return cls._resume(path)
+        if complete and _extended_by(path, header, tokens):
+            return cls._extension(path, header, tokens, lut)
         if not replace:
             raise StoreConflict(path, conflicts)
         return cls._replacement(path, header, tokens, lut)
@@ -441,6 +444,24 @@ class StoreWriter:
         tmp = replacement_path(path)
         writer = cls._resume(tmp) if _is_resumable(tmp, header, tokens, lut) else cls._create(tmp, header, tokens, lut)
         writer.replaces = path
+        return writer
+
+    @classmethod
+    def _extension(cls, path: Path, header: StoreHeader, tokens: np.ndarray, lut: np.ndarray) -> "StoreWriter":
+        """The writer of a capture that grows the complete store at `path` (identity.extends): written at
+        replacement_path(path), as a replacement, which starts with the old chunks' records copied byte for byte
+        (resumed, when an interrupted extension is there) and is renamed over `path` once complete. Only chunks that
+        whole decode calls produced are copied: llama.cpp's logits of a window can move with the windows decoded
+        beside it, and the new capture's calls group its windows from the start (kept_chunks)."""
+        writer = cls._replacement(path, header, tokens, lut)
+        if writer.created:
+            with StoreReader(path) as old:
+                for chunk in range(kept_chunks(old.header)):
+                    for first_row, offset in old.chunk_pieces[chunk]:
+                        record = old.raw_record(offset)
+                        writer._append(record)
+                        writer._pieces.setdefault(chunk, []).append((first_row, writer._fh.tell() - len(record)))
+                    writer._rows[chunk] = header.n_scored_of(chunk)
         return writer
 
     @property
@@ -539,6 +560,19 @@ class StoreConflict(MismatchError):
         super().__init__(f"{path} already holds a different capture ({'; '.join(conflicts)}); remove it, choose "
                          "another label, or replace it (--force)")
         self.path, self.conflicts = path, conflicts
+
+
+def kept_chunks(header: StoreHeader) -> int:
+    """How many of a complete store's chunks a capture of more windows keeps: those of whole decode calls. A call
+    decodes n_batch // n_ctx windows side by side when n_batch >= n_ctx (as llama-perplexity), else one window."""
+    per_call = max(1, int(header.capture.get("n_batch") or 0) // header.n_ctx)
+    return header.n_chunks - header.n_chunks % per_call
+
+
+def _extended_by(path: Path, header: StoreHeader, tokens: np.ndarray) -> bool:
+    """Whether the capture `header` of windows `tokens` grows the complete store at `path` (identity.extends)."""
+    with StoreReader(path) as old:
+        return extends(old.header, old.tokens, header, tokens)
 
 
 def replacement_path(path: Path) -> Path:
@@ -755,6 +789,15 @@ class StoreReader:
                 self.chunk_pieces[index] = open_pieces
                 open_chunk, open_pieces, rows = None, [], 0
                 self.end_of_valid_data = pos
+
+    def raw_record(self, offset: int) -> bytes:
+        """The CHNK record at `offset` as it is in the file (framing, payload and checksum), its checksum verified;
+        in a version-4 store with the ERRS record that follows it (verified too): a piece as a writer appends it."""
+        _, end = self._record_at(offset, b"CHNK")
+        if self.header.error_bands is not None:
+            index, rows, _, first_row = _CHUNK_HEAD.unpack(self._read_at(offset + _RECORD.size, _CHUNK_HEAD.size))
+            end = self._error_at(end, index, rows, first_row)[1]
+        return self._read_at(offset, end - offset)
 
     def _chunk_at(self, offset: int, verify: bool) -> tuple[int, int, int, int]:
         """(chunk index, rows, first row, end offset) of the CHNK record at offset; full checksum check only if verify."""
