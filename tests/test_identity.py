@@ -129,6 +129,25 @@ def test_finished_store_of_another_model_is_refused_then_replaced_atomically(tmp
         StoreWriter.open(path, wanted, tokens, code.lut())
 
 
+def test_a_store_without_an_error_record_is_another_form(tmp_path, inputs):
+    """A store's form (its code and whether it records its error at capture) is part of its identity: an older
+    store is not taken for this qeval's capture (refused, naming the difference; --force replaces it), and a
+    comparison against one form never stands for a comparison against the other."""
+    tokens, logits = inputs
+    path = tmp_path / "Q8_0.qeval"
+    old = write_store(path, tokens, logits, V, code=SqrtLogCode(error=None), label="Q8_0", model=model("A"))
+    wanted = make_header(tokens, V, SqrtLogCode(), "Q8_0", model=model("A"))
+    with pytest.raises(StoreConflict, match=r"codec error: none vs \{.*band_width.*\} \(stored vs requested\)"):
+        StoreWriter.open(path, wanted, tokens, SqrtLogCode().lut())
+    assert identity.form(old.header) == SqrtLogCode(error=None).params()
+    assert identity.form(wanted) == SqrtLogCode().form() != SqrtLogCode().params()
+    new = write_store(tmp_path / "NEW.qeval", tokens, logits, V, label="Q8_0", model=model("A"))
+    cand = write_store(tmp_path / "C.qeval", tokens, {c: perturb(np.random.default_rng(c), x, 0.3)
+                                                       for c, x in logits.items()}, V, label="C", model=model("B"))
+    with StoreReader(old.path) as a, StoreReader(new.path) as b, StoreReader(cand.path) as c:
+        assert identity.comparison_request(a, c, N).key != identity.comparison_request(b, c, N).key
+
+
 def test_interrupted_store_of_another_capture_is_refused_not_resumed(tmp_path, inputs):
     tokens, logits = inputs
     code = SqrtLogCode()

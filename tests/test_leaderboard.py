@@ -193,7 +193,7 @@ def test_a_tvd_column_per_sampler_every_result_holds(tmp_path):
         csv_rows = {r["label"]: r for r in csv.DictReader(fh)}
     doc = json.loads(board.paths["leaderboard.json"].read_text())
     i = doc["columns"].index(key)
-    assert doc["columns"][i:i + 3] == [key, f"{key}_se", "deepest_band"]
+    assert doc["columns"][i:i + 3] == [key, f"{key}_se", "kld_mean_bound"]
     json_rows = {r["label"]: r for r in doc["rows"]}
     md = board.paths["leaderboard.md"].read_text()
     table = [line for line in md.splitlines() if line.startswith("| ")]

@@ -56,6 +56,9 @@ def option_help(m: Metric) -> str:
 def limit_check(m: Metric, measured: MetricValue, limit: float) -> Check:
     """Fail only when even the favourable end of value ± Z·SE is on the wrong side of the limit."""
     value, se, better = measured.value, measured.se, m.better
+    if value is None or not math.isfinite(value):  # a bound the stores do not record (docs/error-bound.md)
+        raise QevalError(f"{option(m)}: the comparison has no {m.title}: a store it reads records no error of its "
+                         "stored form (made before qeval measured it); capture it again with this qeval")
     has_se = se is not None and math.isfinite(se)
     bound = (value - Z * se if better == "lower" else value + Z * se) if has_se else value
     worse = bound > limit if better == "lower" else bound < limit
@@ -66,7 +69,7 @@ def limit_check(m: Metric, measured: MetricValue, limit: float) -> Check:
     lim = f"{limit:g}{m.percent}"
     if not has_se:
         reason = (f"{shown} {cmp_bad if worse else cmp_ok} limit {lim} "
-                  f"(a percentile has no standard error: compared directly)")
+                  f"(a percentile or a bound has no standard error: compared directly)")
     elif worse:
         reason = f"{shown}: even the {side} 95 % bound {_fmt(m, bound)} is {cmp_bad} limit {lim}"
     elif over:

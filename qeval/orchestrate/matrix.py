@@ -359,7 +359,7 @@ def planned_request(ref_store, n_chunks: int, facts: dict, settings: EngineSetti
     against the open reference store over its first n_chunks chunks would measure: known before the model runs,
     so that a saved result answering it is reused."""
     n_ctx = ref_store.header.n_ctx
-    planned = identity.planned_producer(facts, planned_fields(facts, settings, n_ctx), n_ctx, SqrtLogCode().params(),
+    planned = identity.planned_producer(facts, planned_fields(facts, settings, n_ctx), n_ctx, SqrtLogCode().form(),
                                         ref_store.header.scoring)
     return identity.ComparisonRequest(identity.reference_identity(ref_store, n_chunks), planned, n_chunks,
                                       samplers=tuple(sampler.settings_names(samplers)))

@@ -25,6 +25,7 @@ from qeval.present.task_flips import FlipFigures
 from qeval.storage.scoring import Scoring
 
 DEEPEST_KEYS = ("deepest_band", "kld_deepest", "kld_deepest_se")
+BOUND_KEYS = ("kld_mean_bound",)  # the certified bound of the mean KLD (docs/error-bound.md)
 CONTROL_KEYS = ("control", "kld_excess", "within_noise")
 FLOOR_KEYS = ("floor", "kld_over_floor", "kld_over_floor_se", "above_floor")
 
@@ -137,6 +138,11 @@ class BoardRow:
     def kld_mean(self) -> float | None:
         return self.value("kld_mean")
 
+    @property
+    def kld_bound(self) -> MetricValue | None:
+        """The mean KLD as measured, its certified bound in .bound (docs/error-bound.md)."""
+        return self.metrics.get("kld_mean")
+
     def board_values(self) -> list[tuple[Metric, MetricValue | None]]:
         """Every board metric with its value, in column order: metric_registry.board(), then each sampler's."""
         out = [(m, self.metrics.get(m.key)) for m in metric_registry.board()]
@@ -154,6 +160,7 @@ class BoardRow:
             out[m.key] = None if mv is None else mv.value
             if m.has_se:
                 out[m.se_key] = None if mv is None else mv.se
+        out["kld_mean_bound"] = None if self.kld_bound is None else self.kld_bound.bound
         out.update(deepest_band=self.deepest.name if self.deepest else None, **kld_of(self.deepest, "kld_deepest"))
         for name, group in self.segments.items():
             out.update(kld_of(group, f"kld_{name}"))
@@ -278,7 +285,7 @@ def compare_with_control(rows: list[BoardRow]) -> None:
     control = next((r for r in sorted(rows, key=rank_key) if r.control), None)
     for row in rows:
         if control is not None and row is not control:
-            row.kld_excess, row.within_noise = excess_over(row.metrics.get("kld_mean"), control.metrics.get("kld_mean"))
+            row.kld_excess, row.within_noise = excess_over(row.kld_bound, control.kld_bound)
 
 
 def has_control(rows: list[BoardRow]) -> bool:
@@ -297,6 +304,7 @@ def leaderboard_columns(samplers=(), tasks=(), control: bool = False, segments=(
     qeval.present.deployment_board.DeploymentBoard) its speed and memory columns."""
     return (("quant", "quant"), ("KV", "kv"), ("size GiB", "size_gib"), ("BPW", "bpw"),
             *((m.heading + (" ± SE" if m.has_se else ""), m.key) for m in board_metrics(samplers)),
+            ("KLD bound", "kld_mean_bound"),
             *((("KLD over control", "kld_excess"),) if control else ()),
             *((("KLD over floor ± SE", "kld_over_floor"),) if floor else ()),
             ("KLD deepest band ± SE", "kld_deepest"), *((f"KLD {name} ± SE", f"kld_{name}") for name in segments),
@@ -321,6 +329,7 @@ def leaderboard_cells(r: BoardRow, tasks=(), control: bool = False, segments=(),
     held = "" if r.scored_tokens is None else f"{r.scored_tokens:,} ({r.chunks})"
     return [r.label, r.quant, r.kv, _num(r.size_gib, ".3f"), _num(r.bpw, ".2f"),
             *(metric_cell(r, m, mv) for m, mv in r.board_values()),
+            "" if r.kld_bound is None else r.kld_bound.bound_text(),
             *((control_cell(r),) if control else ()), *((floor_cell(r),) if floor else ()), deepest, *(kld_cell(r.segments.get(name)) for name in segments),
             *(r.task_flips[task].cell() if task in r.task_flips else "" for task in tasks),
             *((held, r.stopped or "") if early else ()),
@@ -411,10 +420,16 @@ def _note(m: Metric) -> str:
 
 def notes(samplers=(), tasks=(), control: bool = False, segments=(), floor: bool = False) -> str:
     """What every column means, under the table."""
-    return " ".join([*map(_note, board_metrics(samplers)), *([SEGMENT_NOTE] if segments else []),
+    return " ".join([*map(_note, board_metrics(samplers)), BOUND_NOTE, *([SEGMENT_NOTE] if segments else []),
                      *([task_flips.NOTE] if tasks else []), *([CONTROL_NOTE] if control else []),
                      *([FLOOR_NOTE] if floor else []),
                      "± is one standard error.", PARETO_NOTE])
+
+
+BOUND_NOTE = ("KLD bound: how far the mean KLD can be from the mean KLD of the exact logits llama.cpp computed, "
+              "certified from the error each store measured at capture (docs/error-bound.md); \"not recorded\": a "
+              "store made before qeval measured it (capture it again for a bound). PPL, Δp and same top-1 are exact; "
+              "sampler figures are not bounded.")
 
 
 SEGMENT_NOTE = ("KLD <segment>: mean KLD over the assistant's tokens of that segment (thinking, answer, tool_call) "
@@ -423,9 +438,10 @@ SEGMENT_NOTE = ("KLD <segment>: mean KLD over the assistant's tokens of that seg
 
 
 CONTROL_NOTE = ("KLD over control: mean KLD minus the control's, the reference model recomputed live under another "
-                "batch layout (its KLD is the comparison's own noise floor); (noise): within "
-                f"{NOISE_SIGMAS:g}·sqrt(SE² + SE_control²) of it, indistinguishable from numerical noise. The control "
-                "is on no Pareto front.")
+                "batch layout (its KLD is the comparison's own noise floor, its bound what the stored reference's own "
+                "error allows); (noise): within "
+                f"{NOISE_SIGMAS:g}·sqrt(SE² + SE_control²) plus both KLD bounds of it, indistinguishable from "
+                "numerical noise. The control is on no Pareto front.")
 
 
 FLOOR_NOTE = ("KLD over floor: a KV-cache row's mean KLD minus the floor's, paired on the same tokens (SE over chunks); "

@@ -131,6 +131,7 @@ def record(r: CardRow, bands: tuple[str, ...], tasks: tuple[str, ...], segments:
         out[m.key] = value
         if m.has_se:
             out[m.se_key] = se
+    out["kld_mean_bound"] = None if row.kld_bound is None else row.kld_bound.bound
     out["by_depth"] = {name: boardrows.kld_of(r.bands[name], "kld_mean") for name in bands if name in r.bands}
     if segments:
         out["by_segment"] = {name: boardrows.kld_of(row.segments.get(name), "kld_mean") for name in segments}
@@ -147,7 +148,7 @@ def record(r: CardRow, bands: tuple[str, ...], tasks: tuple[str, ...], segments:
 def header(bands: tuple[str, ...], tasks: tuple[str, ...], control: bool = False, segments: tuple[str, ...] = (),
            floor: bool = False, deployment=None) -> list[str]:
     return ["label", "file", "KV", "size GiB", "BPW", *(m.heading + (" ± SE" if m.has_se else "") for m in card_metrics()),
-            *(["KLD over control"] if control else []), *(["KLD over floor ± SE"] if floor else []),
+            "KLD bound", *(["KLD over control"] if control else []), *(["KLD over floor ± SE"] if floor else []),
             *(f"mean KLD, positions {name} ± SE" for name in bands), *(f"mean KLD, {name} ± SE" for name in segments),
             *(h for h, _ in task_flips.columns(tasks)),
             *(h for h, _ in (deployment.columns() if deployment else ())), "Pareto"]
@@ -158,6 +159,7 @@ def cells(r: CardRow, bands: tuple[str, ...], tasks: tuple[str, ...], control: b
     row = r.row
     return [row.label, row.model_file or "?", row.kv, _fixed(row.size_gib, ".3f"), _fixed(row.bpw, ".2f"),
             *(boardrows.metric_cell(row, m, row.metrics.get(m.key)) for m in card_metrics()),
+            "" if row.kld_bound is None else row.kld_bound.bound_text(),
             *([boardrows.control_cell(row)] if control else []), *([boardrows.floor_cell(row)] if floor else []),
             *(_kld_cell(r.bands.get(name)) for name in bands),
             *(_kld_cell(row.segments.get(name)) for name in segments),
@@ -181,7 +183,7 @@ def table(card: Card) -> str:
 # --------------------------------------------------------------------------------------------------
 NOTE = ("Rows are sorted by mean KLD, KL(reference ‖ quant) in nats per scored token; 99.9% KLD is that percentile "
         "of the per-token KLD; same top-1: share of tokens where both models' most likely token is the same; ± is "
-        "one standard error. " + boardrows.PARETO_NOTE)
+        "one standard error. " + boardrows.BOUND_NOTE + " " + boardrows.PARETO_NOTE)
 
 
 def markdown(card: Card, plot: str = PLOT_FILE, sidecar: str = SIDECAR) -> str:

@@ -83,7 +83,8 @@ class Leaderboard:
         """The columns of the CSV and of the JSON rows (a TVD column per sampler, KLD and SE per segment, flips
         figures per task set)."""
         return ("rank", "label", "quant", "model_file", "type_k", "type_v", "size_gib", "bpw", "memory_estimate_gib",
-                *boardrows.board_keys(self.samplers), *boardrows.DEEPEST_KEYS, *boardrows.segment_keys(self.segments),
+                *boardrows.board_keys(self.samplers), *boardrows.BOUND_KEYS, *boardrows.DEEPEST_KEYS,
+                *boardrows.segment_keys(self.segments),
                 *task_flips.keys(self.tasks),
                 *boardrows.CONTROL_KEYS, *boardrows.FLOOR_KEYS,
                 "pareto", "result", *(("reference", *self.deployment.keys()) if self.deployment else ()))
