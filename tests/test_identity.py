@@ -130,15 +130,21 @@ def test_finished_store_of_another_model_is_refused_then_replaced_atomically(tmp
 
 
 def test_a_store_without_an_error_record_is_another_form(tmp_path, inputs):
-    """A store's form (its code and whether it records its error at capture) is part of its identity: an older
-    store is not taken for this qeval's capture (refused, naming the difference; --force replaces it), and a
-    comparison against one form never stands for a comparison against the other."""
+    """A store's form (its code and whether it records its error at capture) is part of its identity: a complete
+    older store of the capture still stands for it (it reads; its bounds read "not recorded"; --force replaces it),
+    an incomplete one is not resumed in the other form (refused, naming the difference), and a comparison against one
+    form never stands for a comparison against the other."""
     tokens, logits = inputs
     path = tmp_path / "Q8_0.qeval"
     old = write_store(path, tokens, logits, V, code=SqrtLogCode(error=None), label="Q8_0", model=model("A"))
     wanted = make_header(tokens, V, SqrtLogCode(), "Q8_0", model=model("A"))
-    with pytest.raises(StoreConflict, match=r"codec error: none vs \{.*band_width.*\} \(stored vs requested\)"):
+    with pytest.raises(StoreComplete) as done:
         StoreWriter.open(path, wanted, tokens, SqrtLogCode().lut())
+    assert done.value.older_form
+    torn = write_store(tmp_path / "T.qeval", tokens, logits, V, code=SqrtLogCode(error=None), label="Q8_0",
+                       model=model("A"), finish=False)
+    with pytest.raises(StoreConflict, match=r"codec error: none vs \{.*band_width.*\} \(stored vs requested\)"):
+        StoreWriter.open(torn.path, wanted, tokens, SqrtLogCode().lut())
     assert identity.form(old.header) == SqrtLogCode(error=None).params()
     assert identity.form(wanted) == SqrtLogCode().form() != SqrtLogCode().params()
     new = write_store(tmp_path / "NEW.qeval", tokens, logits, V, label="Q8_0", model=model("A"))

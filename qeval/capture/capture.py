@@ -75,8 +75,15 @@ class CaptureResult:
     def summary_line(self) -> str:
         if self.status == "already complete":
             return f"{self.path} is already complete ({self.chunks_total} chunks): nothing to do"
+        if self.status == OLDER_FORM:
+            return (f"{self.path} is already complete ({self.chunks_total} chunks), made before stores recorded their "
+                    "error: comparisons against it show their bounds as not recorded (--force recaptures it with "
+                    "them)")
         return (f"wrote {self.path}: {self.chunks_total} chunks ({self.chunks_written} captured now) "
                 f"in {self.seconds:.1f} s")
+
+
+OLDER_FORM = "already complete, older form"  # a capture's status: its store holds it without an error record
 
 
 @dataclass(frozen=True)
@@ -214,9 +221,9 @@ def capture(spec: CaptureSpec, on_chunk: Callable[[int], None] | None = None,
         out = Path(spec.out)
         try:
             writer = StoreWriter.open(out, header, windows, spec.code.lut(), replace=spec.replace)
-        except StoreComplete:
-            return CaptureResult(out, "already complete", chunk_range[1] - chunk_range[0], 0,
-                                 time.perf_counter() - t0, header)
+        except StoreComplete as done:
+            return CaptureResult(out, OLDER_FORM if done.older_form else "already complete",
+                                 chunk_range[1] - chunk_range[0], 0, time.perf_counter() - t0, header)
         with writer:
             todo = [i for i in range(*chunk_range) if i not in writer.done_chunks]
             if on_start:

@@ -19,6 +19,7 @@ another is written to `<name>.replacing` and renamed over it once complete.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -409,6 +410,8 @@ class StoreWriter:
             return cls._resume(path)
         if complete and _extended_by(path, header, tokens):
             return cls._extension(path, header, tokens, lut)
+        if complete and not replace and header.error and not _conflicts_with(path, replace_error(header), tokens, lut)[0]:
+            raise StoreComplete(path, older_form=True)
         if not replace:
             raise StoreConflict(path, conflicts)
         return cls._replacement(path, header, tokens, lut)
@@ -546,11 +549,13 @@ class StoreWriter:
 
 
 class StoreComplete(Exception):
-    """Raised by StoreWriter.open when the store is already complete (resume is a no-op)."""
+    """Raised by StoreWriter.open when the store is already complete (resume is a no-op). older_form: it holds the
+    capture but was made before stores recorded their error (format version 3 or less): it still reads, its bounds
+    read "not recorded", and only a replacement (--force) records them."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, older_form: bool = False):
         super().__init__(f"{path} is already complete")
-        self.path = path
+        self.path, self.older_form = path, older_form
 
 
 class StoreConflict(MismatchError):
@@ -573,6 +578,11 @@ def _extended_by(path: Path, header: StoreHeader, tokens: np.ndarray) -> bool:
     """Whether the capture `header` of windows `tokens` grows the complete store at `path` (identity.extends)."""
     with StoreReader(path) as old:
         return extends(old.header, old.tokens, header, tokens)
+
+
+def replace_error(header: StoreHeader) -> StoreHeader:
+    """The header of the same capture in the form made before error records (none): what an older store holds."""
+    return dataclasses.replace(header, error={}, format_version=LABELLED_VERSION if header.windows else FORMAT_VERSION)
 
 
 def replacement_path(path: Path) -> Path:
