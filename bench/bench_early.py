@@ -133,7 +133,7 @@ def results_board(directory: str) -> Board:
         token_se.append(mean_se(res.per_token["kld"])[1])
     rows = board.rows
     return Board([r.label for r in rows], np.array(sums), counts, [r.size_gib for r in rows],
-                 [r.memory_gib for r in rows], [r.kv_quant for r in rows], [r.control for r in rows], token_se,
+                 [r.memory_estimate_gib for r in rows], [r.kv_quant for r in rows], [r.control for r in rows], token_se,
                  f"results in {directory}")
 
 

@@ -58,7 +58,7 @@ def ranked(rows: list[dict]) -> list[str]:
 def fronts(rows: list[dict]) -> dict[str, bool]:
     on = ranking.on_fronts([r["kv_quant"] if "kv_quant" in r else r["type_k"] != "f16" for r in rows],
                            [r["control"] for r in rows], [r["size_gib"] for r in rows],
-                           [r["memory_gib"] for r in rows], [r["kld_mean"] for r in rows])
+                           [r["memory_estimate_gib"] for r in rows], [r["kld_mean"] for r in rows])
     return {r["label"]: f for r, f in zip(rows, on)}
 
 

@@ -81,7 +81,7 @@ def make_rows(n_vocab: int, n: int, seed: int) -> Rows:
         builder, rows = ChunkBuilder(0), []
         for start in range(0, n, ENCODE_BLOCK):
             block = code.encode_block(logits[start:start + ENCODE_BLOCK], targets[start:start + ENCODE_BLOCK])
-            builder.add(block.planes, block.logprob_target, block.logprob_max, block.top_ids)
+            builder.add(block.planes, block.logprob_target, block.logprob_max, block.top_ids, block.error)
             rows.append(block.planes)
         chunks.append(builder.finish())
         planes.append(np.concatenate(rows))
@@ -134,7 +134,7 @@ def store_vs_store_kernel(r: Rows) -> Work:
 
 def live_row(r: Rows) -> Work:
     sums = np.empty(N_SUMS)
-    scratch = np.empty((2, r.n_vocab), dtype=np.float32)
+    scratch = np.empty((2, r.n_vocab), dtype=np.float64)
 
     def work() -> None:
         for k in range(len(r.targets)):

@@ -77,7 +77,7 @@ def main() -> None:
         block = code.encode_block(logits, targets)
         floors.append(exact_kld(log_softmax64(logits), decoded_logprobs(block.codes, code.lut())))
         builder = ChunkBuilder(c)
-        builder.add(block.planes, block.logprob_target, block.logprob_max, block.top_ids)
+        builder.add(block.planes, block.logprob_target, block.logprob_max, block.top_ids, block.error)
         sizes.append(len(builder.finish().codes_zst) + 8 * 2 * len(logits) + 4 * 10 * len(logits))
         exact_target = log_softmax64(logits)[np.arange(len(targets)), targets]
         out.setdefault("max_abs_err_logprob_target", 0.0)
@@ -133,7 +133,7 @@ def _chunk(index: int, logits: np.ndarray, window: np.ndarray, code: SqrtLogCode
     builder = ChunkBuilder(index)
     for s in range(0, len(logits), 16):
         b = code.encode_block(logits[s:s + 16], targets[s:s + 16])
-        builder.add(b.planes, b.logprob_target, b.logprob_max, b.top_ids)
+        builder.add(b.planes, b.logprob_target, b.logprob_max, b.top_ids, b.error)
     return builder.finish()
 
 
@@ -146,7 +146,7 @@ def encode_speed(logits: np.ndarray, targets: np.ndarray, code: SqrtLogCode) -> 
             builder = ChunkBuilder(0, compressor=zstd_compressor(threads))
             for blk in pool.map(lambda s: code.encode_block(logits[s:s + 16], targets[s:s + 16]),
                                 range(0, len(logits), 16)):
-                builder.add(blk.planes, blk.logprob_target, blk.logprob_max, blk.top_ids)
+                builder.add(blk.planes, blk.logprob_target, blk.logprob_max, blk.top_ids, blk.error)
             builder.finish()
             result[f"{threads}_threads"] = len(logits) / (time.perf_counter() - t)
     return result

@@ -28,7 +28,7 @@ from qeval.orchestrate.matrix import (  # noqa: F401 - public
     pair_settings,
     parse_model_arg,
 )
-from qeval.orchestrate.sources import compare, is_model_file, open_source  # noqa: F401 - public here as before
+from qeval.orchestrate.sources import compare, is_model_file, measure, open_source  # noqa: F401 - public here as before
 from qeval.present import report, results
 from qeval.present.progress import PlannedProgress, progress_bar, say
 from qeval.storage import runs
@@ -48,22 +48,27 @@ def kld_report(ref: str, cand: str, chunks: int | None = None, runs_dir=None, th
     (qeval.orchestrate.deploy), saved as the record of its label (`save`, else the file's stem) on this machine."""
     depth.parse_bands(bands, 1 << 40)  # a bad --bands is refused before any work
     rows = _kld_deploy_rows(cand, save, settings, deploy)
-    cmp = compare(ref, cand, chunks, runs_dir, threads, settings, save, progress, on_chunk, force, samplers,
+    res = measure(ref, cand, chunks, runs_dir, threads, settings, save, progress, on_chunk, force, samplers,
                   save_result)
-    if save_result:
-        results.save_result(cmp, runs.runs_dir(runs_dir) / results.RESULTS_SUBDIR)
+    if save_result and res.comparison is not None:
+        results.save_result(res.comparison, runs.runs_dir(runs_dir) / results.RESULTS_SUBDIR)
     if per_token is not None:
         try:
-            report.write_per_token(cmp, Path(per_token))
+            report.write_per_token(res.per_token, res.summary.labels, Path(per_token))
         except OSError as exc:
             raise QevalError(f"cannot write --per-token file {per_token}: {exc.strerror}") from None
-    summary = summarize(cmp, depth.parse_bands(bands, cmp.ref.header.n_ctx))
-    result, text = summary.to_json(), report.comparison_text(summary)
+    bounds = depth.parse_bands(bands, res.summary.reference.n_ctx)
+    summary = summarize(res.comparison, bounds) if res.comparison is not None else \
+        results.recomputed(res.summary, res.per_token, bounds) if bands else res.summary
+    out = summary.to_json()
+    if res.note:  # how the figures were obtained, when a saved result stood in (qeval.orchestrate.candidates)
+        out["obtained"] = [res.note]
+    text = "\n".join(filter(None, [res.note, report.comparison_text(summary)]))
     if not rows:
-        return result, text
+        return out, text
     measured = deploy_run.measure_rows(rows, deploy_spec(deploy), runs.runs_dir(runs_dir),
                                        say=lambda line: say(line, progress))
-    return {**result, "deployment": measured.to_json()}, text + "\n\n" + measured.text()
+    return {**out, "deployment": measured.to_json()}, text + "\n\n" + measured.text()
 
 
 def deploy_spec(spec) -> "deploy_run.DeploySpec":
@@ -360,20 +365,35 @@ def merge_report(parts: list[Path], out: Path, label: str | None = None, progres
     return merge(parts, out, label=label, progress=progress)
 
 
-def leaderboard_report(runs: list[Path], out: Path, title: str | None = None):
-    """The leaderboard of saved results, written under `out` (markdown, CSV, JSON, HTML, plots)."""
-    from qeval.present import leaderboard  # noqa: PLC0415 - matplotlib loads only for boards
+def leaderboard_report(runs: list[Path], out: Path, title: str | None = None, machine: str | None = None):
+    """The leaderboard of saved results, written under `out` (markdown, CSV, JSON, HTML, plots), with the speed and
+    memory measured beside them: this machine's, or `machine`'s (a machine id or its first digits)."""
+    from qeval.orchestrate import boards  # noqa: PLC0415 - matplotlib loads only for boards
 
-    return leaderboard.leaderboard(runs, out=out, title=title)
+    return boards.leaderboard(runs, out=out, title=title, machine=machine)
 
 
 def card_report(runs: list[Path], out: Path = Path("card"), merge: Path | None = None,
-                title: str | None = None) -> tuple[dict, str]:
+                title: str | None = None, machine: str | None = None) -> tuple[dict, str]:
     """A model-card block of saved results (table, Pareto plot, provenance, JSON sidecar) written under `out`;
-    with `merge`, also put between the card markers of that markdown file (qeval.present.card)."""
-    from qeval.present import card  # noqa: PLC0415 - matplotlib loads only for cards and boards
+    with `merge`, also put between the card markers of that markdown file (qeval.present.card); speed and memory
+    as leaderboard_report."""
+    from qeval.orchestrate import boards  # noqa: PLC0415 - matplotlib loads only for cards and boards
 
-    return card.report(runs, out=out, merge=merge, title=title)
+    return boards.card(runs, out=out, merge=merge, title=title, machine=machine)
+
+
+def choose_report(runs: list[Path], memory: str | float | None = None, context: str | int | None = None,
+                  min_tg: str | float | None = None, depth: str | int | None = None, by: str = "kld_mean",
+                  machine: str | None = None) -> tuple[dict, str]:
+    """The deployment question over the board of saved results: the best quality (`by`, a board metric; mean KLD)
+    that fits `memory` (GiB, or a size with a unit: "8GiB") at deployment context `context` and generates at least
+    `min_tg` tokens/s at depth `depth`, on this machine or `machine`, from measured figures only; every other row
+    named with why it is ruled out (qeval.compare.deployment_choice)."""
+    from qeval.compare.deployment_choice import Question  # noqa: PLC0415
+    from qeval.orchestrate import boards  # noqa: PLC0415
+
+    return boards.choose(runs, Question.parse(memory, context, min_tg, depth, by), machine=machine)
 
 
 def paired_report(ref: str, cand_a: str, cand_b: str, chunks: int | None = None, runs_dir=None, method: str = "t",

@@ -357,14 +357,19 @@ def demo(
     _emit(result, text, as_json)
 
 
+Machine = typer.Option(None, "--machine", help="Whose speed and memory to show: a machine id or its first digits, as in the records' file names (default: this machine's; another machine's figures are always listed apart).")
+
+
 @app.command("leaderboard")
 def leaderboard_cmd(
     run: list[Path] = typer.Argument(..., metavar="RUN", help="Result JSON files, or directories of them (a runs dir or its results/)."),
     out: Path = typer.Option(Path("leaderboard"), "--out", "-o", help="Output directory."),
     title: Optional[str] = typer.Option(None, "--title", help="Page and markdown heading."),
+    machine: Optional[str] = Machine,
 ):
-    """Leaderboard of saved results: markdown for a model card, CSV, JSON, HTML page and plots (PNG + SVG)."""
-    board = api.leaderboard_report(run, out=out, title=title)
+    """Leaderboard of saved results: markdown for a model card, CSV, JSON, HTML page and plots (PNG + SVG), with
+    the speed and memory measured beside them."""
+    board = api.leaderboard_report(run, out=out, title=title, machine=machine)
     typer.echo(board.markdown())
     typer.echo("wrote " + ", ".join(str(p) for p in board.paths.values()))
 
@@ -375,10 +380,29 @@ def card_cmd(
     out: Path = typer.Option(Path("card"), "--out", "-o", help="Output directory: card.md, card.json, kld_vs_size.png."),
     merge: Optional[Path] = typer.Option(None, "--merge", help="Markdown file (a model card's README.md) to put the block into, between its qeval-card markers (appended when it has none); nothing else in it changes."),
     title: Optional[str] = typer.Option(None, "--title", help="The block's heading."),
+    machine: Optional[str] = Machine,
     as_json: bool = Json,
 ):
     """Model-card block: a table per quant, the KLD-vs-size Pareto plot, provenance, and a JSON sidecar."""
-    result, text = api.card_report(run, out=out, merge=merge, title=title)
+    result, text = api.card_report(run, out=out, merge=merge, title=title, machine=machine)
+    _emit(result, text, as_json)
+
+
+@app.command("choose")
+def choose_cmd(
+    run: list[Path] = typer.Argument(..., metavar="RUN", help="Result JSON files, or directories of them (a runs dir or its results/), with speed and memory measured beside them."),
+    memory: Optional[str] = typer.Option(None, "--memory", help="The memory it must fit in: GiB (8, 7.5) or a size with a unit (8GiB, 8000MiB, 8GB). With --context."),
+    context: Optional[str] = typer.Option(None, "--context", help="The deployment context the memory is read at, in tokens (32768 or 32k); one that was measured."),
+    min_tg: Optional[str] = typer.Option(None, "--min-tg", help="The generation speed it must reach, tokens/s. With --depth."),
+    depth: Optional[str] = typer.Option(None, "--depth", help="The depth (tokens already in the context) the generation speed is read at; one that was measured."),
+    by: str = typer.Option("kld_mean", "--by", help="The quality to maximise: a board metric (mean KLD, lower is better, by default)."),
+    machine: Optional[str] = Machine,
+    as_json: bool = Json,
+):
+    """The best quality that fits M GiB at context C and generates at least S tokens/s at depth D, from measured
+    figures only (no interpolation); every other row named with why it is ruled out."""
+    result, text = api.choose_report(run, memory=memory, context=context, min_tg=min_tg, depth=depth, by=by,
+                                     machine=machine)
     _emit(result, text, as_json)
 
 

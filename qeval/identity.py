@@ -8,7 +8,8 @@ an old label is not.
 
   producer(header)          how a store's logits were made: the model (its content fingerprint), KV
                             cache types, their rotation and flash attention, the decode mode, n_ctx,
-                            the batch sizes (llama.cpp's batch shape can move logits), the code, and
+                            the batch sizes (llama.cpp's batch shape can move logits), the stored form
+                            (form(): the code and whether it records its error at capture), and
                             llama.cpp's numerics (qeval.engine.numerics: build, environment, layers
                             offloaded). Not threads or decode-ahead: those do not choose what is
                             computed. A store from before numerics were recorded holds NOT_RECORDED:
@@ -36,7 +37,8 @@ import numpy as np
 # whenever a change there moves a number: results of another version are then recomputed or refused,
 # never shown. 2: results hold the "metrics" block of qeval.compare.metric_registry.
 # 3: per-token "position" is the logit position; summaries hold "by_depth".
-METRICS_VERSION = 3
+# 4: every metric holds its certified bound (docs/error-bound.md); live candidates in float64 (their NLL exact).
+METRICS_VERSION = 4
 
 # How identity fields read in messages (anything else reads as its own name).
 _NAMES = {"kv": "KV", "tokens_sha256": "token ids sha256", "tokenizer_sha256": "tokenizer",
@@ -63,20 +65,27 @@ def model_identity(facts: dict, source: str, label: str) -> dict:
     return {"source": source, "label": label, "facts": facts}
 
 
+def form(header) -> dict:
+    """A store's stored form: its code and, for a store that records its error (format version 4), the record's
+    bands. A store made before error records holds its code alone, so its identity is what it was; a result made
+    against one form is never reused for another."""
+    return {**header.codec, "error": header.error} if header.error else header.codec
+
+
 def producer(header) -> dict:
     """How the logits of a store (StoreHeader) were made."""
     n_batch = header.capture.get("n_batch")
     return {"model": model_identity(header.model, header.source, header.label), "kv": header.kv,
             "n_ctx": header.n_ctx, "n_batch": n_batch,
             # stores from before n_ubatch was recorded decoded one physical batch per call
-            "n_ubatch": header.capture.get("n_ubatch", n_batch), "codec": header.codec, "scoring": header.scoring,
+            "n_ubatch": header.capture.get("n_ubatch", n_batch), "codec": form(header), "scoring": header.scoring,
             "numerics": header.capture.get("numerics", NOT_RECORDED)}
 
 
 def planned_producer(model_facts: dict, planned: dict, n_ctx: int, codec: dict, scoring: str = "half") -> dict:
     """producer() of the store a run of the GGUF model whose facts (qeval.engine.modelinfo.model_facts) are
     `model_facts` would write, `planned` being what its settings make of the KV block, numerics and batch sizes
-    (qeval.engine.engine.planned_fields)."""
+    (qeval.engine.engine.planned_fields); `codec`: the form it stores (form(), SqrtLogCode.form())."""
     planned = {"model": model_identity(model_facts, "qeval", ""), "kv": planned["kv"], "n_ctx": n_ctx,
                "n_batch": planned["n_batch"], "n_ubatch": planned["n_ubatch"], "codec": codec, "scoring": scoring,
                "numerics": planned["numerics"]}
@@ -122,6 +131,18 @@ def holds_windows(header, tokens: np.ndarray, wanted: range, wanted_tokens: np.n
     return (header.chunk_start <= wanted.start and wanted.stop <= header.chunk_stop and n <= header.n_chunks
             and np.array_equal(tokens[:n], wanted_tokens)
             and window_labels_identity(header, n) == window_labels_identity(wanted_header, n))
+
+
+def extends(old, old_tokens: np.ndarray, new, new_tokens: np.ndarray) -> bool:
+    """Whether the capture `new` is the capture of the complete store `old` over more windows: the same producer,
+    vocab and tokenizer, a whole capture (no shard) either, and the old windows (and their labels) the first of the
+    new. Such a store grows: its chunks are kept and only the new windows are run (qeval.storage.store)."""
+    a, b = capture_identity(old), capture_identity(new)
+    n = old.n_chunks
+    return (all(a.get(name) == b.get(name) for name in {**a, **b} if name not in _WINDOW_FIELDS)
+            and old.chunk_range == range(0, n) and new.chunk_range == range(0, new.n_chunks) and new.n_chunks > n
+            and np.array_equal(old_tokens, new_tokens[:n])
+            and window_labels_identity(old, n) == window_labels_identity(new, n))
 
 
 def capture_conflicts(old, old_tokens: np.ndarray, old_complete: bool, new, new_tokens: np.ndarray) -> list[str]:
@@ -246,8 +267,9 @@ class ComparisonRequest:
 
 
 # What a control may change in the reference's producer: only the batch shapes, which move llama.cpp's logits
-# slightly and choose nothing about the model: what they move is the noise floor of every comparison.
-CONTROL_FREE = ("n_batch", "n_ubatch")
+# slightly and choose nothing about the model: what they move is the noise floor of every comparison; and the stored
+# form ("codec": a live control is never stored, and a reference made before error records is still its reference).
+CONTROL_FREE = ("n_batch", "n_ubatch", "codec")
 # What the floor row may change besides: the kernel path llama.cpp takes for the same cache (flash attention, one token
 # per call or prompt batches). Its KLD is what llama.cpp's own numerics cost, the floor a KV quant's cost stands on.
 FLOOR_KV_FREE = ("flash_attn", "decode")

@@ -108,7 +108,8 @@ def make_header(tokens: np.ndarray, n_vocab: int, code: SqrtLogCode, label: str 
     n_chunks, n_ctx = tokens.shape
     start, stop = chunk_range or (0, n_chunks)
     return StoreHeader(n_vocab=n_vocab, n_ctx=n_ctx, n_chunks=n_chunks, chunk_start=start, chunk_stop=stop,
-                       tokens_sha256=tokens_sha256(tokens), label=label, codec=code.params(), **extra)
+                       tokens_sha256=tokens_sha256(tokens), label=label, codec=code.params(),
+                       error=code.error_spec(), **extra)
 
 
 def build_chunk(index: int, logits: np.ndarray, targets: np.ndarray, code: SqrtLogCode, block: int = 5):
@@ -116,7 +117,7 @@ def build_chunk(index: int, logits: np.ndarray, targets: np.ndarray, code: SqrtL
     builder = ChunkBuilder(index)
     for s in range(0, len(logits), block):
         enc = code.encode_block(logits[s:s + block], targets[s:s + block])
-        builder.add(enc.planes, enc.logprob_target, enc.logprob_max, enc.top_ids)
+        builder.add(enc.planes, enc.logprob_target, enc.logprob_max, enc.top_ids, enc.error)
     return builder.finish()
 
 

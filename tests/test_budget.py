@@ -23,13 +23,15 @@ from qeval.storage.scoring import HALF
 
 Usage = namedtuple("Usage", "total used free")
 # the store format's figures (docs/store-format.md): 132,203 bytes per scored token at a 262,144 vocab, 56 of them
-# the two float64 log-probs and ten int32 top ids; per store its int32 tokens and the 65,536-entry float32 table
-PER_TOKEN_262K, FIXED_PER_ROW, TABLE = 132_203, 56, 65_536 * 4
+# the two float64 log-probs and ten int32 top ids; since version 4 its error record too: two float64 and a float32
+# min and max for each of 32 bands (272 bytes), and 40 bytes of an ERRS record per piece of <= 256 rows, counted as
+# one byte a row; per store its int32 tokens and the 65,536-entry float32 table
+PER_TOKEN_262K, FIXED_PER_ROW, ERROR_PER_ROW, TABLE = 132_203, 56, 16 + 32 * 8 + 1, 65_536 * 4
 
 
 def store_bytes(windows: int, n_ctx: int, rows: int, n_vocab: int) -> int:
     per_entry = (PER_TOKEN_262K - FIXED_PER_ROW) / 262_144
-    return math.ceil(TABLE + 4 * windows * n_ctx + rows * (FIXED_PER_ROW + n_vocab * per_entry))
+    return math.ceil(TABLE + 4 * windows * n_ctx + rows * (FIXED_PER_ROW + ERROR_PER_ROW + n_vocab * per_entry))
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ from conftest import assert_cli_error, make_pair, perturb, run_cli, synth_logits
 from qeval import api
 from qeval.compare import depth
 from qeval.errors import QevalError
+from qeval.storage.codec import SqrtLogCode
 from qeval.storage.scoring import Scoring
 from qeval.storage.store import StoreReader
 
@@ -133,7 +134,8 @@ def test_format_version_1_reads_as_half(tmp_path):
     rng = np.random.default_rng(5)
     tokens = rng.integers(0, 300, size=(2, 16)).astype(np.int32)
     logits = synth_logits(rng, tokens, 300)
-    old = write_store(tmp_path / "OLD.qeval", tokens, logits, 300, label="OLD", format_version=1)
+    old = write_store(tmp_path / "OLD.qeval", tokens, logits, 300, label="OLD", format_version=1,
+                      code=SqrtLogCode(error=None))
     write_store(tmp_path / "NEW.qeval", tokens, logits, 300, label="NEW")
     raw = old.path.read_bytes()
     assert raw[8:12] == (1).to_bytes(4, "little") and b'"scoring"' not in raw[:4096]

@@ -121,6 +121,21 @@ def test_cli_max_abs_dp_p95(runs):
     assert fail.returncode == 1 and "FAIL  max-abs-dp-p95" in fail.stdout
 
 
+def test_max_kld_bound_is_compared_directly_and_needs_a_record(runs, tmp_path):
+    """The certified bound of the mean KLD (docs/error-bound.md) held to a limit: a bound is no estimate, so it is
+    compared directly; a store without an error record cannot be judged on it (exit 2, saying why)."""
+    bound = results.load_result(runs / "results" / "B.vs.REF.json").summary.metrics["kld_mean_bound"].value
+    assert 0 < bound < 1e-3
+    ok = run_check(runs, "--cand", "B", "--max-kld-bound", bound * 1.01)
+    assert ok.returncode == 0 and "PASS  max-kld-bound" in ok.stdout and "compared directly" in ok.stdout
+    fail = run_check(runs, "--cand", "B", "--max-kld-bound", bound * 0.99)
+    assert fail.returncode == 1 and "FAIL  max-kld-bound" in fail.stdout
+    s = summary()
+    s.metrics["kld_mean_bound"] = s.metrics["kld_mean"].__class__(math.nan)  # as a store without a record gives it
+    with pytest.raises(QevalError, match="records no error"):
+        gate.run_checks(s, max_kld_bound=1e-4)
+
+
 def run_check(runs, *args):
     res = run_cli("check", "--ref", "REF", "--runs-dir", runs, *args)
     assert "Traceback" not in res.stderr, res.stderr

@@ -129,6 +129,31 @@ def test_finished_store_of_another_model_is_refused_then_replaced_atomically(tmp
         StoreWriter.open(path, wanted, tokens, code.lut())
 
 
+def test_a_store_without_an_error_record_is_another_form(tmp_path, inputs):
+    """A store's form (its code and whether it records its error at capture) is part of its identity: a complete
+    older store of the capture still stands for it (it reads; its bounds read "not recorded"; --force replaces it),
+    an incomplete one is not resumed in the other form (refused, naming the difference), and a comparison against one
+    form never stands for a comparison against the other."""
+    tokens, logits = inputs
+    path = tmp_path / "Q8_0.qeval"
+    old = write_store(path, tokens, logits, V, code=SqrtLogCode(error=None), label="Q8_0", model=model("A"))
+    wanted = make_header(tokens, V, SqrtLogCode(), "Q8_0", model=model("A"))
+    with pytest.raises(StoreComplete) as done:
+        StoreWriter.open(path, wanted, tokens, SqrtLogCode().lut())
+    assert done.value.older_form
+    torn = write_store(tmp_path / "T.qeval", tokens, logits, V, code=SqrtLogCode(error=None), label="Q8_0",
+                       model=model("A"), finish=False)
+    with pytest.raises(StoreConflict, match=r"codec error: none vs \{.*band_width.*\} \(stored vs requested\)"):
+        StoreWriter.open(torn.path, wanted, tokens, SqrtLogCode().lut())
+    assert identity.form(old.header) == SqrtLogCode(error=None).params()
+    assert identity.form(wanted) == SqrtLogCode().form() != SqrtLogCode().params()
+    new = write_store(tmp_path / "NEW.qeval", tokens, logits, V, label="Q8_0", model=model("A"))
+    cand = write_store(tmp_path / "C.qeval", tokens, {c: perturb(np.random.default_rng(c), x, 0.3)
+                                                       for c, x in logits.items()}, V, label="C", model=model("B"))
+    with StoreReader(old.path) as a, StoreReader(new.path) as b, StoreReader(cand.path) as c:
+        assert identity.comparison_request(a, c, N).key != identity.comparison_request(b, c, N).key
+
+
 def test_interrupted_store_of_another_capture_is_refused_not_resumed(tmp_path, inputs):
     tokens, logits = inputs
     code = SqrtLogCode()
@@ -156,8 +181,10 @@ def test_finished_store_answers_for_fewer_chunks_of_the_same_windows_only(tmp_pa
     with pytest.raises(StoreConflict, match=r"token windows differ: it holds chunks 0:4 of 4"):
         StoreWriter.open(path, make_header(other, V, code, model=model("A")), other, code.lut())
     more = np.concatenate([tokens, other])
-    with pytest.raises(StoreConflict, match=r"chunks 0:6 of 6 .* were asked for"):
-        StoreWriter.open(path, make_header(more, V, code, model=model("A")), more, code.lut())
+    with StoreWriter.open(path, make_header(more, V, code, model=model("A")), more, code.lut()) as grower:
+        assert grower.done_chunks == {0, 1, 2, 3}  # the same capture over more windows grows (tests/test_store.py)
+    with pytest.raises(StoreConflict, match=r"chunks 0:6 of 6 .* were asked for"):  # another model's does not
+        StoreWriter.open(path, make_header(more, V, code, model=model("B")), more, code.lut())
 
 
 # --------------------------------------------------------------------------------------------------

@@ -66,13 +66,13 @@ def test_pair_sums_logits_match_float64_reference(n_vocab):
     lq = log_softmax64(np.maximum(q.astype(np.float64) - q.max(axis=1, keepdims=True), floor))
     assert (lq.min(axis=1) > -np.inf).all() and (n_vocab < 5 or np.isinf(q).any())  # masks need 5+ entries
     out = np.full((6, N_SUMS), np.nan)
-    scratch = np.empty((2, n_vocab), dtype=np.float32)
+    scratch = np.empty((2, n_vocab), dtype=np.float64)
     for t in range(6):
         pair_sums_logits(codes_to_planes(cp[t:t + 1])[0], q[t], *decode_tables(code.lut()), out[t], scratch)
     fwd, rev = kld_from_sums(out)
-    # exp and l_q in float32 (1e-7 relative each): KLD within 1e-5 relative, far inside the code's 4e-7 nats
-    np.testing.assert_allclose(fwd, kld64(lp, lq), rtol=1e-5, atol=1e-10)
-    np.testing.assert_allclose(rev, kld64(lq, lp), rtol=1e-5, atol=1e-10)
+    # l_q and exp(l_q) in float64, as the truth: KLD to float64 rounding
+    np.testing.assert_allclose(fwd, kld64(lp, lq), rtol=1e-9, atol=1e-13)
+    np.testing.assert_allclose(rev, kld64(lq, lp), rtol=1e-9, atol=1e-13)
     assert fwd.mean() > 1e-3  # the rows really differ
 
 
@@ -82,7 +82,7 @@ def test_pair_sums_logits_refuse_nan_rows():
     for bad in ([np.nan, 0, 1, 2, 3, 4, 5, 6], [-np.inf] * 8):
         with pytest.raises(BadLogits):
             pair_sums_logits(planes, np.array(bad, dtype=np.float32), *decode_tables(code.lut()), np.empty(N_SUMS),
-                             np.empty((2, 8), dtype=np.float32))
+                             np.empty((2, 8), dtype=np.float64))
 
 
 def test_pair_sums_with_two_different_code_tables():
@@ -135,7 +135,7 @@ def test_pair_sums_columns_are_the_documented_sums():
     ep, eq = np.exp(lp), np.exp(lq)
     expected = np.stack([ep.sum(1), eq.sum(1), (ep * lp).sum(1), (ep * lq).sum(1), (eq * lq).sum(1),
                          (eq * lp).sum(1)], axis=1)
-    np.testing.assert_allclose(out, expected, rtol=1e-12)
+    np.testing.assert_allclose(out[:, :6], expected, rtol=1e-12)
 
 
 def test_planes_round_trip():

@@ -193,7 +193,7 @@ def test_a_tvd_column_per_sampler_every_result_holds(tmp_path):
         csv_rows = {r["label"]: r for r in csv.DictReader(fh)}
     doc = json.loads(board.paths["leaderboard.json"].read_text())
     i = doc["columns"].index(key)
-    assert doc["columns"][i:i + 3] == [key, f"{key}_se", "deepest_band"]
+    assert doc["columns"][i:i + 3] == [key, f"{key}_se", "kld_mean_bound"]
     json_rows = {r["label"]: r for r in doc["rows"]}
     md = board.paths["leaderboard.md"].read_text()
     table = [line for line in md.splitlines() if line.startswith("| ")]
@@ -232,15 +232,15 @@ def test_pareto_fronts_of_the_synthetic_board(board):
     assert board.pareto == ["Q2_K", "Q4_0", "Q8_0", "Q4_0+kv-q8_0"]
     rows = {r.label: r for r in board.rows}
     kv_bytes = N_CTX * (1024 + 512) * 34 / 32  # q8_0 keeps 32 values in 34 bytes
-    assert rows["Q4_0+kv-q8_0"].memory_gib == round(0.60 + kv_bytes / 2**30, 4)
-    assert rows["Q4_0"].memory_gib == round(0.60 + N_CTX * (1024 + 512) * 2 / 2**30, 4)
+    assert rows["Q4_0+kv-q8_0"].memory_estimate_gib == round(0.60 + kv_bytes / 2**30, 4)
+    assert rows["Q4_0"].memory_estimate_gib == round(0.60 + N_CTX * (1024 + 512) * 2 / 2**30, 4)
     assert [r.kv_quant for r in board.rows].count(True) == 1
     assert "✓ KV" in board.markdown()
 
 
 def _row(label: str, size: float, memory: float, kld: float, kv_quant: bool) -> BoardRow:
     return BoardRow(label, "?", "?", None, None, None, size, None, {"kld_mean": MetricValue(kld, 0.0)}, {}, None,
-                    kv_quant=kv_quant, memory_gib=memory)
+                    kv_quant=kv_quant, memory_estimate_gib=memory)
 
 
 def test_kv_cache_quants_never_compete_on_file_size():

@@ -208,6 +208,18 @@ def test_a_killed_pair_resumes_to_the_uninterrupted_numbers(replayed, uninterrup
     assert not partial.exists()  # the result holds it all now
 
 
+def test_more_chunks_grow_the_reference_and_extend_each_saved_result(replayed, uninterrupted, tmp_path, decoded):
+    """A matrix run again over more chunks (the demo after --chunks 3) runs only the new windows: the reference store
+    grows and each pair's saved result seeds its checkpoint, to the numbers of a run over every chunk at once."""
+    run(replayed, tmp_path, chunks=3)
+    decoded.clear()
+    _, text = run(replayed, tmp_path)
+    assert f"A: 3 of {N} chunks reused from its saved result" in text and "B: 3 of" in text
+    assert decoded == {"R": N - 3, "A": N - 3, "B": N - 3}
+    for label in ("A", "B"):
+        assert_same_result(tmp_path, uninterrupted, label)
+
+
 def test_a_checkpoint_of_another_request_is_never_resumed(replayed, tmp_path, monkeypatch, decoded):
     run_killed(replayed, tmp_path, "B", 2)
     decoded.clear()

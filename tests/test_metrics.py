@@ -277,9 +277,9 @@ def test_uncoded_candidate_rows_match_float64(tmp_path):
         lp = decoded_logprobs(pair.ref.chunks[c].codes(3000), pair.ref.lut)
         x = pair.cand.logits[c].astype(np.float32).astype(np.float64)
         lq = log_softmax64(np.maximum(x - x.max(axis=1, keepdims=True), floor))
-        np.testing.assert_allclose(t["kld"][rows], kld64(lp, lq), rtol=1e-5, atol=1e-10)
+        np.testing.assert_allclose(t["kld"][rows], kld64(lp, lq), rtol=1e-9, atol=1e-13)
         tgt = pair.ref.targets(c)
-        np.testing.assert_allclose(t["nll_cand"][rows], -log_softmax64(x)[np.arange(len(tgt)), tgt], atol=1e-6)
+        np.testing.assert_allclose(t["nll_cand"][rows], -log_softmax64(x)[np.arange(len(tgt)), tgt], atol=1e-12)
         np.testing.assert_array_equal(t["same_top1"][rows], lp.argmax(axis=1) == x.argmax(axis=1))
     assert t["kld"].mean() > 1e-3
 

@@ -97,7 +97,7 @@ def test_a_header_scores_by_labels_exactly_when_it_holds_them(labelled):
     directory = labelled[0]
     with StoreReader(directory / "REF.qeval") as store:
         d = store.header.to_json()
-    assert d["format_version"] == 3 and "n_scored" not in d
+    assert d["format_version"] == 4 and "n_scored" not in d  # labels and an error record
     StoreHeader.from_json(d, "x")
     for change, message in ((lambda h: h.__setitem__("scoring", "half"), "--score half"),
                             (lambda h: h.pop("windows"), "without per-token labels"),
@@ -114,7 +114,8 @@ def test_labelled_store_holds_a_row_per_labelled_token_and_resumes(labelled, tmp
         for c in range(N_CHUNKS):
             assert store.read_chunk(c).n_tokens == len(plain_positions(labels[c])) == store.header.n_scored_of(c)
         header, lut, chunks = store.header, store.lut, [store.read_chunk(c) for c in range(2)]
-        chunks = [type(c)(c.index, c.logprob_target, c.logprob_max, c.top_ids, bytes(c.codes_zst)) for c in chunks]
+        chunks = [type(c)(c.index, c.logprob_target, c.logprob_max, c.top_ids, bytes(c.codes_zst), error=c.error)
+                  for c in chunks]
     path = tmp_path / "part.qeval"
     with StoreWriter.open(path, header, tokens, lut) as w:
         w.write_chunk(chunks[0])

@@ -36,6 +36,7 @@ from qeval.storage.store import (
     StoreHeader,
     StoreReader,
     StoreWriter,
+    replacement_path,
     tokens_sha256,
 )
 
@@ -93,7 +94,7 @@ def test_header_json_and_file_layout(tmp_path, inputs):
     store = write_store(tmp_path / "a.qeval", tokens, logits, N_VOCAB)
     data = store.path.read_bytes()
     magic, version, zero = struct.unpack_from("<8sII", data, 0)
-    assert (magic, version, zero) == (MAGIC, 2, 0)
+    assert (magic, version, zero) == (MAGIC, 4, 0)
     pos, records = 16, []
     end_magic, index_offset = struct.unpack_from("<8sQ", data, len(data) - 16)
     assert end_magic == TRAILER_MAGIC
@@ -106,10 +107,12 @@ def test_header_json_and_file_layout(tmp_path, inputs):
         pos += 16 + n + 8
     assert pos == len(data) - 16
     tags = [t for t, _, _ in records]
-    assert tags == [b"HEAD", b"TOKS", b"LUT_"] + [b"CHNK"] * N_CHUNKS + [b"INDX"]
+    assert tags == [b"HEAD", b"TOKS", b"LUT_"] + [b"CHNK", b"ERRS"] * N_CHUNKS + [b"INDX"]
     assert records[-1][1] == index_offset
     head = json.loads(records[0][2])
-    assert head["n_scored"] == 7 and head["first_scored"] == 8 and head["format_version"] == 2 and head["scoring"] == "half"
+    assert head["n_scored"] == 7 and head["first_scored"] == 8 and head["format_version"] == 4
+    assert head["scoring"] == "half"
+    assert head["error"] == {"bands": 32, "band_width": 1.0} and "windows" not in head
     assert head["tokens_sha256"] == tokens_sha256(tokens)
     np.testing.assert_array_equal(np.frombuffer(records[1][2], "<i4").reshape(N_CHUNKS, N_CTX), tokens)
     index = np.frombuffer(records[-1][2], dtype=[("c", "<u4"), ("z", "<u4"), ("off", "<u8")])
@@ -126,6 +129,28 @@ def test_header_json_and_file_layout(tmp_path, inputs):
     planes = np.frombuffer(raw, np.uint8).reshape(n, 2, N_VOCAB)
     codes = (planes[:, 0].astype(np.uint16) << 8) | planes[:, 1]
     np.testing.assert_array_equal(codes, store.chunks[0].codes(N_VOCAB))
+    # an ERRS payload: u32 index, n, K, first row, f64 KL(exact || stored), f64 log-normaliser of the stored row,
+    # f32 lo and hi per band
+    errs = records[4][2]
+    assert struct.unpack_from("<IIII", errs, 0) == (0, 7, 32, 0) and len(errs) == 16 + 2 * 8 * 7 + 2 * 4 * 7 * 32
+    kl, log_norm = (np.frombuffer(errs, "<f8", 7, 16 + 56 * k) for k in (0, 1))
+    lo, hi = (np.frombuffer(errs, "<f4", 7 * 32, 16 + 112 + k * 4 * 7 * 32).reshape(7, 32) for k in (0, 1))
+    exact = log_softmax64(store.logits[0])
+    lut = np.frombuffer(records[2][2], "<f4").astype(np.float64)
+    stored = decoded_logprobs(codes, lut)
+    np.testing.assert_allclose(log_norm, np.log(np.exp(lut[codes]).sum(axis=1)), rtol=0, atol=1e-13)
+    delta = exact - stored
+    truth = (np.exp(exact) * delta).sum(axis=1)  # the record adds 1e-12 for float64 rounding
+    assert np.all(kl >= truth) and np.all(kl <= truth + 1.01e-12)
+    band = np.minimum(np.floor(-lut[codes]), 31).astype(int)
+    for t in range(7):
+        for b in range(32):
+            held = delta[t][band[t] == b]
+            if not len(held):
+                assert lo[t, b] == hi[t, b] == 0
+                continue
+            assert lo[t, b] <= held.min() and held.max() <= hi[t, b]  # rounded outward
+            np.testing.assert_allclose([lo[t, b], hi[t, b]], [held.min(), held.max()], rtol=1e-6, atol=2e-12)
 
 
 def test_incomplete_store_reads_as_incomplete(tmp_path, inputs):
@@ -492,7 +517,7 @@ def _pieces(index: int, logits: np.ndarray, targets: np.ndarray, code: SqrtLogCo
     for first in range(0, len(logits), rows):
         builder = ChunkBuilder(index, first_row=first)
         enc = code.encode_block(logits[first:first + rows], targets[first:first + rows])
-        builder.add(enc.planes, enc.logprob_target, enc.logprob_max, enc.top_ids)
+        builder.add(enc.planes, enc.logprob_target, enc.logprob_max, enc.top_ids, enc.error)
         out.append(builder.finish())
     return out
 
@@ -556,3 +581,172 @@ def test_resume_drops_the_pieces_of_an_unfinished_window(tmp_path, long_inputs):
         w.finish()
     with StoreReader(path, verify_chunks=True) as r:
         assert r.complete and r.chunk_indices == [0, 1, 2]
+
+
+# ------------------------------------------------------------------------------------------------
+# the per-token error record (ERRS, format version 4): checked like every other record
+# ------------------------------------------------------------------------------------------------
+def _errs_payload_offset(path) -> int:
+    data = path.read_bytes()
+    return next(off for tag, off, _ in _records(data) if tag == b"ERRS") + 16
+
+
+@pytest.mark.parametrize("what, edit, message", [
+    ("kl negative", lambda p: p.__setitem__(slice(16, 24), struct.pack("<d", -1.0)) or p, "invalid values"),
+    ("kl NaN", lambda p: p.__setitem__(slice(16, 24), struct.pack("<d", float("nan"))) or p, "invalid values"),
+    ("log-normaliser below 0", lambda p: p.__setitem__(slice(16 + 56, 24 + 56), struct.pack("<d", -0.5)) or p,
+     "invalid values"),
+    ("lo above hi", lambda p: p.__setitem__(slice(128, 132), struct.pack("<f", 5.0)) or p, "invalid values"),
+    ("hi infinite", lambda p: p.__setitem__(slice(128 + 4 * 7 * 32, 132 + 4 * 7 * 32), struct.pack("<f", np.inf)) or p,
+     "invalid values"),
+    ("wrong chunk", lambda p: p.__setitem__(slice(0, 4), struct.pack("<I", 1)) or p, "disagrees with its chunk"),
+    ("wrong rows", lambda p: p.__setitem__(slice(4, 8), struct.pack("<I", 6)) or p, "disagrees with its chunk"),
+    ("wrong bands", lambda p: p.__setitem__(slice(8, 12), struct.pack("<I", 31)) or p, "disagrees with its chunk"),
+])
+def test_error_record_with_wrong_content(small_store, what, edit, message):
+    """Well-framed (valid checksum) but wrong: refused when the chunk is read, naming the chunk."""
+    _rewrite_payload(small_store.path, b"ERRS", edit)
+    with StoreReader(small_store.path) as r:
+        with pytest.raises(StoreFormatError, match=message):
+            r.read_chunk(0)
+        with pytest.raises(StoreFormatError, match=message):
+            list(r.iter_errors())
+
+
+def test_error_record_flipped_byte_missing_or_torn(small_store, tmp_path):
+    data = small_store.path.read_bytes()
+    at = _errs_payload_offset(small_store.path)
+    flipped = tmp_path / "flipped.qeval"
+    flipped.write_bytes(data[:at + 40] + bytes([data[at + 40] ^ 0x5A]) + data[at + 41:])
+    with StoreReader(flipped) as r:
+        with pytest.raises(StoreFormatError, match="checksum mismatch in ERRS"):
+            r.read_chunk(0)
+    # a CHNK record not followed by its ERRS (another record's tag there): refused as the wrong record
+    retagged = tmp_path / "retagged.qeval"
+    retagged.write_bytes(data[:at - 16] + b"CHNK" + data[at - 12:])
+    with StoreReader(retagged) as r:
+        with pytest.raises(StoreFormatError, match="expected a ERRS record"):
+            r.read_chunk(0)
+    # cut inside the first chunk's error record: an interrupted capture, resumable from chunk 0
+    torn = tmp_path / "torn.qeval"
+    torn.write_bytes(data[:at + 30])
+    with StoreReader(torn, tolerate_torn_tail=True) as r:
+        assert not r.complete and r.chunk_indices == []
+    with pytest.raises(StoreFormatError, match="truncated"):
+        StoreReader(torn)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_corruption_of_a_version_4_store_is_refused_cleanly(small_store, tmp_path, seed):
+    """A byte flipped anywhere: a StoreFormatError when the store or a chunk is read, or (a flip in the trailer's
+    padding that changes nothing it reads) identical data; never another exception, never a wrong number."""
+    rng = np.random.default_rng(seed)
+    data = bytearray(small_store.path.read_bytes())
+    at = int(rng.integers(0, len(data)))
+    data[at] ^= 1 << int(rng.integers(0, 8))
+    bad = tmp_path / "bad.qeval"
+    bad.write_bytes(bytes(data))
+    try:
+        with StoreReader(bad) as r:
+            for c in r.chunk_indices:
+                got = r.read_chunk(c)
+                want = small_store.chunks[c]
+                np.testing.assert_array_equal(got.codes(N_VOCAB), want.codes(N_VOCAB))
+                np.testing.assert_array_equal(got.error.lo, want.error.lo)
+                np.testing.assert_array_equal(got.error.kl, want.error.kl)
+    except StoreFormatError:
+        pass
+
+
+def test_version_4_header_rules():
+    tokens = np.zeros((1, 16), np.int32)
+    with_error = make_header(tokens, 100, SqrtLogCode()).to_json()
+    assert with_error["format_version"] == 4 and with_error["error"] == {"bands": 32, "band_width": 1.0}
+    without = make_header(tokens, 100, SqrtLogCode(error=None)).to_json()
+    assert without["format_version"] == 2 and "error" not in without
+    for bad, message in (({**with_error, "error": {}}, "without an error record"),
+                         ({**without, "error": {"bands": 32, "band_width": 1.0}}, "with an error record"),
+                         ({**with_error, "error": {"bands": 0, "band_width": 1.0}}, "'bands'"),
+                         ({**with_error, "error": {"bands": 32, "band_width": -1}}, "'band_width'"),
+                         ({**with_error, "error": "yes"}, "must be an object")):
+        with pytest.raises(StoreFormatError, match=message):
+            StoreHeader.from_json(bad, "x")
+
+
+def test_a_reader_of_versions_1_to_3_refuses_version_4_cleanly(small_store, monkeypatch):
+    """What an older qeval does with a store that records its error: one message, its version named."""
+    from qeval.storage import store as store_module
+
+    monkeypatch.setattr(store_module, "READABLE_VERSIONS", (1, 2, 3))
+    with pytest.raises(StoreFormatError, match="version 4 is not supported"):
+        StoreReader(small_store.path)
+
+
+def test_info_shows_the_form_and_the_recorded_error(small_store, tmp_path):
+    d, text = api.info_report(str(small_store.path))
+    assert d["form"]["error"] == {"bands": 32, "band_width": 1.0} and d["error"]["recorded"]
+    assert d["error"]["tokens"] == 2 * 7 and 0 < d["error"]["kl_mean"] <= d["error"]["kl_max"] < 1e-6
+    assert d["error"]["max_abs_dlogp_top_band"] < 1e-4 < d["error"]["max_abs_dlogp"]
+    assert "KL(exact ‖ stored) mean" in text
+    rng = np.random.default_rng(3)
+    tokens = make_tokens(rng, 1, N_CTX, N_VOCAB)
+    old = write_store(tmp_path / "o.qeval", tokens, synth_logits(rng, tokens, N_VOCAB), N_VOCAB,
+                      code=SqrtLogCode(error=None))
+    d, text = api.info_report(str(old.path))
+    assert d["error"] == {"recorded": False} and "error      : not recorded" in text and "capture it" in text.lower()
+
+
+# --------------------------------------------------------------------------------------------------
+# a complete store grows to more windows of the same capture
+# --------------------------------------------------------------------------------------------------
+def _grown(tmp_path, n_old: int, n_new: int, **capture):
+    """A complete store of n_old windows, and a writer opened for the same capture over n_new windows."""
+    rng = np.random.default_rng(5)
+    tokens = make_tokens(rng, n_new, 16, 500)
+    logits = synth_logits(rng, tokens, 500)
+    path = tmp_path / "REF.qeval"
+    old = write_store(path, tokens[:n_old], {c: logits[c] for c in range(n_old)}, 500, label="REF",
+                      capture=dict(capture))
+    header = make_header(tokens, 500, SqrtLogCode(), "REF", capture=dict(capture))
+    return path, old, tokens, logits, StoreWriter.open(path, header, tokens, SqrtLogCode().lut())
+
+
+def test_a_complete_store_grows_to_more_windows_of_the_same_capture(tmp_path):
+    path, old, tokens, logits, writer = _grown(tmp_path, 3, 5, n_batch=8)  # one window per decode call
+    with StoreReader(path) as before:
+        kept = {c: before.raw_record(before.chunk_pieces[c][0][1]) for c in range(3)}
+    with writer:
+        assert writer.done_chunks == {0, 1, 2} and writer.path != path  # written beside the old store
+        assert StoreReader(path).complete  # which stays whole until the new one is
+        for c in (3, 4):
+            writer.write_chunk(build_chunk(c, logits[c], tokens[c, 8:15], SqrtLogCode()))
+        writer.finish()
+    with StoreReader(path, verify_chunks=True) as grown:
+        assert grown.complete and grown.header.n_chunks == 5 and grown.chunk_indices == [0, 1, 2, 3, 4]
+        assert all(grown.raw_record(grown.chunk_pieces[c][0][1]) == kept[c] for c in range(3))  # byte for byte
+        for c in range(3):  # the kept chunks keep their error records (ERRS copied with each CHNK)
+            np.testing.assert_array_equal(grown.read_chunk(c).error.kl, old.chunks[c].error.kl)
+        assert b"ERRS" in kept[0] and grown.header.format_version == 4
+        np.testing.assert_array_equal(grown.tokens, tokens)
+    assert not replacement_path(path).exists()
+
+
+def test_a_store_grows_by_whole_decode_calls_only(tmp_path):
+    """Windows decoded side by side (n_batch 32 = 2 windows of 16 per call): of 3 kept windows the third was decoded
+    alone, as it would not be in the larger capture, so it runs again."""
+    _, _, _, _, writer = _grown(tmp_path, 3, 6, n_batch=32)
+    with writer:
+        assert writer.done_chunks == {0, 1}
+
+
+def test_other_windows_or_a_shard_do_not_grow_a_store(tmp_path):
+    rng = np.random.default_rng(6)
+    tokens = make_tokens(rng, 4, 16, 500)
+    path = tmp_path / "REF.qeval"
+    write_store(path, tokens[:2], synth_logits(rng, tokens[:2], 500), 500, label="REF")
+    other = tokens.copy()
+    other[1, 3] += 1  # the second old window differs
+    for wanted, span in ((other, None), (tokens, (1, 4))):
+        header = make_header(wanted, 500, SqrtLogCode(), "REF", chunk_range=span)
+        with pytest.raises(StoreConflict, match="token windows differ"):
+            StoreWriter.open(path, header, wanted, SqrtLogCode().lut())

@@ -25,6 +25,8 @@ from qeval.inputs.conversation_windows import conversation_windows, is_conversat
 from qeval.inputs.corpus import load_corpus, make_windows, tokenize_documents
 from qeval.pool import bounded_map
 from qeval.storage.codec import BadLogits, EncodedBlock, SqrtLogCode
+from qeval.storage.error_record import ErrorRecord, rows_of
+from qeval.storage.runs import LIVE_SUFFIX
 from qeval.storage.scoring import ASSISTANT, Scoring, WindowLabels
 from qeval.storage.store import (
     PIECE_ROWS,
@@ -73,8 +75,15 @@ class CaptureResult:
     def summary_line(self) -> str:
         if self.status == "already complete":
             return f"{self.path} is already complete ({self.chunks_total} chunks): nothing to do"
+        if self.status == OLDER_FORM:
+            return (f"{self.path} is already complete ({self.chunks_total} chunks), made before stores recorded their "
+                    "error: comparisons against it show their bounds as not recorded (--force recaptures it with "
+                    "them)")
         return (f"wrote {self.path}: {self.chunks_total} chunks ({self.chunks_written} captured now) "
                 f"in {self.seconds:.1f} s")
+
+
+OLDER_FORM = "already complete, older form"  # a capture's status: its store holds it without an error record
 
 
 @dataclass(frozen=True)
@@ -150,7 +159,7 @@ def iter_pieces(engine: Backend, windows: np.ndarray, indices: list[int], scored
     for index, row, block in iter_encoded_blocks(engine, windows, indices, scored, code, pool):
         if builder is None:
             builder = ChunkBuilder(index, compressor=compressor, first_row=row)
-        builder.add(block.planes, block.logprob_target, block.logprob_max, block.top_ids)
+        builder.add(block.planes, block.logprob_target, block.logprob_max, block.top_ids, block.error)
         if ends_piece(row + len(block.planes), n_scored[index]):
             yield builder.finish()
             builder = None
@@ -177,6 +186,7 @@ def store_header(backend: Backend, label: str, windows: np.ndarray, chunk_range:
     return StoreHeader(
         n_vocab=backend.n_vocab, n_ctx=backend.n_ctx, n_chunks=len(windows), chunk_start=chunk_range[0],
         chunk_stop=chunk_range[1], tokens_sha256=tokens_sha256(windows), label=label, codec=code.params(),
+        error=code.error_spec(),
         tokenizer_sha256=backend.tokenizer_fingerprint(), model=backend.facts,
         kv=backend.settings.kv_block(backend.kv_rotation),
         corpus=corpus, scoring=backend.scoring.rule, windows=labels.to_json() if labels is not None else {},
@@ -211,9 +221,9 @@ def capture(spec: CaptureSpec, on_chunk: Callable[[int], None] | None = None,
         out = Path(spec.out)
         try:
             writer = StoreWriter.open(out, header, windows, spec.code.lut(), replace=spec.replace)
-        except StoreComplete:
-            return CaptureResult(out, "already complete", chunk_range[1] - chunk_range[0], 0,
-                                 time.perf_counter() - t0, header)
+        except StoreComplete as done:
+            return CaptureResult(out, OLDER_FORM if done.older_form else "already complete",
+                                 chunk_range[1] - chunk_range[0], 0, time.perf_counter() - t0, header)
         with writer:
             todo = [i for i in range(*chunk_range) if i not in writer.done_chunks]
             if on_start:
@@ -284,7 +294,12 @@ class LiveChunk:
     def __init__(self, source: "LiveSource", index: int):
         self.source, self.index = source, index
         self.n_tokens = source.header.n_scored_of(index)
-        self.logprob_target = self.logprob_max = self.top_ids = None
+        self.logprob_target = self.logprob_max = self.top_ids = self.error = None
+        self._errors: list[tuple[int, ErrorRecord | None]] = []  # each coded block's record, as they are made
+
+    def error_rows(self, start: int, stop: int) -> ErrorRecord | None:
+        """The error record of rows [start, stop), once iter_planes has yielded them."""
+        return rows_of(self._errors, start, stop)
 
     def iter_planes(self, n_vocab: int, block_tokens: int = 16, buffers: int = 1) -> Iterator[tuple[int, np.ndarray]]:
         """Blocks are fresh arrays here, so `buffers` (a ring size for stored chunks) is not needed."""
@@ -299,18 +314,20 @@ class LiveChunk:
             for block in src.blocks_of(self.index):
                 if save:  # saved piece by piece, as a capture writes it
                     builder = builder or ChunkBuilder(self.index, compressor=src.compressor, first_row=row)
-                    builder.add(block.planes, block.logprob_target, block.logprob_max, block.top_ids)
+                    builder.add(block.planes, block.logprob_target, block.logprob_max, block.top_ids, block.error)
+                self._errors.append((row, block.error))
                 row += len(block.planes)
                 if builder is not None and ends_piece(row, self.n_tokens):
                     src.writer.write_chunk(builder.finish())
                     builder = None
-                blocks.append(EncodedBlock(None, block.logprob_target, block.logprob_max, block.top_ids))
+                blocks.append(EncodedBlock(None, block.logprob_target, block.logprob_max, block.top_ids, block.error))
                 yield block.planes
 
         yield from reblock(planes(), block_tokens)
         self.logprob_target = np.concatenate([b.logprob_target for b in blocks])
         self.logprob_max = np.concatenate([b.logprob_max for b in blocks])
         self.top_ids = np.concatenate([b.top_ids for b in blocks])
+        self.error = None if blocks[0].error is None else ErrorRecord.concat([b.error for b in blocks])
 
 
 class LiveLogitsChunk:
@@ -455,7 +472,7 @@ def open_live(model: str, ref, n_chunks: int | None, settings: EngineSettings, l
             except StoreComplete:
                 raise QevalError(f"{save_path} already exists and is complete; compare it with --cand "
                                  f"{label}") from None
-        return engine, LiveSource(engine, header, windows, code, writer, path=f"{model} (live)", coded=coded)
+        return engine, LiveSource(engine, header, windows, code, writer, path=f"{model}{LIVE_SUFFIX}", coded=coded)
     except BaseException:
         engine.close()
         raise

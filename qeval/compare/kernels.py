@@ -6,27 +6,38 @@ renormalised, so only e = exp(lut) and l = lut are needed, and
 with Z_p = sum e_p, S_pp = sum e_p l_p, S_pq = sum e_p l_q (and the mirror terms for KLD(Q||P)).
 
 A live candidate's rows need no code at all: l_q = x - max(x) straight from llama.cpp's float32
-logits and e_q = exp(l_q) (pair_sums_logits), the same six sums, so the figures differ from coding the
-candidate first only by the code's rounding (its fidelity floor, ~4e-7 nats of KLD).
+logits (in float64: exact) and e_q = exp(l_q) (pair_sums_logits), the same six sums, so the figures differ from
+coding the candidate first only by the code's rounding.
+
+In the same pass, where the stores record their error (qeval.storage.error_record), the kernels add up the
+certified bound on |ΔKLD| of docs/error-bound.md, both directions (columns BOUND_FWD, BOUND_REV), from each side's
+record (error_record.BandWeights).
 """
 
 from __future__ import annotations
+
+import math
 
 import numba
 import numpy as np
 
 from qeval.storage.codec import BadLogits
+from qeval.storage.error_record import subtract_max
 
-# Columns of the per-token sums array.
-Z_P, Z_Q, S_PP, S_PQ, S_QQ, S_QP = range(6)
-N_SUMS = 6
+# Columns of the per-token sums array: the six sums of the KLDs; the certified bounds on |ΔKLD|, forward and reverse
+# (NaN where none is computed); a live candidate's exact normaliser sum_i exp(x_i - max), unclamped.
+Z_P, Z_Q, S_PP, S_PQ, S_QQ, S_QP, BOUND_FWD, BOUND_REV, Z_Q_EXACT = range(9)
+N_SUMS = 9
 
 
 @numba.njit(nogil=True, cache=True, fastmath=False)
-def pair_sums(planes_p, planes_q, e_p, l_p, e_q, l_q, out):  # pragma: no cover - compiled
+def pair_sums(planes_p, planes_q, e_p, l_p, e_q, l_q, out, bands_p=None, bands_q=None, weights_p=None,
+              weights_q=None, tokens_p=None, tokens_q=None):  # pragma: no cover - compiled
     """planes_*: uint8 [b, 2, V] (high then low byte of each code); tables: float64 [65536].
 
-    Writes float64 [b, 6] sums into `out`. Accumulates in float64 in two lanes for throughput.
+    Writes float64 [b, N_SUMS] sums into `out`: the first six, and with bands_p (not None) the bound in BOUND_FWD
+    and BOUND_REV (docs/error-bound.md, both stores coded). bands_*: uint8 [65536], each code's band; weights_*:
+    float64 [3, b, K] and tokens_*: float64 [2, b], each side's error_record.BandWeights. Accumulates in float64.
     """
     n_tokens, _, n_vocab = planes_p.shape
     for t in range(n_tokens):
@@ -40,6 +51,17 @@ def pair_sums(planes_p, planes_q, e_p, l_p, e_q, l_q, out):  # pragma: no cover 
         spq = 0.0
         sqq = 0.0
         sqp = 0.0
+        f1 = 0.0  # sum p~ w_p |a|: the reference's error against the rows' differences a = l_p - l_q
+        r1 = 0.0  # sum q~ w_q |a|
+        fb = 0.0  # sum s err_q, s = |p~ - q~| + p~ w_p + q~ w_q >= |p - q|: the candidate's error where they differ
+        rb = 0.0  # sum s err_p
+        if bands_p is not None:  # (a None argument compiles this away: numba prunes the branch)
+            ip = tokens_p[1, t]
+            iq = tokens_q[1, t]
+            w_p = weights_p[0, t]
+            w_q = weights_q[0, t]
+            err_p = weights_p[2, t]
+            err_q = weights_q[2, t]
         for i in range(n_vocab):
             cp = (np.int32(hp[i]) << 8) | np.int32(lo_p[i])
             cq = (np.int32(hq[i]) << 8) | np.int32(lo_q[i])
@@ -53,60 +75,117 @@ def pair_sums(planes_p, planes_q, e_p, l_p, e_q, l_q, out):  # pragma: no cover 
             spq += ep * lq
             sqq += eq * lq
             sqp += eq * lp
+            if bands_p is not None:
+                bp = bands_p[cp]
+                bq = bands_q[cq]
+                pn = ep * ip
+                qn = eq * iq
+                a = abs(lp - lq)
+                pw = pn * w_p[bp]
+                qw = qn * w_q[bq]
+                f1 += pw * a
+                r1 += qw * a
+                s = abs(pn - qn) + pw + qw
+                fb += s * err_q[bq]
+                rb += s * err_p[bp]
         out[t, 0] = zp
         out[t, 1] = zq
         out[t, 2] = spp
         out[t, 3] = spq
         out[t, 4] = sqq
         out[t, 5] = sqp
+        if bands_p is not None:
+            kp = tokens_p[0, t]
+            kq = tokens_q[0, t]
+            out[t, 6] = kp + f1 + kq + fb
+            out[t, 7] = kq + r1 + kp + rb
 
 
 @numba.njit(nogil=True, cache=True, fastmath=False)
-def _pair_sums_row(hp, lo_p, l_q, e_q, e_p, l_p, out):  # pragma: no cover - compiled
-    """One row of pair_sums_logits: the reference's code bytes against the candidate's l_q, e_q (float32)."""
+def _pair_sums_row(hp, lo_p, raw, e_raw, inv_exact, floor, e_floor, e_p, l_p, bands_p, weights_p, tokens_p,
+                   out):  # pragma: no cover - compiled
+    """One row of pair_sums_logits: the reference's code bytes against the candidate's raw = x - max and
+    e_raw = exp(raw) (float64; inv_exact = 1 / sum e_raw), counted at the floor below it; the bound against the
+    candidate's exact row."""
     zp = 0.0
     zq = 0.0
     spp = 0.0
     spq = 0.0
     sqq = 0.0
     sqp = 0.0
-    for i in range(len(l_q)):
+    ip = 0.0
+    if bands_p is not None:  # (a None argument compiles the bound away: numba prunes the branch)
+        ip = tokens_p[0, 1]
+    a1 = 0.0  # sum p~ w |a|: the reference's error against the rows' differences
+    a2 = 0.0  # sum p~ grow g: the floor's lift g of the candidate, under the reference's mass
+    b1 = 0.0  # sum e_q' |a| (the candidate as compared, unnormalised)
+    b2 = 0.0  # sum e_q' min(1, g) |a|
+    rb = 0.0  # sum (|q - p~| + p~ w) err, q the exact candidate: the reference's error where the rows differ
+    for i in range(len(raw)):
         cp = (np.int32(hp[i]) << 8) | np.int32(lo_p[i])
         ep = e_p[cp]
         lp = l_p[cp]
-        lq = np.float64(l_q[i])
-        eq = np.float64(e_q[i])
+        x = raw[i]
+        if x < floor:
+            lq = floor
+            eq = e_floor
+            g = floor - x
+        else:
+            lq = x
+            eq = e_raw[i]
+            g = 0.0
         zp += ep
         zq += eq
         spp += ep * lp
         spq += ep * lq
         sqq += eq * lq
         sqp += eq * lp
+        if bands_p is not None:
+            b = bands_p[cp]
+            pn = ep * ip
+            pw = pn * weights_p[0, b]
+            a = abs(lp - lq)
+            a1 += pw * a
+            a2 += pn * weights_p[1, b] * g
+            b1 += eq * a
+            b2 += eq * min(1.0, g) * a
+            rb += (abs(e_raw[i] * inv_exact - pn) + pw) * weights_p[2, b]
     out[0] = zp
     out[1] = zq
     out[2] = spp
     out[3] = spq
     out[4] = sqq
     out[5] = sqp
+    out[8] = 1.0 / inv_exact
+    if bands_p is not None:
+        # the candidate as compared (q') against its exact row q: log q_i - log q'_i = c - g_i, c = log(zq/z_exact)
+        c = max(0.0, math.log(zq * inv_exact))
+        kp = tokens_p[0, 0]
+        out[6] = kp + a1 + max(c, a2)
+        out[7] = c + math.expm1(c) * b1 / zq + b2 / zq + kp + rb
 
 
 def pair_sums_logits(planes_ref: np.ndarray, logits: np.ndarray, e_p: np.ndarray, l_p: np.ndarray,
-                     out: np.ndarray, scratch: np.ndarray) -> None:
+                     out: np.ndarray, scratch: np.ndarray, bands_p: np.ndarray | None = None,
+                     weights_p: np.ndarray | None = None, tokens_p: np.ndarray | None = None) -> None:
     """pair_sums of a stored reference row (uint8 [2, V]) against a live float32 logits row [V].
 
     Entries further below the row's maximum than the lowest code (l_p[0], ~-26 nats) count at that
     floor, as they would in a store: coded or not, a candidate gives the same figures, and a -inf
-    logit gives no 0 * -inf. `scratch` is float32 [2, V], reused across calls (a fresh 2 MB array per
-    row would cost a page fault per 4 KB). exp runs in numpy, vectorised, unlike a scalar exp in a
-    compiled loop."""
-    l_q, e_q = scratch
+    logit gives no 0 * -inf. The bound (BOUND_FWD, BOUND_REV) is against the candidate's exact row: the floor's
+    lift is part of it; Z_Q_EXACT is that row's normaliser. bands_p: each code's band; weights_p: float64 [3, K]
+    and tokens_p: float64 [1, 2], the reference row's BandWeights (None: no bound, the columns stay as they are).
+    `scratch` is float64 [2, V], reused across calls (a fresh 4 MB array per row would cost a page fault per
+    4 KB). exp runs in numpy, vectorised, unlike a scalar exp in a compiled loop."""
+    raw, e_raw = scratch
     row_max = logits.max()  # NaN if any entry is
     if not np.isfinite(row_max):
         raise BadLogits("logits contain NaN or a row with no finite value")
-    np.subtract(logits, row_max, out=l_q)
-    np.maximum(l_q, np.float32(l_p[0]), out=l_q)
-    np.exp(l_q, out=e_q)
-    _pair_sums_row(planes_ref[0], planes_ref[1], l_q, e_q, e_p, l_p, out)
+    subtract_max(logits, row_max, raw)
+    np.exp(raw, out=e_raw)
+    floor = float(l_p[0])
+    _pair_sums_row(planes_ref[0], planes_ref[1], raw, e_raw, 1.0 / e_raw.sum(), floor, math.exp(floor), e_p, l_p,
+                   bands_p, weights_p, tokens_p, out)
 
 
 def decode_tables(lut: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

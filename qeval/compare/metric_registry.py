@@ -11,6 +11,13 @@ layout prints.
 Adding a metric is one entry in METRICS (and a row in the table of baselines/SCHEMA.md). Results saved
 before it existed lack it: they show no value for it, and a check on it asks for a recomputation.
 
+Every metric also carries its certified bound (docs/error-bound.md): how far its value can be from the same figure
+computed on the exact logits, given the stores' error records. Its aggregate derives it from the per-token bounds
+(column_bound): the KLD columns carry theirs (kld_bound, kld_reverse_bound), every other per-token column is exact
+where the stores record their error (their scalars and top ids are the exact logits'), a sampler's columns are not
+bounded (its truncation set may change with the error). The bound is a number, NOT_RECORDED (a store without an
+error record: never shown as 0) or NOT_BOUNDED.
+
 Sampler metrics (qeval.compare.sampler) are a family per sampler, made by sampler_metrics(NAME) and keyed
 "<metric>@<sampler name>" (tvd_pct@qwen3.5-thinking): a comparison computed with `--sampler` holds them in
 its "metrics" block, lookup() finds them, `qeval compare` pairs the TVD, and SAMPLER_GATES holds the `qeval check`
@@ -21,6 +28,7 @@ do not know them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Callable, ClassVar, Union
 
@@ -28,6 +36,7 @@ import numpy as np
 
 from qeval.compare import sampler, stats
 from qeval.errors import QevalError
+from qeval.identity import NOT_RECORDED
 
 PerToken = dict[str, np.ndarray]
 Column = Union[str, Callable[[PerToken], np.ndarray]]  # a per-token field (metrics.PER_TOKEN_FIELDS), or derived
@@ -50,6 +59,33 @@ def values_of(t: PerToken, column: Column) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------------------------------
+# bounds: how far a per-token column can be from its value on the exact logits (docs/error-bound.md)
+# --------------------------------------------------------------------------------------------------
+NOT_BOUNDED = "not bounded"  # a figure no record bounds (a sampler's: its truncation set may change)
+Bound = Union[float, str]  # a number, NOT_RECORDED or NOT_BOUNDED
+# The per-token columns with a bound of their own, and those exact wherever the stores record their error: the
+# scalars (log-probs of the correct token) and the top ids are the exact logits', computed at capture.
+BOUND_COLUMNS = {"kld": "kld_bound", "kld_reverse": "kld_reverse_bound"}
+EXACT_COLUMNS = ("nll_ref", "nll_cand", "p_ref", "p_cand", "same_top1", "top5_agreement", "top10_agreement",
+                 delta_p, abs_delta_p)
+
+
+def recorded(t: PerToken) -> bool:
+    """Whether the comparison's stores record their error: every token has its KLD bound."""
+    return "kld_bound" in t and len(t["kld_bound"]) > 0 and bool(np.all(np.isfinite(t["kld_bound"])))
+
+
+def column_bound(t: PerToken, column: Column) -> np.ndarray | str:
+    """Each token's bound on |value − value on the exact logits| of a column: an array, or NOT_RECORDED /
+    NOT_BOUNDED."""
+    if column not in EXACT_COLUMNS and column not in BOUND_COLUMNS:
+        return NOT_BOUNDED
+    if not recorded(t):
+        return NOT_RECORDED
+    return t[BOUND_COLUMNS[column]] if column in BOUND_COLUMNS else np.zeros(len(t["kld_bound"]))
+
+
+# --------------------------------------------------------------------------------------------------
 # how a metric aggregates its per-token column(s): (value, SE or None), with llama-perplexity's formulas
 # --------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -62,6 +98,11 @@ class Mean:
     def __call__(self, t: PerToken) -> tuple[float, float]:
         return stats.mean_se(values_of(t, self.column))
 
+    def bound(self, t: PerToken) -> Bound:
+        """|mean of x − mean of x exact| ≤ mean of the per-token bounds."""
+        b = column_bound(t, self.column)
+        return b if isinstance(b, str) else float(np.mean(b))
+
 
 @dataclass(frozen=True)
 class Proportion:
@@ -72,6 +113,11 @@ class Proportion:
 
     def __call__(self, t: PerToken) -> tuple[float, float]:
         return stats.proportion_se(values_of(t, self.column))
+
+    def bound(self, t: PerToken) -> Bound:
+        """The share of tokens whose verdict may differ on the exact logits."""
+        b = column_bound(t, self.column)
+        return b if isinstance(b, str) else float(np.mean(b > 0))
 
 
 @dataclass(frozen=True)
@@ -84,6 +130,11 @@ class Rms:
     def __call__(self, t: PerToken) -> tuple[float, float]:
         return stats.rms_se(values_of(t, self.column))
 
+    def bound(self, t: PerToken) -> Bound:
+        """|RMS(x) − RMS(x exact)| ≤ RMS(x − x exact) ≤ RMS of the per-token bounds (Minkowski)."""
+        b = column_bound(t, self.column)
+        return b if isinstance(b, str) else float(np.sqrt(np.mean(np.square(b))))
+
 
 @dataclass(frozen=True)
 class Percentile:
@@ -95,6 +146,16 @@ class Percentile:
 
     def __call__(self, t: PerToken) -> tuple[float, None]:
         return stats.percentile(values_of(t, self.column), self.fraction), None
+
+    def bound(self, t: PerToken) -> Bound:
+        """Each exact value lies in [x − b, x + b] and a percentile is non-decreasing in every value, so the exact
+        percentile lies between the percentiles of the interval's ends."""
+        b = column_bound(t, self.column)
+        if isinstance(b, str):
+            return b
+        x = values_of(t, self.column)
+        mid = stats.percentile(x, self.fraction)
+        return float(max(stats.percentile(x + b, self.fraction) - mid, mid - stats.percentile(x - b, self.fraction)))
 
 
 @dataclass(frozen=True)
@@ -109,8 +170,36 @@ class Perplexity:
         p = stats.paired_perplexity(t["nll_cand"], t["nll_ref"])
         return p[self.field] + self.shift, p[f"{self.field}_se"]
 
+    def bound(self, t: PerToken) -> Bound:
+        """From the mean NLL bounds β: exp(mean NLL) moves by at most a factor exp(β), a ratio by exp(β_c + β_r)."""
+        bounds = [column_bound(t, c) for c in ("nll_cand", "nll_ref")]
+        if any(isinstance(b, str) for b in bounds):
+            return next(b for b in bounds if isinstance(b, str))
+        beta_c, beta_r = (float(np.mean(b)) for b in bounds)
+        p = stats.paired_perplexity(t["nll_cand"], t["nll_ref"])
+        return {"ppl_cand": p["ppl_cand"] * math.expm1(beta_c), "ppl_ref": p["ppl_ref"] * math.expm1(beta_r),
+                "ratio": p["ratio"] * math.expm1(beta_c + beta_r),
+                "diff": p["ppl_cand"] * math.expm1(beta_c) + p["ppl_ref"] * math.expm1(beta_r)}[self.field]
 
-Aggregate = Union[Mean, Proportion, Rms, Percentile, Perplexity]
+
+@dataclass(frozen=True)
+class BoundOf:
+    """The certified bound of another aggregate (Mean("kld").bound: the mean KLD's) as a figure of its own, so that
+    `qeval check` can hold it to a limit; NaN where it is not recorded. A bound is no estimate: it has no SE, and
+    no bound of its own (None)."""
+
+    of: Mean
+    has_se: ClassVar[bool] = False
+
+    def __call__(self, t: PerToken) -> tuple[float, None]:
+        b = self.of.bound(t)
+        return (math.nan if isinstance(b, str) else b), None
+
+    def bound(self, t: PerToken) -> None:
+        return None
+
+
+Aggregate = Union[Mean, Proportion, Rms, Percentile, Perplexity, BoundOf]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -158,8 +247,11 @@ class Metric:
         return values_of(t, self.aggregate.column)
 
     def measure(self, t: PerToken) -> dict:
+        """{"value", "se", "bound"} (docs/error-bound.md: the bound is a number or NOT_RECORDED / NOT_BOUNDED)."""
         value, se = self.aggregate(t)
-        return {"value": self.scale * value, "se": None if se is None else self.scale * se}
+        bound = self.aggregate.bound(t)
+        return {"value": self.scale * value, "se": None if se is None else self.scale * se,
+                "bound": bound if bound is None or isinstance(bound, str) else self.scale * bound}
 
     def decimals(self, value: float) -> int:
         """Decimals of a value in running text (gate lines, baseline tables): about three significant digits
@@ -214,6 +306,10 @@ _METRICS = (
     Metric("kld_mean", "mean KLD", "nats", "lower", Mean("kld"),
            "mean KL divergence KL(reference ‖ candidate) per scored token, over the full vocabulary", fmt=".6f",
            board=True, gate="max-kld", paired=True),
+    Metric("kld_mean_bound", "mean KLD bound", "nats", "lower", BoundOf(Mean("kld")),
+           "certified bound on |mean KLD − mean KLD of the exact logits|, from the error the stores measured at "
+           "capture (docs/error-bound.md); not recorded (NaN) for a store made before qeval measured it", fmt=".2g",
+           gate="max-kld-bound"),
     Metric("kld_median", "median KLD", "nats", "lower", Percentile("kld", 0.5), "median per-token KLD", fmt=".6f"),
     Metric("kld_99", "99.0% KLD", "nats", "lower", Percentile("kld", 0.99), "99.0 % percentile of per-token KLD"),
     Metric("kld_999", "99.9% KLD", "nats", "lower", Percentile("kld", 0.999), "99.9 % percentile of per-token KLD",
@@ -328,6 +424,21 @@ class MetricValue:
     se: float | None = None
     approx: bool = False  # a published "~" value
     note: str | None = None
+    bound: Bound | None = None  # its certified bound (Metric.measure); None: a result saved before bounds existed
+
+    @property
+    def bound_value(self) -> float | None:
+        """The bound as a number; None where there is none (not recorded, not bounded)."""
+        return self.bound if isinstance(self.bound, (int, float)) else None
+
+    def bound_text(self, fmt: str = ".2g") -> str:
+        """The bound in a table cell: "≤ 1.1e-04" (its value: |figure − figure on the exact logits|), "exact" for 0,
+        else why there is none."""
+        if self.bound is None:
+            return NOT_RECORDED
+        if isinstance(self.bound, str):
+            return self.bound
+        return "exact" if self.bound == 0 else f"≤ {self.bound:{fmt}}"
 
 
 def known(held: dict[str, MetricValue]) -> dict[str, MetricValue]:

@@ -15,11 +15,21 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 
 from qeval.compare import depth, metric_registry, sampler, stats
-from qeval.compare.kernels import N_SUMS, Z_Q, decode_tables, kld_from_sums, pair_sums, pair_sums_logits
+from qeval.compare.kernels import (
+    BOUND_FWD,
+    BOUND_REV,
+    N_SUMS,
+    Z_Q_EXACT,
+    decode_tables,
+    kld_from_sums,
+    pair_sums,
+    pair_sums_logits,
+)
 from qeval.errors import MismatchError, QevalError
 from qeval.identity import window_labels_identity
 from qeval.pool import bounded_map
 from qeval.storage.codec import BadLogits, top_k_ids
+from qeval.storage.error_record import BandWeights
 from qeval.storage.scoring import WindowLabels
 from qeval.storage.store import TOP_K, ChunkData, StoreHeader, StoreReader
 
@@ -42,9 +52,11 @@ class LogitSource(Protocol):
     def read_chunk(self, index: int) -> ChunkData: ...
 
 
-# Per-token columns, in this order, in Comparison.per_token and --per-token files.
+# Per-token columns, in this order, in Comparison.per_token and --per-token files. kld_bound and kld_reverse_bound:
+# the certified bound on |KLD computed - KLD of the exact logits| of docs/error-bound.md, NaN where a store does
+# not record its error (every other column is then exact: the stores keep exact scalars and top ids).
 PER_TOKEN_FIELDS = ("chunk", "position", "token", "kld", "kld_reverse", "nll_ref", "nll_cand", "p_ref",
-                    "p_cand", "same_top1", "top5_agreement", "top10_agreement")
+                    "p_cand", "same_top1", "top5_agreement", "top10_agreement", "kld_bound", "kld_reverse_bound")
 # Then, in a comparison of conversation windows (--score assistant), each token's group: an index into the
 # reference's WindowLabels.segments and .categories (qeval.compare.depth groups them).
 GROUP_FIELDS = ("segment", "category")
@@ -189,11 +201,24 @@ class KernelRunner:
             raise
 
 
+def band_weights(chunk, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+    """error_record.BandWeights of rows [start, stop) of a chunk: (per band [3, rows, K], per token [2, rows])."""
+    w = BandWeights.of(chunk.error_rows(start, stop))
+    return w.bands, w.tokens
+
+
 def plane_sums(ref: ChunkData, cand: ChunkData, ref_tables, cand_tables, n_vocab: int, sums: np.ndarray,
-               runner: KernelRunner, samplers: sampler.Prepared | None, sampled: np.ndarray | None) -> None:
-    """Fused sums of two coded chunks into `sums`, block by block as both are decompressed."""
-    def kernels(planes_ref, planes_cand, rows: slice) -> None:
-        pair_sums(planes_ref, planes_cand, *ref_tables, *cand_tables, sums[rows])
+               runner: KernelRunner, samplers: sampler.Prepared | None, sampled: np.ndarray | None,
+               bands: tuple[np.ndarray, np.ndarray] | None) -> None:
+    """Fused sums of two coded chunks into `sums`, block by block as both are decompressed; with `bands` (each
+    side's band of each code), the bound's columns too."""
+    def kernels(planes_ref, planes_cand, rows: slice, weights) -> None:
+        if bands is None:
+            pair_sums(planes_ref, planes_cand, *ref_tables, *cand_tables, sums[rows])
+        else:
+            (ref_w, ref_t), (cand_w, cand_t) = weights
+            pair_sums(planes_ref, planes_cand, *ref_tables, *cand_tables, sums[rows], *bands, ref_w, cand_w, ref_t,
+                      cand_t)
         if samplers is not None:  # after pair_sums: it reads the rows' total masses
             sampler.run_block(samplers, planes_ref, planes_cand, sums[rows], sampled[rows])
 
@@ -202,35 +227,43 @@ def plane_sums(ref: ChunkData, cand: ChunkData, ref_tables, cand_tables, n_vocab
     for (start, planes_ref), (_, planes_cand) in zip(ref.iter_planes(n_vocab, BLOCK_TOKENS, buffers),
                                                      cand.iter_planes(n_vocab, BLOCK_TOKENS, buffers),
                                                      strict=True):
-        runner.submit(kernels, planes_ref, planes_cand, slice(start, start + len(planes_ref)))
+        stop = start + len(planes_ref)
+        weights = (band_weights(ref, start, stop), band_weights(cand, start, stop)) if bands else None
+        runner.submit(kernels, planes_ref, planes_cand, slice(start, stop), weights)
     runner.drain()
 
 
 def logit_sums(ref: ChunkData, cand, targets: np.ndarray, ref_tables, n_vocab: int, sums: np.ndarray,
-               runner: KernelRunner) -> tuple[np.ndarray, np.ndarray]:
+               runner: KernelRunner, ref_bands: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     """Fused sums of a coded reference chunk against a live candidate's float32 rows (cand.iter_logits),
-    row by row; the candidate's (logprob_target, top_ids), which no store holds for it."""
+    row by row; the candidate's (logprob_target, top_ids), which no store holds for it: exact, from its float32
+    logits in float64. With `ref_bands` (the reference's band of each code), the bound's columns too."""
     n = len(targets)
     logprob_target = np.empty(n, dtype=np.float64)
     top_ids = np.empty((n, min(TOP_K, n_vocab)), dtype=np.int32)
-    scratch = threading.local()  # each kernel thread's l_q, e_q rows
+    scratch = threading.local()  # each kernel thread's candidate rows x - max and exp(x - max)
 
-    def kernel(planes_ref: np.ndarray, logits: np.ndarray, r: int) -> None:
+    def kernel(planes_ref: np.ndarray, logits: np.ndarray, r: int, weights) -> None:
         if getattr(scratch, "rows", None) is None:
-            scratch.rows = np.empty((2, n_vocab), dtype=np.float32)
+            scratch.rows = np.empty((2, n_vocab), dtype=np.float64)
         try:
-            pair_sums_logits(planes_ref[0], logits, *ref_tables, sums[r], scratch.rows)
+            pair_sums_logits(planes_ref[0], logits, *ref_tables, sums[r], scratch.rows, ref_bands, *weights)
         except BadLogits as exc:
             raise QevalError(f"chunk {ref.index}: the candidate model produced invalid logits ({exc}); the model "
                              "file or this llama.cpp build is broken for these settings") from None
-        logprob_target[r] = scratch.rows[0, targets[r]] - np.log(sums[r, Z_Q])
+        logprob_target[r] = scratch.rows[0, targets[r]] - np.log(sums[r, Z_Q_EXACT])
         top_ids[r] = top_k_ids(logits)
 
     ref_rows = ref.iter_planes(n_vocab, 1, runner.in_flight + 2)  # a row must outlive the task that reads it
     for start, rows, ends_call in cand.iter_logits():
         for k in range(len(rows)):
             _, planes_ref = next(ref_rows)
-            runner.submit(kernel, planes_ref, rows[k], start + k)
+            r = start + k
+            weights = (None, None)
+            if ref_bands is not None:  # the row's: per band [3, K], per token [1, 2]
+                per_band, per_token = band_weights(ref, r, r + 1)
+                weights = (per_band[:, 0], per_token.T)
+            runner.submit(kernel, planes_ref, rows[k], r, weights)
         if ends_call:  # the candidate's next rows come from a new decode call, which overwrites these
             runner.drain()
     runner.drain()
@@ -241,8 +274,8 @@ def logit_sums(ref: ChunkData, cand, targets: np.ndarray, ref_tables, n_vocab: i
 
 def compare_chunk(ref: ChunkData, cand, tokens: np.ndarray, positions: np.ndarray, ref_tables,
                   cand_tables, n_vocab: int, kernel_pool: ThreadPoolExecutor | None = None,
-                  samplers: sampler.Prepared | None = None, labels: WindowLabels | None = None
-                  ) -> dict[str, np.ndarray]:
+                  samplers: sampler.Prepared | None = None, labels: WindowLabels | None = None,
+                  bands: tuple[np.ndarray, np.ndarray | None] | None = None) -> dict[str, np.ndarray]:
     """Per-token metrics of one chunk pair. `tokens` is the chunk's n_ctx token ids, `positions` its scored
     logit positions (header.positions_of). `cand` is coded (a ChunkData, or read like one) or a live
     candidate's float32 rows (LiveLogitsChunk: has iter_logits). `labels`: a conversation capture's, adding
@@ -250,23 +283,31 @@ def compare_chunk(ref: ChunkData, cand, tokens: np.ndarray, positions: np.ndarra
 
     With `kernel_pool`, token blocks go to its threads as they are decompressed (at most two
     blocks per thread in flight, so memory stays bounded). `samplers` (sampler.prepare) adds their
-    per-token columns, computed on the same decompressed blocks (coded candidates only).
+    per-token columns, computed on the same decompressed blocks (coded candidates only). `bands`: error_bands (None,
+    or a coded candidate's None: the bound columns are NaN, "not recorded").
     """
     n = ref.n_tokens
     if cand.n_tokens != n:
         raise MismatchError(f"chunk {ref.index}: {n} scored tokens in the reference, {cand.n_tokens} in the candidate")
-    sums = np.empty((n, N_SUMS), dtype=np.float64)
+    sums = np.full((n, N_SUMS), np.nan)
     runner = KernelRunner(kernel_pool)
     sampled = samplers.new_output(n) if samplers is not None else None
     targets = tokens[positions + 1]
-    if hasattr(cand, "iter_logits"):
+    live = hasattr(cand, "iter_logits")
+    bounded = bands is not None and (live or bands[1] is not None)
+    if live:
         if samplers is not None and samplers.kernel:
             raise ValueError("samplers read coded rows: open the live candidate with coded=True")
-        cand_logprob_target, cand_top_ids = logit_sums(ref, cand, targets, ref_tables, n_vocab, sums, runner)
+        cand_logprob_target, cand_top_ids = logit_sums(ref, cand, targets, ref_tables, n_vocab, sums, runner,
+                                                       bands and bands[0])
     else:
-        plane_sums(ref, cand, ref_tables, cand_tables, n_vocab, sums, runner, samplers, sampled)
+        plane_sums(ref, cand, ref_tables, cand_tables, n_vocab, sums, runner, samplers, sampled,
+                   bands if bounded else None)
         cand_logprob_target, cand_top_ids = cand.logprob_target, cand.top_ids
     kld, kld_reverse = kld_from_sums(sums)
+    kld_bound, kld_reverse_bound = sums[:, BOUND_FWD], sums[:, BOUND_REV]
+    if not bounded:
+        kld_bound = kld_reverse_bound = np.full(n, np.nan)
     out = {
         "chunk": np.full(n, ref.index, dtype=np.int32),
         "position": positions.astype(np.int32),  # the logit position: the context holds position + 1 tokens
@@ -283,6 +324,7 @@ def compare_chunk(ref: ChunkData, cand, tokens: np.ndarray, positions: np.ndarra
         kk = min(k, ref.top_ids.shape[1], cand_top_ids.shape[1])  # tiny vocabs keep fewer ids
         overlap = (ref.top_ids[:, :kk, None] == cand_top_ids[:, None, :kk]).any(axis=2).sum(axis=1)
         out[f"top{k}_agreement"] = overlap / kk
+    out.update(kld_bound=kld_bound, kld_reverse_bound=kld_reverse_bound)
     if labels is not None:
         out["segment"] = labels.segment_codes(ref.index, positions, len(tokens)).astype(np.int16) - 1
         out["category"] = np.full(n, labels.category_of[ref.index], dtype=np.int16)
@@ -318,6 +360,7 @@ def compare(ref: LogitSource, cand: LogitSource, n_chunks: int | None = None, th
     ref_tables, cand_tables = decode_tables(ref.lut), decode_tables(cand.lut)
     threads = max(1, threads)
     live = getattr(cand, "live", False)
+    bands = error_bands(ref, cand)
     kernel_pool = ThreadPoolExecutor(max_workers=threads) if live else None
     prepared = sampler.prepare(samplers, ref.lut, cand.lut, n_vocab) if samplers else None
 
@@ -332,7 +375,7 @@ def compare(ref: LogitSource, cand: LogitSource, n_chunks: int | None = None, th
 
     def one(i: int) -> dict[str, np.ndarray]:
         return compare_chunk(read(ref, i, "ref"), read(cand, i, "cand"), ref.tokens[i], ref.header.positions_of(i),
-                             ref_tables, cand_tables, n_vocab, kernel_pool, prepared, ref.header.window_labels)
+                             ref_tables, cand_tables, n_vocab, kernel_pool, prepared, ref.header.window_labels, bands)
 
     parts = []
     try:
@@ -348,6 +391,18 @@ def compare(ref: LogitSource, cand: LogitSource, n_chunks: int | None = None, th
         if kernel_pool is not None:
             kernel_pool.shutdown(wait=True, cancel_futures=True)
     return comparison_of(ref, cand, chunks[:len(parts)], parts)
+
+
+def error_bands(ref: LogitSource, cand: LogitSource) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """(the reference's, the candidate's) band of each code, for the bound: None when the reference records no
+    error (no bound), the candidate's None when it records none (a coded chunk of it is then not bounded; a live
+    candidate read as float32 logits needs none: its own error is the kernel's to bound)."""
+    def bands_of(source: LogitSource) -> np.ndarray | None:
+        b = source.header.error_bands
+        return None if b is None else b.band_of(source.lut)
+
+    ref_bands = bands_of(ref)
+    return None if ref_bands is None else (ref_bands, bands_of(cand))
 
 
 def comparison_of(ref: LogitSource, cand: LogitSource, chunks: list[int], parts: list[dict[str, np.ndarray]],

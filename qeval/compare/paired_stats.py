@@ -93,12 +93,13 @@ NOISE_SIGMAS = 2.0
 
 
 def excess_over(kld: MetricValue | None, control: MetricValue | None) -> tuple[float | None, bool | None]:
-    """(kld - kld_control, whether that is within NOISE_SIGMAS combined SEs); None where a value is missing, and
-    no verdict where an SE is."""
+    """(kld - kld_control, whether that is within NOISE_SIGMAS combined SEs plus both values' certified bounds, where
+    recorded: docs/error-bound.md); None where a value is missing, and no verdict where an SE is."""
     if kld is None or control is None:
         return None, None
     excess = kld.value - control.value
     ses = (kld.se, control.se)
     if not all(se is not None and math.isfinite(se) for se in ses):
         return excess, None
-    return excess, abs(excess) <= NOISE_SIGMAS * math.sqrt(ses[0] ** 2 + ses[1] ** 2)
+    bounds = sum(v.bound_value or 0.0 for v in (kld, control))
+    return excess, abs(excess) <= NOISE_SIGMAS * math.sqrt(ses[0] ** 2 + ses[1] ** 2) + bounds

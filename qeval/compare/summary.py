@@ -23,10 +23,12 @@ from qeval.compare import sampler
 from qeval.compare.metric_registry import MetricValue, known
 from qeval.errors import QevalError
 from qeval.identity import ComparisonRequest, comparison_request
+from qeval.identity import form as form_of
 
 # Side fields, in the order describe() writes them
 _SIDE_FIELDS = ("label", "path", "source", "model", "kv", "corpus", "n_vocab", "n_ctx", "tokens_sha256", "chunks",
-                "complete")
+                "complete", "form")
+LIVE_FORM = {"name": "live", "note": "llama.cpp's float32 logits, never stored"}  # a live candidate read uncoded
 
 
 def kv_text(kv: dict | None, same_once: bool = False) -> str:
@@ -70,14 +72,22 @@ class Side:
     tokens_sha256: str | None = None
     chunks: int | None = None
     complete: bool | None = None
+    form: dict | None = None  # its stored form (qeval.identity.form: the code, and "error" when it records it)
     absent: frozenset = frozenset()  # fields its JSON did not hold (a hand-made or older summary)
 
     @classmethod
     def of_source(cls, source) -> "Side":
         """A store, or anything read like one."""
         h = source.header
+        live = getattr(source, "live", False) and not getattr(source, "coded", True)
         return cls(h.label, str(source.path), h.source, h.model, h.kv, h.corpus, h.n_vocab, h.n_ctx, h.tokens_sha256,
-                   len(source.chunk_indices), bool(source.complete))
+                   len(source.chunk_indices), bool(source.complete), LIVE_FORM if live else form_of(h))
+
+    @property
+    def records_error(self) -> bool | None:
+        """Whether its form records its error at capture (a live candidate's is computed as it runs); None: a summary
+        from before forms were recorded."""
+        return None if self.form is None else self.form == LIVE_FORM or "error" in self.form
 
     @classmethod
     def from_json(cls, d: dict) -> "Side":
@@ -115,15 +125,16 @@ class Figures:
         """The figures of `d`; its keys in `skip` belong to whatever holds them."""
         blocks = {k: v for k, v in d.items() if k not in cls._TYPED and k not in skip}
         held = d.get("metrics")
-        metrics = {k: MetricValue(v["value"], v.get("se")) for k, v in held.items()} if isinstance(held, dict) \
-            else None
+        metrics = {k: MetricValue(v["value"], v.get("se"), bound=v.get("bound")) for k, v in held.items()} \
+            if isinstance(held, dict) else None
         return cls(d.get("scored_tokens"), blocks, metrics, d.get("samplers"))
 
     def to_json(self) -> dict:
         out = {} if self.scored_tokens is None else {"scored_tokens": self.scored_tokens}
         out.update(self.blocks)
         if self.metrics is not None:
-            out["metrics"] = {k: {"value": v.value, "se": v.se} for k, v in self.metrics.items()}
+            out["metrics"] = {k: {"value": v.value, "se": v.se, **({} if v.bound is None else {"bound": v.bound})}
+                              for k, v in self.metrics.items()}
         if self.samplers is not None:
             out["samplers"] = self.samplers
         return out

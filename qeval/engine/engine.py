@@ -223,6 +223,30 @@ class EngineSettings:
             out["decode"] = self.decode
         return out
 
+    # the fields that choose what is computed (qeval.identity.producer records them), as against how fast it runs,
+    # with the command-line flag of each (the backend has none)
+    DEFINING = {"type_k": "-ctk", "type_v": "-ctv", "flash_attn": "-fa", "n_batch": "-b", "n_ubatch": "-ub",
+                "rope_scaling": "--rope-scaling", "rope_scale": "--rope-scale", "backend": None,
+                "kv_rotation": "--kv-rotation", "decode": "--decode"}
+
+    def of_producer(self, producer: dict) -> "EngineSettings":
+        """These settings, but for the fields that choose what is computed, which are those a store or result
+        recorded (qeval.identity.producer: its KV block and batch sizes): how to compute that candidate again.
+        Threads, layers offloaded and decode-ahead stay these settings' own (whether the offload still gives the
+        recorded numerics is for the caller to compare)."""
+        kv = producer.get("kv") or {}
+        rotated = set((kv.get("rotation") or {}).values())
+        rotation = "auto" if len(rotated) != 1 else "on" if rotated == {True} else "off"
+        return replace(self, type_k=kv.get("type_k", "f16"), type_v=kv.get("type_v", "f16"),
+                       flash_attn=kv.get("flash_attn", "auto"), n_batch=producer.get("n_batch"),
+                       n_ubatch=producer.get("n_ubatch"), rope_scaling=kv.get("rope_scaling"),
+                       rope_scale=kv.get("rope_scale"), backend=kv.get("backend", LLAMA_CPP), kv_rotation=rotation,
+                       decode=kv.get("decode", PROMPT))
+
+    def flags(self, names) -> str:
+        """These settings' values of the fields `names`, as command-line flags ("-ctk q8_0 -fa on")."""
+        return " ".join(f"{self.DEFINING[name]} {getattr(self, name)}" for name in names if self.DEFINING.get(name))
+
     def kv_block(self, rotation: dict[str, bool]) -> dict:
         """The KV cache as a store records it (its header's `kv`): as_json(), and for a quantized cache the rotation
         llama.cpp applied to each of K and V (what `auto` becomes is what counts, not the flag)."""

@@ -257,6 +257,8 @@ def entry_from_result(summary: ComparisonSummary, entry_id: str | None = None) -
                 "corpus": corpus, "tool": f"qeval {__version__}"}
     metrics = {}
     for key, mv in summary.measured().items():
+        if not math.isfinite(mv.value):  # a figure the result could not give (a bound its stores do not record)
+            continue
         metrics[key] = {"value": mv.value} if mv.se is None or not math.isfinite(mv.se) else \
             {"value": mv.value, "se": mv.se}
     eid = entry_id or cand.label or "result"

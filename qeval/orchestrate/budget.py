@@ -23,6 +23,7 @@ from qeval.capture.capture import CaptureStart
 from qeval.engine.engine import GENERATE, EngineSettings, available_cores
 from qeval.errors import QevalError
 from qeval.present.progress import say
+from qeval.storage.error_record import DEFAULT_BANDS, record_bytes
 from qeval.storage.store import StoreHeader
 
 # --- bytes: the store format (docs/store-format.md) ------------------------------------------------------------
@@ -33,6 +34,10 @@ from qeval.storage.store import StoreHeader
 # measured 21.7 GB (118 KB per token): these figures are an upper bound by ~12 % there.
 STORE_ROW_BYTES = 8 + 8 + 10 * 4
 STORE_BYTES_PER_VOCAB_ENTRY = (132_203 - STORE_ROW_BYTES) / 262_144
+# Since format version 4 each scored token also has its error record (qeval.storage.error_record: KL and the
+# stored row's log-normaliser, float64, and a float32 min and max per band: 272 bytes at the default 32 bands),
+# plus an ERRS record's frame and head (40 bytes) per chunk piece of at most 256 rows, counted here per row.
+ERROR_ROW_BYTES = record_bytes(1, DEFAULT_BANDS) - record_bytes(0, DEFAULT_BANDS) + 1
 STORE_TABLE_BYTES = 65_536 * 4
 # A saved result's per-token columns (.npz): 12 float64 columns (kld, nll, p, top-k agreement ...) and 4 per
 # sampler, counted uncompressed (npz files measured 52-94 bytes per token), plus its JSON summary.
@@ -72,7 +77,7 @@ class Run:
     @property
     def bytes(self) -> int:
         store = STORE_TABLE_BYTES + 4 * self.tokens + self.rows * (
-            STORE_ROW_BYTES + self.n_vocab * STORE_BYTES_PER_VOCAB_ENTRY) if self.keeps_store else 0
+            STORE_ROW_BYTES + ERROR_ROW_BYTES + self.n_vocab * STORE_BYTES_PER_VOCAB_ENTRY) if self.keeps_store else 0
         result = RESULT_JSON_BYTES + self.rows * 8 * (RESULT_COLUMNS + SAMPLER_COLUMNS * self.samplers) \
             if self.keeps_result else 0
         return math.ceil(store + result)

@@ -56,6 +56,9 @@ def option_help(m: Metric) -> str:
 def limit_check(m: Metric, measured: MetricValue, limit: float) -> Check:
     """Fail only when even the favourable end of value ± Z·SE is on the wrong side of the limit."""
     value, se, better = measured.value, measured.se, m.better
+    if value is None or not math.isfinite(value):  # a bound the stores do not record (docs/error-bound.md)
+        raise QevalError(f"{option(m)}: the comparison has no {m.title}: a store it reads records no error of its "
+                         "stored form (made before qeval measured it); capture it again with this qeval")
     has_se = se is not None and math.isfinite(se)
     bound = (value - Z * se if better == "lower" else value + Z * se) if has_se else value
     worse = bound > limit if better == "lower" else bound < limit
@@ -66,7 +69,7 @@ def limit_check(m: Metric, measured: MetricValue, limit: float) -> Check:
     lim = f"{limit:g}{m.percent}"
     if not has_se:
         reason = (f"{shown} {cmp_bad if worse else cmp_ok} limit {lim} "
-                  f"(a percentile has no standard error: compared directly)")
+                  f"(a percentile or a bound has no standard error: compared directly)")
     elif worse:
         reason = f"{shown}: even the {side} 95 % bound {_fmt(m, bound)} is {cmp_bad} limit {lim}"
     elif over:
@@ -255,10 +258,15 @@ def check_report(ref: str, cand: str, chunks: int | None = None, runs_dir: str |
     result = run_checks(measured.summary, base, baseline_entry, baseline_metrics, chosen, **limits)
     out = result.to_json()
     text = gate_text(result)
+    notes = [measured.note]
     if control is not None:
-        out["control"] = over_control(measured.summary, measure(ref, control, chunks, runs_dir, threads, progress,
-                                                                 need_per_token=False, selection=selection), control)
+        floor = measure(ref, control, chunks, runs_dir, threads, progress, need_per_token=False, selection=selection)
+        out["control"] = over_control(measured.summary, floor, control)
         text += "\n" + control_text(out["control"])
+        notes.append(floor.note)
+    if any(notes):  # how each figure was obtained, when a saved result stood in (qeval.orchestrate.candidates)
+        out["obtained"] = [n for n in notes if n]
+        text = "\n".join([*out["obtained"], text])
     if selection.depth is not None:
         out["depth"] = {"lo": selection.depth[0], "hi": selection.depth[1]}
     if selection.labels():

@@ -306,6 +306,9 @@ class PairPlan:
     note: str = ""
     samplers: tuple[str, ...] = ()  # computed too (qeval.compare.sampler names)
     keep_logits: bool = False  # run live: code its rows into its store (else: uncoded, checkpointed)
+    # run live from a saved result of the same candidate over fewer chunks (or a sample of them): its chunks seed the
+    # checkpoint instead of running again (extend_from_result)
+    extends: Path | None = None
 
 
 def plan_pairs(plan: MatrixPlan) -> tuple[int, list[PairPlan]]:
@@ -343,6 +346,10 @@ def plan_pair(ref_store, n_chunks: int, label: str, model: str, settings: Engine
     if saved is not None and saved.early and dataclasses.replace(saved, early=None).key == request.key:
         note = "" if early else (f"{label}: decided early on {saved.early.get('visited')} of {n_chunks} chunks: runs "
                                  "on over every chunk, from its checkpoint")
+    elif saved is not None and action == RUN_LIVE and not keep_logits and (held := _reusable(result_path, ref_store,
+                                                                                                  request, n_chunks)):
+        return PairPlan(label, model, settings, action, f"{label}: {held} of {n_chunks} chunks reused from its saved "
+                        f"result, the rest run live", samplers, extends=result_path)
     elif saved is not None:
         note = f"{label}: recomputed: its saved result answers another request ({_listed(request.changes_from(saved))})"
     elif result_path.is_file():
@@ -363,10 +370,28 @@ def planned_request(ref_store, n_chunks: int, facts: dict, settings: EngineSetti
     against the open reference store over its first n_chunks chunks would measure: known before the model runs,
     so that a saved result answering it is reused."""
     n_ctx = ref_store.header.n_ctx
-    planned = identity.planned_producer(facts, planned_fields(facts, settings, n_ctx), n_ctx, SqrtLogCode().params(),
+    planned = identity.planned_producer(facts, planned_fields(facts, settings, n_ctx), n_ctx, SqrtLogCode().form(),
                                         ref_store.header.scoring)
     return identity.ComparisonRequest(identity.reference_identity(ref_store, n_chunks), planned, n_chunks,
                                       samplers=tuple(sampler.settings_names(samplers)))
+
+
+def _reusable(result_path: Path, ref, request: identity.ComparisonRequest, n_chunks: int) -> int:
+    """How many of the first n_chunks chunks the saved result at `result_path` holds for `request`'s candidate."""
+    held, _ = results.reusable_chunks(results.load_result(result_path), ref, request.candidate, request.samplers)
+    return len(held & set(range(n_chunks)))
+
+
+def extend_from_result(ckpt: "checkpoint.Checkpoint", result_path: Path, ref, request: identity.ComparisonRequest,
+                       order: list[int]) -> None:
+    """Append to a pair's checkpoint the chunks of `order` its saved result holds for `request` (and the checkpoint
+    does not): the pair then runs only the others, to the numbers of an uninterrupted run, as from any checkpoint."""
+    if not result_path.is_file():
+        return
+    saved = results.load_result(result_path)
+    held, _ = results.reusable_chunks(saved, ref, request.candidate, request.samplers)
+    for chunk, columns in saved.chunk_columns((held & set(order)) - set(ckpt.parts)).items():
+        ckpt.append(chunk, columns)
 
 
 def _listed(changes: list[str]) -> str:
@@ -450,6 +475,8 @@ def run_pair(pair: PairPlan, ref, n_chunks: int, directory: Path, threads: int,
                 path, {**request.identity(), "candidate_rows": "coded" if coded else "float32"})))
         except WriteFailed as exc:
             raise _write_failed(pair.label, exc, ref, order) from None
+        if pair.extends is not None:
+            extend_from_result(ckpt, pair.extends, ref, request, order)
         todo = [c for c in order if c not in ckpt.parts]
         if on_chunk and len(order) > len(todo):
             on_chunk(len(order) - len(todo))
@@ -721,7 +748,7 @@ def decisions_of(saved: list[tuple[str, Path]], n_chunks: int, settings: EarlySe
         result = results.load_result(path)
         row = board.board_row(result.summary)
         chunks, sums, tokens = early_stop.chunk_sums(result.per_token, "kld", order)
-        board_pairs.append(early_stop.PairChunks(label, chunks, sums, tokens, row.size_gib, row.memory_gib,
+        board_pairs.append(early_stop.PairChunks(label, chunks, sums, tokens, row.size_gib, row.memory_estimate_gib,
                                                  row.kv_quant, board.is_baseline(row)))
     return early_stop.decide(board_pairs, n_chunks, settings.rule)
 

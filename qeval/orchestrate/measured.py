@@ -14,7 +14,6 @@ import numpy as np
 
 from qeval.compare.depth import Selection
 from qeval.compare.paired_stats import excess_over
-from qeval.compare.summary import summarize
 from qeval.errors import MismatchError, QevalError
 from qeval.identity import changes, is_control, reference_identity
 from qeval.present import results
@@ -30,7 +29,8 @@ def is_result_spec(spec: str) -> bool:
 def measure(ref: str, cand: str, chunks: int | None = None, runs_dir: str | os.PathLike | None = None,
             threads: int = 2, progress: bool = False, need_per_token: bool = True,
             selection: Selection = Selection(), samplers=()) -> Measured:
-    """`cand` against `ref`: a saved result file (`*.json`) is read, anything else compared now.
+    """`cand` against `ref`: a saved result file (`*.json`) is read, anything else measured by
+    qeval.orchestrate.sources.measure (a label known only by its saved result: that result, reused or extended).
     selection: only the scored tokens of a depth band, a segment, a category count (qeval.compare.depth).
     samplers: sampler names (qeval.compare.sampler) computed too; a saved result must hold them."""
     if is_result_spec(cand):
@@ -44,8 +44,8 @@ def measure(ref: str, cand: str, chunks: int | None = None, runs_dir: str | os.P
         return res
     from qeval.orchestrate import sources  # noqa: PLC0415 - sources imports the capture engine
 
-    cmp = sources.compare(ref, cand, chunks, runs_dir, threads=threads, progress=progress, samplers=samplers)
-    return Measured(summarize(cmp), cmp.per_token, None).selected(selection)
+    return sources.measure(ref, cand, chunks, runs_dir, threads=threads, progress=progress,
+                           samplers=samplers).selected(selection)
 
 
 def _from_result(ref: str, path: Path, chunks: int | None, runs_dir, need_per_token: bool) -> Measured:

@@ -161,9 +161,13 @@ def paired_report(ref: str, cand_a: str, cand_b: str, chunks: int | None = None,
         result["depth"] = {"lo": selection.depth[0], "hi": selection.depth[1]}
     if selection.labels():
         result["selection"] = selection.labels()
+    notes = [m.note for m in measured]
     if control is not None:
         floor = measure(ref, control, chunks, runs_dir, threads, progress, need_per_token=False, selection=selection)
         result["control"] = {role: over_control(m.summary, floor, control) for role, m in zip("AB", measured)}
-    return result, paired_text(result)
+        notes.append(floor.note)
+    if any(notes):  # how each figure was obtained, when a saved result stood in (qeval.orchestrate.candidates)
+        result["obtained"] = [n for n in notes if n]
+    return result, "\n".join([*result.get("obtained", ()), paired_text(result)])
 
 

@@ -1,6 +1,7 @@
-"""A reference and a candidate, whichever way they arrive: a store, a label, a llama.cpp base file, or a
-GGUF model run live over exactly the reference's tokens. `compare` is every comparison's one entry
-(`qeval kld`, and `compare`/`check` through qeval.orchestrate.measured)."""
+"""A reference and a candidate, whichever way they arrive: a store, a label, a llama.cpp base file, a GGUF model
+run live over exactly the reference's tokens, or a label the runs directory knows only by its saved result
+(qeval.orchestrate.candidates). `measure` is every comparison's one entry (`qeval kld`, and `compare`/`check`
+through qeval.orchestrate.measured); `compare` the comparison of two sources read like stores."""
 
 from __future__ import annotations
 
@@ -10,18 +11,40 @@ from pathlib import Path
 
 from qeval.capture.capture import open_live
 from qeval.compare import metrics, sampler
+from qeval.compare.summary import summarize
 from qeval.engine.engine import EngineSettings, available_cores
 from qeval.engine.modelinfo import is_model_file
 from qeval.errors import QevalError
 from qeval.inputs.hub import hub_label, is_hub_spec, resolve_model
-from qeval.orchestrate import budget
+from qeval.orchestrate import budget, candidates
 from qeval.present.progress import progress_bar
+from qeval.present.results import Result
 from qeval.storage import runs
 
 
 def open_source(spec: str, runs_dir: str | os.PathLike | None = None):
     """A store, label or llama.cpp base file, opened for reading."""
     return runs.open_source(spec, runs.runs_dir(runs_dir))
+
+
+def measure(ref: str, cand: str, chunks: int | None = None, runs_dir=None, threads: int | None = None,
+            settings: EngineSettings = EngineSettings(), save: str | None = None, progress: bool = False,
+            on_chunk=None, force: bool = False, samplers=(), save_result: bool = False) -> Result:
+    """`cand` measured against `ref` (compare()'s arguments), a candidate label that the runs directory knows only by
+    its saved result included: that result reused, or extended by running its GGUF live (qeval.orchestrate.candidates;
+    Result.note says which). Result.comparison is the Comparison when one was computed now (what save_result writes)."""
+    sampler.parse_all(samplers)  # a bad sampler is refused before any work
+    directory = runs.runs_dir(runs_dir)
+    refuse_model_reference(ref, cand, chunks, settings)
+    with contextlib.closing(runs.open_source(ref, directory)) as ref_src:
+        saved = candidates.saved_candidate(cand, ref_src.header.label, directory)
+        if saved is not None:
+            if save:
+                raise QevalError(f"--save keeps a live GGUF candidate's store; {cand!r} is known by its saved result "
+                                 f"{saved.path}: name its GGUF as --cand to keep its logits")
+            return candidates.measure_saved(saved, ref_src, chunks, settings, samplers, threads, progress, on_chunk)
+    cmp = compare(ref, cand, chunks, runs_dir, threads, settings, save, progress, on_chunk, force, samplers, save_result)
+    return Result(summarize(cmp), cmp.per_token, None, comparison=cmp)
 
 
 def compare(ref: str, cand: str, chunks: int | None = None, runs_dir=None, threads: int | None = None,

@@ -16,8 +16,9 @@ import numpy as np
 from qeval.capture import tasks as taskcapture
 from qeval.compare import flips as flipmath
 from qeval.errors import QevalError
-from qeval.present import tasks_text
+from qeval.present import results, tasks_text
 from qeval.storage import runs
+from qeval.storage.store import StoreReader
 from qeval.storage.taskstore import STORE_SUFFIX, TASKS_SUBDIR, TaskStore
 
 
@@ -47,7 +48,26 @@ def open_task_store(spec: str, runs_dir=None, task: str | None = None) -> TaskSt
         if root.is_dir() else []
     hint = f"task stores in {root}: {', '.join(known)}" if known else f"no task stores in {root}"
     where = f" for task set {task!r}" if task else ""
-    raise QevalError(f"{spec!r} is neither a task store file nor a label with a task store{where} ({hint})")
+    raise QevalError(f"{spec!r} is neither a task store file nor a label with a task store{where} ({hint})"
+                     f"{_measured_otherwise(spec, runs.runs_dir(runs_dir))}")
+
+
+def _measured_otherwise(label: str, directory: Path) -> str:
+    """What to do when `label` is known by a KLD result but has no task store: flips compare answers to tasks, which
+    a KLD result does not hold; the model it recorded can be scored on the task set."""
+    refs = [ref for cand, ref in runs.result_labels(directory) if cand == label]
+    if refs:
+        side = results.load_result(results.result_path(directory / runs.RESULTS_SUBDIR, label, refs[0]),
+                                   with_per_token=False).summary.candidate
+        what, model = f"a KLD result against {', '.join(refs)}", runs.live_model_path(side.path) or side.facts.get("file_name")
+    elif runs.store_path(label, directory).is_file():
+        with StoreReader(runs.store_path(label, directory), tolerate_torn_tail=True) as store:
+            what, model = "a logits store", store.header.model.get("file_name")
+    else:
+        return ""
+    return (f". {label} has {what}, but flips compare answers to a task set, which logits do not hold: score its model "
+            f"first, `qeval tasks capture -m {model or 'MODEL.gguf'} --task TASKFILE --label {label}` (or give "
+            "`qeval matrix` a --task)")
 
 
 def show_tasks(spec: str, runs_dir=None, task: str | None = None) -> tuple[dict, str]:

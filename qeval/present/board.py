@@ -25,6 +25,7 @@ from qeval.present.task_flips import FlipFigures
 from qeval.storage.scoring import Scoring
 
 DEEPEST_KEYS = ("deepest_band", "kld_deepest", "kld_deepest_se")
+BOUND_KEYS = ("kld_mean_bound",)  # the certified bound of the mean KLD (docs/error-bound.md)
 CONTROL_KEYS = ("control", "kld_excess", "within_noise")
 FLOOR_KEYS = ("floor", "kld_over_floor", "kld_over_floor_se", "above_floor")
 
@@ -106,9 +107,12 @@ class BoardRow:
     deepest: DepthBand | None  # the band of the deepest scored positions
     task_flips: dict[str, FlipFigures] = field(default_factory=dict)  # task set -> its flips
     kv_quant: bool = False  # its KV cache types differ from the reference's: a KV-cache candidate
-    memory_gib: float | None = None  # its file plus its KV cache at the comparison's n_ctx
+    # an estimate, not what llama.cpp allocates: its file plus its KV cache at the comparison's n_ctx, from the
+    # GGUF's geometry (no compute buffer, sliding-window layers in full); the KV-cache quants' front axis, which
+    # early decisions settle on quality alone. Measured memory: qeval.present.deployment_board.
+    memory_estimate_gib: float | None = None
     rank: int | None = None
-    pareto: bool | None = None  # on its Pareto front: weight quants by file size, KV-cache quants by memory_gib
+    pareto: bool | None = None  # on its Pareto front: weight quants by file size, KV-cache quants by the estimate
     result: str | None = None  # the result file it was read from
     control: bool = False  # the reference recomputed under another batch layout (qeval.identity.is_control)
     kld_excess: float | None = None  # mean KLD minus the board's control's; None: the board has no control
@@ -122,6 +126,8 @@ class BoardRow:
     chunks: int | None = None  # the chunks its figures are over
     scored_tokens: int | None = None
     stopped: str | None = None  # decided early: why it stopped (qeval.compare.early; EARLY when not known); None: full
+    fingerprint: str | None = None  # its model's (qeval.engine.modelinfo): a speed and memory record must match it
+    reference: bool = False  # the reference itself (reference_row): a board with speed and memory shows it
 
     def value(self, key: str) -> float | None:
         """The value of board metric `key` ("kld_mean", "ppl")."""
@@ -131,6 +137,11 @@ class BoardRow:
     @property
     def kld_mean(self) -> float | None:
         return self.value("kld_mean")
+
+    @property
+    def kld_bound(self) -> MetricValue | None:
+        """The mean KLD as measured, its certified bound in .bound (docs/error-bound.md)."""
+        return self.metrics.get("kld_mean")
 
     def board_values(self) -> list[tuple[Metric, MetricValue | None]]:
         """Every board metric with its value, in column order: metric_registry.board(), then each sampler's."""
@@ -144,11 +155,12 @@ class BoardRow:
         `<figure>@<task set>`."""
         out = {"label": self.label, "quant": self.quant, "kv": self.kv, "model_file": self.model_file,
                "type_k": self.type_k, "type_v": self.type_v, "size_gib": self.size_gib, "bpw": self.bpw,
-               "memory_gib": self.memory_gib}
+               "memory_estimate_gib": self.memory_estimate_gib, "reference": self.reference}
         for m, mv in self.board_values():
             out[m.key] = None if mv is None else mv.value
             if m.has_se:
                 out[m.se_key] = None if mv is None else mv.se
+        out["kld_mean_bound"] = None if self.kld_bound is None else self.kld_bound.bound
         out.update(deepest_band=self.deepest.name if self.deepest else None, **kld_of(self.deepest, "kld_deepest"))
         for name, group in self.segments.items():
             out.update(kld_of(group, f"kld_{name}"))
@@ -176,11 +188,24 @@ def board_row(summary: ComparisonSummary, samplers=(), flips: dict[str, FlipFigu
                     model.get("bits_per_weight"), {m.key: held.get(m.key) for m in metric_registry.board()},
                     {name: _sampler_figures(summary, held, name) for name in samplers}, summary.deepest, flips or {},
                     kv_quant=types != (ref_kv.get("type_k"), ref_kv.get("type_v")),
-                    memory_gib=None if size is None or kv_gib is None else round(size + kv_gib, 4),
+                    memory_estimate_gib=None if size is None or kv_gib is None else round(size + kv_gib, 4),
                     control=is_control(summary.comparison_request()), floor=is_floor(summary.comparison_request()),
                     segments={g.name: g for g in summary.by_segment or ()},
                     categories={g.name: g for g in summary.by_category or ()}, chunks=summary.chunks,
-                    scored_tokens=summary.scored_tokens, stopped=EARLY if _decided_early(summary) else None)
+                    scored_tokens=summary.scored_tokens, stopped=EARLY if _decided_early(summary) else None,
+                    fingerprint=model.get("fingerprint"))
+
+
+def reference_row(summary: ComparisonSummary) -> BoardRow:
+    """The reference itself as a row, for a board with speed and memory (the reference is measured too): its only
+    quality figure is its own PPL, every other one is measured against it. Unranked, on no size front."""
+    ref = summary.reference
+    model, kv = ref.facts, ref.kv_types
+    p = summary.perplexity
+    return BoardRow(ref.label, model.get("quant", "?"), ref.kv_text(), model.get("file_name"), kv.get("type_k"),
+                    kv.get("type_v"), model.get("size_gib"), model.get("bits_per_weight"),
+                    {"ppl": MetricValue(p["ppl_ref"], p["ppl_ref_se"])}, {}, None,
+                    fingerprint=model.get("fingerprint"), reference=True)
 
 
 def _decided_early(summary: ComparisonSummary) -> bool:
@@ -202,14 +227,15 @@ def row_with_flips(summary: ComparisonSummary, samplers, tasks_root: Path, origi
 
 
 def rank_key(row: BoardRow) -> tuple:
-    """A board's order: its control first (the noise floor the rest is read against), then its numerics floor, then
-    lowest mean KLD first."""
-    return ranking.order_key(row.control, row.kld_mean, row.label, row.floor)
+    """A board's order: the reference (on a board with speed and memory), its control (the noise floor the rest is
+    read against), then its numerics floor, then lowest mean KLD first."""
+    return not row.reference, *ranking.order_key(row.control, row.kld_mean, row.label, row.floor)
 
 
 def is_baseline(row: BoardRow) -> bool:
-    """The control and the floor: the reference model itself, read against, never ranked, on no Pareto front."""
-    return row.control or row.floor
+    """The reference, the control and the floor: the reference model itself, read against, never ranked, on no
+    size Pareto front."""
+    return row.reference or row.control or row.floor
 
 
 def compare_with_floor(rows: list[BoardRow], per_token) -> None:
@@ -259,7 +285,7 @@ def compare_with_control(rows: list[BoardRow]) -> None:
     control = next((r for r in sorted(rows, key=rank_key) if r.control), None)
     for row in rows:
         if control is not None and row is not control:
-            row.kld_excess, row.within_noise = excess_over(row.metrics.get("kld_mean"), control.metrics.get("kld_mean"))
+            row.kld_excess, row.within_noise = excess_over(row.kld_bound, control.kld_bound)
 
 
 def has_control(rows: list[BoardRow]) -> bool:
@@ -270,30 +296,44 @@ def has_control(rows: list[BoardRow]) -> bool:
 # the table
 # --------------------------------------------------------------------------------------------------
 def leaderboard_columns(samplers=(), tasks=(), control: bool = False, segments=(),
-                        floor: bool = False, early: bool = False) -> tuple[tuple[str, str], ...]:
+                        floor: bool = False, early: bool = False, deployment=None) -> tuple[tuple[str, str], ...]:
     """(heading, written column) of the table's columns after the label: a TVD column per sampler, on a board with
     a control the KLD over it (CONTROL_NOTE), with a floor each KV row's KLD over it (FLOOR_NOTE), a KLD column per
-    segment in `segments` (names, group_names), a flips column per task set, and on a board decided early
-    (has_early) the tokens each row stands on and why it stopped (EARLY_NOTE)."""
+    segment in `segments` (names, group_names), a flips column per task set, on a board decided early (has_early)
+    the tokens each row stands on and why it stopped (EARLY_NOTE), and with `deployment` (a
+    qeval.present.deployment_board.DeploymentBoard) its speed and memory columns."""
     return (("quant", "quant"), ("KV", "kv"), ("size GiB", "size_gib"), ("BPW", "bpw"),
             *((m.heading + (" ± SE" if m.has_se else ""), m.key) for m in board_metrics(samplers)),
+            ("KLD bound", "kld_mean_bound"),
             *((("KLD over control", "kld_excess"),) if control else ()),
             *((("KLD over floor ± SE", "kld_over_floor"),) if floor else ()),
             ("KLD deepest band ± SE", "kld_deepest"), *((f"KLD {name} ± SE", f"kld_{name}") for name in segments),
             *task_flips.columns(tasks),
-            *((("tokens (chunks)", "scored_tokens"), ("stopped", "stopped")) if early else ()))
+            *((("tokens (chunks)", "scored_tokens"), ("stopped", "stopped")) if early else ()),
+            *(deployment.columns() if deployment is not None else ()))
+
+
+def metric_cell(r: BoardRow, m: Metric, mv: MetricValue | None) -> str:
+    """A board metric's cell; on the reference's row, blank for a figure measured against it, "reference" under
+    the mean KLD."""
+    if mv is None and r.reference:
+        return "reference" if m.key == "kld_mean" else ""
+    return m.cell(*((mv.value, mv.se) if mv else (None, None)))
 
 
 def leaderboard_cells(r: BoardRow, tasks=(), control: bool = False, segments=(), floor: bool = False,
-                      early: bool = False) -> list[str]:
+                      early: bool = False, deployment=None) -> list[str]:
     """The formatted cells of one row: label, then leaderboard_columns(its samplers, tasks, control, segments,
-    floor, early)."""
+    floor, early, deployment)."""
     deepest = "" if r.deepest is None else f"{kld_cell(r.deepest)} ({r.deepest.name})"
+    held = "" if r.scored_tokens is None else f"{r.scored_tokens:,} ({r.chunks})"
     return [r.label, r.quant, r.kv, _num(r.size_gib, ".3f"), _num(r.bpw, ".2f"),
-            *(m.cell(*((mv.value, mv.se) if mv else (None, None))) for m, mv in r.board_values()),
+            *(metric_cell(r, m, mv) for m, mv in r.board_values()),
+            "" if r.kld_bound is None else r.kld_bound.bound_text(),
             *((control_cell(r),) if control else ()), *((floor_cell(r),) if floor else ()), deepest, *(kld_cell(r.segments.get(name)) for name in segments),
             *(r.task_flips[task].cell() if task in r.task_flips else "" for task in tasks),
-            *((f"{r.scored_tokens:,} ({r.chunks})", r.stopped or "") if early else ())]
+            *((held, r.stopped or "") if early else ()),
+            *(deployment.cells(r.label) if deployment is not None else ())]
 
 
 def control_cell(r: BoardRow) -> str:
@@ -320,19 +360,22 @@ def pareto_mark(row: BoardRow) -> str:
     return ("✓ KV" if row.kv_quant else "✓") if row.pareto else ""
 
 
-def leaderboard_markdown(rows: list[BoardRow], samplers=(), tasks=(), pareto: bool = False) -> str:
+def leaderboard_markdown(rows: list[BoardRow], samplers=(), tasks=(), pareto: bool = False, deployment=None) -> str:
     """A paste-ready markdown table, sorted by mean KLD: a TVD column per sampler in `samplers` (names), a KLD
-    column per segment any row holds, a flips column per task set in `tasks`, and with `pareto`, a column marking
-    the rows on the Pareto front."""
+    column per segment any row holds, a flips column per task set in `tasks`, with `pareto` a column marking the
+    rows on the Pareto front, and with `deployment` (a qeval.present.deployment_board.DeploymentBoard) its speed and
+    memory columns."""
     control, segments, floor, early = has_control(rows), group_names(rows), has_floor(rows), has_early(rows)
-    header = ["label", *(name for name, _ in leaderboard_columns(samplers, tasks, control, segments, floor, early))] \
-        + (["Pareto"] if pareto else [])
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for r in sorted(rows, key=rank_key):
-        cells = [_md_escape(c) for c in leaderboard_cells(r, tasks, control, segments, floor, early)]
-        if pareto:
-            cells.append(pareto_mark(r))
-        lines.append("| " + " | ".join(cells) + " |")
+    columns = leaderboard_columns(samplers, tasks, control, segments, floor, early, deployment)
+    return markdown_table(["label", *(name for name, _ in columns), *(["Pareto"] if pareto else [])],
+                          [[*leaderboard_cells(r, tasks, control, segments, floor, early, deployment),
+                            *([pareto_mark(r)] if pareto else [])] for r in sorted(rows, key=rank_key)])
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    """A markdown table of cells (a | inside a heading or cell escaped)."""
+    lines = ["| " + " | ".join(map(_md_escape, header)) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_md_escape(c) for c in cells) + " |" for cells in rows]
     return "\n".join(lines)
 
 
@@ -377,10 +420,16 @@ def _note(m: Metric) -> str:
 
 def notes(samplers=(), tasks=(), control: bool = False, segments=(), floor: bool = False) -> str:
     """What every column means, under the table."""
-    return " ".join([*map(_note, board_metrics(samplers)), *([SEGMENT_NOTE] if segments else []),
+    return " ".join([*map(_note, board_metrics(samplers)), BOUND_NOTE, *([SEGMENT_NOTE] if segments else []),
                      *([task_flips.NOTE] if tasks else []), *([CONTROL_NOTE] if control else []),
                      *([FLOOR_NOTE] if floor else []),
                      "± is one standard error.", PARETO_NOTE])
+
+
+BOUND_NOTE = ("KLD bound: how far the mean KLD can be from the mean KLD of the exact logits llama.cpp computed, "
+              "certified from the error each store measured at capture (docs/error-bound.md); \"not recorded\": a "
+              "store made before qeval measured it (capture it again for a bound). PPL, Δp and same top-1 are exact; "
+              "sampler figures are not bounded.")
 
 
 SEGMENT_NOTE = ("KLD <segment>: mean KLD over the assistant's tokens of that segment (thinking, answer, tool_call) "
@@ -389,9 +438,10 @@ SEGMENT_NOTE = ("KLD <segment>: mean KLD over the assistant's tokens of that seg
 
 
 CONTROL_NOTE = ("KLD over control: mean KLD minus the control's, the reference model recomputed live under another "
-                "batch layout (its KLD is the comparison's own noise floor); (noise): within "
-                f"{NOISE_SIGMAS:g}·sqrt(SE² + SE_control²) of it, indistinguishable from numerical noise. The control "
-                "is on no Pareto front.")
+                "batch layout (its KLD is the comparison's own noise floor, its bound what the stored reference's own "
+                "error allows); (noise): within "
+                f"{NOISE_SIGMAS:g}·sqrt(SE² + SE_control²) plus both KLD bounds of it, indistinguishable from "
+                "numerical noise. The control is on no Pareto front.")
 
 
 FLOOR_NOTE = ("KLD over floor: a KV-cache row's mean KLD minus the floor's, paired on the same tokens (SE over chunks); "
@@ -403,6 +453,8 @@ FLOOR_NOTE = ("KLD over floor: a KV-cache row's mean KLD minus the floor's, pair
 
 # Weight quants and KV-cache quants save different memory: each is ranked against its own kind.
 PARETO_NOTE = ("Pareto: a weight quant (KV cache as the reference's) that no other weight quant beats in both file "
-               "size and mean KLD; a KV-cache quant (✓ KV) that no other KV-cache quant beats in both memory at the "
-               "context (file plus KV cache at n_ctx, memory_gib; sliding-window layers counted in full) and mean "
-               "KLD.")
+               "size and mean KLD; a KV-cache quant (✓ KV) that no other KV-cache quant beats in both estimated "
+               "memory at the context and mean KLD. The estimate (memory_estimate_gib) is file plus KV cache at the "
+               "scoring n_ctx from the GGUF's geometry, sliding-window layers counted in full and no compute buffer: "
+               "not what llama.cpp allocates (measured memory, where a board has it, is in its speed and memory "
+               "columns).")

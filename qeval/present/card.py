@@ -20,7 +20,7 @@ from qeval.compare.metric_registry import METRICS, Metric, MetricValue
 from qeval.compare.summary import DepthBand
 from qeval.errors import QevalError
 from qeval.present import board as boardrows
-from qeval.present import card_merge, card_provenance, leaderboard, plots, task_flips
+from qeval.present import card_merge, card_provenance, deployment_board, leaderboard, plots, task_flips
 from qeval.present.board import BoardRow
 
 CARD_METRICS = ("kld_mean", "kld_999", "same_top1_pct", "ppl")  # the table's metric columns, in order
@@ -65,15 +65,22 @@ class Card:
         """Whether a floor row is on the card: then a column of each KV quant's KLD over it."""
         return boardrows.has_floor([r.row for r in self.rows])
 
+    @property
+    def deployment(self):
+        """The speed and memory beside the rows (qeval.present.deployment_board.DeploymentBoard), or None."""
+        return self.board.deployment
+
     def markdown(self, plot: str = PLOT_FILE, sidecar: str = SIDECAR) -> str:
         return markdown(self, plot, sidecar)
 
     def to_json(self) -> dict:
         # NaN (an SE over too few tokens) is not JSON: the round trip turns it into null
+        view = self.deployment
         return json.loads(json.dumps({"title": self.title, "provenance": self.provenance,
                                       "pareto_front": self.board.pareto, "plot": PLOT_FILE,
-                                      "rows": [record(r, self.bands, self.tasks, self.segments)
-                                               for r in self.rows]}),
+                                      "rows": [record(r, self.bands, self.tasks, self.segments, view)
+                                               for r in self.rows],
+                                      **({"deployment": view.to_json()} if view else {})}),
                           parse_constant=lambda _: None)
 
 
@@ -81,13 +88,17 @@ def card_metrics() -> list[Metric]:
     return [METRICS[key] for key in CARD_METRICS]
 
 
-def build(runs: list[str | os.PathLike], title: str | None = None) -> Card:
+def build(runs: list[str | os.PathLike], title: str | None = None, deployment=None) -> Card:
     """The card of saved results (files or directories): refused as leaderboard.build refuses, and for a corpus
-    that differs between them."""
-    board = leaderboard.build(runs, title=title)
+    that differs between them; with `deployment` (qeval.present.deployment_board.Records), speed and memory columns
+    and the reference's row."""
+    board = leaderboard.build(runs, title=title, deployment=deployment)
     card_provenance.check_same_corpus(board.results)
     rows = [CardRow(row, {b.name: b for b in res.summary.by_depth or ()}) for row, res in zip(board.rows, board.results)]
-    return Card(board, rows, card_provenance.of_board(board), depth_columns(rows))
+    bands = depth_columns(rows)
+    if board.reference_row is not None:
+        rows.insert(0, CardRow(board.reference_row, {}))
+    return Card(board, rows, card_provenance.of_board(board), bands)
 
 
 def depth_columns(rows: list[CardRow]) -> tuple[str, ...]:
@@ -108,9 +119,10 @@ def _kld_cell(group: DepthBand | None) -> str:
     return "" if group is None else METRICS["kld_mean"].cell(group.kld["mean"], group.kld["se"])
 
 
-def record(r: CardRow, bands: tuple[str, ...], tasks: tuple[str, ...], segments: tuple[str, ...] = ()) -> dict:
+def record(r: CardRow, bands: tuple[str, ...], tasks: tuple[str, ...], segments: tuple[str, ...] = (),
+           deployment=None) -> dict:
     """A row of the sidecar: the table's numbers unformatted (a metric's SE under `<key>_se`); "by_segment" only
-    on a card with segment columns."""
+    on a card with segment columns, the speed and memory columns (DeploymentBoard.keys) only with `deployment`."""
     row = r.row
     out = {"rank": row.rank, "label": row.label, "quant": row.quant, "model_file": row.model_file, "kv": row.kv,
            "size_gib": row.size_gib, "bpw": row.bpw}
@@ -119,34 +131,40 @@ def record(r: CardRow, bands: tuple[str, ...], tasks: tuple[str, ...], segments:
         out[m.key] = value
         if m.has_se:
             out[m.se_key] = se
-    out["by_depth"] = {name: boardrows.kld_of(r.bands[name], "kld_mean") for name in bands}
+    out["kld_mean_bound"] = None if row.kld_bound is None else row.kld_bound.bound
+    out["by_depth"] = {name: boardrows.kld_of(r.bands[name], "kld_mean") for name in bands if name in r.bands}
     if segments:
         out["by_segment"] = {name: boardrows.kld_of(row.segments.get(name), "kld_mean") for name in segments}
     out["flips"] = {task: row.task_flips[task].to_json() for task in tasks if task in row.task_flips}
-    out.update(memory_gib=row.memory_gib, kv_quant=row.kv_quant, control=row.control, kld_excess=row.kld_excess,
+    out.update(memory_estimate_gib=row.memory_estimate_gib, kv_quant=row.kv_quant, control=row.control,
+               kld_excess=row.kld_excess,
                within_noise=row.within_noise, **{k: getattr(row, k) for k in boardrows.FLOOR_KEYS},
                pareto=row.pareto, result=row.result)
+    if deployment is not None:
+        out.update(reference=row.reference, **deployment.values(row.label))
     return out
 
 
 def header(bands: tuple[str, ...], tasks: tuple[str, ...], control: bool = False, segments: tuple[str, ...] = (),
-           floor: bool = False) -> list[str]:
+           floor: bool = False, deployment=None) -> list[str]:
     return ["label", "file", "KV", "size GiB", "BPW", *(m.heading + (" ± SE" if m.has_se else "") for m in card_metrics()),
-            *(["KLD over control"] if control else []), *(["KLD over floor ± SE"] if floor else []),
+            "KLD bound", *(["KLD over control"] if control else []), *(["KLD over floor ± SE"] if floor else []),
             *(f"mean KLD, positions {name} ± SE" for name in bands), *(f"mean KLD, {name} ± SE" for name in segments),
             *(h for h, _ in task_flips.columns(tasks)),
-            "Pareto"]
+            *(h for h, _ in (deployment.columns() if deployment else ())), "Pareto"]
 
 
 def cells(r: CardRow, bands: tuple[str, ...], tasks: tuple[str, ...], control: bool = False,
-          segments: tuple[str, ...] = (), floor: bool = False) -> list[str]:
+          segments: tuple[str, ...] = (), floor: bool = False, deployment=None) -> list[str]:
     row = r.row
     return [row.label, row.model_file or "?", row.kv, _fixed(row.size_gib, ".3f"), _fixed(row.bpw, ".2f"),
-            *(m.cell(*_value_se(row.metrics.get(m.key))) for m in card_metrics()),
+            *(boardrows.metric_cell(row, m, row.metrics.get(m.key)) for m in card_metrics()),
+            "" if row.kld_bound is None else row.kld_bound.bound_text(),
             *([boardrows.control_cell(row)] if control else []), *([boardrows.floor_cell(row)] if floor else []),
-            *(_kld_cell(r.bands[name]) for name in bands), *(_kld_cell(row.segments.get(name)) for name in segments),
+            *(_kld_cell(r.bands.get(name)) for name in bands),
+            *(_kld_cell(row.segments.get(name)) for name in segments),
             *(row.task_flips[task].cell() if task in row.task_flips else "" for task in tasks),
-            boardrows.pareto_mark(row)]
+            *(deployment.cells(row.label) if deployment else ()), boardrows.pareto_mark(row)]
 
 
 def _fixed(v: float | None, fmt: str) -> str:
@@ -154,13 +172,10 @@ def _fixed(v: float | None, fmt: str) -> str:
 
 
 def table(card: Card) -> str:
-    control, segments, floor = card.has_control, card.segments, card.has_floor
-    head = header(card.bands, card.tasks, control, segments, floor)
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in card.rows:
-        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells(r, card.bands, card.tasks, control,
-                                                                             segments, floor)) + " |")
-    return "\n".join(lines)
+    control, segments, floor, view = card.has_control, card.segments, card.has_floor, card.deployment
+    return boardrows.markdown_table(header(card.bands, card.tasks, control, segments, floor, view),
+                                    [cells(r, card.bands, card.tasks, control, segments, floor, view)
+                                     for r in card.rows])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -168,14 +183,19 @@ def table(card: Card) -> str:
 # --------------------------------------------------------------------------------------------------
 NOTE = ("Rows are sorted by mean KLD, KL(reference ‖ quant) in nats per scored token; 99.9% KLD is that percentile "
         "of the per-token KLD; same top-1: share of tokens where both models' most likely token is the same; ± is "
-        "one standard error. " + boardrows.PARETO_NOTE)
+        "one standard error. " + boardrows.BOUND_NOTE + " " + boardrows.PARETO_NOTE)
 
 
 def markdown(card: Card, plot: str = PLOT_FILE, sidecar: str = SIDECAR) -> str:
     """The block: heading, table, plot, provenance; plot and sidecar are links relative to where it is read."""
     note = NOTE + (" " + boardrows.CONTROL_NOTE if card.has_control else "") + \
         (" " + boardrows.FLOOR_NOTE if card.has_floor else "")
-    out = [f"## {card.title}", "", table(card), "", note, "",
+    view = card.deployment
+    if view is not None:
+        note += " " + " ".join(view.notes())
+    out = [f"## {card.title}", "", *([f"- **{k}:** {v}" for k, v in view.lines()] + [""] if view else []),
+           table(card), "", note, "", *(deployment_board.other_machines_markdown(view, card.board.table_rows)
+                                        if view else []),
            f"![Mean KLD against model size, Pareto front marked]({plot})", "",
            f"**Provenance** (as JSON: [{Path(sidecar).name}]({sidecar}))", ""]
     out += [f"- **{k}:** {v}" for k, v in card_provenance.lines(card.provenance)]
@@ -205,10 +225,11 @@ def write(card: Card, out: str | os.PathLike = DEFAULT_OUT) -> dict[str, Path]:
 
 
 def report(runs: list[str | os.PathLike], out: str | os.PathLike = DEFAULT_OUT, merge: str | os.PathLike | None = None,
-           title: str | None = None) -> tuple[dict, str]:
-    """Build the card, write its files into `out`, and with `merge`, put the block into that markdown file (its
-    links relative to it). A merge that would be refused is refused before anything is written."""
-    card, out = build(runs, title), Path(out)
+           title: str | None = None, deployment=None) -> tuple[dict, str]:
+    """Build the card (with `deployment`: qeval.present.deployment_board.Records, speed and memory), write its files
+    into `out`, and with `merge`, put the block into that markdown file (its links relative to it). A merge that
+    would be refused is refused before anything is written."""
+    card, out = build(runs, title, deployment), Path(out)
     pending = None
     if merge is not None:
         where = Path(merge).parent

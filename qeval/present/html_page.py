@@ -8,6 +8,8 @@ import math
 
 from qeval import __version__
 from qeval.present.board import has_early, has_floor, leaderboard_cells, leaderboard_columns, notes, settings_lines
+from qeval.present.deployment_board import other_machines_markdown
+from qeval.present.deployment_page import question_html
 from qeval.present.plots import PLOTS
 
 CSS = """
@@ -37,35 +39,58 @@ figure { margin: 18px 0 28px; }
 figure svg { max-width: 100%; height: auto; display: block; }
 figcaption { color: var(--muted); font-size: 13px; margin-top: 4px; }
 footer { color: var(--muted); font-size: 12px; margin-top: 36px; }
+#question form { display: flex; flex-wrap: wrap; gap: 8px 18px; align-items: center; background: var(--bg2);
+                 border: 1px solid var(--line); border-radius: 8px; padding: 10px 14px; }
+#question input { width: 7em; }
+#answer { font-weight: 600; font-size: 15px; }
+.problem { color: #b42318; font-weight: 600; }
+#ruled-out, #passing { margin: 4px 0; }
+td.asked, th.asked { outline: 2px solid #0969da; outline-offset: -2px; }
+tr.best td { background: #d3f5dc; }
+tr.ruled td { color: #8c959f; }
+tr.ruled td[data-col="answer"] { color: #b42318; white-space: normal; min-width: 18em; }
 """
 
 
 def table_html(board) -> str:
     """The leaderboard as an HTML <table> (also handy in a notebook: IPython.display.HTML)."""
     segments = board.segments
-    floor, early = has_floor(board.rows), has_early(board.rows)
-    columns = leaderboard_columns(board.samplers, board.tasks, board.control, segments, floor, early)
-    headings = ("#", "label", *(name for name, _ in columns))
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in headings)
+    floor, early, view = has_floor(board.rows), has_early(board.rows), board.deployment
+    columns = (*leaderboard_columns(board.samplers, board.tasks, board.control, segments, floor, early, view),
+               *((("your question", "answer"),) if view else ()))
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in ("#", "label", *(name for name, _ in columns)))
     klds = [r.kld_mean for r in board.rows if r.kld_mean > 0]
     lo, hi = (math.log10(min(klds)), math.log10(max(klds))) if klds else (0.0, 0.0)
     body = []
-    for r in board.rows:
-        cells = leaderboard_cells(r, board.tasks, board.control, segments, floor, early)
+    for r in board.table_rows:
+        cells = [*leaderboard_cells(r, board.tasks, board.control, segments, floor, early, view),
+                 *([""] if view else [])]  # the answer's cell, filled by the page's script
         label = html.escape(cells[0]) + ('<span class="badge" title="on the size/KLD Pareto front">Pareto</span>'
                                          if r.pareto else "")
-        tds = [f'<td class="num">{"" if r.rank is None else r.rank}</td>', f"<td>{label}</td>"]
+        tds = [f'<td class="num">{"" if r.rank is None else r.rank}</td>', f'<td data-col="label">{label}</td>']
         for (_, key), cell in zip(columns, cells[1:]):
             style = ""
-            if key == "kld_mean" and r.kld_mean > 0 and hi > lo:
+            if key == "kld_mean" and r.kld_mean is not None and r.kld_mean > 0 and hi > lo:
                 t = (math.log10(r.kld_mean) - lo) / (hi - lo)  # green (best) to red (worst)
                 style = f' style="background: hsl({120 - 120 * t:.0f}, 70%, 88%)"'
-            cls = "" if key in ("quant", "kv") else ' class="num"'
-            tds.append(f"<td{cls}{style}>{html.escape(cell)}</td>")
+            cls = "" if key in ("quant", "kv", "answer") else ' class="num"'
+            tds.append(f'<td data-col="{html.escape(key)}"{cls}{style}>{html.escape(cell)}</td>')
         attrs = ' class="pareto"' if r.pareto else ""
         body.append(f'<tr data-label="{html.escape(r.label)}"{attrs}>' + "".join(tds) + "</tr>")
     return (f'<div class="table-wrap"><table id="leaderboard"><thead><tr>{head}</tr></thead>'
             f"<tbody>{''.join(body)}</tbody></table></div>")
+
+
+def deployment_html(board) -> str:
+    """The speed and memory notes and every other machine's figures (a <pre> of their markdown tables)."""
+    view = board.deployment
+    if view is None:
+        return ""
+    lines = "".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(v)}</dd>" for k, v in view.lines())
+    others = other_machines_markdown(view, board.table_rows)
+    notes_html = "".join(f'<p class="notes">{html.escape(n)}</p>' for n in view.notes())
+    return (f'<dl class="settings">{lines}</dl>{notes_html}'
+            + (f'<pre id="other-machines">{html.escape(chr(10).join(others))}</pre>' if others else ""))
 
 
 def leaderboard_html(board, inline_svgs: dict[str, str]) -> str:
@@ -87,10 +112,12 @@ def leaderboard_html(board, inline_svgs: dict[str, str]) -> str:
 <main>
 <h1>{html.escape(board.title)}</h1>
 <dl class="settings">{settings}</dl>
+{question_html(board.deployment, board.table_rows) if board.deployment else ""}
 <h2>Leaderboard <small>(sorted by mean KLD, {len(board.rows)} candidates)</small></h2>
 {table_html(board)}
 <p class="notes">{html.escape(notes(board.samplers, board.tasks, board.control, board.segments, has_floor(board.rows)))}</p>
 <p class="notes"><b>Pareto front</b> (smallest first): {html.escape(front)}</p>
+{deployment_html(board)}
 <h2>Plots</h2>
 {figures}
 <footer>Generated by qeval {html.escape(__version__)} from {len(board.rows)} saved results.</footer>

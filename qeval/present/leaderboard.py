@@ -3,6 +3,7 @@
 
     board = leaderboard.build(["qeval-runs"])          # load + check the results, compute rows and Pareto front
     board.rows                                          # one BoardRow per candidate, sorted by mean KLD
+    board.deployment                                    # speed and memory (given deployment records), or None
     board.records()                                     # the same as plain dicts: the rows of leaderboard.csv
     board = leaderboard.write(board, "leaderboard")     # leaderboard.{md,csv,json,html} + plots (PNG and SVG)
     board.paths                                         # what was written
@@ -28,8 +29,9 @@ from qeval.compare.ranking import pareto_front  # noqa: F401 (leaderboard.pareto
 from qeval.errors import QevalError
 from qeval.identity import changes
 from qeval.present import board as boardrows
-from qeval.present import plots, results, task_flips
+from qeval.present import deployment_board, plots, results, task_flips
 from qeval.present.board import BoardRow
+from qeval.present.deployment_board import DeploymentBoard
 from qeval.present.html_page import leaderboard_html
 
 DEFAULT_OUT = "leaderboard"
@@ -44,12 +46,20 @@ class Leaderboard:
     samplers: tuple[str, ...] = ()  # samplers every result holds (board.common_samplers): a TVD column each
     tasks: tuple[str, ...] = ()  # task sets with flips beside the results (qeval.present.task_flips): a column each
     paths: dict[str, Path] = field(default_factory=dict)  # filled by write(): name -> file
+    deployment: DeploymentBoard | None = None  # speed and memory of the rows, when records were given
+    reference_row: BoardRow | None = None  # the reference itself, on a board with speed and memory
+
+    @property
+    def table_rows(self) -> list[BoardRow]:
+        """The rows of the tables (markdown, CSV, JSON, HTML, card): the reference's first when the board has one."""
+        return [*([self.reference_row] if self.reference_row is not None else []), *self.rows]
 
     @property
     def pareto(self) -> list[str]:
         """Labels on a Pareto front: weight quants, smallest file first, then KV-cache quants, least memory first."""
         front = [r for r in self.rows if r.pareto]
-        return [r.label for r in sorted(front, key=lambda r: (r.kv_quant, r.memory_gib if r.kv_quant else r.size_gib,
+        return [r.label for r in sorted(front, key=lambda r: (r.kv_quant,
+                                                               r.memory_estimate_gib if r.kv_quant else r.size_gib,
                                                                r.kld_mean))]
 
     def markdown(self) -> str:
@@ -72,23 +82,25 @@ class Leaderboard:
     def columns(self) -> tuple[str, ...]:
         """The columns of the CSV and of the JSON rows (a TVD column per sampler, KLD and SE per segment, flips
         figures per task set)."""
-        return ("rank", "label", "quant", "model_file", "type_k", "type_v", "size_gib", "bpw", "memory_gib",
-                *boardrows.board_keys(self.samplers), *boardrows.DEEPEST_KEYS, *boardrows.segment_keys(self.segments),
+        return ("rank", "label", "quant", "model_file", "type_k", "type_v", "size_gib", "bpw", "memory_estimate_gib",
+                *boardrows.board_keys(self.samplers), *boardrows.BOUND_KEYS, *boardrows.DEEPEST_KEYS,
+                *boardrows.segment_keys(self.segments),
                 *task_flips.keys(self.tasks),
                 *boardrows.CONTROL_KEYS, *boardrows.FLOOR_KEYS,
-                "pareto", "result")
+                "pareto", "result", *(("reference", *self.deployment.keys()) if self.deployment else ()))
 
     def records(self) -> list[dict]:
         """The rows as written (CSV, JSON): a value per column, None where a row has none."""
-        return [_record(r, self.columns) for r in self.rows]
+        return [_record(r, self.columns, self.deployment) for r in self.table_rows]
 
     def figures(self) -> dict:
         """name -> matplotlib Figure for every plot (display them in a notebook, or savefig)."""
         return plots.figures(self)
 
 
-def _record(row: BoardRow, columns: tuple[str, ...]) -> dict:
-    flat = {"rank": row.rank, **row.to_json(), "pareto": row.pareto, "result": row.result}
+def _record(row: BoardRow, columns: tuple[str, ...], deployment: DeploymentBoard | None) -> dict:
+    flat = {"rank": row.rank, **row.to_json(), "pareto": row.pareto, "result": row.result,
+            **(deployment.values(row.label) if deployment else {})}
     return {k: flat.get(k) for k in columns}
 
 
@@ -161,14 +173,17 @@ def mark_pareto_fronts(rows: list[BoardRow]) -> None:
     """Like with like: weight quants on file size, KV-cache quants on memory at the context (board.PARETO_NOTE). A
     control and a floor are on neither: they are the reference itself, and beat every quant at the reference's size."""
     flags = ranking.on_fronts([r.kv_quant for r in rows], [boardrows.is_baseline(r) for r in rows], [r.size_gib for r in rows],
-                              [r.memory_gib for r in rows], [r.kld_mean for r in rows])
+                              [r.memory_estimate_gib for r in rows], [r.kld_mean for r in rows])
     for row, on_front in zip(rows, flags):
         row.pareto = on_front
 
 
 def build(runs: list[str | os.PathLike] | None = None, title: str | None = None,
-          loaded: list[results.Result] | None = None) -> Leaderboard:
-    """Load results (paths or directories), check that they share a reference and tokens, compute the rows."""
+          loaded: list[results.Result] | None = None,
+          deployment: deployment_board.Records | None = None) -> Leaderboard:
+    """Load results (paths or directories), check that they share a reference and tokens, compute the rows; with
+    `deployment` (the speed and memory records beside them), their speed and memory columns and a row for the
+    reference."""
     if loaded is None:
         if not runs:
             raise QevalError("name at least one result file or directory of results")
@@ -188,7 +203,20 @@ def build(runs: list[str | os.PathLike] | None = None, title: str | None = None,
     if title is None:
         ref = settings["reference"]
         title = f"Quantization leaderboard: KL divergence vs {ref['model_file'] or ref['label']}"
-    return Leaderboard(rows, [res for _, res in pairs], settings, title, samplers, boardrows.common_tasks(rows))
+    board = Leaderboard(rows, [res for _, res in pairs], settings, title, samplers, boardrows.common_tasks(rows))
+    return with_deployment(board, deployment) if deployment is not None else board
+
+
+def with_deployment(board: Leaderboard, deployment: deployment_board.Records) -> Leaderboard:
+    """The board with the speed and memory of its rows and of the reference (a row of its own); unchanged when no
+    record is any row's."""
+    reference = boardrows.reference_row(board.results[0].summary)
+    table = [reference, *board.rows]
+    view = deployment_board.match(table, deployment.records, deployment.current, deployment.machine)
+    if view is not None:
+        board.deployment = deployment_board.with_front(view, table, deployment_board.QUALITIES)
+        board.reference_row = reference
+    return board
 
 
 def _row(res: results.Result, samplers: tuple[str, ...]) -> BoardRow:
@@ -205,9 +233,15 @@ def markdown_page(board: Leaderboard) -> str:
     """Paste-ready for a Hugging Face model card: heading, settings, the table sorted by mean KLD, notes."""
     out = [f"## {board.title}", ""]
     out += [f"- **{k}:** {v}" for k, v in boardrows.settings_lines(board.settings, board.samplers)]
-    out += ["", boardrows.leaderboard_markdown(board.rows, board.samplers, board.tasks, pareto=True), "",
+    view = board.deployment
+    if view is not None:
+        out += [f"- **{k}:** {v}" for k, v in view.lines()]
+    out += ["", boardrows.leaderboard_markdown(board.table_rows, board.samplers, board.tasks, pareto=True,
+                                               deployment=view), "",
             boardrows.notes(board.samplers, board.tasks, board.control, board.segments,
                             boardrows.has_floor(board.rows)), ""]
+    if view is not None:
+        out += [" ".join(view.notes()), "", *deployment_board.other_machines_markdown(view, board.table_rows)]
     return "\n".join(out)
 
 
@@ -215,7 +249,8 @@ def leaderboard_json(board: Leaderboard) -> dict:
     """Strict JSON (a NaN standard error becomes null)."""
     columns = board.columns
     return _strict({"title": board.title, "settings": board.settings, "pareto_front": board.pareto,
-                    "columns": list(columns), "rows": board.records()})
+                    "columns": list(columns), "rows": board.records(),
+                    **({"deployment": board.deployment.to_json()} if board.deployment else {})})
 
 
 def _strict(v):

@@ -121,15 +121,16 @@ def _kv_marker(board) -> dict:
 
 def plot_kld_vs_size(board):
     """Mean KLD (± SE) against what each candidate costs, like with like: weight quants against file size, and
-    (in a second panel, when the board has any) KV-cache quants against memory at the context (file + KV cache
-    at n_ctx); each panel's Pareto front joined and ringed; every point labelled."""
+    (in a second panel, when the board has any) KV-cache quants against estimated memory at the context (file + KV
+    cache at n_ctx: board.PARETO_NOTE); each panel's Pareto front joined and ringed; every point labelled."""
     weights = [r for r in board.rows if not r.kv_quant]
     kv_quants = [r for r in board.rows if r.kv_quant]
     panels = [(weights, "size_gib", "weight quants: model file (GiB)", "a model size")] if weights or not kv_quants \
         else []
     if kv_quants:
         n_ctx = board.settings.get("n_ctx")
-        panels.append((kv_quants, "memory_gib", f"KV-cache quants: file + KV cache at n_ctx {n_ctx} (GiB)",
+        panels.append((kv_quants, "memory_estimate_gib",
+                       f"KV-cache quants: estimated memory, file + KV cache at n_ctx {n_ctx} (GiB)",
                        "its KV cache's size (older results record no KV cache geometry)"))
     fig = _figure(9.0 * len(panels), 6.0)
     markers = _kv_marker(board)

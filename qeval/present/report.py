@@ -10,10 +10,21 @@ from pathlib import Path
 import numpy as np
 
 from qeval.compare import sampler
-from qeval.compare.metric_registry import KLD_BLOCK, METRICS, PPL_BLOCK, TOKEN_BLOCK, Metric, MetricValue, plus_minus
-from qeval.compare.metrics import GROUP_FIELDS, PER_TOKEN_FIELDS, Comparison
+from qeval.compare.metric_registry import (
+    KLD_BLOCK,
+    METRICS,
+    NOT_BOUNDED,
+    PPL_BLOCK,
+    TOKEN_BLOCK,
+    Metric,
+    MetricValue,
+    lookup,
+    plus_minus,
+)
+from qeval.compare.metrics import GROUP_FIELDS, PER_TOKEN_FIELDS
 from qeval.compare.summary import ComparisonSummary, Side, TokenGroup, kv_text
-from qeval.identity import NOT_RECORDED
+from qeval.identity import NOT_RECORDED, form
+from qeval.storage import error_record
 from qeval.storage.llamacpp import record_values
 from qeval.storage.store import StoreHeader
 
@@ -53,10 +64,46 @@ def comparison_text(summary: ComparisonSummary) -> str:
             *(f"{name:<7} Δp: {100 * v:6.3f}%" for name, v in dp["ladder"].items()),
             f"RMS Δp    : {_percent_pm(dp['rms'], dp['rms_se'], 6)} %",
             f"Same top p: {_percent_pm(top1['fraction'], top1['se'], 6)} %"]),
+        *bound_lines(summary),
         *group_lines(summary),
         *sampler_lines(summary.samplers),
     ]
     return "\n".join(lines)
+
+
+BOUND_HEADING = "Error bound of the stored form (certified: docs/error-bound.md)"
+
+
+def bound_lines(summary: ComparisonSummary) -> list[str]:
+    """The certified bound of every figure (the figure on the exact logits lies within it): a line per bounded
+    figure, then those that are exact and those no record bounds; or why the comparison has none."""
+    held = summary.metrics or {}
+    measured = [(lookup(key), v) for key, v in held.items() if lookup(key) is not None]
+    if not measured:
+        return []
+    bounds = {m.key: v.bound for m, v in measured}
+    if all(b is None or b == NOT_RECORDED for b in bounds.values()):
+        return ["", f"====== {BOUND_HEADING} ======", not_recorded_text(summary)]
+    lines = ["", f"====== {BOUND_HEADING} ======"]
+    lines += [f"{m.title:<22}: {m.number(v.value)}{m.percent}, within {m.number(v.bound)}{m.percent}"
+              for m, v in measured if v.bound_value]
+    exact = [m.title for m, v in measured if v.bound == 0 and not m.restates]
+    if exact:
+        lines.append(f"{'exact':<22}: " + ", ".join(exact))
+    free = [m.title for m, v in measured if v.bound == NOT_BOUNDED]
+    if free:
+        lines.append(f"{'not bounded':<22}: " + ", ".join(free) + " (a sampler's truncation set may change)")
+    return lines
+
+
+def not_recorded_text(summary: ComparisonSummary) -> str:
+    """Why a comparison has no bound: which store records no error, and what gives one."""
+    sides = [(role, side) for role, side in (("reference", summary.reference), ("candidate", summary.candidate))
+             if not side.records_error]
+    which = " and ".join(f"the {role} store {side.label or side.path}" for role, side in sides) or "a store"
+    return (f"not recorded: {which} records no error of its stored form (made before qeval measured it at capture, "
+            "or imported from llama.cpp). Capture it again with this qeval (qeval capture ... --force) to get "
+            "certified bounds on every figure.")
 
 
 def sampler_lines(samplers: dict) -> list[str]:
@@ -144,6 +191,7 @@ def ppl_text(label: str, path: str, ppl: dict, chunks: int, n_tokens: int) -> st
 
 
 def info(source) -> dict:
+    """What `qeval info` shows of a store: its header, state, size, stored form and the error it recorded."""
     h: StoreHeader = source.header
     n_chunks = len(source.chunk_indices)
     scored = sum(h.n_scored_of(c) for c in source.chunk_indices)
@@ -160,6 +208,9 @@ def info(source) -> dict:
         "bytes_per_scored_token": size / scored if scored else math.nan,
         "llamacpp_equivalent_bytes": llama_bytes,
         "ratio_vs_llamacpp": llama_bytes / size if size else math.nan,
+        "form": form(h),
+        "error": {"recorded": True, "bands": h.error, **error_record.summarize(e for _, e in source.iter_errors())}
+        if h.error_bands is not None else {"recorded": False},
     }
 
 
@@ -183,7 +234,7 @@ def info_text(d: dict) -> str:
         f"state      : {state}: {d['chunks_present']} of {d['chunks_expected']} chunks "
         f"(chunk range {h['chunk_start']}:{h['chunk_stop']} of {h['n_chunks']})",
         f"layout     : n_vocab {h['n_vocab']}, n_ctx {h['n_ctx']}, {_scored_text(h)}, top-{h['top_k']} ids kept",
-        f"code       : {json.dumps(h['codec'], sort_keys=True)}",
+        f"form       : {json.dumps(d['form'], sort_keys=True)}",
     ]
     if model:
         lines.append("model      : " + ", ".join(f"{k} {v}" for k, v in model.items() if not isinstance(v, dict)))
@@ -204,13 +255,28 @@ def info_text(d: dict) -> str:
         f"({d['scored_tokens']:,} tokens)",
         f"vs llama.cpp: {d['llamacpp_equivalent_bytes']:,} bytes in --kl-divergence-base layout, "
         f"{d['ratio_vs_llamacpp']:.1f}x larger",
+        f"error      : {error_text(d['error'])}",
     ]
     return "\n".join(lines)
 
 
-def write_per_token(cmp: Comparison, path: Path) -> None:
-    """One row per scored token: .npz keeps full precision, anything else is written as CSV."""
-    t = cmp.per_token
+def error_text(e: dict) -> str:
+    """The error a store recorded at capture (docs/error-bound.md), or why it has none."""
+    if not e["recorded"]:
+        return (f"{NOT_RECORDED}: the store records no error of its stored form (made before qeval measured it at "
+                "capture, or imported from llama.cpp): comparisons against it show no certified bound. Capture it "
+                "again with this qeval (qeval capture ... --force) to get one.")
+    if not e["tokens"]:
+        return "recorded (no complete chunk yet)"
+    return (f"measured at capture against the exact logits, per scored token: KL(exact ‖ stored) mean "
+            f"{e['kl_mean']:.2e}, max {e['kl_max']:.2e} nats; |Δ log p| ≤ {e['max_abs_dlogp_top_band']:.2e} within "
+            f"{e['bands']['band_width']:g} nat of the top, ≤ {e['max_abs_dlogp']:.3g} over the whole vocabulary (the "
+            "deepest entries, of negligible mass); each comparison turns it into a certified bound on its figures")
+
+
+def write_per_token(t: dict[str, np.ndarray], label_names: dict | None, path: Path) -> None:
+    """One row per scored token (per-token columns `t`; label_names: a conversation comparison's, which its
+    segment and category codes index): .npz keeps full precision, anything else is written as CSV."""
     if path.suffix == ".npz":
         np.savez_compressed(path, **t)
         return
@@ -218,7 +284,7 @@ def write_per_token(cmp: Comparison, path: Path) -> None:
         w = csv.writer(fh)
         fields = (*PER_TOKEN_FIELDS, *filter(t.__contains__, GROUP_FIELDS), *filter(sampler.is_column, t))  # if any
         w.writerow(fields)
-        cols = [group_names(cmp.label_names, k, t[k]) if k in GROUP_FIELDS else t[k] for k in fields]
+        cols = [group_names(label_names, k, t[k]) if k in GROUP_FIELDS else t[k] for k in fields]
         for row in zip(*cols):
             w.writerow([v if isinstance(v, str) else int(v) if isinstance(v, (np.integer, np.bool_)) else f"{float(v):.9g}"
                         for v in row])

@@ -24,9 +24,9 @@ from qeval.compare import depth, sampler
 from qeval.compare.metrics import GROUP_FIELDS, PER_TOKEN_FIELDS, Comparison
 from qeval.compare.summary import ComparisonSummary, of_figures, summarize
 from qeval.errors import QevalError, WriteFailed
-from qeval.identity import METRICS_VERSION, ComparisonRequest
+from qeval.identity import METRICS_VERSION, ComparisonRequest, changes, reference_identity
+from qeval.storage.runs import LIVE_SUFFIX, RESULT_SEPARATOR, RESULTS_SUBDIR  # noqa: F401 - RESULTS_SUBDIR public here too
 
-RESULTS_SUBDIR = "results"
 
 
 @dataclass
@@ -36,6 +36,8 @@ class Result:
     summary: ComparisonSummary
     per_token: dict[str, np.ndarray] | None
     path: Path | None  # None when computed from stores, not loaded
+    note: str = ""  # how it was obtained, when a reader should know (a saved result reused, extended live)
+    comparison: Comparison | None = None  # when computed just now: what save_result writes
 
     @property
     def label(self) -> str:
@@ -53,13 +55,19 @@ class Result:
     def chunk_ids(self) -> np.ndarray:
         return np.unique(self.per_token["chunk"])
 
+    def chunk_columns(self, chunks) -> dict[int, dict[str, np.ndarray]]:
+        """The per-token columns of each of `chunks`, as qeval.compare.metrics.compare_chunk gave them (a saved
+        result keeps them bit for bit): what a comparison over more chunks starts from."""
+        column = self.per_token["chunk"]
+        return {int(c): {k: v[column == c] for k, v in self.per_token.items()} for c in sorted(chunks)}
+
     def restricted(self, chunk_ids) -> "Result":
         """The same measurement over only these chunks (summary recomputed from per-token values)."""
         if self.per_token is None:
             raise QevalError(f"{self.origin} has no per-token values: it cannot be cut to fewer chunks")
         keep = np.isin(self.per_token["chunk"], np.asarray(chunk_ids))
         per_token = {k: v[keep] for k, v in self.per_token.items()}
-        return Result(recomputed(self.summary, per_token), per_token, self.path)
+        return Result(recomputed(self.summary, per_token), per_token, self.path, self.note)
 
     def selected(self, selection: depth.Selection) -> "Result":
         """The same measurement over only the scored tokens `selection` picks (a depth band, a segment, a
@@ -73,19 +81,21 @@ class Result:
         if selection.depth is not None:
             summary.depth = {"lo": selection.depth[0], "hi": selection.depth[1]}
         summary.selection = selection.labels() or None
-        return Result(summary, per_token, self.path)
+        return Result(summary, per_token, self.path, self.note)
 
 
-def recomputed(head: ComparisonSummary, per_token: dict[str, np.ndarray]) -> ComparisonSummary:
-    """The summary of these per-token values, its reference and candidate those of `head`."""
+def recomputed(head: ComparisonSummary, per_token: dict[str, np.ndarray],
+               bands: list[tuple[int, int]] | None = None) -> ComparisonSummary:
+    """The summary of these per-token values, its reference and candidate those of `head`; bands: of its by-depth
+    figures (default: powers of 4 from 512)."""
     chunks = [int(c) for c in np.unique(per_token["chunk"])]
-    bands = depth.parse_bands(None, head.reference.n_ctx)
+    bands = bands or depth.parse_bands(None, head.reference.n_ctx)
     body = Comparison(None, None, chunks, per_token, head.labels).summary(bands)  # reads only per_token and chunks
     return of_figures(head.reference, head.candidate, body)
 
 
 def result_stem(cand_label: str, ref_label: str) -> str:
-    return f"{cand_label}.vs.{ref_label}"
+    return f"{cand_label}{RESULT_SEPARATOR}{ref_label}"
 
 
 def result_path(directory: Path, cand_label: str, ref_label: str) -> Path:
@@ -114,6 +124,38 @@ def require_current(res: Result) -> ComparisonRequest:
                          f"{res.summary.qeval_version or '?'}); this qeval computes version {METRICS_VERSION}: "
                          f"{redo}")
     return request
+
+
+def reusable_chunks(res: Result, ref, candidate: dict | None, samplers) -> tuple[set[int], str]:
+    """(the chunks whose per-token values in `res` stand for a comparison against the open reference `ref` whose
+    candidate producer is `candidate` (None: whatever `res` measured) with `samplers` (canonical names) computed too,
+    why none do when that is so). They do when `res` was computed with this qeval's formulas against the same reference
+    windows (its chunks are among `ref`'s first), of that candidate run live (a store's coded rows differ from live
+    float32 ones by the code's rounding), and holds every sampler's figures; an early result's visited chunks count."""
+    try:
+        request = require_current(res)
+    except QevalError as exc:
+        return set(), str(exc)
+    if res.per_token is None:
+        return set(), f"its per-token file is missing ({res.summary.per_token_file or 'none recorded'})"
+    lacking = [k for k in PER_TOKEN_FIELDS if k not in res.per_token]
+    if lacking:
+        return set(), f"it was saved before qeval kept per-token {', '.join(lacking)}"
+    n_saved = len(request.early["order"]) if request.early else request.chunks
+    if n_saved > ref.header.chunk_stop:
+        return set(), (f"it was measured against another reference (of {n_saved} chunks or more; this one holds "
+                       f"{ref.header.chunk_stop})")
+    differences = changes(request.reference, reference_identity(ref, n_saved))
+    if differences:
+        return set(), f"it was measured against another reference ({'; '.join(differences)}, saved vs now)"
+    if candidate is not None and request.candidate != candidate:
+        return set(), f"it was measured otherwise ({'; '.join(changes(request.candidate, candidate))}, saved vs now)"
+    if not str(res.summary.candidate.path or "").endswith(LIVE_SUFFIX):
+        return set(), "its candidate was read from a store, not run live"
+    missing = sorted(set(samplers) - set(request.samplers))
+    if missing:
+        return set(), f"it holds no figures for sampler {', '.join(missing)}"
+    return {int(c) for c in res.chunk_ids}, ""
 
 
 def save_result(cmp: Comparison, directory: str | os.PathLike) -> Path:
@@ -162,6 +204,13 @@ def load_result(path: str | os.PathLike, with_per_token: bool = True) -> Result:
         except (OSError, ValueError) as exc:
             raise QevalError(f"cannot read per-token file {npz} of {path}: {exc}") from None
     return Result(summary, per_token, path)
+
+
+def runs_dir_of(result_path: Path) -> Path:
+    """The runs directory a saved result lies in (RUNS_DIR/results/X.vs.Y.json), or its own folder when it lies
+    elsewhere."""
+    folder = Path(result_path).parent
+    return folder.parent if folder.name == RESULTS_SUBDIR else folder
 
 
 def find_results(paths: list[str | os.PathLike]) -> list[Path]:

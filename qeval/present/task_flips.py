@@ -19,6 +19,7 @@ from qeval.compare.summary import ComparisonSummary
 from qeval.engine.engine import recorded_kv
 from qeval.errors import MismatchError
 from qeval.identity import changes
+from qeval.present import results
 from qeval.storage.taskstore import STORE_SUFFIX, TASKS_SUBDIR, TaskStore
 
 
@@ -59,8 +60,7 @@ def row_key(key: str, task: str) -> str:
 
 def tasks_root(result_path: Path) -> Path:
     """The task folder of the runs directory a saved result lies in (RUNS_DIR/results/X.vs.Y.json)."""
-    folder = result_path.parent
-    return (folder.parent if folder.name == "results" else folder) / TASKS_SUBDIR
+    return results.runs_dir_of(result_path) / TASKS_SUBDIR
 
 
 def _check_measured(store: TaskStore, measured: dict, role: str, origin: str) -> None:

@@ -24,19 +24,24 @@ u_rep^2 = k^2 + 1/12 in the sqrt zone.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numba
 import numpy as np
 
+from qeval.storage.error_record import ErrorBands, ErrorMeter, ErrorRecord
 from qeval.storage.store import N_CODES, TOP_K, codes_to_planes, planes_to_codes
 
 
 @dataclass(frozen=True)
 class SqrtLogCode:
-    """The default code; `knee` is d0 (<= 0, in nats below the row's maximum)."""
+    """The default code; `knee` is d0 (<= 0, in nats below the row's maximum). `error`: the bands of the error
+    record each coded row gets (qeval.storage.error_record), None for none (a llama.cpp file re-coded: its exact
+    logits are gone)."""
 
     knee: float = -4.0
+    error: ErrorBands | None = field(default_factory=ErrorBands)
 
     @property
     def slope(self) -> float:
@@ -45,18 +50,44 @@ class SqrtLogCode:
     def params(self) -> dict:
         return {"name": "sqrt-log", "knee": self.knee, "slope": self.slope}
 
+    def error_spec(self) -> dict:
+        """The header's `error` object: what the error record of its rows holds ({}: none)."""
+        return self.error.to_json() if self.error is not None else {}
+
+    def form(self) -> dict:
+        """The stored form, as a store's identity holds it (qeval.identity.form): the code and its error record."""
+        return {**self.params(), **({"error": self.error_spec()} if self.error is not None else {})}
+
     def lut(self) -> np.ndarray:
         """float32[65536]: code -> d (log p - log p_max) of the code's representative."""
-        b, d0 = self.slope, self.knee
-        k = np.arange(N_CODES, dtype=np.float64)
-        sqrt_zone = k < 2.0 * b
-        d = np.empty(N_CODES, dtype=np.float64)
-        d[sqrt_zone] = d0 + np.log((k[sqrt_zone] ** 2 + 1.0 / 12.0) / (2.0 * b) ** 2)
-        d[~sqrt_zone] = (k[~sqrt_zone] - (N_CODES - 1)) / b  # = d0 + (k - 2B)/B, exact 0 at the top
-        return np.minimum(d, 0.0).astype(np.float32)
+        return _lut(self.knee).copy()
+
+    def error_tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(lut and exp(lut) in float64, the band of each code) for measuring the error record."""
+        return _error_tables(self.knee, self.error)
 
     def encode_block(self, logits: np.ndarray, targets: np.ndarray) -> "EncodedBlock":
         return encode_block(logits, targets, self)
+
+
+@lru_cache(maxsize=8)
+def _lut(knee: float) -> np.ndarray:
+    """SqrtLogCode(knee).lut(), made once (read only)."""
+    b, d0 = SqrtLogCode(knee, None).slope, knee
+    k = np.arange(N_CODES, dtype=np.float64)
+    sqrt_zone = k < 2.0 * b
+    d = np.empty(N_CODES, dtype=np.float64)
+    d[sqrt_zone] = d0 + np.log((k[sqrt_zone] ** 2 + 1.0 / 12.0) / (2.0 * b) ** 2)
+    d[~sqrt_zone] = (k[~sqrt_zone] - (N_CODES - 1)) / b  # = d0 + (k - 2B)/B, exact 0 at the top
+    lut = np.minimum(d, 0.0).astype(np.float32)
+    lut.flags.writeable = False
+    return lut
+
+
+@lru_cache(maxsize=8)
+def _error_tables(knee: float, bands: ErrorBands) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    lut = _lut(knee).astype(np.float64)
+    return lut, np.exp(lut), bands.band_of(lut)
 
 
 @dataclass
@@ -65,6 +96,7 @@ class EncodedBlock:
     logprob_target: np.ndarray  # float64 [b]
     logprob_max: np.ndarray  # float64 [b]
     top_ids: np.ndarray  # int32 [b, min(TOP_K, V)]
+    error: ErrorRecord | None = None  # how far the coded rows are from the logits (SqrtLogCode.error)
 
     def __len__(self) -> int:
         return len(self.logprob_target)
@@ -98,10 +130,15 @@ def encode_block(logits: np.ndarray, targets: np.ndarray, code: SqrtLogCode) -> 
     _codes_and_mass(logits, row_max[:, 0], half, np.float32(code.slope), np.float32(code.knee),
                     np.float32(2.0 * code.slope * math.exp(-0.5 * code.knee)), codes, mass)
     planes = codes_to_planes(codes)  # two vectorised passes: faster than two byte stores per entry in the loop
-    log_norm = np.log(mass)  # log sum_i exp(x_i - max)
+    if code.error is None:  # as before error records: the log-normaliser from float32 sqrt(p/p_max) (~1e-7 nats)
+        error, log_norm = None, np.log(mass)
+    else:  # the scalars and the record from the exact row, in float64 (the scalars are then exact)
+        lut, lut_exp, band = code.error_tables()
+        error, log_norm = ErrorMeter.of(code.error, n_vocab).measure(logits, row_max[:, 0],
+                                                                     lambda t: (codes[t], lut, lut_exp, band))
     rows = np.arange(b)
     logprob_target = (logits[rows, targets].astype(np.float64) - row_max[:, 0]) - log_norm
-    return EncodedBlock(planes, logprob_target, -log_norm, top_ids)
+    return EncodedBlock(planes, logprob_target, -log_norm, top_ids, error)
 
 
 def top_k_ids(logits_row: np.ndarray) -> np.ndarray:
@@ -139,7 +176,8 @@ def _top_k(logits, top_vals, top_ids):  # pragma: no cover - compiled
 
 @numba.njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})
 def _codes_and_mass(logits, row_max, half, slope, knee, sqrt_gain, codes, mass):  # pragma: no cover
-    """The uint16 codes, and sum(p/p_max) in float64 (reassociated: vectorises)."""
+    """The uint16 codes, and sum(p/p_max) in float64 from the float32 half = sqrt(p/p_max) (reassociated:
+    vectorises)."""
     b, n = logits.shape
     head_base = np.float32(2.0) * slope
     for t in range(b):

@@ -48,7 +48,7 @@ class LlamaCppBaseFile:
 
     def __init__(self, path: str | os.PathLike, code: SqrtLogCode | None = None, label: str = ""):
         self.path = Path(path)
-        self.code = code or SqrtLogCode()
+        self.code = code or SqrtLogCode(error=None)  # the exact logits are gone: no error record
         try:
             self._fh = open(self.path, "rb")
             self.size_bytes = os.fstat(self._fh.fileno()).st_size

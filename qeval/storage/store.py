@@ -7,6 +7,7 @@ Layout (docs/store-format.md is the normative spec):
     record     TOKS  int32 token ids, n_chunks x n_ctx
     record     LUT_  float32[65536]: code -> log p - log p_max
     record     CHNK  one per chunk (scalars + one zstd frame of byte planes), any number
+    record     ERRS  after each CHNK, in version 4: the per-token error record of its rows (qeval.storage.error_record)
     record     INDX  chunk index -> offset (only once the capture is complete)
     trailer    8-byte magic "QEVALEND", u64 offset of the INDX record
 
@@ -18,6 +19,7 @@ another is written to `<name>.replacing` and renamed over it once complete.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -32,14 +34,18 @@ import zstandard
 
 from qeval import __version__
 from qeval.errors import MismatchError, QevalError, StoreFormatError, WriteFailed
-from qeval.identity import capture_conflicts, tokens_sha256
+from qeval.identity import capture_conflicts, extends, tokens_sha256
+from qeval.storage.error_record import ErrorBands, ErrorRecord, record_bytes, rows_of
 from qeval.storage.scoring import HALF, Scoring, WindowLabels, positions_of
 
 MAGIC = b"QEVALLOG"
 TRAILER_MAGIC = b"QEVALEND"
 FORMAT_VERSION = 2  # 2: the header records its scoring rule (version 1: always half)
 LABELLED_VERSION = 3  # 3: the header holds per-token labels (`windows`): a conversation capture, --score assistant
-READABLE_VERSIONS = (1, 2, 3)
+# 4: each CHNK record is followed by an ERRS record, the per-token error of the stored form (header `error`), with
+# or without labels. Older readers refuse it by its version.
+ERROR_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 N_CODES = 65536
 TOP_K = 10
 # A chunk (window) of more scored rows is written as pieces of this many rows (one CHNK record each), so
@@ -90,12 +96,21 @@ class StoreHeader:
     format_version: int = FORMAT_VERSION
     scoring: str = HALF.rule  # which logit positions are scored (qeval.storage.scoring)
     windows: dict = field(default_factory=dict)  # per-token labels of a conversation capture (WindowLabels JSON)
+    error: dict = field(default_factory=dict)  # the error record's bands (ErrorBands JSON); {}: no record
 
     def __post_init__(self):
         if self.top_k == 0:
             object.__setattr__(self, "top_k", min(TOP_K, self.n_vocab))
         if self.windows and self.format_version < LABELLED_VERSION:
             object.__setattr__(self, "format_version", LABELLED_VERSION)
+        if self.error and self.format_version < ERROR_VERSION:
+            object.__setattr__(self, "format_version", ERROR_VERSION)
+
+    @cached_property
+    def error_bands(self) -> ErrorBands | None:
+        """The bands of its per-token error record; None for a store that records none (made before qeval
+        measured it, or from a llama.cpp file)."""
+        return ErrorBands.from_json(self.error, "header") if self.error else None
 
     @cached_property
     def positions(self) -> np.ndarray:
@@ -143,8 +158,9 @@ class StoreHeader:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
         if self.format_version == 1:
             del d["scoring"]  # version 1 has no such field: it is half
-        if self.format_version < LABELLED_VERSION:
-            del d["windows"]
+        for name in ("windows", "error"):
+            if not d[name]:  # a version 2 header has neither, a version 4 one what it holds
+                del d[name]
         if not self.per_window:
             d["n_scored"] = self.n_scored
             d["first_scored"] = self.first_scored
@@ -168,7 +184,7 @@ class StoreHeader:
             if not isinstance(v, str):
                 raise StoreFormatError(f"{where}: header field {name!r} must be a string")
             kwargs[name] = v
-        for name in ("codec", "model", "kv", "corpus", "capture", "windows"):
+        for name in ("codec", "model", "kv", "corpus", "capture", "windows", "error"):
             v = d.get(name, {})
             if not isinstance(v, dict):
                 raise StoreFormatError(f"{where}: header field {name!r} must be an object")
@@ -183,10 +199,15 @@ class StoreHeader:
             scoring.check(kwargs["n_ctx"])
         except QevalError as exc:
             raise StoreFormatError(f"{where}: header field 'scoring': {exc}") from None
-        if scoring.per_window != bool(kwargs["windows"]) or bool(kwargs["windows"]) != (
-                kwargs["format_version"] >= LABELLED_VERSION):
-            raise StoreFormatError(f"{where}: --score {scoring.rule} in format version {kwargs['format_version']} "
-                                   f"{'with' if kwargs['windows'] else 'without'} per-token labels")
+        version, labelled = kwargs["format_version"], bool(kwargs["windows"])
+        if scoring.per_window != labelled or (version < ERROR_VERSION and labelled != (version >= LABELLED_VERSION)):
+            raise StoreFormatError(f"{where}: --score {scoring.rule} in format version {version} "
+                                   f"{'with' if labelled else 'without'} per-token labels")
+        if bool(kwargs["error"]) != (version >= ERROR_VERSION):
+            raise StoreFormatError(f"{where}: format version {version} {'with' if kwargs['error'] else 'without'} an "
+                                   "error record (header field 'error')")
+        if kwargs["error"]:
+            ErrorBands.from_json(kwargs["error"], where)
         h = cls(**kwargs)
         try:
             h.window_labels
@@ -212,6 +233,7 @@ class ChunkData:
     top_ids: np.ndarray  # int32 [n, top_k]: most probable ids, best first (top_ids[:, 0] = argmax)
     codes_zst: bytes | memoryview  # one zstd frame: per token, the high-byte plane then the low-byte plane
     first_row: int = 0  # a piece of its chunk: rows first_row .. first_row + n_tokens - 1
+    error: ErrorRecord | None = None  # how far the stored rows are from the exact ones (a version 4 store)
 
     @property
     def n_tokens(self) -> int:
@@ -234,6 +256,11 @@ class ChunkData:
                 yield start, buf.reshape(b, 2, n_vocab)
             if reader.read(1):
                 raise StoreFormatError(f"chunk {self.index}: code frame holds more data than its token count")
+
+    def error_rows(self, start: int, stop: int) -> ErrorRecord | None:
+        """The error record of rows [start, stop) (None for a store without one). A chunk read as it streams (a
+        PiecedChunk, a live one) has those of the rows iter_planes has yielded."""
+        return rows_of([(0, self.error)], start, stop)
 
     def codes(self, n_vocab: int) -> np.ndarray:
         """All codes of the chunk as uint16 [n, n_vocab] (tests and small tools; metrics stream)."""
@@ -296,21 +323,26 @@ class ChunkBuilder:
         self._z = (compressor or zstd_compressor()).compressobj()
         self._parts: list = []
         self._scalars: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._errors: list[ErrorRecord | None] = []
 
     def add(self, planes: np.ndarray, logprob_target: np.ndarray, logprob_max: np.ndarray,
-            top_ids: np.ndarray) -> None:
-        """planes: uint8 [b, 2, V] (see codes_to_planes)."""
+            top_ids: np.ndarray, error: ErrorRecord | None = None) -> None:
+        """planes: uint8 [b, 2, V] (see codes_to_planes); error: the rows' error record (all blocks or none)."""
         if planes.dtype != np.uint8 or planes.ndim != 3 or planes.shape[1] != 2:
             raise ValueError(f"planes must be uint8 [b, 2, V], got {planes.dtype} {planes.shape}")
+        if self._errors and (error is None) != (self._errors[0] is None):
+            raise ValueError("a chunk's blocks all carry an error record or none does")
         planes = np.ascontiguousarray(planes)
         self._parts.append(self._z.compress(planes.data))
         self._scalars.append((np.asarray(logprob_target, np.float64), np.asarray(logprob_max, np.float64),
                               np.asarray(top_ids, np.int32)))
+        self._errors.append(error)
 
     def finish(self) -> ChunkData:
         lt, lm, top = (np.concatenate(cols) for cols in zip(*self._scalars))
         self._parts.append(self._z.flush())
-        return ChunkData(self.index, lt, lm, top, b"".join(self._parts), self.first_row)
+        error = None if self._errors[0] is None else ErrorRecord.concat(self._errors)
+        return ChunkData(self.index, lt, lm, top, b"".join(self._parts), self.first_row, error)
 
     @property
     def n_rows(self) -> int:
@@ -352,8 +384,9 @@ class StoreWriter:
         """Create `path`, or resume it if it is an interrupted capture of exactly the same inputs.
 
         Raises StoreComplete if `path` is a complete store that holds this capture (it may hold more
-        chunks of the same windows). A store there that holds anything else is refused (StoreConflict,
-        naming what differs); with `replace`, the new capture is written to replacement_path(path)
+        chunks of the same windows). A complete store of this capture over fewer windows grows: the new capture is
+        written beside it with its chunks copied (_extension). A store there that holds anything else is refused
+        (StoreConflict, naming what differs); with `replace`, the new capture is written to replacement_path(path)
         instead (resumed there after an interruption) and renamed over `path` by finish(), so the old
         store stays until the new one is complete.
         """
@@ -375,6 +408,10 @@ class StoreWriter:
             if complete:
                 raise StoreComplete(path)
             return cls._resume(path)
+        if complete and _extended_by(path, header, tokens):
+            return cls._extension(path, header, tokens, lut)
+        if complete and not replace and header.error and not _conflicts_with(path, replace_error(header), tokens, lut)[0]:
+            raise StoreComplete(path, older_form=True)
         if not replace:
             raise StoreConflict(path, conflicts)
         return cls._replacement(path, header, tokens, lut)
@@ -412,6 +449,24 @@ class StoreWriter:
         writer.replaces = path
         return writer
 
+    @classmethod
+    def _extension(cls, path: Path, header: StoreHeader, tokens: np.ndarray, lut: np.ndarray) -> "StoreWriter":
+        """The writer of a capture that grows the complete store at `path` (identity.extends): written at
+        replacement_path(path), as a replacement, which starts with the old chunks' records copied byte for byte
+        (resumed, when an interrupted extension is there) and is renamed over `path` once complete. Only chunks that
+        whole decode calls produced are copied: llama.cpp's logits of a window can move with the windows decoded
+        beside it, and the new capture's calls group its windows from the start (kept_chunks)."""
+        writer = cls._replacement(path, header, tokens, lut)
+        if writer.created:
+            with StoreReader(path) as old:
+                for chunk in range(kept_chunks(old.header)):
+                    for first_row, offset in old.chunk_pieces[chunk]:
+                        record = old.raw_record(offset)
+                        writer._append(record)
+                        writer._pieces.setdefault(chunk, []).append((first_row, writer._fh.tell() - len(record)))
+                    writer._rows[chunk] = header.n_scored_of(chunk)
+        return writer
+
     @property
     def done_chunks(self) -> set[int]:
         """Chunks with every scored row written."""
@@ -435,9 +490,23 @@ class StoreWriter:
             raise ValueError(f"chunk {chunk.index}: a piece of rows {rows}:{end} does not fit {n_scored} "
                              f"scored rows in pieces of {PIECE_ROWS}")
         record = _encode_record(b"CHNK", _chunk_payload(chunk, self.header.top_k))
-        self._append(record)
-        self._pieces.setdefault(chunk.index, []).append((chunk.first_row, self._fh.tell() - len(record)))
+        offset = self._fh.tell()
+        self._append(record + self._error_record(chunk))  # one write: a piece is never stored without its record
+        self._pieces.setdefault(chunk.index, []).append((chunk.first_row, offset))
         self._rows[chunk.index] = end
+
+    def _error_record(self, chunk: ChunkData) -> bytes:
+        """The ERRS record that follows the chunk's CHNK in a version 4 store (b"" in a store without one)."""
+        bands = self.header.error_bands
+        if (bands is None) != (chunk.error is None):
+            raise ValueError(f"chunk {chunk.index}: {'an' if chunk.error is not None else 'no'} error record for a "
+                             f"store that {'records' if bands is not None else 'records no'} error")
+        if bands is None:
+            return b""
+        if chunk.error.lo.shape != (chunk.n_tokens, bands.count):
+            raise ValueError(f"chunk {chunk.index}: error record of shape {chunk.error.lo.shape}, expected "
+                             f"{(chunk.n_tokens, bands.count)}")
+        return _encode_record(b"ERRS", chunk.error.payload(chunk.index, chunk.first_row))
 
     def _append(self, record: bytes) -> None:
         append_durably(self._fh, self.path, record, "the store is intact up to its last complete chunk: free space "
@@ -480,11 +549,13 @@ class StoreWriter:
 
 
 class StoreComplete(Exception):
-    """Raised by StoreWriter.open when the store is already complete (resume is a no-op)."""
+    """Raised by StoreWriter.open when the store is already complete (resume is a no-op). older_form: it holds the
+    capture but was made before stores recorded their error (format version 3 or less): it still reads, its bounds
+    read "not recorded", and only a replacement (--force) records them."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, older_form: bool = False):
         super().__init__(f"{path} is already complete")
-        self.path = path
+        self.path, self.older_form = path, older_form
 
 
 class StoreConflict(MismatchError):
@@ -494,6 +565,24 @@ class StoreConflict(MismatchError):
         super().__init__(f"{path} already holds a different capture ({'; '.join(conflicts)}); remove it, choose "
                          "another label, or replace it (--force)")
         self.path, self.conflicts = path, conflicts
+
+
+def kept_chunks(header: StoreHeader) -> int:
+    """How many of a complete store's chunks a capture of more windows keeps: those of whole decode calls. A call
+    decodes n_batch // n_ctx windows side by side when n_batch >= n_ctx (as llama-perplexity), else one window."""
+    per_call = max(1, int(header.capture.get("n_batch") or 0) // header.n_ctx)
+    return header.n_chunks - header.n_chunks % per_call
+
+
+def _extended_by(path: Path, header: StoreHeader, tokens: np.ndarray) -> bool:
+    """Whether the capture `header` of windows `tokens` grows the complete store at `path` (identity.extends)."""
+    with StoreReader(path) as old:
+        return extends(old.header, old.tokens, header, tokens)
+
+
+def replace_error(header: StoreHeader) -> StoreHeader:
+    """The header of the same capture in the form made before error records (none): what an older store holds."""
+    return dataclasses.replace(header, error={}, format_version=LABELLED_VERSION if header.windows else FORMAT_VERSION)
 
 
 def replacement_path(path: Path) -> Path:
@@ -711,6 +800,15 @@ class StoreReader:
                 open_chunk, open_pieces, rows = None, [], 0
                 self.end_of_valid_data = pos
 
+    def raw_record(self, offset: int) -> bytes:
+        """The CHNK record at `offset` as it is in the file (framing, payload and checksum), its checksum verified;
+        in a version-4 store with the ERRS record that follows it (verified too): a piece as a writer appends it."""
+        _, end = self._record_at(offset, b"CHNK")
+        if self.header.error_bands is not None:
+            index, rows, _, first_row = _CHUNK_HEAD.unpack(self._read_at(offset + _RECORD.size, _CHUNK_HEAD.size))
+            end = self._error_at(end, index, rows, first_row)[1]
+        return self._read_at(offset, end - offset)
+
     def _chunk_at(self, offset: int, verify: bool) -> tuple[int, int, int, int]:
         """(chunk index, rows, first row, end offset) of the CHNK record at offset; full checksum check only if verify."""
         head = self._read_at(offset, _RECORD.size + _CHUNK_HEAD.size)
@@ -729,7 +827,42 @@ class StoreReader:
                                    f"does not fit {n_scored} scored rows")
         if verify:
             self._record_at(offset, b"CHNK")
+        if self.header.error_bands is not None:  # its ERRS record follows
+            if verify:
+                end = self._error_at(end, index, rows, first_row)[1]
+            else:
+                end = self._record_end(end, b"ERRS")
         return index, rows, first_row, end
+
+    def _record_end(self, offset: int, want_tag: bytes) -> int:
+        """Where the record at `offset` (tag `want_tag`) ends, from its frame alone (the payload is not read)."""
+        tag, zero, n = _RECORD.unpack(self._read_at(offset, _RECORD.size))
+        if tag != want_tag or zero != 0:
+            raise StoreFormatError(f"{self._where(offset)}: expected a {want_tag.decode()} record, found {tag!r}")
+        end = offset + _RECORD.size + n + _CHECKSUM.size
+        if end > self.size_bytes:
+            raise StoreFormatError(f"{self.path}: truncated file ({want_tag.decode()} record of {n} bytes does not fit "
+                                   f"in {self.size_bytes} bytes)")
+        return end
+
+    def _error_at(self, offset: int, index: int, rows: int, first_row: int) -> tuple[ErrorRecord, int]:
+        """(the error record of the piece whose CHNK ends at `offset`, where its ERRS record ends), checked."""
+        bands = self.header.error_bands
+        payload, end = self._record_at(offset, b"ERRS", record_bytes(rows, bands.count))
+        return ErrorRecord.from_payload(payload, index, first_row, rows, bands.count, str(self.path)), end
+
+    def iter_errors(self) -> Iterator[tuple[int, ErrorRecord]]:
+        """(chunk, error record of its rows) of every chunk, piece by piece in row order, reading only the ERRS
+        records (each checksummed): what `qeval info` summarises without decompressing a row. Nothing for a store
+        that records no error."""
+        if self.header.error_bands is None:
+            return
+        for index in self.chunk_indices:
+            for first_row, offset in self._pieces_of(index):
+                _, _, n = _RECORD.unpack(self._read_at(offset, _RECORD.size))
+                head = self._read_at(offset + _RECORD.size, _CHUNK_HEAD.size)
+                yield index, self._error_at(offset + _RECORD.size + n + _CHECKSUM.size, index,
+                                            _CHUNK_HEAD.unpack(head)[1], first_row)[0]
 
     # -- chunks ----------------------------------------------------------------------------------
     @property
@@ -771,7 +904,7 @@ class StoreReader:
 
     def _read_piece(self, index: int, first_row: int, offset: int, buffer: bytearray | None,
                     whole: bool = False) -> ChunkData:
-        payload, _ = self._record_at(offset, b"CHNK", into=buffer)
+        payload, end = self._record_at(offset, b"CHNK", into=buffer)
         h = self.header
         if len(payload) < _CHUNK_HEAD.size:
             raise StoreFormatError(f"{self.path}: chunk {index} record is too short")
@@ -792,7 +925,8 @@ class StoreReader:
         top_ids = cols[2].reshape(n, top_k)
         if top_ids.min() < 0 or top_ids.max() >= h.n_vocab:
             raise StoreFormatError(f"{self.path}: chunk {index} holds token ids outside the vocab")
-        return ChunkData(index, cols[0], cols[1], top_ids, memoryview(payload)[pos:], first_row)  # no 35 MB copy
+        error = self._error_at(end, index, n, first_row)[0] if h.error_bands is not None else None
+        return ChunkData(index, cols[0], cols[1], top_ids, memoryview(payload)[pos:], first_row, error)  # no 35 MB copy
 
     def close(self) -> None:
         self._fh.close()
@@ -811,7 +945,8 @@ class PiecedChunk(ChunkData):
     def __init__(self, reader: StoreReader, index: int, buffer: bytearray | None = None):
         self._reader, self.index, self.first_row = reader, index, 0
         self._buffer = buffer if buffer is not None else bytearray()
-        self._scalars: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._scalars: tuple | None = None
+        self._errors: list[tuple[int, ErrorRecord | None]] = []  # the pieces' records, as iter_planes reads them
 
     @property
     def n_tokens(self) -> int:
@@ -820,19 +955,34 @@ class PiecedChunk(ChunkData):
     def iter_planes(self, n_vocab: int, block_tokens: int = 16, buffers: int = 1) -> Iterator[tuple[int, np.ndarray]]:
         scalars = []
         for piece in self._reader.iter_pieces(self.index, self._buffer):
+            self._errors.append((piece.first_row, piece.error))
             for start, planes in piece.iter_planes(n_vocab, block_tokens, buffers):
                 yield piece.first_row + start, planes
-            scalars.append((piece.logprob_target, piece.logprob_max, piece.top_ids))
+            scalars.append(_scalars_of(piece))
             del piece  # (see iter_pieces)
-        self._scalars = tuple(np.concatenate(cols) for cols in zip(*scalars))
+        self._scalars = _joined_scalars(scalars)
 
-    def _scalar(self, k: int) -> np.ndarray:
+    def _scalar(self, k: int):
         if self._scalars is None:
-            pieces = [(p.logprob_target, p.logprob_max, p.top_ids) for p in self._reader.iter_pieces(self.index)]
-            self._scalars = tuple(np.concatenate(cols) for cols in zip(*pieces))
+            self._scalars = _joined_scalars([_scalars_of(p) for p in self._reader.iter_pieces(self.index)])
         return self._scalars[k]
+
+    def error_rows(self, start: int, stop: int) -> ErrorRecord | None:
+        return rows_of(self._errors, start, stop) if self._scalars is None else super().error_rows(start, stop)
 
     logprob_target = property(lambda self: self._scalar(0))
     logprob_max = property(lambda self: self._scalar(1))
     top_ids = property(lambda self: self._scalar(2))
+    error = property(lambda self: self._scalar(3))
     codes_zst = property(lambda self: b"")
+
+
+def _scalars_of(piece: ChunkData) -> tuple:
+    """What a chunk keeps of a piece once its codes are read: (logprob_target, logprob_max, top_ids, error)."""
+    return piece.logprob_target, piece.logprob_max, piece.top_ids, piece.error
+
+
+def _joined_scalars(pieces: list[tuple]) -> tuple:
+    """_scalars_of a chunk's pieces, joined."""
+    *arrays, errors = zip(*pieces)
+    return (*map(np.concatenate, arrays), None if errors[0] is None else ErrorRecord.concat(list(errors)))

@@ -1,0 +1,267 @@
+"""The deployment question on plain values: the best quality that fits M GiB at context C and generates at least S
+tokens/s at depth D, on one machine, with every other candidate named and why it is ruled out.
+
+Only figures measured at exactly C and D count: a context or depth between two measured ones is not interpolated,
+and a figure of another machine never stands for this one's. Quality is one board metric (mean KLD unless asked
+otherwise); the reference is the best quality by definition (every figure is measured against it). Among the
+candidates that pass, the best quality wins, then less memory, then faster generation, then the label. The winner
+is always on the front over quality × memory at C × generation speed at D (ranking.front), which is computed here
+too: qeval.present.deployment_board draws it on the board and the HTML page looks it up.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from qeval.compare import ranking
+from qeval.compare.metric_registry import METRICS
+from qeval.errors import QevalError
+
+GIB = 2**30
+SIZE_UNITS = {"": GIB, "g": GIB, "gib": GIB, "gb": 10**9, "m": 2**20, "mib": 2**20, "mb": 10**6,
+              "t": 2**40, "tib": 2**40, "tb": 10**12}
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", re.IGNORECASE)
+_COUNT = re.compile(r"\s*([0-9]+)\s*(k?)\s*", re.IGNORECASE)
+
+
+def parse_size(text: str, what: str = "--memory") -> float:
+    """A memory limit in GiB: a number of GiB (8, 7.5) or a number with a unit (8GiB, 8G, 8000MiB, 8GB: 10^9
+    bytes)."""
+    m = _SIZE.fullmatch(str(text))
+    unit = m.group(2).lower() if m else None
+    if unit not in SIZE_UNITS:
+        raise QevalError(f"{what} {text!r} is not a size: give GiB as a number (8, 7.5) or a number with a unit "
+                         "(8GiB, 8000MiB, 8GB)")
+    gib = float(m.group(1)) * SIZE_UNITS[unit] / GIB
+    if not gib > 0 or not math.isfinite(gib):
+        raise QevalError(f"{what} {text!r} must be a positive size")
+    return gib
+
+
+def parse_count(text: str | int, what: str) -> int:
+    """A token count: digits, or digits and k (32k = 32,768 tokens, as llama.cpp's contexts are counted)."""
+    m = _COUNT.fullmatch(str(text))
+    if not m:
+        raise QevalError(f"{what} {text!r} is not a token count: give tokens (32768) or thousands of 1,024 (32k)")
+    return int(m.group(1)) * (1024 if m.group(2) else 1)
+
+
+def quality_metric(key: str):
+    """The board metric `key` with a better direction: the question's quality."""
+    metric = METRICS.get(key)
+    if metric is None or not metric.board or metric.better is None:
+        known = ", ".join(m.key for m in METRICS.values() if m.board and m.better)
+        raise QevalError(f"--by {key!r} is not a board metric with a better direction: choose one of {known}")
+    return metric
+
+
+def better(key: str) -> int:
+    """The better direction (ranking.LOWER or HIGHER) of quality metric `key`."""
+    return ranking.LOWER if quality_metric(key).better == "lower" else ranking.HIGHER
+
+
+@dataclass(frozen=True)
+class Question:
+    """What the user asks: memory at a context and/or generation speed at a depth, and the quality to maximise.
+    Build it with Question.parse from what a user typed; the constructor checks the values."""
+
+    memory_gib: float | None = None  # the memory the deployment must fit in, in GiB
+    n_ctx: int | None = None  # the deployment context the memory is measured at
+    min_tg: float | None = None  # the generation speed it must reach, tokens/s
+    depth: int | None = None  # the depth (tokens already in the context) the speed is measured at
+    by: str = "kld_mean"  # the quality: a board metric's key
+
+    def __post_init__(self):
+        if (self.memory_gib is None) != (self.n_ctx is None):
+            raise QevalError("a memory limit is asked at a context: give both --memory and --context")
+        if (self.min_tg is None) != (self.depth is None):
+            raise QevalError("a generation speed is asked at a depth: give both --min-tg and --depth")
+        if self.memory_gib is None and self.min_tg is None:
+            raise QevalError("ask for memory (--memory and --context), speed (--min-tg and --depth) or both")
+        if self.memory_gib is not None and not (self.memory_gib > 0 and math.isfinite(self.memory_gib)):
+            raise QevalError(f"--memory must be a positive size, not {self.memory_gib!r}")
+        if self.n_ctx is not None and self.n_ctx <= 0:
+            raise QevalError(f"--context must be a positive number of tokens, not {self.n_ctx}")
+        if self.min_tg is not None and not (self.min_tg >= 0 and math.isfinite(self.min_tg)):
+            raise QevalError(f"--min-tg must be a speed of 0 tokens/s or more, not {self.min_tg:g}")
+        if self.depth is not None and self.depth < 0:
+            raise QevalError(f"--depth must be 0 or more tokens, not {self.depth}")
+        quality_metric(self.by)
+
+    @classmethod
+    def parse(cls, memory: str | None = None, context: str | int | None = None, min_tg: str | float | None = None,
+              depth: str | int | None = None, by: str = "kld_mean") -> Question:
+        """The question from text as typed (--memory 8GiB --context 32k --min-tg 20 --depth 4096)."""
+        if min_tg is not None:
+            try:
+                min_tg = float(min_tg)
+            except ValueError:
+                raise QevalError(f"--min-tg {min_tg!r} is not a speed in tokens/s") from None
+        return cls(None if memory is None else parse_size(memory),
+                   None if context is None else parse_count(context, "--context"), min_tg,
+                   None if depth is None else parse_count(depth, "--depth"), by)
+
+    @property
+    def better(self) -> int:
+        return better(self.by)
+
+    def link(self) -> str:
+        """The question as URL parameters of the board's HTML page (mem=8&ctx=32768&tg=20&depth=4096)."""
+        parts = []
+        if self.memory_gib is not None:
+            parts += [f"mem={self.memory_gib:g}", f"ctx={self.n_ctx}"]
+        if self.min_tg is not None:
+            parts += [f"tg={self.min_tg:g}", f"depth={self.depth}"]
+        if self.by != "kld_mean":
+            parts.append(f"by={self.by}")
+        return "&".join(parts)
+
+    def to_json(self) -> dict:
+        return {"memory_gib": self.memory_gib, "n_ctx": self.n_ctx, "min_tg": self.min_tg, "depth": self.depth,
+                "by": self.by}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One row of the board as the question sees it on the asked machine."""
+
+    label: str
+    quality: float | None  # the question's quality metric; None: not held
+    memory: Mapping[int, float | str] = field(default_factory=dict)  # n_ctx -> total bytes, or why it failed
+    tg: Mapping[int, float | str] = field(default_factory=dict)  # depth -> generation tokens/s, or why it failed
+    reference: bool = False  # the reference itself: the best quality by definition
+    elsewhere: str | None = None  # no figure on the asked machine, but on these other machines
+    excluded: str | None = None  # never a candidate, and why (the control, the numerics floor)
+    recorded: bool = False  # it has a record on the asked machine (even one without these figures)
+
+    @property
+    def measured(self) -> bool:
+        return self.recorded or bool(self.memory or self.tg)
+
+
+@dataclass(frozen=True)
+class Reason:
+    """Why a candidate is ruled out: a kind (RULE_OUTS) and the sentence naming the figures."""
+
+    kind: str
+    text: str
+
+
+# every kind of reason, in the order they are checked
+RULE_OUTS = ("not a candidate", "measured on another machine", "not measured", "no quality figure",
+             "could not be measured", "does not fit", "too slow")
+
+
+@dataclass(frozen=True)
+class Choice:
+    question: Question
+    best: Candidate | None
+    passing: tuple[Candidate, ...]  # every candidate that passes, best first
+    ruled_out: tuple[tuple[Candidate, tuple[Reason, ...]], ...]  # in the board's order
+    front: tuple[str, ...]  # labels on the front over quality × memory at C × speed at D (the axes asked)
+
+    def to_json(self) -> dict:
+        return {"question": self.question.to_json(), "best": None if self.best is None else self.best.label,
+                "passing": [c.label for c in self.passing],
+                "ruled_out": [{"label": c.label, "reasons": [{"kind": r.kind, "text": r.text} for r in reasons]}
+                              for c, reasons in self.ruled_out],
+                "front": list(self.front)}
+
+
+def tokens(n: int) -> str:
+    return f"{n:,}"
+
+
+def beside(value: float, limit: float, decimals: int) -> str:
+    """`value` with `decimals` decimals, or more (up to 6) until it does not read as the limit it missed."""
+    for d in range(decimals, 7):
+        text = f"{value:.{d}f}"
+        if float(text) != limit:
+            return text
+    return text
+
+
+def _figure_reasons(figures: Mapping[int, float | str], at: int, where: str, measured_text: str) -> list[Reason]:
+    """Not measured at `at`, or measured there and failed."""
+    figure = figures.get(at)
+    if figure is None:
+        there = ", ".join(tokens(k) for k in sorted(figures))
+        return [Reason("not measured", f"not measured at {where} {tokens(at)}" + (f" ({measured_text}: {there})"
+                                                                                  if there else ""))]
+    if isinstance(figure, str):
+        return [Reason("could not be measured", f"could not be measured at {where} {tokens(at)}: {figure}")]
+    return []
+
+
+def reasons(c: Candidate, q: Question) -> tuple[Reason, ...]:
+    """Why `c` does not answer `q`; empty when it passes."""
+    if c.excluded:
+        return (Reason("not a candidate", c.excluded),)
+    if not c.measured:
+        if c.elsewhere:
+            return (Reason("measured on another machine", f"measured on another machine: {c.elsewhere}"),)
+        return (Reason("not measured", "not measured: no speed or memory record"),)
+    out = [] if c.reference or c.quality is not None else [
+        Reason("no quality figure", f"no {quality_metric(q.by).heading} figure")]
+    if q.n_ctx is not None:
+        missing = _figure_reasons(c.memory, q.n_ctx, "context", "measured contexts")
+        out += missing
+        if not missing and c.memory[q.n_ctx] > q.memory_gib * GIB:
+            out.append(Reason("does not fit", f"does not fit: {beside(c.memory[q.n_ctx] / GIB, q.memory_gib, 2)} "
+                                              f"GiB > {q.memory_gib:g} GiB at context {tokens(q.n_ctx)}"))
+    if q.depth is not None:
+        missing = _figure_reasons(c.tg, q.depth, "depth", "measured depths")
+        out += missing
+        if not missing and c.tg[q.depth] < q.min_tg:
+            out.append(Reason("too slow", f"too slow: {beside(c.tg[q.depth], q.min_tg, 1)} tokens/s < "
+                                          f"{q.min_tg:g} tokens/s at depth {tokens(q.depth)}"))
+    return tuple(out)
+
+
+def _quality_point(c: Candidate, better: int) -> float | None:
+    """The quality axis of the front: the reference beats every quant."""
+    if c.reference:
+        return -math.inf if better == ranking.LOWER else math.inf
+    return c.quality
+
+
+def _number(figures: Mapping[int, float | str], at: int | None) -> float | None:
+    figure = figures.get(at)
+    return figure if isinstance(figure, (int, float)) else None
+
+
+def front(candidates: Sequence[Candidate], better: int, n_ctx: int | None, depth: int | None) -> tuple[str, ...]:
+    """Labels on the front over quality (direction `better`), total memory at n_ctx (less is better) and generation
+    speed at depth (more is better); an axis whose context or depth is None is left out. A candidate missing any
+    figure of it is on no front."""
+    axes = [better] + [ranking.LOWER] * (n_ctx is not None) + [ranking.HIGHER] * (depth is not None)
+
+    def point(c: Candidate):
+        if c.excluded or not c.measured:
+            return None
+        return (_quality_point(c, better), *((_number(c.memory, n_ctx),) if n_ctx is not None else ()),
+                *((_number(c.tg, depth),) if depth is not None else ()))
+
+    flags = ranking.front([point(c) for c in candidates], axes)
+    return tuple(c.label for c, on in zip(candidates, flags) if on)
+
+
+def choose(candidates: Sequence[Candidate], question: Question) -> Choice:
+    """Answer `question` over `candidates` (a board's rows on the asked machine, in the board's order)."""
+    better = question.better
+    passing, ruled = [], []
+    for c in candidates:
+        why = reasons(c, question)
+        (ruled.append((c, why)) if why else passing.append(c))
+
+    def order(c: Candidate) -> tuple:
+        quality = _quality_point(c, better)
+        return (better * -quality, _number(c.memory, question.n_ctx) or 0.0, -(_number(c.tg, question.depth) or 0.0),
+                c.label)
+
+    passing.sort(key=order)
+    return Choice(question, passing[0] if passing else None, tuple(passing), tuple(ruled),
+                  front(candidates, better, question.n_ctx, question.depth))
