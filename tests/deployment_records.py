@@ -1,7 +1,5 @@
 """Hand-written deployment records for board tests: JSON files in the schema of docs/deployment-format.md (version 1,
-RUNS_DIR/deployment/<label>.<machine id, 12 digits>.json), and `read_records`, a stand-in for
-qeval.storage.deployment.load_records that reads them into objects with the reader's fields. Tests swap it in for
-qeval.orchestrate.boards.records_in until that reader is merged; then the same files are read by the real one.
+RUNS_DIR/deployment/<label>.<machine id, 12 digits>.json), read by the real reader (qeval.storage.deployment).
 
 Every figure is chosen here; what a test expects is computed from these numbers, never by the code under test.
 """
@@ -10,44 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 MIB = 2**20
-
-
-@dataclass(frozen=True)
-class MemoryFigure:
-    n_ctx: int
-    layout: str | None = None
-    devices: dict | None = None
-    total_bytes: int | None = None
-    formula: dict | None = None
-    rss_growth_bytes: int | None = None
-    error: str | None = None
-
-
-@dataclass(frozen=True)
-class SpeedFigure:
-    test: str
-    tokens: int
-    depth: int
-    reps: int
-    tokens_per_s: dict | None = None
-    spread: float | None = None
-    error: str | None = None
-
-
-@dataclass(frozen=True)
-class DeploymentRecord:
-    label: str
-    model: dict
-    kv: dict
-    machine: dict
-    settings: dict
-    memory: tuple = ()
-    speed: tuple = ()
-    measured_at: str = ""
 
 
 def machine(cpu: str = "AMD EPYC 9B14", gpus: tuple = (), backend: str = "CPU", cores: int = 2) -> dict:
@@ -98,14 +61,3 @@ def write_record(runs: Path, record: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2))
     return path
-
-
-def read_records(runs_dir: Path) -> list[DeploymentRecord]:
-    """The stand-in reader: every record file of runs_dir/deployment, in file-name order."""
-    out = []
-    for path in sorted((Path(runs_dir) / "deployment").glob("*.json")):
-        d = json.loads(path.read_text())
-        out.append(DeploymentRecord(d["label"], d["model"], d["kv"], d["machine"], d["settings"],
-                                    tuple(MemoryFigure(**m) for m in d["memory"]),
-                                    tuple(SpeedFigure(**s) for s in d["speed"]), d["measured_at"]))
-    return out

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import assert_cli_error, run_cli
-from deployment_records import MIB, machine, memory_entry, read_records, record_json, speed_entry, write_record
+from deployment_records import MIB, machine, memory_entry, record_json, speed_entry, write_record
 from test_leaderboard import _model, build_results
 
 from qeval import api
@@ -28,6 +28,7 @@ from qeval.orchestrate import boards
 from qeval.present import leaderboard
 from qeval.present.board import BoardRow
 from qeval.present.deployment_board import CONTROL_WHY, Records
+from qeval.storage.deployment import load_records
 
 # label, model file, quant, size GiB, bpw, KV type, noise sigma (more noise -> higher KLD)
 CANDIDATES = (("Q8_0", "m-Q8_0.gguf", "Q8_0", 1.06, 8.5, "f16", 0.15),
@@ -105,9 +106,8 @@ def runs(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def stand_in_reader(monkeypatch):
-    """The records' reader and this machine's id, until qeval.storage.deployment and qeval.engine.machine land."""
-    monkeypatch.setattr(boards, "records_in", read_records)
+def here_machine(monkeypatch):
+    """This machine, as the records name it: the tests' own HERE, not the machine they run on."""
     monkeypatch.setattr(boards, "this_machine", lambda: HERE["id"])
 
 
@@ -119,7 +119,7 @@ def klds(runs) -> dict[str, float]:
 
 
 def board_of(runs: Path, machine_key: str | None = None) -> leaderboard.Leaderboard:
-    return leaderboard.build([runs], deployment=Records(tuple(read_records(runs)), HERE["id"], machine_key))
+    return leaderboard.build([runs], deployment=Records(tuple(load_records(runs)), HERE["id"], machine_key))
 
 
 # --------------------------------------------------------------------------------------------------

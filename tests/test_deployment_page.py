@@ -9,7 +9,7 @@ import re
 
 import pytest
 from browser import Chromium, chromium_binary
-from test_deployment_board import CTX, DEPTH, board_of, runs, stand_in_reader  # noqa: F401 (fixtures)
+from test_deployment_board import CTX, DEPTH, board_of, here_machine, runs  # noqa: F401 (fixtures)
 
 from qeval import api
 from qeval.present import leaderboard

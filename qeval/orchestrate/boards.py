@@ -15,20 +15,17 @@ from qeval.compare import deployment_choice
 from qeval.errors import QevalError
 from qeval.present import deployment_board, results
 from qeval.present.deployment_board import Records
-
-DEPLOYMENT_SUBDIR = "deployment"  # RUNS_DIR/deployment/<label>.<machine_id12>.json (docs/deployment-format.md)
+from qeval.storage.deployment import DEPLOYMENT_SUBDIR, load_records
 
 
 def records_in(runs_dir: Path) -> list:
     """Every deployment record of a runs directory, any machine's."""
-    from qeval.storage.deployment import load_records  # noqa: PLC0415 - the reader of issue 33's records
-
     return load_records(runs_dir)
 
 
 def this_machine() -> str:
     """The id of the machine this runs on, as its records name it."""
-    from qeval.engine.machine import current_machine  # noqa: PLC0415 - llama.cpp's system info, nvidia-smi
+    from qeval.engine.machine import current_machine  # noqa: PLC0415 - llama.cpp's system info, nvidia-smi, on demand
 
     return current_machine()["id"]
 
