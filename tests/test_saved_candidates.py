@@ -99,7 +99,8 @@ def test_more_chunks_than_saved_run_the_rest_live_to_an_uninterrupted_runs_numbe
 def test_more_chunks_than_the_reference_holds_say_how_to_get_them(matrix_runs):
     res = run_cli("kld", "--ref", "Q8_0", "--cand", "Q4_K_M", "--chunks", 80, cwd=matrix_runs)
     assert_cli_error(res, "--chunks 80 asks for more than the reference Q8_0 holds (2 chunks", "qeval capture",
-                     "--chunks 2 or fewer")
+                     "it keeps the 2 chunks and adds the rest", "--chunks 2 or fewer")
+    assert "--force" not in res.stderr  # it would capture the 2 chunks again instead of growing the store
 
 
 def test_a_result_whose_gguf_is_gone_says_what_is_missing(grown_runs):

@@ -89,8 +89,8 @@ def wanted_chunks(ref, chunks: int | None) -> int:
         model = h.model.get("file_name") or "MODEL.gguf"
         raise QevalError(f"--chunks {chunks} asks for more than the reference {h.label} holds ({have} chunks of "
                          f"{h.n_ctx} tokens): capture it over more windows first, e.g. `qeval capture {model} --label "
-                         f"{h.label} -c {h.n_ctx} --chunks {chunks} --force` with the corpus and settings "
-                         f"`qeval info {h.label}` shows (for the demo: `qeval demo --chunks {chunks}`), or ask for "
+                         f"{h.label} -c {h.n_ctx} --chunks {chunks}` with the corpus and settings "
+                         f"`qeval info {h.label}` shows (it keeps the {have} chunks and adds the rest) (for the demo: `qeval demo --chunks {chunks}`), or ask for "
                          f"--chunks {have} or fewer")
     return chunks
 
