@@ -47,7 +47,7 @@ def multiplier(chunks: int) -> float:
 def judge(excess: float, se: float, chunks: int, margin: float = 0.0, bounds: float = 0.0) -> Verdict:
     """The verdict on `excess` ± (multiplier(chunks)·se + bounds) against `margin` (the module's rule); `bounds`:
     the certified error of the values compared (docs/error-bound.md), added to either side."""
-    half = multiplier(chunks) * se + bounds if chunks >= 2 else math.inf
+    half = multiplier(chunks) * se + bounds if chunks >= 2 else math.inf  # not multiplier's inf: inf·0 is nan
     low, high = excess - half, excess + half
     state = ABOVE if low > 0.0 else WITHIN if high <= margin else UNDECIDED
     return Verdict(state, int(chunks), low, high)
@@ -70,8 +70,8 @@ def fewer_chunks(*chunks: int | None) -> int | None:
 def excess_over(kld: MetricValue | None, control: MetricValue | None,
                 chunks: int | None) -> tuple[float | None, Verdict | None]:
     """(kld − kld_control, its verdict against the control): "within" numerical noise when the interval of the
-    excess lies below the control's own mean KLD (the noise is no larger than itself again), its SE that of two
-    independent means, sqrt(SE² + SE_control²), widened by both values' certified bounds where recorded
+    excess lies below the control's own mean KLD (what the row adds is no larger than the noise itself), its SE
+    that of two independent means, sqrt(SE² + SE_control²), widened by both values' certified bounds where recorded
     (docs/error-bound.md); `chunks`: what the fewer-chunked of the two stands on. None where a value is missing,
     no verdict where an SE or the chunks are."""
     if kld is None or control is None:
