@@ -23,6 +23,7 @@ from common import cpu_name
 
 from qeval import api
 from qeval.compare.summary import summarize
+from qeval.compare.verdict import written
 from qeval.engine.engine import EngineSettings
 from qeval.orchestrate import demo
 from qeval.present import board
@@ -109,7 +110,8 @@ def main() -> None:
     table = [{"row": r.label, "floor": r.floor, "kld_mean": r.metrics["kld_mean"].value,
               "kld_mean_se": r.metrics["kld_mean"].se, "same_top1_pct": r.metrics["same_top1_pct"].value,
               "kld_over_floor": r.kld_over_floor, "kld_over_floor_se": r.kld_over_floor_se,
-              "above_floor": r.above_floor, "seconds": round(seconds[r.label], 2)} for r in rows]
+              **written(r.over_floor, "floor_verdict"),
+              "seconds": round(seconds[r.label], 2)} for r in rows]
     out = {"machine": cpu_name(), "model": "Gemma-3-270M Q8_0 (requantized from the PyPI Q4_K_M)", "n_ctx": 512,
            "chunks": args.chunks, "scored_tokens": int(len(per_token[rows[0].label]["kld"])),
            "reference": "Q8_0, f16 KV, prompt batches of 128, flash attention auto", "rows": table,
@@ -120,9 +122,8 @@ def main() -> None:
              "`python bench/bench_numerics.py`.", "",
              "| KV, rotation, decode | mean KLD ± SE | same top-1 % | KLD over floor ± SE (paired) | wall s |",
              "|---|---|---|---|---|"]
-    for r in table:
-        over = "floor" if r["floor"] else (f"{r['kld_over_floor']:+.6f} ± {r['kld_over_floor_se']:.6f} "
-                                           f"({'above' if r['above_floor'] else 'within'})")
+    for row, r in zip(rows, table):
+        over = board.floor_cell(row)  # "floor" on the floor's row, else its excess and verdict as boards show them
         lines.append(f"| {r['row']} | {r['kld_mean']:.6f} ± {r['kld_mean_se']:.6f} | {r['same_top1_pct']:.2f} | {over} "
                      f"| {r['seconds']:.1f} |")
     Path(args.out + ".md").write_text("\n".join(lines) + "\n")

@@ -15,6 +15,7 @@ from pathlib import Path
 from qeval.capture.capture import CaptureSpec, capture
 from qeval.capture.taskscore import TaskSettings  # noqa: F401 - re-exported for the CLI
 from qeval.compare import depth, metrics
+from qeval.compare.gate_checks import GATE_VERDICTS  # noqa: F401 - re-exported for the CLI: check's exit codes
 from qeval.compare.summary import Side, summarize
 from qeval.engine.engine import EngineSettings, fixed_mmap_threshold  # noqa: F401 - re-exported for the CLI
 from qeval.errors import QevalError

@@ -422,7 +422,7 @@ def compare_cmd(
     depth: Optional[str] = typer.Option(None, "--depth", help="Only scored tokens at logit positions LO:HI (either side may be empty), e.g. 8192: for beyond 8K."),
     segment: Optional[str] = Segment,
     category: Optional[str] = Category,
-    control: Optional[str] = typer.Option(None, "--control", help="A control against the same reference (the 'control' result or store qeval matrix makes): also report each candidate's mean KLD over it and whether that is within numerical noise."),
+    control: Optional[str] = typer.Option(None, "--control", help="A control against the same reference (the 'control' result or store qeval matrix makes): also report each candidate's mean KLD over it and its verdict: within numerical noise, above it, or undecided."),
     sampler: Optional[list[str]] = typer.Option(None, "--sampler", help="Also pair the TVD after this sampler (preset or settings, as qeval kld --sampler); repeat for several (default with saved results: every sampler both hold)."),
     as_json: bool = Json,
     runs_dir: Optional[Path] = RunsDir,
@@ -462,18 +462,18 @@ def check_cmd(
     segment: Optional[str] = Segment,
     category: Optional[str] = Category,
     sampler: Optional[list[str]] = typer.Option(None, "--sampler", help="A sampler (preset or settings, as qeval kld --sampler) whose figures --max-tvd judges; repeat for several (default with a saved result: every sampler it holds)."),
-    control: Optional[str] = typer.Option(None, "--control", help="A control against the same reference (the 'control' result or store qeval matrix makes): also report the candidate's mean KLD over it and whether that is within numerical noise."),
+    control: Optional[str] = typer.Option(None, "--control", help="A control against the same reference (the 'control' result or store qeval matrix makes): also report the candidate's mean KLD over it and its verdict: within numerical noise, above it, or undecided."),
     as_json: bool = Json,
     runs_dir: Optional[Path] = RunsDir,
     **limits: Optional[float],
 ):
-    """Release gate: exit 0 if every check passes, 1 if one fails beyond its error bars, 2 on bad input."""
-    result, text, passed = api.check_report(ref, cand, chunks=chunks, runs_dir=runs_dir, baseline=baseline,
+    """Release gate: exit 0 if every check passes (its whole 95 % interval within the limit), 1 if one fails (its whole interval past it), 3 if none fails but one is undecided (its interval straddles the limit: measure more chunks), 2 on bad input."""
+    result, text, _ = api.check_report(ref, cand, chunks=chunks, runs_dir=runs_dir, baseline=baseline,
                                             baseline_entry=baseline_entry, baseline_metrics=baseline_metric,
                                             progress=True, depth=depth, samplers=sampler or (), control=control,
                                             segment=segment, category=category, **limits)
     _emit(result, text, as_json)
-    raise typer.Exit(0 if passed else 1)
+    raise typer.Exit(api.GATE_VERDICTS[result["verdict"]])
 
 
 baseline_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Published and saved baselines (baselines/*.json).")

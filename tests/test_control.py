@@ -15,9 +15,10 @@ import math
 
 import pytest
 from conftest import assert_cli_error, run_cli
-from test_leaderboard import CANDIDATES, build_results
+from scipy.stats import t as scipy_t
+from test_leaderboard import CANDIDATES, N_CHUNKS, build_results
 
-from qeval.compare import paired_stats
+from qeval.compare import verdict
 from qeval.compare.metric_registry import MetricValue
 from qeval.engine.engine import EngineSettings
 from qeval.orchestrate import matrix
@@ -51,43 +52,66 @@ def test_the_control_is_known_by_its_request_shown_first_unranked_and_on_no_fron
     assert first.label == "ctl" and first.rank is None and first.pareto is False
     assert [r.rank for r in board.rows[1:]] == list(range(1, len(board.rows)))
     assert "ctl" not in board.pareto
-    assert first.kld_excess is None and first.within_noise is None
+    assert first.kld_excess is None and first.noise is None
 
 
 def test_excess_and_noise_verdict_match_hand_computation(board):
+    """(noise) only where the whole 95 % interval of the excess (t over N_CHUNKS − 1 df, SEs combined, widened by
+    both bounds) lies below the control's own mean KLD; (above) where it lies above 0."""
     summaries = saved(board)
     control, control_se = kld(summaries["ctl"])
+    control_bound = summaries["ctl"]["metrics"]["kld_mean"]["bound"]
+    q = scipy_t.ppf(0.975, N_CHUNKS - 1)
     verdicts = {}
     for row in board.rows[1:]:
         value, se = kld(summaries[row.label])
-        assert row.kld_excess == pytest.approx(value - control, abs=1e-15)
-        assert row.within_noise == (abs(value - control) <= 2 * math.sqrt(se ** 2 + control_se ** 2))
-        verdicts[row.label] = row.within_noise
-    assert verdicts["Q8_X"] is True  # as close as the control: indistinguishable from it
-    assert verdicts["Q8_0"] is False and verdicts["Q2_K"] is False
+        bounds = control_bound + summaries[row.label]["metrics"]["kld_mean"]["bound"]
+        half = q * math.sqrt(se ** 2 + control_se ** 2) + bounds
+        excess = value - control
+        assert row.kld_excess == pytest.approx(excess, abs=1e-15)
+        expected = "above" if excess - half > 0 else "within" if excess + half <= control else "undecided"
+        assert (row.noise.state, row.noise.chunks) == (expected, N_CHUNKS)
+        assert (row.noise.low, row.noise.high) == pytest.approx((excess - half, excess + half), rel=1e-9)
+        verdicts[row.label] = row.noise.state
+    assert verdicts["Q8_X"] == "within"  # as close as the control: its excess is no larger than the noise again
+    assert verdicts["Q8_0"] == "above" and verdicts["Q2_K"] == "above"
 
 
 def test_excess_over_rule_edges():
-    assert paired_stats.excess_over(MetricValue(0.5, 0.1), MetricValue(0.2, 0.1)) == (pytest.approx(0.3), False)
-    assert paired_stats.excess_over(MetricValue(0.4, 0.1), MetricValue(0.2, 0.1)) == (pytest.approx(0.2), True)
-    assert paired_stats.excess_over(MetricValue(0.4, float("nan")), MetricValue(0.2, 0.1)) == (pytest.approx(0.2), None)
-    assert paired_stats.excess_over(None, MetricValue(0.2, 0.1)) == (None, None)
+    """An excess whose interval reaches 0 is no evidence of noise: (noise) needs the whole interval below the
+    control's own KLD, else undecided; chunks set the interval's width."""
+    def state(kld, control, chunks):
+        return verdict.excess_over(kld, control, chunks)[1].state
+
+    control = MetricValue(0.2, 0.01)
+    assert verdict.excess_over(MetricValue(0.5, 0.01), control, 40)[0] == pytest.approx(0.3)
+    assert state(MetricValue(0.5, 0.01), control, 40) == "above"  # 0.3 ± 2.02·0.0141
+    assert state(MetricValue(0.25, 0.01), control, 40) == "above"  # 0.05 ± 0.029: a cost, though below the margin
+    assert state(MetricValue(0.21, 0.01), control, 40) == "within"  # 0.01 ± 0.029, all below 0.2
+    assert state(MetricValue(0.21, 0.01), control, 2) == "within"  # ± 12.7·0.0141 = 0.18, up to 0.19: narrow enough
+    assert state(MetricValue(0.25, 0.01), control, 2) == "undecided"  # 0.05 ± 0.18: reaches 0 and 0.2
+    assert state(MetricValue(0.21, 0.01), control, 1) == "undecided"  # one chunk decides nothing
+    assert verdict.excess_over(MetricValue(0.4, float("nan")), control, 40) == (pytest.approx(0.2), None)
+    assert verdict.excess_over(MetricValue(0.4, 0.1), control, None) == (pytest.approx(0.2), None)
+    assert verdict.excess_over(None, control, 40) == (None, None)
 
 
 def test_board_json_csv_and_markdown_show_the_control(board):
     rows = {r["label"]: r for r in json.loads((board.paths["leaderboard.json"]).read_text())["rows"]}
     assert rows["ctl"]["control"] is True and rows["ctl"]["rank"] is None and rows["ctl"]["kld_excess"] is None
-    assert rows["Q8_X"]["within_noise"] is True and rows["Q2_K"]["within_noise"] is False
+    assert (rows["Q8_X"]["noise_verdict"], rows["Q8_X"]["noise_verdict_chunks"]) == ("within", N_CHUNKS)
+    assert rows["Q2_K"]["noise_verdict"] == "above" and rows["ctl"]["noise_verdict"] is None
     assert rows["Q2_K"]["kld_excess"] == pytest.approx(rows["Q2_K"]["kld_mean"] - rows["ctl"]["kld_mean"])
     header = board.paths["leaderboard.csv"].read_text().splitlines()[0].split(",")
-    assert {"control", "kld_excess", "within_noise"} <= set(header)
+    assert {"control", "kld_excess", "noise_verdict", "noise_verdict_chunks"} <= set(header)
     md = board.paths["leaderboard.md"].read_text()
     table = [line for line in md.splitlines() if line.startswith("| ")]
     assert "KLD over control" in table[0]
     assert table[1].startswith("| ctl |") and "| control |" in table[1]
     twin = next(line for line in table if line.startswith("| Q8_X |"))
     assert "(noise)" in twin
-    assert boardrows.CONTROL_NOTE in md
+    assert "(above)" in next(line for line in table if line.startswith("| Q2_K |"))
+    assert boardrows.CONTROL_NOTE in md and boardrows.VERDICT_RULE in md
     assert "KLD over control" in board.paths["leaderboard.html"].read_text()
 
 
@@ -127,7 +151,14 @@ def test_matrix_control_on_gemma(models, tmp_path):
     assert control["control"] is True and q4["control"] is False
     assert 0 <= control["kld_mean"] < q4["kld_mean"] / 20  # measured: 0.0028 vs 0.33 (2 cores, x86)
     assert q4["kld_excess"] == pytest.approx(q4["kld_mean"] - control["kld_mean"])
-    assert q4["within_noise"] is False
+    # 100 times the control's KLD, yet over 2 chunks (t with 1 df: 12.7 SEs) the interval cannot tell: issue 35's case
+    assert q4["noise_verdict"] == "undecided" and q4["noise_verdict_chunks"] == 2
+    more = run_cli("matrix", "--ref", f"R={models['Q8_0']}", "-m", f"Q4={models['Q4_0']}", "-c", "64", "--chunks",
+                   "6", "--runs-dir", tmp_path, "--json")
+    assert more.returncode == 0, more.stderr
+    q4 = {r["label"]: r for r in json.loads(more.stdout)["rows"]}["Q4"]
+    print(f"Q4_0 over 6 chunks: {q4['kld_excess']!r} ± {q4['kld_mean_se']!r} over the control")
+    assert q4["noise_verdict"] == "above" and q4["noise_verdict_chunks"] == 6
 
 
 def control_run(tmp_path, *args: str) -> tuple:
@@ -144,7 +175,7 @@ def test_check_reports_the_excess_over_a_control(tmp_path):
     runs, over, saved = control_run(tmp_path, "check", "--ref", "REF", "--cand", "Q8_X", "--max-kld", "1")
     assert over["kld_mean"] == pytest.approx(saved["ctl"], rel=1e-12)
     assert over["kld_excess"] == pytest.approx(saved["Q8_X"] - saved["ctl"], abs=1e-12)
-    assert over["within_noise"] is True
+    assert (over["noise_verdict"], over["noise_verdict_chunks"]) == ("within", N_CHUNKS)
     text = run_cli("check", "--ref", "REF", "--cand", "Q2_K", "--max-kld", "1", "--control", "ctl",
                    "--runs-dir", runs).stdout
     assert "control ctl: mean KLD" in text and "beyond numerical noise" in text
@@ -157,7 +188,7 @@ def test_compare_reports_each_candidates_excess_over_a_control(tmp_path):
     runs, over, saved = control_run(tmp_path, "compare", "--ref", "REF", "--cand", "Q8_X", "--cand", "Q2_K")
     assert over["A"]["kld_excess"] == pytest.approx(saved["Q8_X"] - saved["ctl"], abs=1e-12)
     assert over["B"]["kld_excess"] == pytest.approx(saved["Q2_K"] - saved["ctl"], abs=1e-12)
-    assert (over["A"]["within_noise"], over["B"]["within_noise"]) == (True, False)
+    assert (over["A"]["noise_verdict"], over["B"]["noise_verdict"]) == ("within", "above")
     text = run_cli("compare", "--ref", "REF", "--cand", "Q8_X", "--cand", "Q2_K", "--control", "ctl",
                    "--runs-dir", runs).stdout
     assert "- A: control ctl: mean KLD" in text and "- B: control ctl" in text and "beyond numerical noise" in text

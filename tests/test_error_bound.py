@@ -4,6 +4,8 @@ the deep tail (code 0) and the worst alignment of the code's rounding decide the
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from conftest import kld64, log_softmax64, make_pair, make_tokens, perturb, realistic_logits, write_store
@@ -11,6 +13,7 @@ from test_metrics import RowsSource
 
 from qeval import api
 from qeval.compare import metrics
+from qeval.compare.paired_stats import CONFIDENCE, t_quantile
 from qeval.identity import NOT_RECORDED
 from qeval.storage.codec import SqrtLogCode
 from qeval.storage.store import StoreReader
@@ -156,15 +159,23 @@ def test_board_rows_show_their_bound_and_the_control_reads_its_own():
 
     def row(label, kld, se, bound, control=False):
         return board.BoardRow(label, "?", "?", None, None, None, 0.5, None,
-                              {"kld_mean": MetricValue(kld, se, bound=bound)}, {}, None, control=control)
+                              {"kld_mean": MetricValue(kld, se, bound=bound)}, {}, None, control=control, chunks=4)
 
     control = row("control", 4e-7, 1e-8, 3.2e-6, control=True)
-    near = row("near", 4e-6, 1e-7, 1.3e-5)  # 3.6e-6 over the control: far beyond 2 SEs, within the bounds
+    # 3.6e-6 over the control: far beyond its SEs (above, without the bounds), but within the bounds, which reach
+    # past the control's own KLD as well: undecided
+    near = row("near", 4e-6, 1e-7, 1.3e-5)
+    twin = row("twin", 4.1e-7, 1e-8, 2e-8)  # with a control whose bound is small beside its KLD: noise
     far = row("far", 0.35, 0.01, 1.1e-4)
     old = row("old", 0.35, 0.01, NOT_RECORDED)
     rows = [control, near, far, old]
     board.compare_with_control(rows)
-    assert near.within_noise is True and far.within_noise is False
+    assert near.noise.state == "undecided" and far.noise.state == "above"
+    assert near.noise.low < 0 < 3.6e-6 - t_quantile(CONFIDENCE, 3) * math.hypot(1e-7, 1e-8)
+    assert board.control_cell(near) == "+0.000004 undecided (4 chunks)"
+    tight = row("control", 4e-7, 1e-8, 1e-8, control=True)
+    board.compare_with_control([tight, twin])
+    assert twin.noise.state == "within" and board.control_cell(twin) == "+0.000000 (noise)"
     cells = {r.label: board.leaderboard_cells(r, control=True) for r in rows}
     column = [name for name, _ in board.leaderboard_columns(control=True)].index("KLD bound") + 1
     assert [cells[k][column] for k in ("control", "near", "far", "old")] == ["≤ 3.2e-06", "≤ 1.3e-05", "≤ 0.00011",

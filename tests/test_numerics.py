@@ -183,7 +183,10 @@ def test_the_floor_row_and_each_kv_rows_paired_excess(models, tmp_path):
     assert kv["kld_over_floor"] == pytest.approx(np.mean(chunk_means), rel=1e-9)
     assert kv["kld_over_floor_se"] == pytest.approx(np.std(chunk_means, ddof=1) / np.sqrt(2), rel=1e-9)
     print(f"floor {floor['kld_mean']:.6f}, q4_0 {kv['kld_mean']:.6f}, over floor {kv['kld_over_floor']:+.6f}")
-    cell = f"{kv['kld_over_floor']:+.6f} ± {kv['kld_over_floor_se']:.6f} ({'above' if kv['above_floor'] else 'within'})"
+    verdict = {"above": "(above)", "within": "(within)"}.get(kv["floor_verdict"],
+                                                             f"undecided ({kv['floor_verdict_chunks']} chunks)")
+    assert kv["floor_verdict_chunks"] == 2
+    cell = f"{kv['kld_over_floor']:+.6f} ± {kv['kld_over_floor_se']:.6f} {verdict}"
     assert cell in text  # the SE unsigned, as every "value ± SE"
     saved = json.loads((tmp_path / "results" / f"{matrix.FLOOR}.vs.R.json").read_text())
     assert saved["request"]["candidate"]["kv"]["decode"] == "generate"

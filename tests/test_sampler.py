@@ -420,17 +420,20 @@ def test_cli_refuses_a_bad_sampler_before_any_work(tmp_path):
 # the release gate: --max-tvd per sampler
 # --------------------------------------------------------------------------------------------------
 def test_cli_check_max_tvd_per_sampler(tmp_path):
-    pair = make_pair(tmp_path / "runs", seed=1, n_chunks=2, n_ctx=32, n_vocab=1000, sigma=0.8)
+    pair = make_pair(tmp_path / "runs", seed=1, n_chunks=6, n_ctx=32, n_vocab=1000, sigma=0.8)
     runs = pair.directory
     result, _ = api.kld_report("REF", "CAND", runs_dir=runs, threads=1, save_result=True,
                                samplers=["greedy", "qwen3.5-thinking"])
     tvd = {name: b["tvd"] for name, b in result["samplers"].items()}
     assert 0.05 < tvd["qwen3.5-thinking"]["mean"] < 0.95
-    # computed now, one check per --sampler, judged like every threshold (beyond 1.96 SE)
+    # computed now, one check per --sampler, judged like every threshold (its 95 % interval: t over 6 chunks, 2.57 SEs)
     loose = 100 * (tvd["qwen3.5-thinking"]["mean"] + 3 * tvd["qwen3.5-thinking"]["se"])
     res = run_cli("check", "--ref", "REF", "--cand", "CAND", "--runs-dir", runs, "--sampler", "qwen3.5-thinking",
                   "--max-tvd", f"{loose:.6f}", "--json")
     assert res.returncode == 0, res.stderr
+    two = run_cli("check", "--ref", "REF", "--cand", "CAND", "--runs-dir", runs, "--sampler", "qwen3.5-thinking",
+                  "--max-tvd", f"{loose:.6f}", "--chunks", "2")
+    assert two.returncode == 3 and "UNDECIDED  max-tvd@qwen3.5-thinking" in two.stdout, two.stdout + two.stderr
     checks = json.loads(res.stdout)["checks"]
     assert [c["name"] for c in checks] == ["max-tvd@qwen3.5-thinking"]
     assert checks[0]["value"] == pytest.approx(100 * tvd["qwen3.5-thinking"]["mean"], rel=1e-12)

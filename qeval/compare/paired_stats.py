@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import stats as sps
 
-from qeval.compare.metric_registry import MetricValue
 
 CONFIDENCE = 0.95
 N_BOOT = 10_000
@@ -85,21 +84,3 @@ def interval_bootstrap(d: np.ndarray, confidence: float = CONFIDENCE, n_boot: in
     below, above = np.count_nonzero(boot <= 0.0), np.count_nonzero(boot >= 0.0)
     p = min(1.0, 2.0 * (min(below, above) + 1) / (n_boot + 1))
     return mean, float(np.std(boot, ddof=1)), float(low), float(high), p
-
-
-# A measurement is indistinguishable from the control when |kld - kld_control| <= NOISE_SIGMAS * math.sqrt(se² + se_control²):
-# two SEs of the difference of two independent means, about a 95 % interval.
-NOISE_SIGMAS = 2.0
-
-
-def excess_over(kld: MetricValue | None, control: MetricValue | None) -> tuple[float | None, bool | None]:
-    """(kld - kld_control, whether that is within NOISE_SIGMAS combined SEs plus both values' certified bounds, where
-    recorded: docs/error-bound.md); None where a value is missing, and no verdict where an SE is."""
-    if kld is None or control is None:
-        return None, None
-    excess = kld.value - control.value
-    ses = (kld.se, control.se)
-    if not all(se is not None and math.isfinite(se) for se in ses):
-        return excess, None
-    bounds = sum(v.bound_value or 0.0 for v in (kld, control))
-    return excess, abs(excess) <= NOISE_SIGMAS * math.sqrt(ses[0] ** 2 + ses[1] ** 2) + bounds

@@ -1,15 +1,19 @@
-"""Release gate: `qeval check` passes (exit 0) or fails (exit 1) a candidate on thresholds and baselines.
+"""Release gate: `qeval check` passes (exit 0), fails (exit 1) or cannot yet tell (undecided, exit 3) a candidate
+on thresholds and baselines.
 
 Every metric of qeval.compare.metric_registry with a `gate` option is a threshold: `--max-…` for lower-is-better
 metrics, `--min-…` for higher-is-better ones (keyword `max_kld` etc. in Python). A sampler threshold
 (`--max-tvd`, metric_registry.SAMPLER_GATES) gives one check per `--sampler` (for a saved result without
 --sampler: per sampler it holds).
-A check fails only when the candidate is worse than the limit *beyond its error bars*: the mean must
-be over the limit even at the favourable end of its 95 % interval (mean − 1.96·SE for lower-is-better
-metrics, value + 1.96·SE for same-top-1). A measurement that is over the limit but within noise of
-it passes, and its line says so. Percentiles (99.9 % KLD) have no standard error in qeval's output and
-are compared directly. Against a baseline the error bars of both sides add up:
-worse-by − 1.96·sqrt(SE_run² + SE_baseline²) > 0 fails; a baseline value without SE counts as exact.
+A threshold is judged by qeval.compare.verdict's rule on the figure's 95 % interval, value ± q·SE with q the t
+multiplier of the chunks it stands on (chunks − 1 degrees of freedom): it passes only when the whole interval is on
+the right side of the limit (mean + q·SE ≤ limit for lower-is-better metrics, value − q·SE ≥ limit for
+same-top-1), fails when the whole interval is past it, and is undecided when the interval straddles the limit
+(more chunks narrow it). Percentiles (99.9 % KLD) and bounds have no standard error and are compared directly.
+Against a baseline the error bars of both sides add up: worse-by − q·sqrt(SE_run² + SE_baseline²) > 0 fails; a
+baseline value without SE counts as exact. A baseline check is a regression test with no margin to be "as good"
+within: its pass says "not shown worse", never "as good as" (a threshold says that).
+The gate fails where a check fails, else is undecided where one is (exit 3: not a pass), else passes.
 
 Bad input (unknown store, malformed baseline, nonsense limit) raises QevalError: exit 2.
 """
@@ -22,16 +26,14 @@ import os
 
 from qeval.compare import metric_registry, sampler
 from qeval.compare.depth import Selection
-from qeval.compare.gate_checks import Check, GateResult
+from qeval.compare.gate_checks import FAIL, PASS, UNDECIDED, Check, GateResult
 from qeval.compare.metric_registry import METRICS, Metric, MetricValue
 from qeval.compare.summary import ComparisonSummary, Side
+from qeval.compare.verdict import ABOVE, WITHIN, judge, multiplier
 from qeval.errors import QevalError
 from qeval.orchestrate import baselines
 from qeval.orchestrate.measured import Measured, is_result_spec, measure, over_control
 from qeval.present.gate_text import control_text, gate_text
-
-Z = 1.96  # two-sided 95 %; each check is one-sided at 97.5 %
-
 
 def _fmt(m: Metric, x: float) -> str:
     return m.number(x) + m.percent
@@ -53,63 +55,77 @@ def option_help(m: Metric) -> str:
     return f"Fail if {m.title} is {side} the limit{unit} {how}."
 
 
-def limit_check(m: Metric, measured: MetricValue, limit: float) -> Check:
-    """Fail only when even the favourable end of value ± Z·SE is on the wrong side of the limit."""
+def limit_check(m: Metric, measured: MetricValue, limit: float, chunks: int) -> Check:
+    """Pass only when the whole interval value ± q·SE (q: verdict.multiplier(chunks)) is on the right side of the
+    limit, fail when the whole of it is past the limit, else undecided (qeval.compare.verdict.judge on how far the
+    figure is past the limit, margin 0); a figure without SE is compared directly."""
     value, se, better = measured.value, measured.se, m.better
     if value is None or not math.isfinite(value):  # a bound the stores do not record (docs/error-bound.md)
         raise QevalError(f"{option(m)}: the comparison has no {m.title}: a store it reads records no error of its "
                          "stored form (made before qeval measured it); capture it again with this qeval")
-    has_se = se is not None and math.isfinite(se)
-    bound = (value - Z * se if better == "lower" else value + Z * se) if has_se else value
-    worse = bound > limit if better == "lower" else bound < limit
-    over = value > limit if better == "lower" else value < limit
     cmp_ok, cmp_bad = ("≤", ">") if better == "lower" else ("≥", "<")
-    side = "lower" if better == "lower" else "upper"
-    shown = f"{m.title} {m.text(value, se if has_se else None)}"
+    shown = f"{m.title} {m.text(value, se if _has_se(se) else None)}"
     lim = f"{limit:g}{m.percent}"
-    if not has_se:
+    if not _has_se(se):
+        worse = value > limit if better == "lower" else value < limit
         reason = (f"{shown} {cmp_bad if worse else cmp_ok} limit {lim} "
                   f"(a percentile or a bound has no standard error: compared directly)")
-    elif worse:
+        return Check(m.gate, m.key, FAIL if worse else PASS, value, None, limit, None, reason)
+    sign = 1.0 if better == "lower" else -1.0  # past the limit is above it for lower-is-better figures
+    v = judge(sign * (value - limit), se, chunks)
+    bound, worst = limit + sign * v.low, limit + sign * v.high
+    side, far = ("lower", "upper") if better == "lower" else ("upper", "lower")
+    if not math.isfinite(bound):  # fewer than 2 chunks
+        bound = worst = None
+        reason = f"{shown}: a single chunk gives no interval (chunks are the unit): {v.words()}"
+    elif v.state == ABOVE:
         reason = f"{shown}: even the {side} 95 % bound {_fmt(m, bound)} is {cmp_bad} limit {lim}"
-    elif over:
-        reason = (f"{shown} is past limit {lim}, but within its error bars ({side} 95 % bound "
-                  f"{_fmt(m, bound)} {cmp_ok} {lim}): not a significant failure")
+    elif v.state == WITHIN:
+        reason = (f"{shown}: its whole 95 % interval is within the limit (the {far} bound {_fmt(m, worst)} "
+                  f"{cmp_ok} {lim})")
     else:
-        reason = f"{shown} {cmp_ok} limit {lim}"
-    return Check(m.gate, m.key, not worse, value, se if has_se else None, limit, bound if has_se else None, reason)
+        reason = (f"{shown}: its 95 % interval {_fmt(m, min(bound, worst))} to {_fmt(m, max(bound, worst))} "
+                  f"straddles limit {lim}: {v.words()}, measure more chunks to decide")
+    verdict = {ABOVE: FAIL, WITHIN: PASS}.get(v.state, UNDECIDED)
+    return Check(m.gate, m.key, verdict, value, se, limit, bound, reason, worst=worst)
 
 
-def baseline_check(key: str, run: MetricValue, base: MetricValue, entry_id: str,
+def _has_se(se: float | None) -> bool:
+    return se is not None and math.isfinite(se)
+
+
+def baseline_check(key: str, run: MetricValue, base: MetricValue, entry_id: str, chunks: int,
                    judge_direct: bool = False) -> Check:
-    """Worse than the baseline beyond sqrt(SE_run² + SE_base²)·Z fails. Without any SE (percentiles on
-    both sides) there is no error bar: the line is informative unless `judge_direct` (asked for by name)."""
+    """Worse than the baseline beyond q·sqrt(SE_run² + SE_base²) fails (q: verdict.multiplier(chunks)); else the
+    check passes as "not shown worse" (a regression test has no margin to be as good within). Without any SE
+    (percentiles on both sides) there is no error bar: the line is informative unless `judge_direct` (asked for by
+    name)."""
     m = metric_registry.lookup(key)
-    se_run = run.se if run.se is not None and math.isfinite(run.se) else None
+    se_run = run.se if _has_se(run.se) else None
     se_base = base.se
     worse_by = run.value - base.value if m.better == "lower" else base.value - run.value
     direct = se_run is None and se_base is None
-    se = None if direct else math.sqrt((se_run or 0.0) ** 2 + (se_base or 0.0) ** 2)
-    margin = worse_by - (0.0 if direct else Z * se)
-    fails = margin > 0.0
+    half = None if direct else multiplier(chunks) * math.hypot(se_run or 0.0, se_base or 0.0)
+    fails = worse_by - (half or 0.0) > 0.0
     shown = (f"{key} {m.text(run.value, se_run)} vs baseline {entry_id} "
              f"{'~' if base.approx else ''}{m.text(base.value, se_base)}")
     if direct and not judge_direct:
         reason = (f"{shown}: {'worse' if worse_by > 0 else 'not worse'} (no standard error on either side: shown, "
                   f"not judged; judge it with --baseline-metric {key})")
-        return Check(f"baseline:{key}", key, True, run.value, None, base.value, None, reason, judged=False)
+        return Check(f"baseline:{key}", key, PASS, run.value, None, base.value, None, reason, judged=False)
     if direct:
         reason = f"{shown}: {'worse' if fails else 'not worse'} (no standard errors: compared directly)"
     elif fails:
-        reason = f"{shown}: worse by {_fmt(m, worse_by)}, beyond the combined 95 % error bar ±{_fmt(m, Z * se)}"
+        reason = f"{shown}: worse by {_fmt(m, worse_by)}, beyond the combined 95 % error bar ±{_fmt(m, half)}"
     elif worse_by > 0:
-        reason = f"{shown}: worse by {_fmt(m, worse_by)}, within the combined 95 % error bar ±{_fmt(m, Z * se)}"
+        reason = (f"{shown}: worse by {_fmt(m, worse_by)}, within the combined 95 % error bar ±{_fmt(m, half)}: "
+                  f"not shown worse ({chunks} chunks)")
     else:
         reason = f"{shown}: not worse"
     if se_base is None and not direct:
         reason += " (the baseline gives no SE)"
-    return Check(f"baseline:{key}", key, not fails, run.value, se_run, base.value,
-                 None if direct else worse_by - Z * se, reason)
+    bound = None if direct or not math.isfinite(half) else worse_by - half  # none under 2 chunks
+    return Check(f"baseline:{key}", key, FAIL if fails else PASS, run.value, se_run, base.value, bound, reason)
 
 
 def validate_limits(limits: dict[str, float | None]) -> dict[str, float]:
@@ -146,10 +162,11 @@ def run_checks(summary: ComparisonSummary, baseline: baselines.Baseline | None =
     A sampler threshold (max_tvd) applies to each of `samplers` (names; default: every sampler the summary holds)."""
     given = validate_limits(limits)
     measured = summary.measured()
+    chunks = int(summary.chunks or 0)  # none known: every interval undecided
     checks = []
     for key, limit in given.items():
         if not metric_registry.is_sampler_template(key):
-            checks.append(limit_check(METRICS[key], _held(measured, key, summary), limit))
+            checks.append(limit_check(METRICS[key], _held(measured, key, summary), limit, chunks))
             continue
         template = next(m for m in metric_registry.SAMPLER_GATES if m.key == key)
         names = list(samplers) if samplers else list(summary.samplers)
@@ -158,7 +175,7 @@ def run_checks(summary: ComparisonSummary, baseline: baselines.Baseline | None =
                              "saved by `qeval kld --sampler NAME --save-result`)")
         for name in names:
             m = metric_registry.for_sampler(template, name)
-            checks.append(limit_check(m, _held(measured, m.key, summary), limit))
+            checks.append(limit_check(m, _held(measured, m.key, summary), limit, chunks))
     notes, base_info = [], None
     if baseline is not None:
         entry = baselines.pick_entry(baseline, summary.candidate, summary.reference, baseline_entry)
@@ -174,7 +191,7 @@ def run_checks(summary: ComparisonSummary, baseline: baselines.Baseline | None =
         if not keys:
             raise QevalError(f"baseline entry {entry.id} has no metric a run can be judged on")
         for key in keys:
-            checks.append(baseline_check(key, _held(measured, key, summary), entry.metrics[key], entry.id,
+            checks.append(baseline_check(key, _held(measured, key, summary), entry.metrics[key], entry.id, chunks,
                                          judge_direct=bool(baseline_metrics)))
         notes += _setting_notes(entry, summary)
         base_info = {"name": baseline.name, "path": str(baseline.path) if baseline.path else None, "entry": entry.id}
@@ -183,8 +200,9 @@ def run_checks(summary: ComparisonSummary, baseline: baselines.Baseline | None =
     if not any(c.judged for c in checks):
         raise QevalError("nothing to judge: the baseline's metrics have no standard error on either side; name "
                          "them with --baseline-metric to compare them directly, or give a threshold")
-    return GateResult(all(c.passed for c in checks), summary.candidate.label, summary.reference.label,
-                      int(summary.chunks), int(summary.scored_tokens), Z, checks, notes, base_info)
+    z = multiplier(chunks)
+    return GateResult(summary.candidate.label, summary.reference.label, chunks, int(summary.scored_tokens),
+                      z if math.isfinite(z) else None, checks, notes, base_info)
 
 
 def _held(measured: dict[str, MetricValue], key: str, summary: ComparisonSummary) -> MetricValue:
@@ -231,13 +249,14 @@ def check_report(ref: str, cand: str, chunks: int | None = None, runs_dir: str |
                  baseline_metrics: list[str] | None = None, progress: bool = False, depth: str | None = None,
                  samplers=(), control: str | None = None, segment: str | None = None, category: str | None = None,
                  **limits: float | None) -> tuple[dict, str, bool]:
-    """`qeval check`: (JSON, text, passed). Inputs are checked before any long comparison starts.
+    """`qeval check`: (JSON, text, passed); the JSON's "verdict" says passed, failed or undecided (exit code:
+    gate_checks.GATE_VERDICTS). Inputs are checked before any long comparison starts.
     depth: "LO:HI", gate only the scored tokens at those logit positions (e.g. "8192:" for beyond 8K).
     segment, category: gate only the assistant's tokens of one segment or category (conversations).
     samplers: presets or settings strings (qeval.compare.sampler) whose figures --max-tvd judges.
     control: a control against the same reference (a saved result or store of the reference model recomputed
-    under another batch layout, as `matrix` makes it): the candidate's mean KLD over it is reported, and whether
-    that is within numerical noise; limits still judge the candidate's own figures."""
+    under another batch layout, as `matrix` makes it): the candidate's mean KLD over it is reported with its noise
+    verdict (measured.over_control); limits still judge the candidate's own figures, and the gate's verdict."""
     given = validate_limits(limits)
     chosen = [s.name for s in sampler.parse_all(samplers)]
     per_sampler = [option(m) for m in metric_registry.SAMPLER_GATES if m.key in given]

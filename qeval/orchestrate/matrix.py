@@ -799,8 +799,8 @@ def matrix_result(plan: MatrixPlan, run: MatrixRun, task_lines: list[str] = ()) 
                       report.ppl_matrix_markdown(*plan.grid(summaries)),
                       "", "Leaderboard (sorted by mean KLD)",
                       board.leaderboard_markdown(rows, plan.samplers, board.common_tasks(rows)),
-                      *(["", board.CONTROL_NOTE] if board.has_control(rows) else []),
-                      *(["", board.FLOOR_NOTE] if board.has_floor(rows) else []),
+                      *(line for note in board.baseline_notes(board.has_control(rows), board.has_floor(rows))
+                        for line in ("", note)),
                       *(["", board.EARLY_NOTE, early_line(early["early"])] if early else [])])
     return {"reference": ref_label, "rows": [r.to_json() for r in rows], **early,
             "results": [s.to_json() for s in summaries]}, text

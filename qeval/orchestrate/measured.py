@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from qeval.compare.depth import Selection
-from qeval.compare.paired_stats import excess_over
+from qeval.compare.verdict import excess_over, fewer_chunks, written
 from qeval.errors import MismatchError, QevalError
 from qeval.identity import changes, is_control, reference_identity
 from qeval.present import results
@@ -77,12 +77,13 @@ def _check_reference(ref: str, res: results.Result, runs_dir) -> None:
 
 
 def over_control(summary, control: Measured, spec: str) -> dict:
-    """The candidate's mean KLD over a control's (qeval.compare.paired_stats.excess_over); a control must be the
-    reference model recomputed (qeval.identity.is_control), else it is no floor."""
+    """The candidate's mean KLD over a control's and its verdict (qeval.compare.verdict.excess_over: "within"
+    numerical noise, "above" it or "undecided", with the chunks it stands on); a control must be the reference model
+    recomputed (qeval.identity.is_control), else it is no floor."""
     if not is_control(control.summary.comparison_request()):
         raise QevalError(f"--control {spec} is not a control: its candidate is not the reference's model and settings "
                          "under another batch layout (qeval matrix makes one: the 'control' pair)")
     kld, floor = summary.measured().get("kld_mean"), control.summary.measured().get("kld_mean")
-    excess, within = excess_over(kld, floor)
+    excess, verdict = excess_over(kld, floor, fewer_chunks(summary.chunks, control.summary.chunks))
     return {"label": control.label, "kld_mean": floor.value if floor else None, "kld_mean_se": floor.se if floor else None,
-            "kld_excess": excess, "within_noise": within}
+            "kld_excess": excess, **written(verdict, "noise_verdict")}

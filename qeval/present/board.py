@@ -16,7 +16,8 @@ import numpy as np
 
 from qeval.compare import metric_registry, ranking, sampler
 from qeval.compare.metric_registry import Metric, MetricValue, plus_minus, sampler_metrics
-from qeval.compare.paired_stats import NOISE_SIGMAS, chunk_means, excess_over, interval_t, on_common_chunks
+from qeval.compare.paired_stats import chunk_means, interval_t, on_common_chunks
+from qeval.compare.verdict import UNDECIDED, Verdict, excess_over, fewer_chunks, judge, written
 from qeval.compare.summary import ComparisonSummary, DepthBand, TokenGroup
 from qeval.engine.modelinfo import kv_cache_gib
 from qeval.identity import is_control, is_floor
@@ -26,8 +27,9 @@ from qeval.storage.scoring import Scoring
 
 DEEPEST_KEYS = ("deepest_band", "kld_deepest", "kld_deepest_se")
 BOUND_KEYS = ("kld_mean_bound",)  # the certified bound of the mean KLD (docs/error-bound.md)
-CONTROL_KEYS = ("control", "kld_excess", "within_noise")
-FLOOR_KEYS = ("floor", "kld_over_floor", "kld_over_floor_se", "above_floor")
+# a verdict (qeval.compare.verdict) is written as its state and the chunks it stands on (verdict.written)
+CONTROL_KEYS = ("control", "kld_excess", "noise_verdict", "noise_verdict_chunks")
+FLOOR_KEYS = ("floor", "kld_over_floor", "kld_over_floor_se", "floor_verdict", "floor_verdict_chunks")
 
 
 def sampler_board_metrics(name: str) -> tuple[Metric, ...]:
@@ -116,11 +118,11 @@ class BoardRow:
     result: str | None = None  # the result file it was read from
     control: bool = False  # the reference recomputed under another batch layout (qeval.identity.is_control)
     kld_excess: float | None = None  # mean KLD minus the board's control's; None: the board has no control
-    within_noise: bool | None = None  # its mean KLD is the control's within NOISE_SIGMAS combined SEs
+    noise: Verdict | None = None  # its excess over the control: "within" numerical noise, above it, or undecided
     floor: bool = False  # the reference model on another of llama.cpp's kernel paths (qeval.identity.is_floor)
     kld_over_floor: float | None = None  # a KV row's mean KLD minus the floor's, paired on the same tokens
     kld_over_floor_se: float | None = None  # its SE, chunks as the unit (qeval.compare.paired_stats.interval_t)
-    above_floor: bool | None = None  # its confidence interval lies above 0: the KV quant costs more than the floor
+    over_floor: Verdict | None = None  # its excess over the floor: above, within the floor's own KLD, or undecided
     segments: dict[str, TokenGroup] = field(default_factory=dict)  # segment name -> its figures (summary.by_segment)
     categories: dict[str, TokenGroup] = field(default_factory=dict)  # category name -> its figures (by_category)
     chunks: int | None = None  # the chunks its figures are over
@@ -164,9 +166,9 @@ class BoardRow:
         out.update(deepest_band=self.deepest.name if self.deepest else None, **kld_of(self.deepest, "kld_deepest"))
         for name, group in self.segments.items():
             out.update(kld_of(group, f"kld_{name}"))
-        out.update(control=self.control, kld_excess=self.kld_excess, within_noise=self.within_noise)
+        out.update(control=self.control, kld_excess=self.kld_excess, **written(self.noise, "noise_verdict"))
         out.update(floor=self.floor, kld_over_floor=self.kld_over_floor, kld_over_floor_se=self.kld_over_floor_se,
-                   above_floor=self.above_floor)
+                   **written(self.over_floor, "floor_verdict"))
         if self.stopped is not None:
             out.update(chunks=self.chunks, scored_tokens=self.scored_tokens, stopped=self.stopped)
         for task, figures in self.task_flips.items():
@@ -239,10 +241,11 @@ def is_baseline(row: BoardRow) -> bool:
 
 
 def compare_with_floor(rows: list[BoardRow], per_token) -> None:
-    """Fill kld_over_floor, its SE and above_floor of every KV-cache row against the board's floor row: the mean of
-    the per-token differences of KLD on the same tokens (the chunks both hold), chunks as the unit (a t-interval over chunk means, at the
-    confidence of qeval.compare.paired_stats). per_token(row): its per-token columns ({"kld", "chunk", "position"}),
-    None when not at hand. Nothing when the board has no floor."""
+    """Fill kld_over_floor, its SE and over_floor of every KV-cache row against the board's floor row: the mean of
+    the per-token differences of KLD on the same tokens (the chunks both hold), chunks as the unit (a t-interval over
+    chunk means, at the confidence of qeval.compare.paired_stats), judged by qeval.compare.verdict with the floor's
+    own mean KLD as the margin. per_token(row): its per-token columns ({"kld", "chunk", "position"}), None when not
+    at hand. Nothing when the board has no floor."""
     floor = next((r for r in rows if r.floor), None)
     base = per_token(floor) if floor is not None else None
     if base is None:
@@ -257,8 +260,9 @@ def compare_with_floor(rows: list[BoardRow], per_token) -> None:
         d = chunk_means(mine["kld"].astype(np.float64) - floors["kld"].astype(np.float64), floors["chunk"])
         if len(d) < 2:
             continue
-        mean, se, low, _, _ = interval_t(d)
-        row.kld_over_floor, row.kld_over_floor_se, row.above_floor = mean, se, bool(low > 0.0)
+        mean, se, _, _, _ = interval_t(d)
+        row.kld_over_floor, row.kld_over_floor_se = mean, se
+        row.over_floor = judge(mean, se, len(d), margin=floor.kld_mean or 0.0)
 
 
 def has_early(rows: list[BoardRow]) -> bool:
@@ -280,12 +284,13 @@ def has_floor(rows: list[BoardRow]) -> bool:
 
 
 def compare_with_control(rows: list[BoardRow]) -> None:
-    """Fill kld_excess and within_noise of every row against the board's control (the first by rank_key: the lowest
-    mean KLD when several); nothing when it has none."""
+    """Fill kld_excess and its noise verdict of every row against the board's control (the first by rank_key: the
+    lowest mean KLD when several; qeval.compare.verdict.excess_over); nothing when it has none."""
     control = next((r for r in sorted(rows, key=rank_key) if r.control), None)
     for row in rows:
         if control is not None and row is not control:
-            row.kld_excess, row.within_noise = excess_over(row.kld_bound, control.kld_bound)
+            row.kld_excess, row.noise = excess_over(row.kld_bound, control.kld_bound,
+                                                     fewer_chunks(row.chunks, control.chunks))
 
 
 def has_control(rows: list[BoardRow]) -> bool:
@@ -337,22 +342,30 @@ def leaderboard_cells(r: BoardRow, tasks=(), control: bool = False, segments=(),
 
 
 def control_cell(r: BoardRow) -> str:
-    """"control" on the control's row; else the excess over it, "(noise)" when within NOISE_SIGMAS combined SEs."""
+    """"control" on the control's row; else the excess over it and its verdict (qeval.compare.verdict): "(noise)"
+    within numerical noise, "(above)" beyond it, "(undecided (N chunks))" when its interval cannot tell."""
     if r.control:
         return "control"
     if r.kld_excess is None:
         return ""
-    return f"{r.kld_excess:+.6f}" + (" (noise)" if r.within_noise else "")
+    return f"{r.kld_excess:+.6f}" + _verdict_suffix(r.noise, within="noise")
 
 
 def floor_cell(r: BoardRow) -> str:
-    """"floor" on the floor's row; on a KV row its paired excess over the floor, "(above)" when its interval lies
-    above 0, "(within)" when it does not: the KV quant costs nothing llama.cpp's own kernel paths do not."""
+    """"floor" on the floor's row; on a KV row its paired excess over the floor ± SE and its verdict: "(above)" the
+    floor, "(within)" the floor's own KLD, "(undecided (N chunks))" when its interval cannot tell."""
     if r.floor:
         return "floor"
     if r.kld_over_floor is None:
         return ""
-    return f"{plus_minus(r.kld_over_floor, r.kld_over_floor_se, '+.6f', '.6f')} ({'above' if r.above_floor else 'within'})"
+    return plus_minus(r.kld_over_floor, r.kld_over_floor_se, '+.6f', '.6f') + _verdict_suffix(r.over_floor)
+
+
+def _verdict_suffix(v: Verdict | None, within: str = "within") -> str:
+    """" (above)", " (within)" ("(noise)"), or " undecided (N chunks)" (its chunks in parentheses instead)."""
+    if v is None:
+        return ""
+    return f" {v.words()}" if v.state == UNDECIDED else f" ({v.words(within=within)})"
 
 
 def pareto_mark(row: BoardRow) -> str:
@@ -421,8 +434,7 @@ def _note(m: Metric) -> str:
 def notes(samplers=(), tasks=(), control: bool = False, segments=(), floor: bool = False) -> str:
     """What every column means, under the table."""
     return " ".join([*map(_note, board_metrics(samplers)), BOUND_NOTE, *([SEGMENT_NOTE] if segments else []),
-                     *([task_flips.NOTE] if tasks else []), *([CONTROL_NOTE] if control else []),
-                     *([FLOOR_NOTE] if floor else []),
+                     *([task_flips.NOTE] if tasks else []), *baseline_notes(control, floor),
                      "± is one standard error.", PARETO_NOTE])
 
 
@@ -437,18 +449,32 @@ SEGMENT_NOTE = ("KLD <segment>: mean KLD over the assistant's tokens of that seg
                 "holds no such token.")
 
 
+# Under a board with a control or a floor: why a row may read undecided (qeval.compare.verdict).
+VERDICT_RULE = ("Undecided (N chunks): the 95 % interval (t with N − 1 degrees of freedom, chunks as the unit) is "
+                "too wide to tell either: an interval that merely reaches 0 is no evidence that a cost is absent, so "
+                "it is never read as (within) or (noise).")
+
+
+def baseline_notes(control: bool, floor: bool) -> list[str]:
+    """The notes of a board's or card's control and floor columns (CONTROL_NOTE, FLOOR_NOTE), then, under either,
+    VERDICT_RULE."""
+    return [*([CONTROL_NOTE] if control else []), *([FLOOR_NOTE] if floor else []),
+            *([VERDICT_RULE] if control or floor else [])]
+
+
 CONTROL_NOTE = ("KLD over control: mean KLD minus the control's, the reference model recomputed live under another "
                 "batch layout (its KLD is the comparison's own noise floor, its bound what the stored reference's own "
-                "error allows); (noise): within "
-                f"{NOISE_SIGMAS:g}·sqrt(SE² + SE_control²) plus both KLD bounds of it, indistinguishable from "
-                "numerical noise. The control is on no Pareto front.")
+                "error allows); (noise): the 95 % interval of that excess (both SEs combined, widened by both KLD "
+                "bounds) lies below the control's own mean KLD, so the row costs no more than the noise again; "
+                "(above): the interval lies above 0. The control is on no Pareto front.")
 
 
 FLOOR_NOTE = ("KLD over floor: a KV-cache row's mean KLD minus the floor's, paired on the same tokens (SE over chunks); "
               "the floor is the reference model on another of llama.cpp's kernel paths (one token per call instead of "
               "prompt batches, or flash attention flipped), so its KLD is what llama.cpp's own numerics cost. (within): "
-              "the 95 % interval reaches 0, the KV quant costs no more than that floor; (above): it costs more. The "
-              "floor is on no Pareto front (docs/numerics.md).")
+              "the 95 % interval of the excess lies below the floor's own mean KLD, so the KV quant adds no more than "
+              "that floor again; (above): the interval lies above 0, it costs more than the floor. The floor is on no "
+              "Pareto front (docs/numerics.md).")
 
 
 # Weight quants and KV-cache quants save different memory: each is ranked against its own kind.

@@ -136,9 +136,9 @@ def record(r: CardRow, bands: tuple[str, ...], tasks: tuple[str, ...], segments:
     if segments:
         out["by_segment"] = {name: boardrows.kld_of(row.segments.get(name), "kld_mean") for name in segments}
     out["flips"] = {task: row.task_flips[task].to_json() for task in tasks if task in row.task_flips}
-    out.update(memory_estimate_gib=row.memory_estimate_gib, kv_quant=row.kv_quant, control=row.control,
-               kld_excess=row.kld_excess,
-               within_noise=row.within_noise, **{k: getattr(row, k) for k in boardrows.FLOOR_KEYS},
+    written = row.to_json()  # the control's and the floor's columns as the board writes them, verdicts included
+    out.update(memory_estimate_gib=row.memory_estimate_gib, kv_quant=row.kv_quant,
+               **{k: written[k] for k in (*boardrows.CONTROL_KEYS, *boardrows.FLOOR_KEYS)},
                pareto=row.pareto, result=row.result)
     if deployment is not None:
         out.update(reference=row.reference, **deployment.values(row.label))
@@ -188,8 +188,7 @@ NOTE = ("Rows are sorted by mean KLD, KL(reference ‖ quant) in nats per scored
 
 def markdown(card: Card, plot: str = PLOT_FILE, sidecar: str = SIDECAR) -> str:
     """The block: heading, table, plot, provenance; plot and sidecar are links relative to where it is read."""
-    note = NOTE + (" " + boardrows.CONTROL_NOTE if card.has_control else "") + \
-        (" " + boardrows.FLOOR_NOTE if card.has_floor else "")
+    note = " ".join([NOTE, *boardrows.baseline_notes(card.has_control, card.has_floor)])
     view = card.deployment
     if view is not None:
         note += " " + " ".join(view.notes())
