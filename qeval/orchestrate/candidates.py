@@ -58,7 +58,7 @@ def measure_saved(saved: SavedCandidate, ref, chunks: int | None, settings: Engi
     """The saved candidate against the open reference store `ref` over its first `chunks` chunks (default: every
     chunk the reference holds): its result reused, cut to fewer chunks, or extended (or recomputed) by running the
     GGUF it recorded live (the module's rules). Result.note says which."""
-    res = results.load_result(saved.path)
+    res = results.with_reference_top1(results.load_result(saved.path), ref)
     wanted = range(wanted_chunks(ref, chunks))
     requested = sampler.parse_all(samplers)
     run_settings = _recorded_settings(saved, res, settings)
