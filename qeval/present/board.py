@@ -86,11 +86,11 @@ def kld_of(group: TokenGroup | None, key: str) -> dict:
 
 def bucket_figures(group: TokenGroup) -> dict:
     """A confidence bucket as a board writes it: its edges, token count, mean KLD ± SE, same top-1 % ± SE and share
-    of the row's KLD."""
+    of the row's KLD; None for a number that is not one (the SE of a bucket on one block of positions)."""
     top1 = group.figures.blocks["same_top1"]
-    return {"lo": group.lo, "hi": group.hi, "n": group.n, **kld_of(group, "kld_mean"),
-            "same_top1_pct": 100 * top1["fraction"], "same_top1_pct_se": 100 * top1["se"],
-            "kld_share": group.kld_share}
+    out = {"lo": group.lo, "hi": group.hi, "n": group.n, **kld_of(group, "kld_mean"),
+           "same_top1_pct": 100 * top1["fraction"], "same_top1_pct_se": 100 * top1["se"], "kld_share": group.kld_share}
+    return {k: None if isinstance(v, float) and not np.isfinite(v) else v for k, v in out.items()}
 
 
 def confidence_figures(row: "BoardRow") -> list[dict] | None:
