@@ -132,6 +132,12 @@ def saved_before_the_column(runs) -> tuple:
     """B's result saved, then made as qeval saved it before it kept the reference's top-1 probability."""
     assert run_cli("kld", "--ref", "REF", "--cand", "B", "--save-result", "--runs-dir", runs).returncode == 0
     path = runs / "results" / "B.vs.REF.json"
+    return path, made_old(path)
+
+
+def made_old(path) -> dict:
+    """The saved result at `path` made as qeval saved it before it kept the reference's top-1 probability; its JSON
+    as it was."""
     fresh = json.loads(path.read_text())
     old = {k: v for k, v in fresh.items() if k != "by_confidence"}
     for group in old["by_depth"]:
@@ -142,7 +148,7 @@ def saved_before_the_column(runs) -> tuple:
         columns = {k: data[k] for k in data.files if k != "p_ref_top1"}
     with open(npz, "wb") as fh:
         np.savez_compressed(fh, **columns)
-    return path, fresh
+    return fresh
 
 
 def test_a_result_saved_before_the_column(tmp_path):
@@ -196,3 +202,30 @@ def test_chunks_of_an_older_checkpoint_get_the_column_from_the_reference(pair):
             mixed = [{k: v for k, v in p.items() if k != "p_ref_top1" or i != old} for i, p in enumerate(parts)]
             joined = metrics.comparison_of(ref, cand, fresh.chunks, mixed)
             np.testing.assert_array_equal(joined.per_token["p_ref_top1"], fresh.per_token["p_ref_top1"])
+
+
+def test_board_and_card_show_each_rows_buckets(tmp_path):
+    import test_leaderboard  # noqa: PLC0415
+
+    from qeval import api  # noqa: PLC0415
+
+    runs = test_leaderboard.build_results(tmp_path / "runs")
+    made_old(runs / "results" / "Q2_K.vs.REF.json")
+    summaries = {p.name.split(".vs.")[0]: json.loads(p.read_text()) for p in (runs / "results").glob("*.json")}
+    api.leaderboard_report([runs], out=tmp_path / "board")
+    board_json = json.loads((tmp_path / "board" / "leaderboard.json").read_text())
+    card_json = api.card_report([runs], out=tmp_path / "card")[0]
+    block = (tmp_path / "card" / "card.md").read_text()
+    old = summaries.pop("Q2_K")
+    assert "by_confidence" not in old and board_json["by_confidence"]["Q2_K"] is None
+    assert next(r for r in card_json["rows"] if r["label"] == "Q2_K")["by_confidence"] is None
+    assert "- **Q2_K:** not recorded" in block.splitlines()
+    for label, s in summaries.items():
+        want = [(g["lo"], g["hi"], g["n"], g["kld"]["mean"], g["kld_share"]) for g in s["by_confidence"]]
+        for held in (board_json["by_confidence"][label], next(r for r in card_json["rows"]
+                                                              if r["label"] == label)["by_confidence"]):
+            assert [(b["lo"], b["hi"], b["n"], b["kld_mean"], b["kld_share"]) for b in held] == want
+        line = next(x for x in block.splitlines() if x.startswith(f"- **{label}:**"))
+        assert line.count(" · ") == len(want) - 1
+        for g in s["by_confidence"]:
+            assert f"{g['lo']:g}-{g['hi']:g}: {g['kld']['mean']:.6f} ± " in line and f"({100 * g['kld_share']:.1f} %)" in line

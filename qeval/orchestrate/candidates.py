@@ -117,7 +117,8 @@ def _reused(res: results.Result, saved: SavedCandidate, wanted: range) -> result
     exact = res.summary.comparison_request().early is None and res.summary.chunks == chunks
     out = res if exact else res.restricted(np.arange(chunks))
     cut = "" if exact else f" (its first {chunks} of {int(np.unique(res.per_token['chunk']).size)} chunks)"
-    return replace(out, note=f"{saved.label}: reused its saved result {saved.path}{cut}: nothing run")
+    reused = f"{saved.label}: reused its saved result {saved.path}{cut}: nothing run"
+    return replace(out, note="\n".join(filter(None, [reused, res.note])))
 
 
 def _model_of(saved: SavedCandidate, res: results.Result, ref, wanted: range, held: set[int], why_not: str) -> str:

@@ -197,7 +197,8 @@ def confidence_lines(card: Card) -> list[str]:
 
 CONFIDENCE_HEADING = ("**Mean KLD by the reference's confidence** (buckets of the reference's top-1 probability, each "
                       "bucket's mean KLD ± its cluster-robust SE and its share of the quant's summed KLD; damage in the "
-                      "top bucket is on tokens the reference was sure of):")
+                      "top bucket is on tokens the reference was sure of; \"not recorded\": a result saved before qeval "
+                      "kept the reference's top-1 probability):")
 
 
 # --------------------------------------------------------------------------------------------------
