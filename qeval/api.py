@@ -42,12 +42,16 @@ def kld_report(ref: str, cand: str, chunks: int | None = None, runs_dir=None, th
                per_token: Path | None = None, progress: bool = False,
                settings: EngineSettings = EngineSettings(), save: str | None = None,
                save_result: bool = False, on_chunk=None, force: bool = False,
-               bands: str | None = None, samplers=(), deploy=None) -> tuple[dict, str]:
+               bands: str | None = None, samplers=(), deploy=None,
+               confidence_buckets: str | None = None) -> tuple[dict, str]:
     """bands: inner edges of the by-depth block, e.g. "512,2048,8192" (default: powers of 4 from 512).
+    confidence_buckets: inner edges of the by-confidence block (the reference's top-1 probability), e.g.
+    "0.5,0.9,0.99" (default: qeval.compare.depth.DEFAULT_CONFIDENCE_EDGES).
     samplers: see compare(); their figures are the result's "samplers" block (and sampler metrics).
     deploy (a DeploySpec or its text): then also the live candidate's speed and memory as deployed with `settings`
     (qeval.orchestrate.deploy), saved as the record of its label (`save`, else the file's stem) on this machine."""
-    depth.parse_bands(bands, 1 << 40)  # a bad --bands is refused before any work
+    depth.parse_bands(bands, 1 << 40)  # a bad --bands or --confidence-buckets is refused before any work
+    buckets = depth.parse_confidence_buckets(confidence_buckets)
     rows = _kld_deploy_rows(cand, save, settings, deploy)
     res = measure(ref, cand, chunks, runs_dir, threads, settings, save, progress, on_chunk, force, samplers,
                   save_result)
@@ -59,8 +63,8 @@ def kld_report(ref: str, cand: str, chunks: int | None = None, runs_dir=None, th
         except OSError as exc:
             raise QevalError(f"cannot write --per-token file {per_token}: {exc.strerror}") from None
     bounds = depth.parse_bands(bands, res.summary.reference.n_ctx)
-    summary = summarize(res.comparison, bounds) if res.comparison is not None else \
-        results.recomputed(res.summary, res.per_token, bounds) if bands else res.summary
+    summary = summarize(res.comparison, bounds, buckets) if res.comparison is not None else \
+        results.recomputed(res.summary, res.per_token, bounds, buckets) if bands or confidence_buckets else res.summary
     out = summary.to_json()
     if res.note:  # how the figures were obtained, when a saved result stood in (qeval.orchestrate.candidates)
         out["obtained"] = [res.note]
@@ -412,22 +416,23 @@ def paired_report(ref: str, cand_a: str, cand_b: str, chunks: int | None = None,
 def check_report(ref: str, cand: str, chunks: int | None = None, runs_dir=None, baseline: str | None = None,
                  baseline_entry: str | None = None, baseline_metrics=None, progress: bool = False,
                  depth: str | None = None, samplers=(), control: str | None = None, segment: str | None = None,
-                 category: str | None = None, **limits) -> tuple[dict, str, bool]:
-    """Release gate (qeval.orchestrate.gate): (result, text, passed); control: report the KLD over a control."""
+                 category: str | None = None, confidence_buckets: str | None = None,
+                 **limits) -> tuple[dict, str, bool]:
+    """Release gate (qeval.orchestrate.gate): (result, text, passed); control: report the KLD over a control;
+    confidence_buckets: the buckets of the reference's top-1 probability (max_kld_confident judges the last)."""
     from qeval.orchestrate import gate  # noqa: PLC0415
 
     return gate.check_report(ref, cand, chunks=chunks, runs_dir=runs_dir, baseline=baseline,
                              baseline_entry=baseline_entry, baseline_metrics=baseline_metrics, progress=progress,
                              depth=depth, samplers=samplers, control=control, segment=segment, category=category,
-                             **limits)
+                             confidence_buckets=confidence_buckets, **limits)
 
 
 def threshold_options() -> list[tuple[str, str, str]]:
     """(keyword, option, help) of each --max-…/--min-… threshold `check` takes, one per gated metric."""
-    from qeval.compare import metric_registry  # noqa: PLC0415
     from qeval.orchestrate import gate  # noqa: PLC0415
 
-    return [(gate.keyword(m), gate.option(m), gate.option_help(m)) for m in metric_registry.gated()]
+    return [(gate.keyword(m), gate.option(m), gate.option_help(m)) for m in gate.gated()]
 
 
 def baseline_show_report(name: str | None = None, run: str | None = None, entry: str | None = None

@@ -62,6 +62,7 @@ ChatTemplateKwargs = typer.Option(None, "--chat-template-kwargs", help=(
     "Conversations: a JSON object of template variables, e.g. '{\"enable_thinking\": false}'."))
 Segment = typer.Option(None, "--segment", help="Conversations: only the assistant's tokens of this segment (thinking, answer, tool_call).")
 Category = typer.Option(None, "--category", help="Conversations: only the tokens of this category's conversations (e.g. code).")
+ConfidenceBuckets = typer.Option(None, "--confidence-buckets", help="Inner edges of the buckets of the reference's top-1 probability (its confidence), ascending, strictly between 0 and 1, e.g. 0.5,0.9,0.99 (default 0.3,0.6,0.9); --max-kld-confident judges the last bucket.")
 DecodeAhead = typer.Option(None, "--decode-ahead/--no-decode-ahead", help=(
     "Decode the next call while the last one is coded, on a copy of its logits (one more call's worth of host "
     "memory). Default: on with -ngl, so the GPU never waits for the CPU; off on CPU, where decoding and coding "
@@ -95,6 +96,7 @@ def kld(
     as_json: bool = Json,
     per_token: Optional[Path] = typer.Option(None, "--per-token", help="Write per-token values (.csv, or .npz)."),
     bands: Optional[str] = typer.Option(None, "--bands", help="Inner edges of the by-depth bands, in logit positions, e.g. 512,2048,8192 (default: powers of 4 from 512 up to n_ctx)."),
+    confidence_buckets: Optional[str] = ConfidenceBuckets,
     sampler: Optional[list[str]] = typer.Option(None, "--sampler", help=(
         "Also compare the two distributions after llama.cpp's sampler chain (top-k, top-p, min-p, temperature): "
         "TVD, agreement (speculative-decoding acceptance), support differs, greedy agreement. A preset (greedy, "
@@ -126,7 +128,8 @@ def kld(
                               rope_scaling, rope_scale, kv_rotation=kv_rotation, decode=decode)
     result, text = api.kld_report(ref, cand, chunks=chunks, runs_dir=runs_dir, per_token=per_token,
                                   progress=True, settings=settings, save=save, save_result=save_result, force=force,
-                                  bands=bands, samplers=sampler or (), deploy=deploy)
+                                  bands=bands, samplers=sampler or (), deploy=deploy,
+                                  confidence_buckets=confidence_buckets)
     _emit(result, text, as_json)
 
 
@@ -463,6 +466,7 @@ def check_cmd(
     category: Optional[str] = Category,
     sampler: Optional[list[str]] = typer.Option(None, "--sampler", help="A sampler (preset or settings, as qeval kld --sampler) whose figures --max-tvd judges; repeat for several (default with a saved result: every sampler it holds)."),
     control: Optional[str] = typer.Option(None, "--control", help="A control against the same reference (the 'control' result or store qeval matrix makes): also report the candidate's mean KLD over it and its verdict: within numerical noise, above it, or undecided."),
+    confidence_buckets: Optional[str] = ConfidenceBuckets,
     as_json: bool = Json,
     runs_dir: Optional[Path] = RunsDir,
     **limits: Optional[float],
@@ -471,7 +475,8 @@ def check_cmd(
     result, text, _ = api.check_report(ref, cand, chunks=chunks, runs_dir=runs_dir, baseline=baseline,
                                             baseline_entry=baseline_entry, baseline_metrics=baseline_metric,
                                             progress=True, depth=depth, samplers=sampler or (), control=control,
-                                            segment=segment, category=category, **limits)
+                                            segment=segment, category=category,
+                                            confidence_buckets=confidence_buckets, **limits)
     _emit(result, text, as_json)
     raise typer.Exit(api.GATE_VERDICTS[result["verdict"]])
 

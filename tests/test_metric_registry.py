@@ -23,7 +23,7 @@ def per_token(n: int = 500, seed: int = 0) -> dict[str, np.ndarray]:
             "nll_cand": nll_cand, "p_ref": np.exp(-nll_ref), "p_cand": np.exp(-nll_cand),
             "same_top1": rng.random(n) < 0.9, "top5_agreement": rng.integers(0, 6, n) / 5,
             "top10_agreement": rng.integers(0, 11, n) / 10, "kld_bound": rng.gamma(0.5, 1e-4, n),
-            "kld_reverse_bound": rng.gamma(0.5, 1e-4, n)}
+            "kld_reverse_bound": rng.gamma(0.5, 1e-4, n), "p_ref_top1": np.maximum(np.exp(-nll_ref), rng.random(n))}
 
 
 def test_every_metric_computes_from_the_per_token_columns():

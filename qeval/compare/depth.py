@@ -1,9 +1,15 @@
-"""Groups of scored tokens: the per-token figures of a comparison by context depth, by segment and by category.
+"""Groups of scored tokens: the per-token figures of a comparison by context depth, by the reference's confidence,
+by segment and by category.
 
 One mechanism serves every grouping: a group is a set of per-token rows, summarised by the same function
-as the whole comparison (its figures sit under the same keys), with cluster-robust standard errors.
+as the whole comparison (its figures sit under the same keys), with cluster-robust standard errors, and its share
+of the whole comparison's KLD.
   by_depth     a band [lo, hi) holds the scored tokens whose logit position p satisfies lo <= p < hi (the
                model had seen p + 1 tokens of its window)
+  by_confidence  a bucket [lo, hi) holds the scored tokens whose reference top-1 probability (max_i p_ref(i),
+               per-token column "p_ref_top1") satisfies lo <= p < hi; the last bucket holds p = 1 too. It tells
+               "less sure where the reference was unsure anyway" from "now misses tokens the reference was
+               certain of" (docs/metrics.md says how the default edges were chosen)
   by_segment   conversations (--score assistant): the tokens the assistant wrote in one segment (thinking,
                answer, tool_call), per-token column "segment"
   by_category  conversations: the tokens of one category's conversations (chat, code, ...), column "category"
@@ -53,14 +59,22 @@ def parse_bands(spec: str | None, n_ctx: int) -> list[tuple[int, int]]:
     if spec is None:
         edges = default_edges(n_ctx)
     else:
-        try:
-            inner = [int(x) for x in spec.split(",") if x.strip()]
-        except ValueError:
-            raise QevalError(f"--bands {spec!r}: expected ascending integer positions, e.g. 512,2048,8192") from None
-        if not inner or any(b <= a for a, b in zip(inner, inner[1:])) or inner[0] <= 0:
-            raise QevalError(f"--bands {spec!r}: expected ascending positive positions, e.g. 512,2048,8192")
+        inner = inner_edges(spec, int, lambda e: e > 0, f"--bands {spec!r}: expected ascending positive integer "
+                            "positions, e.g. 512,2048,8192")
         edges = [0, *(e for e in inner if e < n_ctx), n_ctx]  # edges beyond this context are not needed
     return list(zip(edges, edges[1:]))
+
+
+def inner_edges(spec: str, kind: type, allowed: Callable, message: str) -> list:
+    """The comma-separated inner edges of an option: each a `kind`, `allowed`, strictly ascending; else
+    QevalError(message)."""
+    try:
+        inner = [kind(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        inner = []
+    if not inner or not all(map(allowed, inner)) or any(b <= a for a, b in zip(inner, inner[1:])):
+        raise QevalError(message)
+    return inner
 
 
 def parse_depth(spec: str | None, n_ctx: int | None = None) -> tuple[int, int] | None:
@@ -75,6 +89,23 @@ def parse_depth(spec: str | None, n_ctx: int | None = None) -> tuple[int, int] |
     if not sep or band is None or band[0] < 0 or band[1] <= band[0]:
         raise QevalError(f"--depth {spec!r}: expected LO:HI logit positions with LO < HI, e.g. 8192: or 512:2048")
     return band
+
+
+# Inner edges of the confidence buckets: on a 2-chunk capture of the demo's reference (Gemma-3-270M Q8_0, median
+# top-1 probability 0.35) they held 42, 36, 15 and 6 % of the scored tokens, so every bucket is populated at the demo's
+# 80 chunks (about 1,300 tokens in the top one); docs/metrics.md says how they were chosen.
+DEFAULT_CONFIDENCE_EDGES = (0.3, 0.6, 0.9)
+CONFIDENCE_COLUMN = "p_ref_top1"
+
+
+def parse_confidence_buckets(spec: str | None) -> list[tuple[float, float]]:
+    """`--confidence-buckets 0.3,0.6,0.9` (inner edges: probabilities strictly between 0 and 1, ascending) or None
+    for the default: buckets [lo, hi) covering 0..1 (the last one holds 1 too)."""
+    inner = list(DEFAULT_CONFIDENCE_EDGES) if spec is None else inner_edges(
+        spec, float, lambda e: 0.0 < e < 1.0, f"--confidence-buckets {spec!r}: expected ascending probabilities "
+        "strictly between 0 and 1, each once, e.g. 0.5,0.9,0.99")
+    edges = [0.0, *inner, 1.0]
+    return list(zip(edges, edges[1:]))
 
 
 def select_depth(per_token: dict[str, np.ndarray], band: tuple[int, int] | None, what: str = "") -> dict:
@@ -130,12 +161,16 @@ def band_summary(per_token: dict[str, np.ndarray], summarize: Callable[[dict], d
 
 def grouped(per_token: dict[str, np.ndarray], groups: list[tuple[dict, np.ndarray]],
             summarize: Callable[[dict], dict]) -> list[dict]:
-    """One object per (key fields, row mask) group that holds scored tokens: its key fields, n and figures."""
+    """One object per (key fields, row mask) group that holds scored tokens: its key fields, n, its share of the
+    whole KLD (sum over the group / sum over every row; NaN where the whole sums to 0) and figures."""
     out = []
+    kld = np.asarray(per_token["kld"], dtype=np.float64)
+    total = float(kld.sum())
     for fields, keep in groups:
         if keep.any():
             rows = {k: v[keep] for k, v in per_token.items()}
-            out.append({**fields, "n": int(keep.sum()), **band_summary(rows, summarize)})
+            share = float(kld[keep].sum()) / total if total != 0 else math.nan
+            out.append({**fields, "n": int(keep.sum()), "kld_share": share, **band_summary(rows, summarize)})
     return out
 
 
@@ -144,6 +179,18 @@ def by_depth(per_token: dict[str, np.ndarray], bands: list[tuple[int, int]],
     """One object per band that holds scored tokens: lo, hi, n and the band's figures."""
     pos = per_token["position"]
     return grouped(per_token, [({"lo": lo, "hi": hi}, (pos >= lo) & (pos < hi)) for lo, hi in bands], summarize)
+
+
+def by_confidence(per_token: dict[str, np.ndarray], buckets: list[tuple[float, float]],
+                  summarize: Callable[[dict], dict]) -> list[dict] | None:
+    """One object per confidence bucket that holds scored tokens: lo, hi, n, kld_share and the bucket's figures;
+    None where the rows lack the reference's top-1 probability (a result saved before qeval kept it)."""
+    if CONFIDENCE_COLUMN not in per_token:
+        return None
+    p = per_token[CONFIDENCE_COLUMN]
+    last = len(buckets) - 1
+    return grouped(per_token, [({"lo": lo, "hi": hi}, (p >= lo) & ((p <= hi) if k == last else (p < hi)))
+                               for k, (lo, hi) in enumerate(buckets)], summarize)
 
 
 # The label groupings: (summary key, per-token column = key field of each group, names list in label_names).

@@ -54,9 +54,12 @@ class LogitSource(Protocol):
 
 # Per-token columns, in this order, in Comparison.per_token and --per-token files. kld_bound and kld_reverse_bound:
 # the certified bound on |KLD computed - KLD of the exact logits| of docs/error-bound.md, NaN where a store does
-# not record its error (every other column is then exact: the stores keep exact scalars and top ids).
+# not record its error (every other column is then exact: the stores keep exact scalars and top ids). p_ref_top1:
+# the reference's top-1 probability max_i p_ref(i), exp of the log-probability of its argmax the store keeps per
+# scored token (exact from the float32 logits; the by-confidence figures, qeval.compare.depth.by_confidence).
 PER_TOKEN_FIELDS = ("chunk", "position", "token", "kld", "kld_reverse", "nll_ref", "nll_cand", "p_ref",
-                    "p_cand", "same_top1", "top5_agreement", "top10_agreement", "kld_bound", "kld_reverse_bound")
+                    "p_cand", "same_top1", "top5_agreement", "top10_agreement", "kld_bound", "kld_reverse_bound",
+                    "p_ref_top1")
 # Then, in a comparison of conversation windows (--score assistant), each token's group: an index into the
 # reference's WindowLabels.segments and .categories (qeval.compare.depth groups them).
 GROUP_FIELDS = ("segment", "category")
@@ -75,14 +78,20 @@ class Comparison:
     def scored_tokens(self) -> int:
         return len(self.per_token["kld"])
 
-    def summary(self, bands: list[tuple[int, int]] | None = None) -> dict:
+    def summary(self, bands: list[tuple[int, int]] | None = None,
+                buckets: list[tuple[float, float]] | None = None) -> dict:
         """llama-perplexity's statistics blocks (what its text layout prints), "metrics": every metric of
-        qeval.compare.metric_registry under its one name, and "by_depth": the same per band of logit
-        position (qeval.compare.depth; default bands: powers of 4 from 512)."""
+        qeval.compare.metric_registry under its one name, "by_depth": the same per band of logit
+        position (qeval.compare.depth; default bands: powers of 4 from 512) and "by_confidence": per bucket of
+        the reference's top-1 probability (default buckets: depth.DEFAULT_CONFIDENCE_EDGES; left out where the
+        per-token rows lack that column: a result saved before qeval kept it)."""
         if bands is None:
             bands = depth.parse_bands(None, self.ref.header.n_ctx)
+        confidence = depth.by_confidence(self.per_token, buckets or depth.parse_confidence_buckets(None),
+                                         summarize_tokens)
         return {"chunks": len(self.chunks), **summarize_tokens(self.per_token),
                 "by_depth": depth.by_depth(self.per_token, bands, summarize_tokens),
+                **({"by_confidence": confidence} if confidence is not None else {}),
                 **depth.by_labels(self.per_token, self.label_names, summarize_tokens),
                 **({"labels": self.label_names} if self.label_names else {})}
 
@@ -324,13 +333,29 @@ def compare_chunk(ref: ChunkData, cand, tokens: np.ndarray, positions: np.ndarra
         kk = min(k, ref.top_ids.shape[1], cand_top_ids.shape[1])  # tiny vocabs keep fewer ids
         overlap = (ref.top_ids[:, :kk, None] == cand_top_ids[:, None, :kk]).any(axis=2).sum(axis=1)
         out[f"top{k}_agreement"] = overlap / kk
-    out.update(kld_bound=kld_bound, kld_reverse_bound=kld_reverse_bound)
+    out.update(kld_bound=kld_bound, kld_reverse_bound=kld_reverse_bound, p_ref_top1=top1_probability(ref))
     if labels is not None:
         out["segment"] = labels.segment_codes(ref.index, positions, len(tokens)).astype(np.int16) - 1
         out["category"] = np.full(n, labels.category_of[ref.index], dtype=np.int16)
     if samplers is not None:
         out.update(sampler.chunk_columns(samplers, sampled, ref.top_ids[:, 0], cand_top_ids[:, 0]))
     return out
+
+
+def top1_probability(ref: ChunkData) -> np.ndarray:
+    """The reference's top-1 probability max_i p_ref(i) of each scored token of a chunk (the p_ref_top1 column)."""
+    return np.exp(ref.logprob_max)
+
+
+def with_top1(ref: LogitSource, index: int, columns: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A whole chunk's per-token columns with p_ref_top1, read from the reference where they lack it (a chunk
+    compared by a qeval from before it kept the column: a matrix pair's checkpoint or saved result)."""
+    if "p_ref_top1" in columns:
+        return columns
+    top1 = top1_probability(ref.read_chunk(index))
+    if len(top1) != len(columns["kld"]):
+        raise MismatchError(f"chunk {index}: {len(columns['kld'])} per-token rows, {len(top1)} in the reference")
+    return {**columns, "p_ref_top1": top1}
 
 
 def compare(ref: LogitSource, cand: LogitSource, n_chunks: int | None = None, threads: int = 2,
@@ -412,6 +437,7 @@ def comparison_of(ref: LogitSource, cand: LogitSource, chunks: list[int], parts:
     a board decided early whose sample `chunks` are (Comparison.early)."""
     if not parts:
         raise ValueError("a comparison needs at least one chunk")
+    parts = [with_top1(ref, c, p) for c, p in zip(chunks, parts)]
     per_token = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
     labels = ref.header.window_labels
     return Comparison(ref, cand, list(chunks), per_token, labels.names() if labels is not None else None, early)

@@ -6,9 +6,9 @@
 
 Its JSON, in this order: "reference" and "candidate" (Side: who each store is), "chunks", then the figures of
 the scored tokens (Figures: "scored_tokens", llama-perplexity's statistics blocks, the "metrics" block of
-qeval.compare.metric_registry, the "samplers" block of qeval.compare.sampler), "by_depth", and for conversations
-"by_segment" and "by_category" (TokenGroup: the same figures per band of logit positions, per segment, per
-category), "request" (qeval.identity.ComparisonRequest as recorded), "qeval_version", "per_token_file" (a saved
+qeval.compare.metric_registry, the "samplers" block of qeval.compare.sampler), "by_depth", "by_confidence", and for
+conversations "by_segment" and "by_category" (TokenGroup: the same figures per band of logit positions, per bucket of
+the reference's top-1 probability, per segment, per category, each with its share of the KLD), "request" (qeval.identity.ComparisonRequest as recorded), "qeval_version", "per_token_file" (a saved
 result's npz), "depth" and "selection" (a comparison cut to one band, segment or category) and "labels" (the
 segment and category names the per-token codes index). A field a summary lacks (a file saved before it existed, a
 comparison cut to fewer chunks, a text corpus) is left out of its JSON again.
@@ -151,23 +151,29 @@ class Figures:
 @dataclass
 class TokenGroup:
     """The figures of one group of scored tokens (qeval.compare.depth): a band of logit positions [lo, hi)
-    (key {"lo", "hi"}), a segment ({"segment": name}) or a category ({"category": name})."""
+    (key {"lo", "hi"}), a bucket of the reference's top-1 probability [lo, hi) (the same key, in by_confidence), a
+    segment ({"segment": name}) or a category ({"category": name})."""
 
     key: dict
     n: int
     figures: Figures
     se_method: str | None = None
+    kld_share: float | None = None  # its share of the whole comparison's KLD; None: saved before qeval wrote it
+    grouping: str = "by_depth"
 
-    KEYS = {"by_depth": ("lo", "hi"), "by_segment": ("segment",), "by_category": ("category",)}
+    KEYS = {"by_depth": ("lo", "hi"), "by_confidence": ("lo", "hi"), "by_segment": ("segment",),
+            "by_category": ("category",)}
 
     @classmethod
     def from_json(cls, d: dict, grouping: str = "by_depth") -> "TokenGroup":
         fields = cls.KEYS[grouping]
-        return cls({k: d[k] for k in fields}, d["n"], Figures.from_json(d, skip=(*fields, "n", "se_method")),
-                   d.get("se_method"))
+        return cls({k: d[k] for k in fields}, d["n"],
+                   Figures.from_json(d, skip=(*fields, "n", "se_method", "kld_share")), d.get("se_method"),
+                   d.get("kld_share"), grouping)
 
     def to_json(self) -> dict:
-        out = {**self.key, "n": self.n, **self.figures.to_json()}
+        out = {**self.key, "n": self.n, **({} if self.kld_share is None else {"kld_share": self.kld_share}),
+               **self.figures.to_json()}
         if self.se_method is not None:
             out["se_method"] = self.se_method
         return out
@@ -186,7 +192,9 @@ class TokenGroup:
 
     @property
     def name(self) -> str:
-        """"0-512" for a depth band, else the segment's or category's name."""
+        """"0-512" for a depth band, "0.9-0.99" for a confidence bucket, else the segment's or category's name."""
+        if self.grouping == "by_confidence":
+            return f"{self.lo:g}-{self.hi:g}"
         return f"{self.lo}-{self.hi}" if "lo" in self.key else next(iter(self.key.values()))
 
 
@@ -210,9 +218,10 @@ class ComparisonSummary:
     by_category: list[TokenGroup] | None = None
     selection: dict | None = None  # {"segment": name} and/or {"category": name}: cut to those tokens
     labels: dict | None = None  # conversations: {"segments", "categories"}, the names per-token codes index
+    by_confidence: list[TokenGroup] | None = None  # None: saved before qeval kept the reference's top-1 probability
 
     _OWN = ("reference", "candidate", "chunks", "by_depth", "request", "qeval_version", "per_token_file", "depth",
-            "by_segment", "by_category", "selection", "labels")
+            "by_segment", "by_category", "selection", "labels", "by_confidence")
 
     @classmethod
     def from_json(cls, d: dict) -> "ComparisonSummary":
@@ -220,7 +229,7 @@ class ComparisonSummary:
         return cls(Side.from_json(d["reference"]), Side.from_json(d["candidate"]), d.get("chunks"),
                    Figures.from_json(d, skip=cls._OWN), groups["by_depth"], d.get("request"), d.get("qeval_version"),
                    d.get("per_token_file"), d.get("depth"), groups["by_segment"], groups["by_category"],
-                   d.get("selection"), d.get("labels"))
+                   d.get("selection"), d.get("labels"), groups["by_confidence"])
 
     def to_json(self) -> dict:
         out = {"reference": self.reference.to_json(), "candidate": self.candidate.to_json()}
@@ -269,15 +278,17 @@ class ComparisonSummary:
         return self.figures.metrics
 
 
-def summarize(cmp, bands: list[tuple[int, int]] | None = None) -> ComparisonSummary:
+def summarize(cmp, bands: list[tuple[int, int]] | None = None,
+              buckets: list[tuple[float, float]] | None = None) -> ComparisonSummary:
     """The summary of a comparison just computed (qeval.compare.metrics.Comparison), with the request it answers
     (qeval.identity: whether a saved copy may stand for a later request) and this qeval's version.
-    bands: of the by-depth figures (default: powers of 4 from 512)."""
+    bands: of the by-depth figures (default: powers of 4 from 512); buckets: of the by-confidence ones (default:
+    qeval.compare.depth.DEFAULT_CONFIDENCE_EDGES)."""
     # an early run's chunks are a sample of the whole order's: its request is over all of them, and says so
     n_chunks = len(cmp.early["order"]) if cmp.early else len(cmp.chunks)
     request = comparison_request(cmp.ref, cmp.cand, n_chunks, sampler.settings_names(sampler.names_in(cmp.per_token)),
                                  cmp.early)
-    return of_figures(Side.of_source(cmp.ref), Side.of_source(cmp.cand), cmp.summary(bands),
+    return of_figures(Side.of_source(cmp.ref), Side.of_source(cmp.cand), cmp.summary(bands, buckets),
                       request=request.to_json(), qeval_version=__version__)
 
 

@@ -58,7 +58,7 @@ def measure_saved(saved: SavedCandidate, ref, chunks: int | None, settings: Engi
     """The saved candidate against the open reference store `ref` over its first `chunks` chunks (default: every
     chunk the reference holds): its result reused, cut to fewer chunks, or extended (or recomputed) by running the
     GGUF it recorded live (the module's rules). Result.note says which."""
-    res = results.load_result(saved.path)
+    res = results.with_reference_top1(results.load_result(saved.path), ref)
     wanted = range(wanted_chunks(ref, chunks))
     requested = sampler.parse_all(samplers)
     run_settings = _recorded_settings(saved, res, settings)
@@ -117,7 +117,8 @@ def _reused(res: results.Result, saved: SavedCandidate, wanted: range) -> result
     exact = res.summary.comparison_request().early is None and res.summary.chunks == chunks
     out = res if exact else res.restricted(np.arange(chunks))
     cut = "" if exact else f" (its first {chunks} of {int(np.unique(res.per_token['chunk']).size)} chunks)"
-    return replace(out, note=f"{saved.label}: reused its saved result {saved.path}{cut}: nothing run")
+    reused = f"{saved.label}: reused its saved result {saved.path}{cut}: nothing run"
+    return replace(out, note="\n".join(filter(None, [reused, res.note])))
 
 
 def _model_of(saved: SavedCandidate, res: results.Result, ref, wanted: range, held: set[int], why_not: str) -> str:

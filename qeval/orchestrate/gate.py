@@ -15,17 +15,23 @@ baseline value without SE counts as exact. A baseline check is a regression test
 within: its pass says "not shown worse", never "as good as" (a threshold says that).
 The gate fails where a check fails, else is undecided where one is (exit 3: not a pass), else passes.
 
+`--max-kld-confident` (CONFIDENT_GATE) judges the mean KLD of the most confident bucket of the reference's top-1
+probability (qeval.compare.depth.by_confidence: the tokens the reference was surest of, above the last edge of
+--confidence-buckets), its SE cluster-robust as every group's: a quant that "now misses tokens the reference was
+certain of" fails it even where its mean KLD over every token passes.
+
 Bad input (unknown store, malformed baseline, nonsense limit) raises QevalError: exit 2.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 
 from qeval.compare import metric_registry, sampler
-from qeval.compare.depth import Selection
+from qeval.compare.depth import Selection, parse_confidence_buckets
 from qeval.compare.gate_checks import FAIL, PASS, UNDECIDED, Check, GateResult
 from qeval.compare.metric_registry import METRICS, Metric, MetricValue
 from qeval.compare.summary import ComparisonSummary, Side
@@ -33,7 +39,20 @@ from qeval.compare.verdict import ABOVE, WITHIN, judge, multiplier
 from qeval.errors import QevalError
 from qeval.orchestrate import baselines
 from qeval.orchestrate.measured import Measured, is_result_spec, measure, over_control
+from qeval.present import results
 from qeval.present.gate_text import control_text, gate_text
+
+CONFIDENT_GATE = dataclasses.replace(
+    METRICS["kld_mean"], key="kld_mean_confident", title="mean KLD where the reference is most confident",
+    description="mean KLD over the scored tokens of the most confident bucket of the reference's top-1 probability "
+                "(qeval check --confidence-buckets: above its last edge)", gate="max-kld-confident", board=False,
+    paired=False)
+
+
+def gated() -> list[Metric]:
+    """Every threshold `qeval check` takes, in option order: metric_registry.gated(), then CONFIDENT_GATE."""
+    return [*metric_registry.gated(), CONFIDENT_GATE]
+
 
 def _fmt(m: Metric, x: float) -> str:
     return m.number(x) + m.percent
@@ -130,12 +149,12 @@ def baseline_check(key: str, run: MetricValue, base: MetricValue, entry_id: str,
 
 def validate_limits(limits: dict[str, float | None]) -> dict[str, float]:
     """The limits given, by metric key, from keyword -> limit (None: not given); nonsense is refused."""
-    known = [keyword(m) for m in metric_registry.gated()]
+    known = [keyword(m) for m in gated()]
     unknown = sorted(set(limits) - set(known))
     if unknown:
         raise QevalError(f"unknown threshold(s) {', '.join(unknown)} (known: {', '.join(known)})")
     given = {}
-    for m in metric_registry.gated():  # checks in table order, whatever the order of the options
+    for m in gated():  # checks in table order, whatever the order of the options
         v = limits.get(keyword(m))
         if v is None:
             continue
@@ -151,7 +170,7 @@ def validate_limits(limits: dict[str, float | None]) -> dict[str, float]:
 
 
 def _nothing_to_check() -> QevalError:
-    options = ", ".join(option(m) for m in metric_registry.gated())
+    options = ", ".join(option(m) for m in gated())
     return QevalError(f"nothing to check: give at least one of {options}, --baseline")
 
 
@@ -165,6 +184,9 @@ def run_checks(summary: ComparisonSummary, baseline: baselines.Baseline | None =
     chunks = int(summary.chunks or 0)  # none known: every interval undecided
     checks = []
     for key, limit in given.items():
+        if key == CONFIDENT_GATE.key:
+            checks.append(confident_check(summary, limit, chunks))
+            continue
         if not metric_registry.is_sampler_template(key):
             checks.append(limit_check(METRICS[key], _held(measured, key, summary), limit, chunks))
             continue
@@ -203,6 +225,24 @@ def run_checks(summary: ComparisonSummary, baseline: baselines.Baseline | None =
     z = multiplier(chunks)
     return GateResult(summary.candidate.label, summary.reference.label, chunks, int(summary.scored_tokens),
                       z if math.isfinite(z) else None, checks, notes, base_info)
+
+
+def confident_check(summary: ComparisonSummary, limit: float, chunks: int) -> Check:
+    """CONFIDENT_GATE on the summary's most confident bucket (its last by_confidence group), judged as every
+    threshold over the `chunks` it stands on."""
+    buckets = summary.by_confidence
+    if buckets is None:
+        raise QevalError(f"{option(CONFIDENT_GATE)}: the comparison of {summary.candidate.label!r} holds no figures "
+                         "by the reference's confidence (a result saved before qeval kept the reference's top-1 "
+                         "probability): check it with the reference store it was measured against at hand, or "
+                         "recompute it")
+    top = buckets[-1]
+    if top.hi < 1.0:  # by_confidence leaves out a bucket without tokens
+        raise QevalError(f"{option(CONFIDENT_GATE)}: the most confident bucket holds no scored token (the "
+                         f"reference's top-1 probability never reaches {top.hi:g}): lower the last edge of "
+                         "--confidence-buckets")
+    m = dataclasses.replace(CONFIDENT_GATE, title=f"mean KLD at reference top-1 p ≥ {top.lo:g} ({top.n} tokens)")
+    return limit_check(m, MetricValue(top.kld["mean"], top.kld["se"]), limit, chunks)
 
 
 def _held(measured: dict[str, MetricValue], key: str, summary: ComparisonSummary) -> MetricValue:
@@ -248,7 +288,7 @@ def check_report(ref: str, cand: str, chunks: int | None = None, runs_dir: str |
                  threads: int = 2, baseline: str | None = None, baseline_entry: str | None = None,
                  baseline_metrics: list[str] | None = None, progress: bool = False, depth: str | None = None,
                  samplers=(), control: str | None = None, segment: str | None = None, category: str | None = None,
-                 **limits: float | None) -> tuple[dict, str, bool]:
+                 confidence_buckets: str | None = None, **limits: float | None) -> tuple[dict, str, bool]:
     """`qeval check`: (JSON, text, passed); the JSON's "verdict" says passed, failed or undecided (exit code:
     gate_checks.GATE_VERDICTS). Inputs are checked before any long comparison starts.
     depth: "LO:HI", gate only the scored tokens at those logit positions (e.g. "8192:" for beyond 8K).
@@ -256,8 +296,11 @@ def check_report(ref: str, cand: str, chunks: int | None = None, runs_dir: str |
     samplers: presets or settings strings (qeval.compare.sampler) whose figures --max-tvd judges.
     control: a control against the same reference (a saved result or store of the reference model recomputed
     under another batch layout, as `matrix` makes it): the candidate's mean KLD over it is reported with its noise
-    verdict (measured.over_control); limits still judge the candidate's own figures, and the gate's verdict."""
+    verdict (measured.over_control); limits still judge the candidate's own figures, and the gate's verdict.
+    confidence_buckets: inner edges of the buckets of the reference's top-1 probability, e.g. "0.5,0.9,0.99"
+    (default: qeval.compare.depth.DEFAULT_CONFIDENCE_EDGES); max_kld_confident judges the last."""
     given = validate_limits(limits)
+    buckets = parse_confidence_buckets(confidence_buckets)
     chosen = [s.name for s in sampler.parse_all(samplers)]
     per_sampler = [option(m) for m in metric_registry.SAMPLER_GATES if m.key in given]
     if per_sampler and not chosen and not is_result_spec(cand):
@@ -272,9 +315,14 @@ def check_report(ref: str, cand: str, chunks: int | None = None, runs_dir: str |
         raise _nothing_to_check()
     if base is not None and not baseline_entry and len(base.entries) > 1:
         _pick_early(base, ref, cand, runs_dir)
-    measured: Measured = measure(ref, cand, chunks, runs_dir, threads, progress, need_per_token=False,
+    by_confidence = confidence_buckets is not None or CONFIDENT_GATE.key in given
+    measured: Measured = measure(ref, cand, chunks, runs_dir, threads, progress, need_per_token=by_confidence,
                                  selection=selection, samplers=chosen)
-    result = run_checks(measured.summary, base, baseline_entry, baseline_metrics, chosen, **limits)
+    summary = measured.summary
+    if confidence_buckets is not None:  # the summary holds the default buckets
+        summary = dataclasses.replace(summary, by_confidence=results.recomputed(summary, measured.per_token,
+                                                                                buckets=buckets).by_confidence)
+    result = run_checks(summary, base, baseline_entry, baseline_metrics, chosen, **limits)
     out = result.to_json()
     text = gate_text(result)
     notes = [measured.note]

@@ -378,7 +378,8 @@ def planned_request(ref_store, n_chunks: int, facts: dict, settings: EngineSetti
 
 def _reusable(result_path: Path, ref, request: identity.ComparisonRequest, n_chunks: int) -> int:
     """How many of the first n_chunks chunks the saved result at `result_path` holds for `request`'s candidate."""
-    held, _ = results.reusable_chunks(results.load_result(result_path), ref, request.candidate, request.samplers)
+    saved = results.with_reference_top1(results.load_result(result_path), ref)
+    held, _ = results.reusable_chunks(saved, ref, request.candidate, request.samplers)
     return len(held & set(range(n_chunks)))
 
 
@@ -388,7 +389,7 @@ def extend_from_result(ckpt: "checkpoint.Checkpoint", result_path: Path, ref, re
     does not): the pair then runs only the others, to the numbers of an uninterrupted run, as from any checkpoint."""
     if not result_path.is_file():
         return
-    saved = results.load_result(result_path)
+    saved = results.with_reference_top1(results.load_result(result_path), ref)
     held, _ = results.reusable_chunks(saved, ref, request.candidate, request.samplers)
     for chunk, columns in saved.chunk_columns((held & set(order)) - set(ckpt.parts)).items():
         ckpt.append(chunk, columns)

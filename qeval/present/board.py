@@ -86,6 +86,21 @@ def kld_of(group: TokenGroup | None, key: str) -> dict:
     return {key: None if group is None else group.kld["mean"], f"{key}_se": None if group is None else group.kld["se"]}
 
 
+def bucket_figures(group: TokenGroup) -> dict:
+    """A confidence bucket as a board writes it: its edges, token count, mean KLD ± SE, same top-1 % ± SE and share
+    of the row's KLD; None for a number that is not one (the SE of a bucket on one block of positions)."""
+    top1 = group.figures.blocks["same_top1"]
+    out = {"lo": group.lo, "hi": group.hi, "n": group.n, **kld_of(group, "kld_mean"),
+           "same_top1_pct": 100 * top1["fraction"], "same_top1_pct_se": 100 * top1["se"], "kld_share": group.kld_share}
+    return {k: None if isinstance(v, float) and not np.isfinite(v) else v for k, v in out.items()}
+
+
+def confidence_figures(row: "BoardRow") -> list[dict] | None:
+    """A row's buckets of the reference's confidence (bucket_figures); None: not recorded (a result saved before
+    qeval kept the reference's top-1 probability)."""
+    return None if row.confidence is None else [bucket_figures(g) for g in row.confidence]
+
+
 def kld_cell(group: TokenGroup | None) -> str:
     """A group's mean KLD ± SE in a leaderboard cell; empty for a group not held."""
     return "" if group is None else plus_minus(group.kld["mean"], group.kld["se"], ".6f")
@@ -130,6 +145,7 @@ class BoardRow:
     stopped: str | None = None  # decided early: why it stopped (qeval.compare.early; EARLY when not known); None: full
     fingerprint: str | None = None  # its model's (qeval.engine.modelinfo): a speed and memory record must match it
     reference: bool = False  # the reference itself (reference_row): a board with speed and memory shows it
+    confidence: list[TokenGroup] | None = None  # summary.by_confidence; None: not recorded
 
     def value(self, key: str) -> float | None:
         """The value of board metric `key` ("kld_mean", "ppl")."""
@@ -169,6 +185,7 @@ class BoardRow:
         out.update(control=self.control, kld_excess=self.kld_excess, **written(self.noise, "noise_verdict"))
         out.update(floor=self.floor, kld_over_floor=self.kld_over_floor, kld_over_floor_se=self.kld_over_floor_se,
                    **written(self.over_floor, "floor_verdict"))
+        out["by_confidence"] = confidence_figures(self)
         if self.stopped is not None:
             out.update(chunks=self.chunks, scored_tokens=self.scored_tokens, stopped=self.stopped)
         for task, figures in self.task_flips.items():
@@ -195,7 +212,7 @@ def board_row(summary: ComparisonSummary, samplers=(), flips: dict[str, FlipFigu
                     segments={g.name: g for g in summary.by_segment or ()},
                     categories={g.name: g for g in summary.by_category or ()}, chunks=summary.chunks,
                     scored_tokens=summary.scored_tokens, stopped=EARLY if _decided_early(summary) else None,
-                    fingerprint=model.get("fingerprint"))
+                    fingerprint=model.get("fingerprint"), confidence=summary.by_confidence)
 
 
 def reference_row(summary: ComparisonSummary) -> BoardRow:

@@ -135,6 +135,7 @@ def record(r: CardRow, bands: tuple[str, ...], tasks: tuple[str, ...], segments:
     out["by_depth"] = {name: boardrows.kld_of(r.bands[name], "kld_mean") for name in bands if name in r.bands}
     if segments:
         out["by_segment"] = {name: boardrows.kld_of(row.segments.get(name), "kld_mean") for name in segments}
+    out["by_confidence"] = boardrows.confidence_figures(row)
     out["flips"] = {task: row.task_flips[task].to_json() for task in tasks if task in row.task_flips}
     written = row.to_json()  # the control's and the floor's columns as the board writes them, verdicts included
     out.update(memory_estimate_gib=row.memory_estimate_gib, kv_quant=row.kv_quant,
@@ -178,6 +179,28 @@ def table(card: Card) -> str:
                                      for r in card.rows])
 
 
+def confidence_lines(card: Card) -> list[str]:
+    """The card's figure of where the damage sits: a line per quant, the mean KLD ± SE in each bucket of the
+    reference's top-1 probability and the bucket's share of the quant's KLD; "not recorded" for a result saved
+    before qeval kept the reference's top-1 probability. None when no row holds buckets."""
+    rows = [r.row for r in card.rows if not r.row.reference]
+    if not any(r.confidence for r in rows):
+        return []
+
+    def bucket(group) -> str:
+        share = "" if group.kld_share is None else f" ({100 * group.kld_share:.1f} %)"
+        return f"{group.name}: {_kld_cell(group)}{share}"
+
+    return [f"- **{r.label}:** " + ("not recorded" if r.confidence is None else " · ".join(map(bucket, r.confidence)))
+            for r in rows]
+
+
+CONFIDENCE_HEADING = ("**Mean KLD by the reference's confidence** (buckets of the reference's top-1 probability, each "
+                      "bucket's mean KLD ± its cluster-robust SE and its share of the quant's summed KLD; damage in the "
+                      "top bucket is on tokens the reference was sure of; \"not recorded\": a result saved before qeval "
+                      "kept the reference's top-1 probability):")
+
+
 # --------------------------------------------------------------------------------------------------
 # the block
 # --------------------------------------------------------------------------------------------------
@@ -192,9 +215,10 @@ def markdown(card: Card, plot: str = PLOT_FILE, sidecar: str = SIDECAR) -> str:
     view = card.deployment
     if view is not None:
         note += " " + " ".join(view.notes())
+    confidence = confidence_lines(card)
     out = [f"## {card.title}", "", *([f"- **{k}:** {v}" for k, v in view.lines()] + [""] if view else []),
-           table(card), "", note, "", *(deployment_board.other_machines_markdown(view, card.board.table_rows)
-                                        if view else []),
+           table(card), "", note, "", *([CONFIDENCE_HEADING, "", *confidence, ""] if confidence else []),
+           *(deployment_board.other_machines_markdown(view, card.board.table_rows) if view else []),
            f"![Mean KLD against model size, Pareto front marked]({plot})", "",
            f"**Provenance** (as JSON: [{Path(sidecar).name}]({sidecar}))", ""]
     out += [f"- **{k}:** {v}" for k, v in card_provenance.lines(card.provenance)]

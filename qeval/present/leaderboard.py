@@ -250,6 +250,7 @@ def leaderboard_json(board: Leaderboard) -> dict:
     columns = board.columns
     return _strict({"title": board.title, "settings": board.settings, "pareto_front": board.pareto,
                     "columns": list(columns), "rows": board.records(),
+                    "by_confidence": {r.label: boardrows.confidence_figures(r) for r in board.table_rows},
                     **({"deployment": board.deployment.to_json()} if board.deployment else {})})
 
 

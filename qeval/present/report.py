@@ -130,21 +130,29 @@ def sampler_lines(samplers: dict) -> list[str]:
 # The blocks of token groups (qeval.compare.depth): summary attribute, heading, column title, how a group is named.
 GROUP_BLOCKS = (("by_depth", "By depth (logit position; SE cluster-robust over 256-position blocks)", "depth",
                  lambda g: f"{g.lo:>7}-{g.hi:<7}"),
+                ("by_confidence", "By the reference's confidence (its top-1 probability; SE cluster-robust over "
+                 "256-position blocks)", "ref top-1 p", lambda g: f"{g.name:>15}"),
                 ("by_segment", "By segment (the assistant's tokens; SE cluster-robust)", "segment",
                  lambda g: f"{g.name:>15}"),
                 ("by_category", "By category (conversations; SE cluster-robust)", "category", lambda g: f"{g.name:>15}"))
+CONFIDENCE_NOT_RECORDED = ("not recorded: a result saved before qeval kept the reference's top-1 probability per "
+                           "token; name it by its label (qeval kld --ref REF --cand LABEL) or as a result file "
+                           "to qeval check or compare with the reference store at hand, and they are read from it")
 
 
 def group_lines(summary: ComparisonSummary) -> list[str]:
-    """The by-depth block, then by segment and by category for conversations: one row per group, one layout."""
+    """The by-depth block, by the reference's confidence, then by segment and by category for conversations: one row
+    per group, one layout. A summary with by-depth figures but none by confidence says that they are not recorded."""
     rows = []
     for attribute, heading, title, name in GROUP_BLOCKS:
         groups = getattr(summary, attribute) or []
+        if attribute == "by_confidence" and summary.by_depth and summary.by_confidence is None:
+            rows += ["", f"====== {heading} ======", CONFIDENCE_NOT_RECORDED]
         if not groups:
             continue
         rows += ["", f"====== {heading} ======",
                  f"{title:>15} {'n':>7}  {'mean KLD':>21}  {'99% KLD':>9} {'99.9% KLD':>9}  {'same top %':>16}  "
-                 f"{'PPL(base)':>10} {'PPL(Q)':>10}  {'mean Δp %':>15}"]
+                 f"{'PPL(base)':>10} {'PPL(Q)':>10}  {'mean Δp %':>15}  {'KLD share %':>11}"]
         rows += [group_row(name(g), g) for g in groups]
     return rows
 
@@ -152,10 +160,11 @@ def group_lines(summary: ComparisonSummary) -> list[str]:
 def group_row(name: str, group: TokenGroup) -> str:
     blocks = group.figures.blocks
     k, top1, p, dp = blocks["kld"], blocks["same_top1"], blocks["perplexity"], blocks["delta_p"]
+    share = "?" if group.kld_share is None else f"{100 * group.kld_share:.2f}"
     return (f"{name} {group.n:>7}  {plus_minus(k['mean'], k['se'], '9.6f')}  "
             f"{k['ladder']['99.0%']:9.6f} {k['ladder']['99.9%']:9.6f}  "
             f"{_percent_pm(top1['fraction'], top1['se'], 7)}  "
-            f"{p['ppl_ref']:10.4f} {p['ppl_cand']:10.4f}  {_percent_pm(dp['mean'], dp['se'], 6)}")
+            f"{p['ppl_ref']:10.4f} {p['ppl_cand']:10.4f}  {_percent_pm(dp['mean'], dp['se'], 6)}  {share:>11}")
 
 
 def _block(name: str, summary: ComparisonSummary, llama_lines: list[str]) -> list[str]:

@@ -3,7 +3,8 @@
 A result is two files in RUNS_DIR/results/: `<cand>.vs.<ref>.json` (the comparison summary, as
 `qeval kld --json` prints it, plus `"per_token_file"`) and `<cand>.vs.<ref>.npz` (the per-token
 arrays, one value per scored token: kld, kld_reverse, nll_ref, nll_cand, p_ref, p_cand, same_top1,
-top5_agreement, top10_agreement, chunk, position, token; with `qeval kld --sampler`, the samplers'
+top5_agreement, top10_agreement, chunk, position, token, kld_bound, kld_reverse_bound, p_ref_top1 (not in a result
+saved before qeval kept it: with_reference_top1 reads it from the reference store); with `qeval kld --sampler`, the samplers'
 columns tvd@NAME ... of qeval.compare.sampler).
 
 The summary records the request it answers (qeval.identity.ComparisonRequest: reference and candidate
@@ -13,6 +14,7 @@ later request only when the keys are equal.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -21,8 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from qeval.compare import depth, sampler
-from qeval.compare.metrics import GROUP_FIELDS, PER_TOKEN_FIELDS, Comparison
-from qeval.compare.summary import ComparisonSummary, of_figures, summarize
+from qeval.compare.metrics import GROUP_FIELDS, PER_TOKEN_FIELDS, Comparison, summarize_tokens, top1_probability
+from qeval.compare.summary import ComparisonSummary, TokenGroup, of_figures, summarize
 from qeval.errors import QevalError, WriteFailed
 from qeval.identity import METRICS_VERSION, ComparisonRequest, changes, reference_identity
 from qeval.storage.runs import LIVE_SUFFIX, RESULT_SEPARATOR, RESULTS_SUBDIR  # noqa: F401 - RESULTS_SUBDIR public here too
@@ -85,13 +87,41 @@ class Result:
 
 
 def recomputed(head: ComparisonSummary, per_token: dict[str, np.ndarray],
-               bands: list[tuple[int, int]] | None = None) -> ComparisonSummary:
+               bands: list[tuple[int, int]] | None = None,
+               buckets: list[tuple[float, float]] | None = None) -> ComparisonSummary:
     """The summary of these per-token values, its reference and candidate those of `head`; bands: of its by-depth
-    figures (default: powers of 4 from 512)."""
+    figures (default: powers of 4 from 512); buckets: of its by-confidence ones (default:
+    depth.DEFAULT_CONFIDENCE_EDGES)."""
     chunks = [int(c) for c in np.unique(per_token["chunk"])]
     bands = bands or depth.parse_bands(None, head.reference.n_ctx)
-    body = Comparison(None, None, chunks, per_token, head.labels).summary(bands)  # reads only per_token and chunks
+    body = Comparison(None, None, chunks, per_token, head.labels).summary(bands, buckets)  # reads per_token, chunks
     return of_figures(head.reference, head.candidate, body)
+
+
+def with_reference_top1(res: Result, ref) -> Result:
+    """A result saved before qeval kept the per-token reference top-1 probability (p_ref_top1), with that column
+    read from the open reference store `ref` it was measured against (the exact log-probability of its argmax, which
+    a store keeps per scored token) and its by-confidence figures computed from it; every other figure is as saved.
+    As it was when it holds the column, has no per-token values, or `ref` is not its reference (measured_against
+    says why: the caller's own check then refuses it)."""
+    column = depth.CONFIDENCE_COLUMN
+    if res.per_token is None or column in res.per_token or measured_against(res, ref):
+        return res
+    chunk, position = res.per_token["chunk"], res.per_token["position"]
+    top1 = np.empty(len(chunk), dtype=np.float64)
+    for c in np.unique(chunk):
+        rows = chunk == c
+        scored = ref.header.positions_of(int(c))
+        at = np.searchsorted(scored, position[rows])
+        if at.max() >= len(scored) or not np.array_equal(scored[at], position[rows]):
+            raise QevalError(f"{res.origin}: chunk {int(c)} holds positions the reference does not score")
+        top1[rows] = top1_probability(ref.read_chunk(int(c)))[at]
+    per_token = {**res.per_token, column: top1}
+    groups = depth.by_confidence(per_token, depth.parse_confidence_buckets(None), summarize_tokens)
+    summary = dataclasses.replace(res.summary, by_confidence=[TokenGroup.from_json(g, "by_confidence") for g in groups])
+    note = f"{res.label}: its figures by the reference's confidence computed from the reference's stored top-1 " \
+           "probabilities (its result was saved before qeval kept them)"
+    return Result(summary, per_token, res.path, "\n".join(filter(None, [res.note, note])), res.comparison)
 
 
 def result_stem(cand_label: str, ref_label: str) -> str:
@@ -132,22 +162,15 @@ def reusable_chunks(res: Result, ref, candidate: dict | None, samplers) -> tuple
     why none do when that is so). They do when `res` was computed with this qeval's formulas against the same reference
     windows (its chunks are among `ref`'s first), of that candidate run live (a store's coded rows differ from live
     float32 ones by the code's rounding), and holds every sampler's figures; an early result's visited chunks count."""
-    try:
-        request = require_current(res)
-    except QevalError as exc:
-        return set(), str(exc)
+    why_not = measured_against(res, ref)
+    if why_not:
+        return set(), why_not
+    request = res.summary.comparison_request()
     if res.per_token is None:
         return set(), f"its per-token file is missing ({res.summary.per_token_file or 'none recorded'})"
     lacking = [k for k in PER_TOKEN_FIELDS if k not in res.per_token]
     if lacking:
         return set(), f"it was saved before qeval kept per-token {', '.join(lacking)}"
-    n_saved = len(request.early["order"]) if request.early else request.chunks
-    if n_saved > ref.header.chunk_stop:
-        return set(), (f"it was measured against another reference (of {n_saved} chunks or more; this one holds "
-                       f"{ref.header.chunk_stop})")
-    differences = changes(request.reference, reference_identity(ref, n_saved))
-    if differences:
-        return set(), f"it was measured against another reference ({'; '.join(differences)}, saved vs now)"
     if candidate is not None and request.candidate != candidate:
         return set(), f"it was measured otherwise ({'; '.join(changes(request.candidate, candidate))}, saved vs now)"
     if not str(res.summary.candidate.path or "").endswith(LIVE_SUFFIX):
@@ -156,6 +179,23 @@ def reusable_chunks(res: Result, ref, candidate: dict | None, samplers) -> tuple
     if missing:
         return set(), f"it holds no figures for sampler {', '.join(missing)}"
     return {int(c) for c in res.chunk_ids}, ""
+
+
+def measured_against(res: Result, ref) -> str:
+    """"" when `res` was computed with this qeval's formulas against the open reference `ref` (the same windows: its
+    chunks are among `ref`'s first), else why not."""
+    try:
+        request = require_current(res)
+    except QevalError as exc:
+        return str(exc)
+    n_saved = len(request.early["order"]) if request.early else request.chunks
+    if n_saved > ref.header.chunk_stop:
+        return (f"it was measured against another reference (of {n_saved} chunks or more; this one holds "
+                f"{ref.header.chunk_stop})")
+    differences = changes(request.reference, reference_identity(ref, n_saved))
+    if differences:
+        return f"it was measured against another reference ({'; '.join(differences)}, saved vs now)"
+    return ""
 
 
 def save_result(cmp: Comparison, directory: str | os.PathLike) -> Path:
