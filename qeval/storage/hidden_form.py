@@ -110,6 +110,9 @@ class StoredActivations:
     def __len__(self) -> int:
         return len(self.values)
 
+    def rows(self, start: int, stop: int) -> "StoredActivations":
+        return StoredActivations(None if self.scales is None else self.scales[start:stop], self.values[start:stop])
+
     @classmethod
     def parse(cls, payload, n: int, n_embd: int, activation: Activation, where: str) -> "StoredActivations":
         raw = np.frombuffer(payload, dtype=np.uint8)
@@ -131,6 +134,16 @@ class StoredActivations:
         if not (np.all(np.isfinite(out.values)) and (out.scales is None or np.all(np.isfinite(out.scales)))):
             raise StoreFormatError(f"{where}: hidden rows hold values that are not finite")
         return out
+
+
+def replay_kl(exact: np.ndarray, replayed: np.ndarray) -> np.ndarray:
+    """KL(exact ‖ replayed) per row, float64, of float32 exact logits and float64 replayed ones [b, V]."""
+    def log_softmax(x: np.ndarray) -> np.ndarray:
+        x = x.astype(np.float64) - x.max(axis=1, keepdims=True)
+        return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+
+    lp, lq = log_softmax(exact), log_softmax(replayed)
+    return np.maximum(0.0, (np.exp(lp) * (lp - lq)).sum(axis=1))
 
 
 # --- the output head --------------------------------------------------------------------------------------------
@@ -217,6 +230,21 @@ class OutputHead:
             np.tanh(out / self.softcap, out=out)
             out *= self.softcap
         return out
+
+
+def head_entry(head: OutputHead, form: str) -> dict:
+    """A store header's `head`: the head's description and the form the capture was asked for (hidden, auto)."""
+    return {**head.describe(), "form": form}
+
+
+def check_head_entry(entry: dict, n_vocab: int, where: str) -> None:
+    """A header's `head` entry, checked (StoreFormatError): what a reader needs before it reads the head itself."""
+    ok = (entry.get("form") in FORMS[1:] and isinstance(entry.get("type"), str) and entry["type"] in ACTIVATIONS and entry.get("n_vocab") == n_vocab
+          and isinstance(entry.get("n_embd"), int) and isinstance(entry.get("fingerprint"), str)
+          and entry.get("activation") == ACTIVATIONS[entry["type"]].name)
+    if not ok:
+        raise StoreFormatError(f"{where}: header field 'head' is malformed or names a form or head type this qeval "
+                               f"does not know ({ {k: entry.get(k) for k in ('form', 'type', 'activation')} })")
 
 
 def head_of_description(d: object, data, where: str) -> OutputHead:
