@@ -368,3 +368,100 @@ def test_info_shows_the_form_of_every_piece_and_the_head(hidden_store):
     assert d["error"]["recorded"] and d["error"]["kl_max"] < 1e-5
     assert "hidden" in text and "head" in text
     assert json.dumps(d)
+
+
+# --------------------------------------------------------------------------------------------------
+# real captures (slow)
+# --------------------------------------------------------------------------------------------------
+def captured_pair(model, runs, chunks: int, n_ctx: int = 512, cand_model=None):
+    """The same capture in the hidden and the logits form, llama.cpp's exact rows of its windows, and a
+    candidate's (`cand_model`, else the model's own)."""
+    from test_error_bound import exact_rows  # noqa: PLC0415
+
+    api.capture_store(str(model), "HID", runs_dir=runs, chunks=chunks, n_ctx=n_ctx, reference_form="hidden")
+    api.capture_store(str(model), "LOG", runs_dir=runs, chunks=chunks, n_ctx=n_ctx)
+    with StoreReader(runs / "LOG.qeval") as lr:
+        exact = exact_rows(model, lr.tokens)
+        cand = exact_rows(cand_model, lr.tokens) if cand_model is not None else exact
+    return exact, cand
+
+
+def assert_hidden_reference_holds(runs, exact: dict, cand: dict, code_equal: float) -> dict:
+    """The hidden store against the logits one and against live candidate rows: every piece hidden, its replayed
+    rows the logits store's codes (all but a `code_equal` fraction), its record within the code's error, scalars
+    exact, the bound holding token by token against float64 KLDs of llama.cpp's rows."""
+    with StoreReader(runs / "HID.qeval") as h, StoreReader(runs / "LOG.qeval") as lr:
+        assert {f for _, _, f in h.piece_forms()} == {"hidden"}
+        for c in h.chunk_indices:
+            same = np.mean(h.read_chunk(c).codes(h.header.n_vocab) == lr.read_chunk(c).codes(h.header.n_vocab))
+            assert same >= code_equal
+            np.testing.assert_array_equal(h.read_chunk(c).logprob_target, lr.read_chunk(c).logprob_target)
+        kl = np.concatenate([e.kl for _, e in h.iter_errors()])
+        kl_logits = np.concatenate([e.kl for _, e in lr.iter_errors()])
+        assert kl.max() < 2e-6 and abs(kl.mean() / kl_logits.mean() - 1) < 0.05
+        for source in (lr, RowsSource(h, cand)):
+            cmp = metrics.compare(h, source, threads=2)
+            assert_bound_holds(cmp, exact, cand if source is not lr else exact)
+        return {"hidden_bytes": (runs / "HID.qeval").stat().st_size, "head_bytes": h.header.head["bytes"]}
+
+
+def test_gemma_q8_0_in_the_hidden_form(models, tmp_path):
+    """Gemma-3-270M Q8_0, one window of 512: the hidden capture replays llama.cpp's logits to the code's own rows
+    (the codes equal the logits store's but for rare float32 ulps), its bound holds token by token against float64
+    (a live Q4_0 candidate and the logits store), and it costs under 2.5 KB per scored token beyond the head."""
+    runs = tmp_path / "runs"
+    exact, cand = captured_pair(models["Q8_0"], runs, chunks=1, cand_model=models["Q4_0"])
+    sizes = assert_hidden_reference_holds(runs, exact, cand, code_equal=0.9999)
+    assert (sizes["hidden_bytes"] - sizes["head_bytes"]) / 255 < 2500
+
+
+def test_an_f16_head_in_the_hidden_form(gemma_tokenizer, tmp_path):
+    """A tiny random model whose head is F16 (its activations fp16): the same, with fp16 rows."""
+    import tinymodels  # noqa: PLC0415
+
+    model = tinymodels.build_mamba(tmp_path / "mamba.gguf", gemma_tokenizer)
+    runs = tmp_path / "runs"
+    exact, cand = captured_pair(model, runs, chunks=2, n_ctx=64)
+    with StoreReader(runs / "HID.qeval") as h:
+        assert h.header.head["type"] == "F16" and h.header.head["activation"] == "f16"
+    assert_hidden_reference_holds(runs, exact, cand, code_equal=0.999)
+
+
+def head_only_gguf(path, ggml_type, arch: str = "gemma3", **keys):
+    """A GGUF of one output head tensor (and `<arch>.KEY` values): enough for read_head."""
+    import gguf  # noqa: PLC0415
+
+    writer = gguf.GGUFWriter(path, arch)
+    for key, value in keys.items():
+        writer.add_float32(f"{arch}.{key}", value)
+    w = np.random.default_rng(0).standard_normal((N_VOCAB, N_EMBD)).astype(np.float32)
+    qtype = gguf.GGMLQuantizationType[ggml_type]
+    data = w if ggml_type == "F32" else gguf.quants.quantize(w, qtype)
+    writer.add_tensor("output.weight", data, raw_dtype=None if ggml_type == "F32" else qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_the_head_read_from_a_gguf_and_what_cannot_be_replayed(tmp_path):
+    """output.weight with its soft-cap; a k-quant head or another post-head op: --reference-form hidden is refused
+    with one message, auto stores the logits form and says why."""
+    from qeval.capture.capture import stored_form  # noqa: PLC0415
+    from qeval.engine.engine import EngineSettings  # noqa: PLC0415
+    from qeval.errors import QevalError  # noqa: PLC0415
+    from qeval.storage.hidden_form import read_head  # noqa: PLC0415
+
+    head = read_head(head_only_gguf(tmp_path / "q8.gguf", "Q8_0", final_logit_softcapping=30.0))
+    assert (head.tensor, head.ggml_type, head.n_vocab, head.n_embd, head.softcap) == ("output.weight", "Q8_0",
+                                                                                       N_VOCAB, N_EMBD, 30.0)
+    assert len(head.data) == N_VOCAB * N_EMBD * 34 // 32
+    for name, path, why in (("q4_0", head_only_gguf(tmp_path / "k.gguf", "Q4_0"), "head is Q4_0"),
+                            ("scaled", head_only_gguf(tmp_path / "s.gguf", "F16", logit_scale=0.5), "op after")):
+        with pytest.raises(QevalError, match=why):
+            stored_form("hidden", str(path), EngineSettings())
+        auto = stored_form("auto", str(path), EngineSettings())
+        assert auto.head is None and why in auto.facts()["reference_form"]["why_logits"]
+    with pytest.raises(QevalError, match="--reference-form must be one of"):
+        stored_form("sparse", str(tmp_path / "q8.gguf"), EngineSettings())
