@@ -35,7 +35,7 @@ from qeval.errors import QevalError, StoreFormatError
 QK8_0 = 32
 FORMS = ("logits", "hidden", "auto")  # --reference-form: what a capture stores (auto: hidden where it replays)
 # Auto keeps a chunk hidden only where every token's replay is this close to llama.cpp's own logits
-# (KL(exact ‖ replay), nats): ~100x Gemma-3-270M Q8_0's worst token (4.5e-11), ~400x below the code's own floor.
+# (KL(exact ‖ replay), nats): ~20x Gemma-3-270M Q8_0's worst token (4.5e-11), ~400x below the code's own error.
 AUTO_REPLAY_KL = 1e-9
 # post-head ops qeval replays (gemma2/gemma3: c·tanh(x/c)); any other post-head key makes a head unreplayable
 SOFTCAP_KEY = "final_logit_softcapping"
