@@ -34,7 +34,7 @@ import numpy as np
 from qeval.errors import StoreFormatError
 from qeval.storage.error_record import ErrorBands, ErrorMeter, ErrorRecord
 from qeval.storage.hidden_form import OutputHead, StoredActivations, activation_bytes, replay_kl
-from qeval.storage.store import N_CODES, TOP_K, codes_to_planes, planes_to_codes
+from qeval.storage.planes import N_CODES, TOP_K, codes_to_planes, planes_to_codes
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,9 @@ from qeval import __version__
 from qeval.errors import MismatchError, QevalError, StoreFormatError, WriteFailed
 from qeval.identity import capture_conflicts, extends, tokens_sha256
 from qeval.storage.error_record import ErrorBands, ErrorRecord, record_bytes, rows_of
+from qeval.storage.codec import code_of, replayed_planes
 from qeval.storage.hidden_form import OutputHead, StoredActivations, check_head_entry
+from qeval.storage.planes import N_CODES, TOP_K, codes_to_planes, planes_to_codes  # noqa: F401 - re-exported
 from qeval.storage.scoring import HALF, Scoring, WindowLabels, positions_of
 
 MAGIC = b"QEVALLOG"
@@ -51,8 +53,6 @@ ERROR_VERSION = 4
 HIDDEN_VERSION = 5
 READABLE_VERSIONS = (1, 2, 3, 4, 5)
 PIECE_TAGS = (b"CHNK", b"HIDN")  # the two forms of a piece
-N_CODES = 65536
-TOP_K = 10
 # A chunk (window) of more scored rows is written as pieces of this many rows (one CHNK record each), so
 # writer and reader hold one piece, not a window: a 32K window scored everywhere is ~4 GB compressed.
 # Piece borders sit at multiples of PIECE_ROWS in every store, so two stores' token blocks stay aligned.
@@ -301,8 +301,6 @@ class HiddenChunk(ChunkData):
 
     def iter_planes(self, n_vocab: int, block_tokens: int = 16, buffers: int = 1) -> Iterator[tuple[int, np.ndarray]]:
         """Replayed blocks are fresh arrays, so `buffers` (a ring size for stored codes) is not needed."""
-        from qeval.storage.codec import replayed_planes  # noqa: PLC0415 - the codec module imports this one
-
         reader = self.reader
         head = reader.output_head
         frame_bytes = self.n_tokens * head.activation.row_bytes(head.n_embd)
@@ -351,19 +349,6 @@ def _read_exact(reader, view: memoryview, what: str) -> None:
             got += n
     except zstandard.ZstdError as exc:
         raise StoreFormatError(f"{what}: code frame is corrupt ({exc})") from None
-
-
-def codes_to_planes(codes: np.ndarray) -> np.ndarray:
-    """uint16 [b, n_vocab] -> uint8 [b, 2, n_vocab] (high bytes, then low bytes): zstd packs planes far better."""
-    codes = np.asarray(codes, dtype=np.uint16)
-    planes = np.empty((codes.shape[0], 2, codes.shape[1]), dtype=np.uint8)
-    np.right_shift(codes, 8, out=planes[:, 0, :], casting="unsafe")
-    np.bitwise_and(codes, 0xFF, out=planes[:, 1, :], casting="unsafe")
-    return planes
-
-
-def planes_to_codes(planes: np.ndarray) -> np.ndarray:
-    return (planes[:, 0, :].astype(np.uint16) << 8) | planes[:, 1, :]
 
 
 def zstd_compressor(threads: int = 0) -> zstandard.ZstdCompressor:
@@ -857,8 +842,6 @@ class StoreReader:
     @cached_property
     def code(self):
         """The code its replayed rows are coded with (SqrtLogCode of the header's codec), checked against LUT_."""
-        from qeval.storage.codec import code_of  # noqa: PLC0415 - the codec module imports this one
-
         return code_of(self.header.codec, self.lut, str(self.path))
 
     def _read_index(self) -> bool:
