@@ -465,3 +465,28 @@ def test_the_head_read_from_a_gguf_and_what_cannot_be_replayed(tmp_path):
         assert auto.head is None and why in auto.facts()["reference_form"]["why_logits"]
     with pytest.raises(QevalError, match="--reference-form must be one of"):
         stored_form("sparse", str(tmp_path / "q8.gguf"), EngineSettings())
+
+
+def test_shards_of_a_hidden_capture_merge_into_one_store(tmp_path):
+    """Merging copies the head once and every HIDN piece verbatim: the merged store reads as the shards did."""
+    from qeval.orchestrate.merge import merge_stores  # noqa: PLC0415
+
+    cap = HiddenCapture(seed=11, n_chunks=3)
+    whole, _ = cap.write(tmp_path / "whole.qeval")
+    code = SqrtLogCode()
+    parts = []
+    for rng in ((0, 2), (2, 3)):
+        header = make_header(cap.tokens, N_VOCAB, code, "HID", chunk_range=rng, head=head_entry(cap.head, "hidden"))
+        path = tmp_path / f"part{rng[0]}.qeval"
+        with StoreReader(tmp_path / "whole.qeval") as r, StoreWriter.open(path, header, cap.tokens, code.lut(),
+                                                                          head=cap.head) as w:
+            for c in range(*rng):
+                for piece in r.iter_pieces(c):
+                    w.write_chunk(piece)
+            w.finish()
+        parts.append(path)
+    merge_stores(parts, tmp_path / "merged.qeval")
+    with StoreReader(tmp_path / "merged.qeval") as m, StoreReader(tmp_path / "whole.qeval") as r:
+        assert m.header.head == r.header.head
+        for c in range(3):
+            np.testing.assert_array_equal(m.read_chunk(c).codes(N_VOCAB), r.read_chunk(c).codes(N_VOCAB))
