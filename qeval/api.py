@@ -173,7 +173,7 @@ def capture_store(model: str, label: str, runs_dir=None, out: str | None = None,
                   chunk_range: tuple[int, int] | None = None,
                   progress: bool = False, on_chunk=None, force: bool = False, scoring: str = "half",
                   concat: bool = False, chat_template: str | None = None,
-                  chat_template_kwargs: str | None = None) -> tuple[dict, str]:
+                  chat_template_kwargs: str | None = None, reference_form: str = "logits") -> tuple[dict, str]:
     """Capture `model` (a GGUF path or an hf: spec) into a store, resume an interrupted capture, or reuse one that
     holds it already. A store there that holds another capture is refused (naming what differs), or replaced with
     `force`. A conversation corpus is scored with scoring "assistant", rendered with the model's chat template or
@@ -186,7 +186,7 @@ def capture_store(model: str, label: str, runs_dir=None, out: str | None = None,
     spec = CaptureSpec(model=resolve_model(model), out=out, label=label, corpus=corpus, n_ctx=n_ctx,
                        chunks=chunks, chunk_range=chunk_range, settings=settings, replace=force,
                        scoring=Scoring.parse(scoring).rule, concat=concat, chat_template=chat_template,
-                       chat_template_kwargs=chat_template_kwargs)
+                       chat_template_kwargs=chat_template_kwargs, reference_form=reference_form)
     with contextlib.ExitStack() as stack:
         bar = PlannedProgress(stack, f"capturing {label}", progress, on_chunk)
         result = capture(spec, on_chunk=bar.advance, on_plan=bar.on_plan,

@@ -159,6 +159,7 @@ def capture(
     force: bool = typer.Option(False, "--force", help="Replace a store at the output that holds another capture (the old one is kept until the new one is complete)."),
     rope_scaling: Optional[str] = RopeScaling,
     rope_scale: Optional[float] = RopeScale,
+    reference_form: str = typer.Option("logits", "--reference-form", help="What the store keeps per scored token: 'logits' (the default: coded logits, ~130 KB per token at a 262K vocab, any model and backend), 'hidden' (the output head's input as ggml's CPU kernel consumes it, ~0.7 KB per token, plus the head once; replayed when compared, with its measured error in the bound; Q8_0/F16/BF16/F32 heads on CPU only) or 'auto' (hidden where its replay is measured within 1e-9 nats KL, logits elsewhere). A logits store cannot be converted: the hidden state is gone."),
     runs_dir: Optional[Path] = RunsDir,
 ):
     """Run a model over the corpus and store its scored logits (resumes an interrupted capture)."""
@@ -167,7 +168,8 @@ def capture(
     _, text = api.capture_store(model, label, runs_dir=runs_dir, out=str(out) if out else None, corpus=corpus,
                                 n_ctx=ctx, chunks=chunks, settings=settings, scoring=score, concat=concat,
                                 chunk_range=_parse_range(chunk_range), progress=True, force=force,
-                                chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
+                                chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
+                                reference_form=reference_form)
     typer.echo(text)
 
 

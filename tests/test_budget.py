@@ -206,3 +206,16 @@ def test_a_split_models_size_counts_every_shard(tmp_path):
     (tmp_path / "other-00001-of-00002.gguf").write_bytes(bytes(99))
     assert budget.model_bytes(tmp_path / "M[x]-Q4_K_M-00001-of-00002.gguf") == 30
     assert budget.model_bytes(tmp_path / "other-00001-of-00002.gguf") == 99
+
+
+def test_a_hidden_store_is_counted_as_its_rows_and_its_head_once():
+    """The hidden form: ~0.7 KB per scored token of q8_0 rows at d_model 640 plus the head once, not ~130 KB per
+    token; the one-window Gemma-3-270M Q8_0 store measured 178,769,465 bytes (255 tokens, head 178,257,920)."""
+    head = {"form": "hidden", "type": "Q8_0", "n_embd": 640, "bytes": 178_257_920}
+    hidden = budget.Run("H", 1, 512, 255, 262_144, live=False, keeps_store=True, head=head)
+    assert 178_769_465 <= hidden.bytes <= 1.01 * 178_769_465
+    logits = budget.Run("L", 1, 80 * 512, 20_400, 262_144, live=False, keeps_store=True)
+    many = budget.Run("H", 1, 80 * 512, 20_400, 262_144, live=False, keeps_store=True, head=head)
+    assert many.bytes - head["bytes"] < logits.bytes / 100
+    auto = budget.Run("A", 1, 80 * 512, 20_400, 262_144, live=False, keeps_store=True, head={**head, "form": "auto"})
+    assert auto.bytes == logits.bytes + head["bytes"]

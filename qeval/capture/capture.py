@@ -18,13 +18,14 @@ import zstandard
 
 from qeval import __version__
 from qeval.engine.backends import open_backend
-from qeval.engine.engine import Backend, EngineSettings, ScoredRows, available_cores
+from qeval.engine.engine import LLAMA_CPP, Backend, EngineSettings, ScoredRows, available_cores
 from qeval.errors import MismatchError, QevalError
 from qeval.inputs.chat import parse_template_kwargs
 from qeval.inputs.conversation_windows import conversation_windows, is_conversation_corpus
 from qeval.inputs.corpus import load_corpus, make_windows, tokenize_documents
 from qeval.pool import bounded_map
-from qeval.storage.codec import BadLogits, EncodedBlock, SqrtLogCode
+from qeval.storage.codec import BadLogits, EncodedBlock, SqrtLogCode, encode_hidden_block
+from qeval.storage.hidden_form import AUTO_REPLAY_KL, FORMS, NotReplayable, OutputHead, head_entry, read_head
 from qeval.storage.error_record import ErrorRecord, rows_of
 from qeval.storage.runs import LIVE_SUFFIX
 from qeval.storage.scoring import ASSISTANT, Scoring, WindowLabels
@@ -42,6 +43,81 @@ from qeval.storage.store import (
 )
 
 ENCODE_BLOCK = 16
+LOGITS, HIDDEN, AUTO = FORMS
+
+
+@dataclass(frozen=True)
+class StoredForm:
+    """What a capture stores of each piece (--reference-form): the logits code, the hidden form (the output head's
+    input, replayed through `head` by a reader), or auto: both are made, and a piece keeps the hidden form when
+    every token's replay is within AUTO_REPLAY_KL of llama.cpp's logits, else the code. `asked`: the form asked for;
+    `why_logits`: why a capture asked for auto stores logits only (a head it cannot replay)."""
+
+    name: str = LOGITS
+    head: OutputHead | None = None
+    asked: str = LOGITS
+    why_logits: str = ""
+
+    def encode(self, logits: np.ndarray, hidden: np.ndarray | None, targets: np.ndarray,
+               code: SqrtLogCode) -> EncodedBlock | dict[str, EncodedBlock]:
+        """A logits form's block, else each kept form's block by name."""
+        if self.name == LOGITS:
+            return code.encode_block(logits, targets)
+        blocks = {HIDDEN: encode_hidden_block(logits, hidden, targets, code, self.head)}
+        if self.name == AUTO:
+            blocks[LOGITS] = code.encode_block(logits, targets)
+        return blocks
+
+    def header_entry(self) -> dict:
+        return {} if self.head is None else head_entry(self.head, self.name)
+
+    def facts(self) -> dict:
+        """What the store's capture block says of the form asked for (only when it is not the default)."""
+        if self.asked == LOGITS:
+            return {}
+        return {"reference_form": {"asked": self.asked, **({"why_logits": self.why_logits} if self.why_logits else {})}}
+
+
+def stored_form(asked: str, model: str, settings: EngineSettings) -> StoredForm:
+    """The form a capture of `model` asked for `asked` stores; QevalError for a hidden form it cannot replay."""
+    if asked not in FORMS:
+        raise QevalError(f"--reference-form must be one of {', '.join(FORMS)}, not {asked!r}")
+    if asked == LOGITS:
+        return StoredForm()
+    try:
+        if settings.backend != LLAMA_CPP or settings.offloaded:
+            raise NotReplayable("the hidden form replays ggml's CPU kernels: a model run on another backend or with "
+                                "layers offloaded rounds its activations otherwise")
+        head = read_head(model)
+    except NotReplayable as exc:
+        if asked == HIDDEN:
+            raise QevalError(f"--reference-form hidden: {exc} (--reference-form auto stores logits there)") from None
+        return StoredForm(asked=asked, why_logits=str(exc))
+    return StoredForm(asked, head, asked)
+
+
+class PieceBuilder:
+    """One piece of a chunk in a capture's form (StoredForm): the builder of each form it keeps, and at the end the
+    piece in the form chosen (auto: hidden where the worst token's replay KL is within AUTO_REPLAY_KL)."""
+
+    def __init__(self, index: int, compressor: zstandard.ZstdCompressor, first_row: int):
+        self.index, self.compressor, self.first_row = index, compressor, first_row
+        self.builders: dict[str, ChunkBuilder] = {}
+        self.worst_replay_kl = 0.0
+
+    def add(self, blocks: EncodedBlock | dict[str, EncodedBlock]) -> None:
+        for name, block in (blocks if isinstance(blocks, dict) else {LOGITS: blocks}).items():
+            if name not in self.builders:  # the hidden rows are small: a compressor of their own
+                self.builders[name] = ChunkBuilder(self.index, self.compressor if name == LOGITS else None,
+                                                   self.first_row, hidden=name == HIDDEN)
+            self.builders[name].add(block.planes, block.logprob_target, block.logprob_max, block.top_ids, block.error,
+                                    block.hidden)
+            if block.replay_kl is not None:
+                self.worst_replay_kl = max(self.worst_replay_kl, float(block.replay_kl.max()))
+
+    def finish(self) -> ChunkData:
+        hidden = HIDDEN in self.builders and (LOGITS not in self.builders or self.worst_replay_kl <= AUTO_REPLAY_KL)
+        return self.builders[HIDDEN if hidden else LOGITS].finish()
 
 
 @dataclass(frozen=True)
@@ -61,6 +137,7 @@ class CaptureSpec:
     threads: int | None = None  # encoder threads (see encoder_threads)
     code: SqrtLogCode = field(default_factory=SqrtLogCode)
     replace: bool = False  # a store at `out` that holds another capture is replaced, not refused (--force)
+    reference_form: str = LOGITS  # what the store keeps of each piece: logits, hidden or auto (qeval.storage.hidden_form)
 
 
 @dataclass
@@ -108,7 +185,8 @@ def encoder_threads(threads: int | None, settings: EngineSettings) -> int:
 
 
 def iter_encoded_blocks(engine: Backend, windows: np.ndarray, indices: list[int], scored: list[np.ndarray],
-                        code: SqrtLogCode, pool: ThreadPoolExecutor) -> Iterator[tuple[int, int, EncodedBlock]]:
+                        code: SqrtLogCode, pool: ThreadPoolExecutor, form: StoredForm = StoredForm()
+                        ) -> Iterator[tuple[int, int, EncodedBlock | dict[str, EncodedBlock]]]:
     """Decode windows[j] (chunk indices[j], scored positions scored[j]); yield (chunk, first row, block) in
     order, ENCODE_BLOCK rows each.
 
@@ -117,11 +195,11 @@ def iter_encoded_blocks(engine: Backend, windows: np.ndarray, indices: list[int]
     engine's next iteration, so all its blocks are coded before it. The blocks of all windows of a
     call share the pool, so it stays busy across window borders.
     """
-    def encode(job: tuple[ScoredRows, int, int]) -> EncodedBlock:
+    def encode(job: tuple[ScoredRows, int, int]) -> EncodedBlock | dict[str, EncodedBlock]:
         rows, start, stop = job
         try:
-            return code.encode_block(rows.logits[start:stop], scored_targets(windows[rows.window],
-                                                                             rows.positions[start:stop]))
+            return form.encode(rows.logits[start:stop], None if rows.hidden is None else rows.hidden[start:stop],
+                               scored_targets(windows[rows.window], rows.positions[start:stop]), code)
         except BadLogits as exc:
             raise QevalError(f"chunk {indices[rows.window]}: the model produced invalid logits ({exc}); the model "
                              "file or this llama.cpp build is broken for these settings") from None
@@ -149,18 +227,19 @@ def ends_piece(row_end: int, n_scored: int) -> bool:
 
 
 def iter_pieces(engine: Backend, windows: np.ndarray, indices: list[int], scored: list[np.ndarray],
-                code: SqrtLogCode, pool: ThreadPoolExecutor, compressor: zstandard.ZstdCompressor
-                ) -> Iterator[ChunkData]:
+                code: SqrtLogCode, pool: ThreadPoolExecutor, compressor: zstandard.ZstdCompressor,
+                form: StoredForm = StoredForm()) -> Iterator[ChunkData]:
     """windows[j] decoded, coded and compressed into chunk indices[j], in order, piece by piece (a window
-    of more than PIECE_ROWS scored rows is never held whole); a chunk's last piece has first_row +
-    n_tokens == len(scored[j])."""
+    of more than PIECE_ROWS scored rows is never held whole), each in the capture's form; a chunk's last piece
+    has first_row + n_tokens == len(scored[j])."""
     builder = None
     n_scored = {index: len(positions) for index, positions in zip(indices, scored)}
-    for index, row, block in iter_encoded_blocks(engine, windows, indices, scored, code, pool):
+    for index, row, blocks in iter_encoded_blocks(engine, windows, indices, scored, code, pool, form):
         if builder is None:
-            builder = ChunkBuilder(index, compressor=compressor, first_row=row)
-        builder.add(block.planes, block.logprob_target, block.logprob_max, block.top_ids, block.error)
-        if ends_piece(row + len(block.planes), n_scored[index]):
+            builder = PieceBuilder(index, compressor, row)
+        builder.add(blocks)
+        n_rows = len(next(iter(blocks.values())) if isinstance(blocks, dict) else blocks)
+        if ends_piece(row + n_rows, n_scored[index]):
             yield builder.finish()
             builder = None
 
@@ -179,14 +258,15 @@ def scored_targets(window: np.ndarray, positions: np.ndarray) -> np.ndarray:
 
 
 def store_header(backend: Backend, label: str, windows: np.ndarray, chunk_range: tuple[int, int], corpus: dict,
-                 code: SqrtLogCode, labels: WindowLabels | None = None, **capture_facts) -> StoreHeader:
+                 code: SqrtLogCode, labels: WindowLabels | None = None, head: dict | None = None,
+                 **capture_facts) -> StoreHeader:
     """The header of a store of `backend`'s logits over `windows` (it holds chunks chunk_range of them; `labels`:
     their per-token labels, a conversation capture's): a capture's and a live candidate's; capture_facts are
     added to its capture block."""
     return StoreHeader(
         n_vocab=backend.n_vocab, n_ctx=backend.n_ctx, n_chunks=len(windows), chunk_start=chunk_range[0],
         chunk_stop=chunk_range[1], tokens_sha256=tokens_sha256(windows), label=label, codec=code.params(),
-        error=code.error_spec(),
+        error=code.error_spec(), head=head or {},
         tokenizer_sha256=backend.tokenizer_fingerprint(), model=backend.facts,
         kv=backend.settings.kv_block(backend.kv_rotation),
         corpus=corpus, scoring=backend.scoring.rule, windows=labels.to_json() if labels is not None else {},
@@ -213,14 +293,16 @@ def capture(spec: CaptureSpec, on_chunk: Callable[[int], None] | None = None,
     settings = spec.settings.validate()
     scoring = Scoring.parse(spec.scoring)
     check_corpus_kind(spec.corpus, scoring)
+    form = stored_form(spec.reference_form, spec.model, settings)
     with contextlib.closing(open_backend(spec.model, spec.n_ctx, settings, scoring)) as engine:
         windows, labels, identity = corpus_windows(spec, engine)
         chunk_range = resolve_range(spec.chunk_range, len(windows))
         header = store_header(engine, spec.label, windows, chunk_range, identity, spec.code, labels,
-                              created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+                              form.header_entry(), created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                              **form.facts())
         out = Path(spec.out)
         try:
-            writer = StoreWriter.open(out, header, windows, spec.code.lut(), replace=spec.replace)
+            writer = StoreWriter.open(out, header, windows, spec.code.lut(), replace=spec.replace, head=form.head)
         except StoreComplete as done:
             return CaptureResult(out, OLDER_FORM if done.older_form else "already complete",
                                  chunk_range[1] - chunk_range[0], 0, time.perf_counter() - t0, header)
@@ -235,9 +317,11 @@ def capture(spec: CaptureSpec, on_chunk: Callable[[int], None] | None = None,
             if on_plan:
                 on_plan(chunk_range[1] - chunk_range[0], chunk_range[1] - chunk_range[0] - len(todo))
             threads = encoder_threads(spec.threads, settings)
+            if form.head is not None:
+                engine.output_hidden()
             with ThreadPoolExecutor(max_workers=threads) as pool, contextlib.closing(
                     iter_pieces(engine, windows[todo], todo, [header.positions_of(c) for c in todo], spec.code, pool,
-                                zstd_compressor(threads))) as pieces:
+                                zstd_compressor(threads), form)) as pieces:
                 for piece in pieces:
                     writer.write_chunk(piece)  # a crash loses at most the window being captured
                     if on_chunk:  # progress inside a long window: a piece is its share of the window

@@ -343,6 +343,7 @@ class LlamaModel:
         self.model = self._load_model(vocab_only=not weights)
         self.vocab = self._lc.llama_model_get_vocab(self.model)
         self.n_vocab = self._lc.llama_vocab_n_tokens(self.vocab)
+        self.n_embd = self._lc.llama_model_n_embd(self.model)
         self.add_bos = bool(self._lc.llama_vocab_get_add_bos(self.vocab))
         self.bos = int(self._lc.llama_vocab_bos(self.vocab))
         self.eos = int(self._lc.llama_vocab_eos(self.vocab))
@@ -376,6 +377,7 @@ class LlamaModel:
         """Create a context of this shape (and its batch), freeing the one before. QevalError when llama.cpp cannot
         (the message names the shape, and the bytes llama.cpp asked for where it says): the model stays loaded."""
         self.free_context()
+        self.shape = shape
         self.rope_scale = check_context(self.facts, shape.n_ctx_seq, self.settings)
         lc, s = self._lc, self.settings
         rule = numerics.rotation_rule(self.facts, s.type_k, s.type_v, s.kv_rotation)  # `on` it cannot do: refused
@@ -423,6 +425,8 @@ class LlamaModel:
         # the two lay out the cache differently and round differently: llama-perplexity's way, for parity.
         cparams.swa_full = False
         cparams.n_threads = cparams.n_threads_batch = self.n_threads
+        if getattr(self, "hidden", False):
+            cparams.pooling_type = self._lc.LLAMA_POOLING_TYPE_NONE
         if s.rope_scaling:
             cparams.rope_scaling_type = ROPE_SCALING[s.rope_scaling]
             cparams.rope_freq_scale = 1.0 / self.rope_scale
@@ -525,6 +529,7 @@ class ScoredRows:
     first_row: int  # its first scored row held here (row r is the window's r-th scored logit position)
     positions: np.ndarray  # the logit positions of these rows
     logits: np.ndarray  # float32 [rows, n_vocab]
+    hidden: np.ndarray | None = None  # float32 [rows, n_embd]: the output head's input (Engine.output_hidden)
 
 
 class Backend(Protocol):
@@ -580,11 +585,16 @@ class Engine(LlamaModel):
         self.whole_windows = self.n_batch >= n_ctx and not self.generates
         self.windows_per_call = max(1, self.n_batch // n_ctx) if self.whole_windows else 1
         self._decoder: ThreadPoolExecutor | None = None  # the decode-ahead thread, once used
+        self.hidden = False  # also return the output head's input of every scored row (output_hidden)
         # As llama-perplexity sets the context up: one sequence (and n_ctx KV cells) per window of a call.
         super().__init__(model_path, settings, ContextShape(
             n_ctx, self.windows_per_call, self.n_batch, self.n_ubatch, kv_unified=False,
             described=f"with KV {settings.type_k}/{settings.type_v}, flash attention {settings.flash_attn} "
                       f"(n_ctx {n_ctx}, -b {self.n_batch}, -ub {self.n_ubatch})"))
+        self._bind_batch()
+
+    def _bind_batch(self) -> None:
+        """Views of the context's batch (made again with the context)."""
         n = self.n_batch
         self._tokens_view = np.ctypeslib.as_array(self._batch.token, shape=(n,))
         self._pos_view = np.ctypeslib.as_array(self._batch.pos, shape=(n,))
@@ -641,6 +651,8 @@ class Engine(LlamaModel):
         if spans[0][1] == 0:  # new windows: nothing of the previous ones may be attended to
             self.clear_memory()
         self._fill_batch(windows, spans, masks)
+        if self.hidden:  # an embeddings call outputs every token: only where some are scored
+            self._lc.llama_set_embeddings(self.ctx, bool(self._logits_view[:self._batch.n_tokens].any()))
         self.decode()
         # the rows [lo, hi) of each window's scored positions among its positions [start, stop)
         parts = [(k, *np.searchsorted(scored[k], (start, stop))) for k, start, stop in spans]
@@ -648,13 +660,37 @@ class Engine(LlamaModel):
         if not total:
             return []
         # one row per requested position, in batch order (llama.cpp restores it after splitting ubatches)
-        logits = self.output_logits(total)
+        logits, hidden = self._output_rows(spans, scored, parts, total)
         out, at = [], 0
         for k, lo, hi in parts:
             if hi > lo:
-                out.append(ScoredRows(k, int(lo), scored[k][lo:hi], logits[at:at + hi - lo]))
+                out.append(ScoredRows(k, int(lo), scored[k][lo:hi], logits[at:at + hi - lo],
+                                      None if hidden is None else hidden[at:at + hi - lo]))
                 at += hi - lo
         return out
+
+    def output_hidden(self) -> None:
+        """From now on also return each scored row's hidden state: llama.cpp's `result_norm`, the output head's
+        input, from the same decode as its logits (an embeddings context with pooling none). The context is made
+        again with pooling none; embeddings are switched on only for calls with scored rows, since llama.cpp then
+        outputs every token of the call (the rows are picked out here)."""
+        if not self.hidden:
+            self.hidden = True
+            self.open_context(self.shape)
+            self._bind_batch()
+
+    def _output_rows(self, spans: list[Span], scored: list[np.ndarray], parts, total: int
+                     ) -> tuple[np.ndarray, np.ndarray | None]:
+        """(logits, hidden or None) of the scored rows of the last decode, in batch order."""
+        if not self.hidden:
+            return self.output_logits(total), None
+        picked, at = [], 0
+        for (k, start, stop), (_, lo, hi) in zip(spans, parts):
+            picked.append(at + scored[k][lo:hi] - start)
+            at += stop - start
+        rows = np.concatenate(picked)
+        embd = np.ctypeslib.as_array(self._lc.llama_get_embeddings(self.ctx), shape=(at, self.n_embd))
+        return self.output_logits(at)[rows], embd[rows]
 
     def iter_calls(self, windows: np.ndarray, scored: list[np.ndarray] | None = None) -> Iterator[list[ScoredRows]]:
         """Decode windows [n, n_ctx] in order; yield the scored rows of every call that has some.

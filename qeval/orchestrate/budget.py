@@ -24,6 +24,7 @@ from qeval.engine.engine import GENERATE, EngineSettings, available_cores
 from qeval.errors import QevalError
 from qeval.present.progress import say
 from qeval.storage.error_record import DEFAULT_BANDS, record_bytes
+from qeval.storage.hidden_form import ACTIVATIONS
 from qeval.storage.store import StoreHeader
 
 # --- bytes: the store format (docs/store-format.md) ------------------------------------------------------------
@@ -39,6 +40,11 @@ STORE_BYTES_PER_VOCAB_ENTRY = (132_203 - STORE_ROW_BYTES) / 262_144
 # plus an ERRS record's frame and head (40 bytes) per chunk piece of at most 256 rows, counted here per row.
 ERROR_ROW_BYTES = record_bytes(1, DEFAULT_BANDS) - record_bytes(0, DEFAULT_BANDS) + 1
 STORE_TABLE_BYTES = 65_536 * 4
+# The hidden form (format version 5, qeval.storage.hidden_form) keeps per scored token its scalars, ids and error
+# record as above and the output head's input instead of the codes: zstd takes q8_0 rows (680 bytes at Gemma-3's
+# d_model 640) to ~0.92 of their size (docs/why-logits.md), fp16 rows hardly at all; plus the head, once per store.
+# Auto may keep either form per piece: counted as the logits form, plus the head.
+HIDDEN_ZSTD_RATIO = 0.95
 # A saved result's per-token columns (.npz): 12 float64 columns (kld, nll, p, top-k agreement ...) and 4 per
 # sampler, counted uncompressed (npz files measured 52-94 bytes per token), plus its JSON summary.
 RESULT_COLUMNS, SAMPLER_COLUMNS, RESULT_JSON_BYTES = 12, 4, 64_000
@@ -73,14 +79,23 @@ class Run:
     keeps_result: bool = False  # its result (JSON + per-token npz) is saved
     samplers: int = 0
     settings: EngineSettings = EngineSettings()
+    head: dict | None = None  # a store that may hold the hidden form: its header's `head` (its form and its bytes)
 
     @property
     def bytes(self) -> int:
         store = STORE_TABLE_BYTES + 4 * self.tokens + self.rows * (
-            STORE_ROW_BYTES + ERROR_ROW_BYTES + self.n_vocab * STORE_BYTES_PER_VOCAB_ENTRY) if self.keeps_store else 0
+            STORE_ROW_BYTES + ERROR_ROW_BYTES + self.row_form_bytes) + (self.head or {}).get("bytes", 0) \
+            if self.keeps_store else 0
         result = RESULT_JSON_BYTES + self.rows * 8 * (RESULT_COLUMNS + SAMPLER_COLUMNS * self.samplers) \
             if self.keeps_result else 0
         return math.ceil(store + result)
+
+    @property
+    def row_form_bytes(self) -> float:
+        """What a scored row's form costs beyond its scalars and error record: its codes, or its hidden row."""
+        if self.head is not None and self.head["form"] == "hidden":
+            return ACTIVATIONS[self.head["type"]].row_bytes(self.head["n_embd"]) * HIDDEN_ZSTD_RATIO
+        return self.n_vocab * STORE_BYTES_PER_VOCAB_ENTRY
 
     @property
     def seconds(self) -> float | None:
@@ -185,7 +200,8 @@ def require_space(directory: Path, needed: int, what: str, hint: str, elsewhere:
 def capture_run(start: CaptureStart) -> Run:
     """A capture about to start (qeval.capture.capture's on_start): the chunks it still has to write."""
     return Run(start.header.label, model_bytes(start.model), len(start.todo) * start.header.n_ctx, start.rows,
-               start.header.n_vocab, live=False, keeps_store=True, settings=start.settings)
+               start.header.n_vocab, live=False, keeps_store=True, settings=start.settings,
+               head=start.header.head or None)
 
 
 def check_capture(start: CaptureStart, announce: bool) -> None:

@@ -132,7 +132,8 @@ def merge_stores(parts: Sequence[str | os.PathLike], out: str | os.PathLike, lab
 
 def _copy(ordered: list[StoreReader], tmp: Path, header, on_chunk) -> None:
     first = ordered[0]
-    with StoreWriter.open(tmp, header, first.tokens, first.lut) as writer:
+    head = first.output_head if header.hidden else None  # shards of one capture share it (its identity's form)
+    with StoreWriter.open(tmp, header, first.tokens, first.lut, head=head) as writer:
         for r in ordered:
             for index in r.chunk_indices:
                 # iter_pieces checks each record's checksum and fields; write_chunk writes back the same

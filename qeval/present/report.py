@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -220,7 +221,19 @@ def info(source) -> dict:
         "form": form(h),
         "error": {"recorded": True, "bands": h.error, **error_record.summarize(e for _, e in source.iter_errors())}
         if h.error_bands is not None else {"recorded": False},
+        **hidden_form_facts(source, size, scored),
     }
+
+
+def hidden_form_facts(source, size: int, scored: int) -> dict:
+    """A store that may hold the hidden form: its pieces by form, its head, and its bytes per scored token without
+    the head (the head is stored once, whatever the number of tokens)."""
+    h = source.header
+    if not h.hidden:
+        return {}
+    forms = Counter(f for _, _, f in source.piece_forms()) if hasattr(source, "piece_forms") else Counter()
+    return {"pieces_by_form": dict(sorted(forms.items())), "head": h.head,
+            "bytes_per_scored_token_without_head": (size - h.head["bytes"]) / scored if scored else math.nan}
 
 
 def _scored_text(h: dict) -> str:
@@ -266,6 +279,14 @@ def info_text(d: dict) -> str:
         f"{d['ratio_vs_llamacpp']:.1f}x larger",
         f"error      : {error_text(d['error'])}",
     ]
+    if "head" in d:
+        head = d["head"]
+        lines += [f"pieces     : " + ", ".join(f"{n} {f}" for f, n in d["pieces_by_form"].items())
+                  + f" (asked for: {head['form']}; the hidden form is replayed through the head below)",
+                  f"head       : {head['tensor']} {head['type']} [{head['n_vocab']} x {head['n_embd']}], activations "
+                  f"{head['activation']}, soft-cap {head['softcap'] or 'none'}, {head['bytes']:,} bytes embedded once, "
+                  f"sha256 {head['fingerprint'][:16]}…; {d['bytes_per_scored_token_without_head']:,.0f} bytes per "
+                  "scored token without it"]
     return "\n".join(lines)
 
 

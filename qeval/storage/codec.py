@@ -26,12 +26,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Iterator
 
 import numba
 import numpy as np
 
+from qeval.errors import StoreFormatError
 from qeval.storage.error_record import ErrorBands, ErrorMeter, ErrorRecord
-from qeval.storage.store import N_CODES, TOP_K, codes_to_planes, planes_to_codes
+from qeval.storage.hidden_form import OutputHead, StoredActivations, activation_bytes, replay_kl
+from qeval.storage.planes import N_CODES, TOP_K, codes_to_planes, planes_to_codes
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,8 @@ class EncodedBlock:
     logprob_max: np.ndarray  # float64 [b]
     top_ids: np.ndarray  # int32 [b, min(TOP_K, V)]
     error: ErrorRecord | None = None  # how far the coded rows are from the logits (SqrtLogCode.error)
+    hidden: bytes | None = None  # the hidden form: the rows' stored activations (planes: the replayed rows')
+    replay_kl: np.ndarray | None = None  # the hidden form: KL(exact ‖ replayed logits) per token, float64
 
     def __len__(self) -> int:
         return len(self.logprob_target)
@@ -121,14 +126,7 @@ def encode_block(logits: np.ndarray, targets: np.ndarray, code: SqrtLogCode) -> 
     row_max = top_vals[:, 0:1]
     if not np.all(np.isfinite(row_max)) or np.isnan(logits).any():
         raise BadLogits("logits contain NaN or a row with no finite value")
-    # exp in numpy, in place: it is vectorised (SIMD), unlike a scalar exp inside a compiled loop.
-    half = np.subtract(logits, row_max)
-    half *= 0.5
-    np.exp(half, out=half)  # sqrt(p / p_max), float32, in [0, 1]
-    codes = np.empty((b, n_vocab), dtype=np.uint16)
-    mass = np.empty(b, dtype=np.float64)
-    _codes_and_mass(logits, row_max[:, 0], half, np.float32(code.slope), np.float32(code.knee),
-                    np.float32(2.0 * code.slope * math.exp(-0.5 * code.knee)), codes, mass)
+    codes, mass = _codes(logits, row_max, code)
     planes = codes_to_planes(codes)  # two vectorised passes: faster than two byte stores per entry in the loop
     if code.error is None:  # as before error records: the log-normaliser from float32 sqrt(p/p_max) (~1e-7 nats)
         error, log_norm = None, np.log(mass)
@@ -139,6 +137,85 @@ def encode_block(logits: np.ndarray, targets: np.ndarray, code: SqrtLogCode) -> 
     rows = np.arange(b)
     logprob_target = (logits[rows, targets].astype(np.float64) - row_max[:, 0]) - log_norm
     return EncodedBlock(planes, logprob_target, -log_norm, top_ids, error)
+
+
+def _codes(logits: np.ndarray, row_max: np.ndarray, code: SqrtLogCode) -> tuple[np.ndarray, np.ndarray]:
+    """(uint16 codes [b, V], sum(p/p_max) in float64 [b]) of float32 rows with maxima row_max [b, 1]."""
+    b, n_vocab = logits.shape
+    # exp in numpy, in place: it is vectorised (SIMD), unlike a scalar exp inside a compiled loop.
+    half = np.subtract(logits, row_max)
+    half *= 0.5
+    np.exp(half, out=half)  # sqrt(p / p_max), float32, in [0, 1]
+    codes = np.empty((b, n_vocab), dtype=np.uint16)
+    mass = np.empty(b, dtype=np.float64)
+    _codes_and_mass(logits, row_max[:, 0], half, np.float32(code.slope), np.float32(code.knee),
+                    np.float32(2.0 * code.slope * math.exp(-0.5 * code.knee)), codes, mass)
+    return codes, mass
+
+
+# --- the hidden form: rows replayed through the output head, coded by the store's code ---------------------------
+REPLAY_ROWS = 32  # rows replayed at once: the kernel walks the head once per block (float64 [V, 32]: 64 MB at 262K)
+
+
+def replayed_codes(head: OutputHead, rows: StoredActivations, code: SqrtLogCode) -> Iterator[np.ndarray]:
+    """uint16 codes [b, V] of stored hidden rows replayed through the head (float64, post-head ops applied, rounded
+    to float32 as llama.cpp's logits are), REPLAY_ROWS at a time: what a reader of the hidden form compares."""
+    for start in range(0, len(rows), REPLAY_ROWS):
+        yield code_replayed(head.replay(rows.rows(start, start + REPLAY_ROWS)), code)
+
+
+def code_replayed(replayed: np.ndarray, code: SqrtLogCode) -> np.ndarray:
+    """uint16 codes of float64 replayed logits, rounded to float32 first (as llama.cpp's logits are)."""
+    logits = replayed.astype(np.float32)
+    row_max = logits.max(axis=1, keepdims=True)
+    if not np.all(np.isfinite(row_max)):
+        raise BadLogits("replayed logits contain NaN or a row with no finite value")
+    return _codes(logits, row_max, code)[0]
+
+
+def replayed_planes(head: OutputHead, rows: StoredActivations, code: SqrtLogCode) -> Iterator[np.ndarray]:
+    """replayed_codes as planes (uint8 [b, 2, V]), as a store's chunk yields them."""
+    for codes in replayed_codes(head, rows, code):
+        yield codes_to_planes(codes)
+
+
+def encode_hidden_block(logits: np.ndarray, hidden: np.ndarray, targets: np.ndarray, code: SqrtLogCode,
+                        head: OutputHead) -> "EncodedBlock":
+    """A block in the hidden form: hidden float32 [b, n_embd] rows (the head's input) with their exact float32
+    logits [b, V]. The planes are those of the replayed rows (what a reader compares), the scalars and top ids
+    exact (from `logits`, as encode_block's), the error record measured from the exact rows against the coded
+    replayed ones, and `replay_kl` KL(exact ‖ replayed logits) per token, before coding."""
+    logits = np.ascontiguousarray(logits, dtype=np.float32)
+    b, n_vocab = logits.shape
+    top_vals = np.empty((b, min(TOP_K, n_vocab)), dtype=np.float32)
+    top_ids = np.empty((b, top_vals.shape[1]), dtype=np.int32)
+    _top_k(logits, top_vals, top_ids)
+    if not np.all(np.isfinite(top_vals[:, 0])) or np.isnan(logits).any():
+        raise BadLogits("logits contain NaN or a row with no finite value")
+    stored = activation_bytes(hidden, head.activation)
+    rows = StoredActivations.parse(stored, b, head.n_embd, head.activation, "hidden rows")
+    replayed = np.concatenate([head.replay(rows.rows(s, s + REPLAY_ROWS)) for s in range(0, b, REPLAY_ROWS)])
+    codes = code_replayed(replayed, code)
+    lut, lut_exp, band = code.error_tables()
+    error, log_norm = ErrorMeter.of(code.error, n_vocab).measure(logits, top_vals[:, 0],
+                                                                 lambda t: (codes[t], lut, lut_exp, band))
+    logprob_target = (logits[np.arange(b), targets].astype(np.float64) - top_vals[:, 0]) - log_norm
+    return EncodedBlock(codes_to_planes(codes), logprob_target, -log_norm, top_ids, error, stored,
+                        replay_kl(logits, replayed))
+
+
+def code_of(codec: dict, lut: np.ndarray, where: str) -> SqrtLogCode:
+    """The code a store's header names (its `codec`), checked against its LUT_: what its replayed rows are coded
+    with (StoreFormatError when it names a code this qeval does not make)."""
+    knee = codec.get("knee")
+    if (codec.get("name") != "sqrt-log" or not isinstance(knee, (int, float)) or isinstance(knee, bool)
+            or not math.isfinite(knee) or knee > 0):
+        raise StoreFormatError(f"{where}: the store's hidden pieces are coded with {codec!r}, a code qeval does not "
+                               "make")
+    code = SqrtLogCode(float(knee))
+    if not np.array_equal(code.lut(), lut):
+        raise StoreFormatError(f"{where}: the code table (LUT_) is not that of the header's codec")
+    return code
 
 
 def top_k_ids(logits_row: np.ndarray) -> np.ndarray:

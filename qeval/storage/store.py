@@ -36,6 +36,9 @@ from qeval import __version__
 from qeval.errors import MismatchError, QevalError, StoreFormatError, WriteFailed
 from qeval.identity import capture_conflicts, extends, tokens_sha256
 from qeval.storage.error_record import ErrorBands, ErrorRecord, record_bytes, rows_of
+from qeval.storage.codec import code_of, replayed_planes
+from qeval.storage.hidden_form import OutputHead, StoredActivations, check_head_entry
+from qeval.storage.planes import N_CODES, TOP_K, codes_to_planes, planes_to_codes  # noqa: F401 - re-exported
 from qeval.storage.scoring import HALF, Scoring, WindowLabels, positions_of
 
 MAGIC = b"QEVALLOG"
@@ -45,9 +48,11 @@ LABELLED_VERSION = 3  # 3: the header holds per-token labels (`windows`): a conv
 # 4: each CHNK record is followed by an ERRS record, the per-token error of the stored form (header `error`), with
 # or without labels. Older readers refuse it by its version.
 ERROR_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)
-N_CODES = 65536
-TOP_K = 10
+# 5: a store that may hold the hidden form (header `head`): its output head once (OUTW, after LUT_), and each piece
+# either a CHNK (logits codes) or a HIDN record (the head's input, replayed by the reader), each followed by ERRS.
+HIDDEN_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
+PIECE_TAGS = (b"CHNK", b"HIDN")  # the two forms of a piece
 # A chunk (window) of more scored rows is written as pieces of this many rows (one CHNK record each), so
 # writer and reader hold one piece, not a window: a 32K window scored everywhere is ~4 GB compressed.
 # Piece borders sit at multiples of PIECE_ROWS in every store, so two stores' token blocks stay aligned.
@@ -58,6 +63,7 @@ _RECORD = struct.Struct("<4sIQ")
 _CHECKSUM = struct.Struct("<Q")  # XXH3-64: 16 GB/s here, CRC-32 (zlib) only 1.8 GB/s
 _TRAILER = struct.Struct("<8sQ")
 _CHUNK_HEAD = struct.Struct("<IIII")
+_REPLAY_CHECKSUM = struct.Struct("<Q")  # a HIDN record's checksum of its replayed rows (HiddenChunk)
 _INDEX_ENTRY = np.dtype([("chunk", "<u4"), ("first_row", "<u4"), ("offset", "<u8")])  # one per CHNK record
 
 # Sanity bounds for values read from a file, so a corrupt header cannot make us allocate wildly.
@@ -97,6 +103,7 @@ class StoreHeader:
     scoring: str = HALF.rule  # which logit positions are scored (qeval.storage.scoring)
     windows: dict = field(default_factory=dict)  # per-token labels of a conversation capture (WindowLabels JSON)
     error: dict = field(default_factory=dict)  # the error record's bands (ErrorBands JSON); {}: no record
+    head: dict = field(default_factory=dict)  # the embedded output head (hidden_form.head_entry); {}: logits only
 
     def __post_init__(self):
         if self.top_k == 0:
@@ -105,6 +112,8 @@ class StoreHeader:
             object.__setattr__(self, "format_version", LABELLED_VERSION)
         if self.error and self.format_version < ERROR_VERSION:
             object.__setattr__(self, "format_version", ERROR_VERSION)
+        if self.head and self.format_version < HIDDEN_VERSION:
+            object.__setattr__(self, "format_version", HIDDEN_VERSION)
 
     @cached_property
     def error_bands(self) -> ErrorBands | None:
@@ -138,6 +147,11 @@ class StoreHeader:
         return [len(self.positions_of(c)) for c in range(self.n_chunks)]
 
     @property
+    def hidden(self) -> bool:
+        """Whether its pieces may hold the hidden form (it embeds an output head)."""
+        return bool(self.head)
+
+    @property
     def per_window(self) -> bool:
         return self.window_labels is not None
 
@@ -158,8 +172,8 @@ class StoreHeader:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
         if self.format_version == 1:
             del d["scoring"]  # version 1 has no such field: it is half
-        for name in ("windows", "error"):
-            if not d[name]:  # a version 2 header has neither, a version 4 one what it holds
+        for name in ("windows", "error", "head"):
+            if not d[name]:  # a version 2 header has none, a later one what it holds
                 del d[name]
         if not self.per_window:
             d["n_scored"] = self.n_scored
@@ -184,7 +198,7 @@ class StoreHeader:
             if not isinstance(v, str):
                 raise StoreFormatError(f"{where}: header field {name!r} must be a string")
             kwargs[name] = v
-        for name in ("codec", "model", "kv", "corpus", "capture", "windows", "error"):
+        for name in ("codec", "model", "kv", "corpus", "capture", "windows", "error", "head"):
             v = d.get(name, {})
             if not isinstance(v, dict):
                 raise StoreFormatError(f"{where}: header field {name!r} must be an object")
@@ -208,6 +222,11 @@ class StoreHeader:
                                    "error record (header field 'error')")
         if kwargs["error"]:
             ErrorBands.from_json(kwargs["error"], where)
+        if bool(kwargs["head"]) != (version >= HIDDEN_VERSION):
+            raise StoreFormatError(f"{where}: format version {version} {'with' if kwargs['head'] else 'without'} an "
+                                   "output head (header field 'head')")
+        if kwargs["head"]:
+            check_head_entry(kwargs["head"], kwargs["n_vocab"], where)
         h = cls(**kwargs)
         try:
             h.window_labels
@@ -270,6 +289,42 @@ class ChunkData:
         return out
 
 
+@dataclass
+class HiddenChunk(ChunkData):
+    """A piece stored in the hidden form (a HIDN record): its scalars and error record as a CHNK's, and instead of
+    codes one zstd frame of the output head's input (codes_zst holds it). Read like any chunk: iter_planes replays
+    the rows through the store's head and codes them with its code, exactly as the capture did, and checks the
+    rows against the capture's checksum of them (replay_checksum), so the error record is that of these rows."""
+
+    replay_checksum: int = 0  # XXH3-64 of the coded replayed rows' planes, in row order
+    reader: "StoreReader | None" = None  # where its head and code come from (None: a piece being written)
+
+    def iter_planes(self, n_vocab: int, block_tokens: int = 16, buffers: int = 1) -> Iterator[tuple[int, np.ndarray]]:
+        """Replayed blocks are fresh arrays, so `buffers` (a ring size for stored codes) is not needed."""
+        reader = self.reader
+        head = reader.output_head
+        frame_bytes = self.n_tokens * head.activation.row_bytes(head.n_embd)
+        raw = bytearray(frame_bytes)
+        with zstandard.ZstdDecompressor().stream_reader(self.codes_zst, read_across_frames=False) as stream:
+            _read_exact(stream, memoryview(raw), f"chunk {self.index} (hidden rows)")
+            if stream.read(1):
+                raise StoreFormatError(f"chunk {self.index}: hidden frame holds more data than its token count")
+        rows = StoredActivations.parse(raw, self.n_tokens, head.n_embd, head.activation,
+                                       f"{reader.path}: chunk {self.index}")
+        digest = xxhash.xxh3_64()
+
+        def blocks() -> Iterator[np.ndarray]:
+            for planes in replayed_planes(head, rows, reader.code):
+                digest.update(planes)
+                yield planes
+
+        yield from reblock(blocks(), block_tokens)
+        if digest.intdigest() != self.replay_checksum:
+            raise StoreFormatError(f"{reader.path}: chunk {self.index}: the hidden rows replayed on this machine differ "
+                                   "from the capture's (its error record is not theirs); compare on a machine "
+                                   "like the capturing one, or capture the reference in the logits form")
+
+
 def reblock(blocks: Iterable[np.ndarray], size: int) -> Iterator[tuple[int, np.ndarray]]:
     """(first row, rows) in blocks of `size` rows; blocks that already fit are passed without a copy."""
     start, pending = 0, []
@@ -296,19 +351,6 @@ def _read_exact(reader, view: memoryview, what: str) -> None:
         raise StoreFormatError(f"{what}: code frame is corrupt ({exc})") from None
 
 
-def codes_to_planes(codes: np.ndarray) -> np.ndarray:
-    """uint16 [b, n_vocab] -> uint8 [b, 2, n_vocab] (high bytes, then low bytes): zstd packs planes far better."""
-    codes = np.asarray(codes, dtype=np.uint16)
-    planes = np.empty((codes.shape[0], 2, codes.shape[1]), dtype=np.uint8)
-    np.right_shift(codes, 8, out=planes[:, 0, :], casting="unsafe")
-    np.bitwise_and(codes, 0xFF, out=planes[:, 1, :], casting="unsafe")
-    return planes
-
-
-def planes_to_codes(planes: np.ndarray) -> np.ndarray:
-    return (planes[:, 0, :].astype(np.uint16) << 8) | planes[:, 1, :]
-
-
 def zstd_compressor(threads: int = 0) -> zstandard.ZstdCompressor:
     return zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=threads)
 
@@ -318,22 +360,33 @@ class ChunkBuilder:
 
     A compressor may be shared by consecutive chunks (not by concurrent ones)."""
 
-    def __init__(self, index: int, compressor: zstandard.ZstdCompressor | None = None, first_row: int = 0):
-        self.index, self.first_row = index, first_row
+    def __init__(self, index: int, compressor: zstandard.ZstdCompressor | None = None, first_row: int = 0,
+                 hidden: bool = False):
+        """hidden: build a HiddenChunk: each block comes with its hidden rows (compressed) and its planes are those
+        of the replayed rows (only checksummed)."""
+        self.index, self.first_row, self.hidden = index, first_row, hidden
+        self._digest = xxhash.xxh3_64()
         self._z = (compressor or zstd_compressor()).compressobj()
         self._parts: list = []
         self._scalars: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self._errors: list[ErrorRecord | None] = []
 
     def add(self, planes: np.ndarray, logprob_target: np.ndarray, logprob_max: np.ndarray,
-            top_ids: np.ndarray, error: ErrorRecord | None = None) -> None:
-        """planes: uint8 [b, 2, V] (see codes_to_planes); error: the rows' error record (all blocks or none)."""
+            top_ids: np.ndarray, error: ErrorRecord | None = None, hidden_rows: bytes | None = None) -> None:
+        """planes: uint8 [b, 2, V] (see codes_to_planes); error: the rows' error record (all blocks or none);
+        hidden_rows: the rows' stored hidden form (a hidden builder's blocks, whose planes are the replayed rows')."""
         if planes.dtype != np.uint8 or planes.ndim != 3 or planes.shape[1] != 2:
             raise ValueError(f"planes must be uint8 [b, 2, V], got {planes.dtype} {planes.shape}")
         if self._errors and (error is None) != (self._errors[0] is None):
             raise ValueError("a chunk's blocks all carry an error record or none does")
         planes = np.ascontiguousarray(planes)
-        self._parts.append(self._z.compress(planes.data))
+        if (hidden_rows is not None) != self.hidden:
+            raise ValueError("a hidden chunk's blocks come with their hidden rows, a logits chunk's without")
+        if self.hidden:
+            self._digest.update(planes.data)
+            self._parts.append(self._z.compress(hidden_rows))
+        else:
+            self._parts.append(self._z.compress(planes.data))
         self._scalars.append((np.asarray(logprob_target, np.float64), np.asarray(logprob_max, np.float64),
                               np.asarray(top_ids, np.int32)))
         self._errors.append(error)
@@ -342,6 +395,9 @@ class ChunkBuilder:
         lt, lm, top = (np.concatenate(cols) for cols in zip(*self._scalars))
         self._parts.append(self._z.flush())
         error = None if self._errors[0] is None else ErrorRecord.concat(self._errors)
+        if self.hidden:
+            return HiddenChunk(self.index, lt, lm, top, b"".join(self._parts), self.first_row, error,
+                               self._digest.intdigest())
         return ChunkData(self.index, lt, lm, top, b"".join(self._parts), self.first_row, error)
 
     @property
@@ -362,6 +418,7 @@ def _chunk_payload(chunk: ChunkData, top_k: int) -> bytes:
         np.ascontiguousarray(chunk.logprob_target, "<f8").tobytes(),
         np.ascontiguousarray(chunk.logprob_max, "<f8").tobytes(),
         np.ascontiguousarray(chunk.top_ids, "<i4").tobytes(),
+        _REPLAY_CHECKSUM.pack(chunk.replay_checksum) if isinstance(chunk, HiddenChunk) else b"",
         chunk.codes_zst,
     ])
 
@@ -370,7 +427,7 @@ class StoreWriter:
     """Appends chunks to a store; `open()` creates a new file or resumes an interrupted one."""
 
     def __init__(self, path: Path, header: StoreHeader, fh, pieces: dict[int, list[tuple[int, int]]],
-                 replaces: Path | None = None):
+                 replaces: Path | None = None):  # noqa: D107
         self.path, self.header, self._fh = path, header, fh
         self._pieces = pieces  # chunk -> [(first_row, offset)] of its CHNK records, in row order
         self._rows = {c: header.n_scored_of(c) for c in pieces}  # rows written per chunk (resumed chunks are complete)
@@ -380,7 +437,7 @@ class StoreWriter:
 
     @classmethod
     def open(cls, path: str | os.PathLike, header: StoreHeader, tokens: np.ndarray,
-             lut: np.ndarray, replace: bool = False) -> "StoreWriter":
+             lut: np.ndarray, replace: bool = False, head: OutputHead | None = None) -> "StoreWriter":
         """Create `path`, or resume it if it is an interrupted capture of exactly the same inputs.
 
         Raises StoreComplete if `path` is a complete store that holds this capture (it may hold more
@@ -388,16 +445,19 @@ class StoreWriter:
         written beside it with its chunks copied (_extension). A store there that holds anything else is refused
         (StoreConflict, naming what differs); with `replace`, the new capture is written to replacement_path(path)
         instead (resumed there after an interruption) and renamed over `path` by finish(), so the old
-        store stays until the new one is complete.
+        store stays until the new one is complete. `head`: the output head a store that may hold the hidden form
+        embeds (its header's `head` describes it).
         """
         path = Path(path)
+        if (head is None) != (not header.head) or (head is not None and head.fingerprint != header.head["fingerprint"]):
+            raise ValueError("a store embeds the output head its header describes, and only that one")
         tokens = np.ascontiguousarray(tokens, dtype="<i4")
         if tokens.shape != (header.n_chunks, header.n_ctx):
             raise ValueError(f"tokens must be [{header.n_chunks}, {header.n_ctx}], got {tokens.shape}")
         if header.tokens_sha256 != tokens_sha256(tokens):
             raise ValueError("header.tokens_sha256 does not match the tokens")
         if not _has_data(path):
-            return cls._create(path, header, tokens, lut)
+            return cls._create(path, header, tokens, lut, head)
         try:
             conflicts, complete = _conflicts_with(path, header, tokens, lut)
         except StoreFormatError:
@@ -409,15 +469,17 @@ class StoreWriter:
                 raise StoreComplete(path)
             return cls._resume(path)
         if complete and _extended_by(path, header, tokens):
-            return cls._extension(path, header, tokens, lut)
-        if complete and not replace and header.error and not _conflicts_with(path, replace_error(header), tokens, lut)[0]:
+            return cls._extension(path, header, tokens, lut, head)
+        if (complete and not replace and header.error and not header.head
+                and not _conflicts_with(path, replace_error(header), tokens, lut)[0]):
             raise StoreComplete(path, older_form=True)
         if not replace:
             raise StoreConflict(path, conflicts)
-        return cls._replacement(path, header, tokens, lut)
+        return cls._replacement(path, header, tokens, lut, head)
 
     @classmethod
-    def _create(cls, path: Path, header: StoreHeader, tokens: np.ndarray, lut: np.ndarray) -> "StoreWriter":
+    def _create(cls, path: Path, header: StoreHeader, tokens: np.ndarray, lut: np.ndarray,
+                head: OutputHead | None) -> "StoreWriter":
         try:
             fh = open(path, "wb")
         except OSError as exc:
@@ -426,6 +488,8 @@ class StoreWriter:
         fh.write(_encode_record(b"HEAD", json.dumps(header.to_json(), sort_keys=True).encode()))
         fh.write(_encode_record(b"TOKS", tokens.tobytes()))
         fh.write(_encode_record(b"LUT_", np.ascontiguousarray(lut, "<f4").tobytes()))
+        if head is not None:
+            fh.write(_encode_record(b"OUTW", head.payload()))
         _sync(fh)
         writer = cls(path, header, fh, {})
         writer.created = True
@@ -441,22 +505,25 @@ class StoreWriter:
         return cls(path, header, fh, pieces)
 
     @classmethod
-    def _replacement(cls, path: Path, header: StoreHeader, tokens: np.ndarray, lut: np.ndarray) -> "StoreWriter":
+    def _replacement(cls, path: Path, header: StoreHeader, tokens: np.ndarray, lut: np.ndarray,
+                     head: OutputHead | None) -> "StoreWriter":
         """A writer of the capture that will replace `path`: an interrupted one is resumed, anything
         else at the replacement path (another capture, a torn file) is started over."""
         tmp = replacement_path(path)
-        writer = cls._resume(tmp) if _is_resumable(tmp, header, tokens, lut) else cls._create(tmp, header, tokens, lut)
+        writer = (cls._resume(tmp) if _is_resumable(tmp, header, tokens, lut) else
+                  cls._create(tmp, header, tokens, lut, head))
         writer.replaces = path
         return writer
 
     @classmethod
-    def _extension(cls, path: Path, header: StoreHeader, tokens: np.ndarray, lut: np.ndarray) -> "StoreWriter":
+    def _extension(cls, path: Path, header: StoreHeader, tokens: np.ndarray, lut: np.ndarray,
+                   head: OutputHead | None) -> "StoreWriter":
         """The writer of a capture that grows the complete store at `path` (identity.extends): written at
         replacement_path(path), as a replacement, which starts with the old chunks' records copied byte for byte
         (resumed, when an interrupted extension is there) and is renamed over `path` once complete. Only chunks that
         whole decode calls produced are copied: llama.cpp's logits of a window can move with the windows decoded
         beside it, and the new capture's calls group its windows from the start (kept_chunks)."""
-        writer = cls._replacement(path, header, tokens, lut)
+        writer = cls._replacement(path, header, tokens, lut, head)
         if writer.created:
             with StoreReader(path) as old:
                 for chunk in range(kept_chunks(old.header)):
@@ -489,7 +556,10 @@ class StoreWriter:
         if chunk.n_tokens < 1 or end > n_scored or (end < n_scored and end % PIECE_ROWS):
             raise ValueError(f"chunk {chunk.index}: a piece of rows {rows}:{end} does not fit {n_scored} "
                              f"scored rows in pieces of {PIECE_ROWS}")
-        record = _encode_record(b"CHNK", _chunk_payload(chunk, self.header.top_k))
+        hidden = isinstance(chunk, HiddenChunk)
+        if hidden and not self.header.hidden:
+            raise ValueError(f"chunk {chunk.index}: a hidden piece for a store without an output head")
+        record = _encode_record(PIECE_TAGS[hidden], _chunk_payload(chunk, self.header.top_k))
         offset = self._fh.tell()
         self._append(record + self._error_record(chunk))  # one write: a piece is never stored without its record
         self._pieces.setdefault(chunk.index, []).append((chunk.first_row, offset))
@@ -697,12 +767,13 @@ class StoreReader:
 
     def _record_at(self, offset: int, want_tag: bytes, max_len: int | None = None,
                    into: bytearray | None = None) -> tuple[bytes | memoryview, int]:
-        """Return (payload, offset after the record), checking tag, length and checksum.
+        """Return (payload, offset after the record), checking tag, length and checksum. want_tag b"CHNK" takes
+        either form of a piece where the store may hold both (PIECE_TAGS).
 
         With `into`, the payload is read into that (grown as needed) buffer and returned as a view.
         """
         tag, zero, n = _RECORD.unpack(self._read_at(offset, _RECORD.size))
-        if tag != want_tag or zero != 0:
+        if not self._tag_is(tag, want_tag) or zero != 0:
             raise StoreFormatError(f"{self._where(offset)}: expected a {want_tag.decode()} record, "
                                    f"found {tag!r}")
         end = offset + _RECORD.size + n + _CHECKSUM.size
@@ -715,6 +786,9 @@ class StoreReader:
             raise StoreFormatError(f"{self._where(offset)}: checksum mismatch in {want_tag.decode()} "
                                    "record (the file is corrupted)")
         return payload, end
+
+    def _tag_is(self, tag: bytes, want_tag: bytes) -> bool:
+        return tag == want_tag or (want_tag == b"CHNK" and self.header.hidden and tag in PIECE_TAGS)
 
     def _read_prologue(self) -> None:
         magic, version, _ = _PREAMBLE.unpack(self._read_at(0, _PREAMBLE.size))
@@ -747,7 +821,28 @@ class StoreReader:
         self.lut = np.frombuffer(payload, dtype="<f4").astype(np.float32)
         if not (np.all(np.isfinite(self.lut)) and np.all(np.diff(self.lut) >= 0)):
             raise StoreFormatError(f"{self.path}: code table must be finite and non-decreasing")
+        self._head_offset = None
+        if h.hidden:  # its output head: framing checked now, its bytes read (and checked) when a HIDN piece is
+            self._head_offset, pos = pos, self._record_end(pos, b"OUTW")
         self.first_chunk_offset = pos
+
+    @cached_property
+    def output_head(self) -> OutputHead:
+        """The output head the store embeds, checksummed and checked against the header's fingerprint."""
+        if self._head_offset is None:
+            raise StoreFormatError(f"{self.path}: the store holds no output head")
+        payload, _ = self._record_at(self._head_offset, b"OUTW")
+        head = OutputHead.from_payload(payload, str(self.path))
+        if {**head.describe(), "form": self.header.head["form"]} != self.header.head:
+            raise StoreFormatError(f"{self.path}: the embedded output head does not match the header's description "
+                                   f"and fingerprint (header {self.header.head.get('fingerprint')!r}, head "
+                                   f"{head.fingerprint!r})")
+        return head
+
+    @cached_property
+    def code(self):
+        """The code its replayed rows are coded with (SqrtLogCode of the header's codec), checked against LUT_."""
+        return code_of(self.header.codec, self.lut, str(self.path))
 
     def _read_index(self) -> bool:
         if self.size_bytes < self.first_chunk_offset + _TRAILER.size:
@@ -813,7 +908,7 @@ class StoreReader:
         """(chunk index, rows, first row, end offset) of the CHNK record at offset; full checksum check only if verify."""
         head = self._read_at(offset, _RECORD.size + _CHUNK_HEAD.size)
         tag, zero, n = _RECORD.unpack(head[:_RECORD.size])
-        if tag != b"CHNK" or zero != 0:
+        if not self._tag_is(tag, b"CHNK") or zero != 0:
             raise StoreFormatError(f"{self._where(offset)}: expected a CHNK record, found {tag!r}")
         end = offset + _RECORD.size + n + _CHECKSUM.size
         if end > self.size_bytes:
@@ -837,7 +932,7 @@ class StoreReader:
     def _record_end(self, offset: int, want_tag: bytes) -> int:
         """Where the record at `offset` (tag `want_tag`) ends, from its frame alone (the payload is not read)."""
         tag, zero, n = _RECORD.unpack(self._read_at(offset, _RECORD.size))
-        if tag != want_tag or zero != 0:
+        if not self._tag_is(tag, want_tag) or zero != 0:
             raise StoreFormatError(f"{self._where(offset)}: expected a {want_tag.decode()} record, found {tag!r}")
         end = offset + _RECORD.size + n + _CHECKSUM.size
         if end > self.size_bytes:
@@ -915,8 +1010,9 @@ class StoreReader:
             raise StoreFormatError(f"{self.path}: chunk {index} record disagrees with the header "
                                    f"(index {got_index}, rows {got_first}:{got_first + n}, top_k {top_k})")
         pos = _CHUNK_HEAD.size
+        hidden = self._read_at(offset, 4) == b"HIDN"
         sizes = (8 * n, 8 * n, 4 * n * top_k)
-        if len(payload) < pos + sum(sizes):
+        if len(payload) < pos + sum(sizes) + hidden * _REPLAY_CHECKSUM.size:
             raise StoreFormatError(f"{self.path}: chunk {index} record is too short")
         cols = []
         for size, dtype in zip(sizes, ("<f8", "<f8", "<i4")):
@@ -926,7 +1022,17 @@ class StoreReader:
         if top_ids.min() < 0 or top_ids.max() >= h.n_vocab:
             raise StoreFormatError(f"{self.path}: chunk {index} holds token ids outside the vocab")
         error = self._error_at(end, index, n, first_row)[0] if h.error_bands is not None else None
+        if hidden:
+            (replayed,) = _REPLAY_CHECKSUM.unpack_from(payload, pos)
+            return HiddenChunk(index, cols[0], cols[1], top_ids, memoryview(payload)[pos + _REPLAY_CHECKSUM.size:],
+                               first_row, error, replayed, self)
         return ChunkData(index, cols[0], cols[1], top_ids, memoryview(payload)[pos:], first_row, error)  # no 35 MB copy
+
+    def piece_forms(self) -> Iterator[tuple[int, int, str]]:
+        """(chunk, first row, "logits" or "hidden") of every piece, from the records' tags alone."""
+        for index in self.chunk_indices:
+            for first_row, offset in self._pieces_of(index):
+                yield index, first_row, "hidden" if self._read_at(offset, 4) == b"HIDN" else "logits"
 
     def close(self) -> None:
         self._fh.close()

@@ -1,0 +1,492 @@
+"""The hidden form of a reference (qeval.storage.hidden_form, format version 5): the output head's input stored as
+ggml's CPU kernel consumes it, replayed through the embedded head by a reader. Replay kernels against plain float64,
+stores written and read back, the bound against float64 logits token by token, and a reader that trusts nothing."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+import xxhash
+from conftest import make_header, make_tokens, perturb, write_store
+from test_error_bound import assert_bound_holds
+from test_metrics import RowsSource
+from test_store import _records, _rewrite_payload
+
+from qeval import api
+from qeval.compare import metrics
+from qeval.errors import StoreFormatError
+from qeval.identity import capture_conflicts, form
+from qeval.storage.codec import REPLAY_ROWS, SqrtLogCode, encode_hidden_block
+from qeval.storage.hidden_form import (
+    QK8_0,
+    OutputHead,
+    StoredActivations,
+    activation_bytes,
+    bf16_bits,
+    encode_q8_0,
+    head_entry,
+)
+from qeval.storage.store import ChunkBuilder, HiddenChunk, StoreHeader, StoreReader, StoreWriter
+
+N_VOCAB, N_EMBD, N_CTX = 700, 64, 24
+
+
+def tiny_head(rng: np.random.Generator, ggml_type: str = "Q8_0", softcap: float = 0.0) -> OutputHead:
+    """A random head of `ggml_type` whose logits spread over a few nats."""
+    w = (rng.standard_normal((N_VOCAB, N_EMBD)) * 0.4).astype(np.float32)
+    if ggml_type == "Q8_0":
+        d, q = encode_q8_0(w)
+        data = np.concatenate([d.astype("<f2").view(np.uint8).reshape(N_VOCAB, -1, 2), q.view(np.uint8)], axis=2)
+    elif ggml_type == "F16":
+        data = w.astype("<f2")
+    elif ggml_type == "BF16":
+        data = bf16_bits(w)
+    else:
+        data = w
+    return OutputHead("output.weight", ggml_type, N_VOCAB, N_EMBD, softcap, np.ascontiguousarray(data).tobytes())
+
+
+def dequantized(head: OutputHead) -> np.ndarray:
+    """The head's weights as float64 [V, d], by the GGML layouts (independently of the kernels' parsing)."""
+    raw = np.frombuffer(head.data, np.uint8)
+    if head.ggml_type == "Q8_0":
+        blocks = raw.reshape(N_VOCAB, -1, 2 + QK8_0)
+        d = blocks[:, :, :2].copy().view("<f2").astype(np.float64)
+        return (blocks[:, :, 2:].copy().view(np.int8) * d).reshape(N_VOCAB, -1)
+    if head.ggml_type == "BF16":
+        return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32).reshape(N_VOCAB, -1).astype(np.float64)
+    return raw.view({"F16": "<f2", "F32": "<f4"}[head.ggml_type]).reshape(N_VOCAB, -1).astype(np.float64)
+
+
+def as_multiplied(hidden: np.ndarray, head: OutputHead) -> np.ndarray:
+    """float64 of what ggml multiplies: the activations after the kernel's rounding (plain numpy)."""
+    if head.ggml_type == "Q8_0":
+        blocks = hidden.astype(np.float32).reshape(len(hidden), -1, QK8_0)
+        amax = np.abs(blocks).max(axis=-1, keepdims=True)
+        d = (amax / 127).astype(np.float16).astype(np.float64)
+        q = np.rint(blocks * np.where(amax > 0, np.float32(127) / amax, 0).astype(np.float32))
+        return (q * d).reshape(len(hidden), -1)
+    if head.ggml_type == "F16":
+        return hidden.astype(np.float16).astype(np.float64)
+    if head.ggml_type == "BF16":
+        return (bf16_bits(hidden).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return hidden.astype(np.float64)
+
+
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "F16", "BF16", "F32"])
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+def test_replay_is_the_float64_product_and_independent_of_the_block(ggml_type, softcap):
+    """The kernels give W·h of the rounded activations (float64 to ~1e-15), soft-capped where asked, and the same
+    bits for a row whatever rows are replayed beside it."""
+    rng = np.random.default_rng(1)
+    head = tiny_head(rng, ggml_type, softcap)
+    hidden = rng.standard_normal((37, N_EMBD)).astype(np.float32) * 3
+    rows = StoredActivations.parse(activation_bytes(hidden, head.activation), 37, N_EMBD, head.activation, "t")
+    got = head.replay(rows)
+    want = as_multiplied(hidden, head) @ dequantized(head).T
+    if softcap:
+        want = softcap * np.tanh(want / softcap)
+    np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-12)
+    one_by_one = np.concatenate([head.replay(rows.rows(t, t + 1)) for t in range(37)])
+    np.testing.assert_array_equal(got, one_by_one)
+
+
+def test_q8_0_activations_as_ggml_stores_them():
+    """34 bytes per 32 values; zero blocks stay zero; round-half-even of x·127/amax."""
+    x = np.zeros((2, 64), np.float32)
+    x[0, :32] = np.linspace(-1, 1, 32)
+    x[1, 32] = 127 * 2.5 / 127  # amax 2.5: q = 127 there
+    stored = activation_bytes(x, OutputHead("o", "Q8_0", 1, 64, 0.0, b"").activation)
+    assert len(stored) == 2 * 68
+    rows = StoredActivations.parse(stored, 2, 64, OutputHead("o", "Q8_0", 1, 64, 0.0, b"").activation, "t")
+    assert rows.values[0, 0, 0] == -127 and rows.values[0, 0, -1] == 127 and rows.scales[0, 1] == 0
+    assert rows.values[1, 1, 0] == 127 and np.all(rows.values[1, 1, 1:] == 0)
+
+
+# --------------------------------------------------------------------------------------------------
+# stores in the hidden form
+# --------------------------------------------------------------------------------------------------
+class HiddenCapture:
+    """A synthetic capture: hidden rows, the head, and the 'exact' float32 logits llama.cpp would give (the float64
+    product with float32 noise, as its accumulation order moves them)."""
+
+    def __init__(self, seed: int, n_chunks: int = 3, ggml_type: str = "Q8_0", noise: float = 2e-6):
+        rng = np.random.default_rng(seed)
+        self.head = tiny_head(rng, ggml_type)
+        self.tokens = make_tokens(rng, n_chunks, N_CTX, N_VOCAB)
+        self.hidden, self.logits = {}, {}
+        n = N_CTX // 2 - 1
+        for c in range(n_chunks):
+            h = rng.standard_normal((n, N_EMBD)).astype(np.float32) * 2
+            exact = as_multiplied(h, self.head) @ dequantized(self.head).T
+            self.hidden[c] = h
+            self.logits[c] = (exact * (1 + noise * rng.standard_normal(exact.shape))).astype(np.float32)
+
+    def write(self, path, form_name: str = "hidden", finish: bool = True, block: int = 5):
+        code = SqrtLogCode()
+        header = make_header(self.tokens, N_VOCAB, code, "HID", head=head_entry(self.head, form_name))
+        chunks = {}
+        with StoreWriter.open(path, header, self.tokens, code.lut(), head=self.head) as w:
+            for c in range(len(self.tokens)):
+                builder = ChunkBuilder(c, hidden=True)
+                targets = self.tokens[c, header.positions_of(c) + 1]
+                for s in range(0, len(targets), block):
+                    b = encode_hidden_block(self.logits[c][s:s + block], self.hidden[c][s:s + block],
+                                            targets[s:s + block], code, self.head)
+                    builder.add(b.planes, b.logprob_target, b.logprob_max, b.top_ids, b.error, b.hidden)
+                chunks[c] = builder.finish()
+                w.write_chunk(chunks[c])
+            if finish:
+                w.finish()
+        return header, chunks
+
+
+@pytest.fixture
+def hidden_store(tmp_path):
+    cap = HiddenCapture(seed=4)
+    path = tmp_path / "HID.qeval"
+    header, chunks = cap.write(path)
+    return cap, path, chunks
+
+
+def test_a_hidden_store_reads_back_as_the_capture_coded_it(hidden_store):
+    """Version 5, the head once, HIDN pieces; a reader's rows are the capture's replayed rows exactly, its scalars
+    exact from the capture's float32 logits, its error record as measured."""
+    cap, path, chunks = hidden_store
+    data = path.read_bytes()
+    tags = [t for t, _, _ in _records(data)]
+    assert tags[:4] == [b"HEAD", b"TOKS", b"LUT_", b"OUTW"] and tags.count(b"HIDN") == 3 and b"CHNK" not in tags
+    with StoreReader(path) as r:
+        assert r.header.format_version == 5 and r.header.head["type"] == "Q8_0"
+        assert [f for _, _, f in r.piece_forms()] == ["hidden"] * 3
+        for c in range(3):
+            got = r.read_chunk(c)
+            assert isinstance(got, HiddenChunk)
+            targets = cap.tokens[c, r.header.positions_of(c) + 1]
+            at_capture = encode_hidden_block(cap.logits[c], cap.hidden[c], targets, SqrtLogCode(), cap.head)
+            np.testing.assert_array_equal(got.codes(N_VOCAB), at_capture.codes)
+            x = cap.logits[c].astype(np.float64)
+            lp = x - x.max(axis=1, keepdims=True)
+            lp -= np.log(np.exp(lp).sum(axis=1, keepdims=True))
+            targets = cap.tokens[c, r.header.positions_of(c) + 1]
+            np.testing.assert_allclose(got.logprob_target, lp[np.arange(len(targets)), targets], atol=1e-12, rtol=0)
+            np.testing.assert_array_equal(got.error.kl, chunks[c].error.kl)
+
+
+def test_the_replayed_rows_are_the_codes_of_the_replay(hidden_store):
+    """What a reader compares: the store's code of the float64 replay of the stored rows, rounded to float32."""
+    cap, path, _ = hidden_store
+    code = SqrtLogCode()
+    with StoreReader(path) as r:
+        for c in range(3):
+            replay = (as_multiplied(cap.hidden[c], cap.head) @ dequantized(cap.head).T).astype(np.float32)
+            want = code.encode_block(replay, np.zeros(len(replay), np.int64)).codes
+            assert np.mean(r.read_chunk(c).codes(N_VOCAB) == want) > 0.999  # float64 sums to ~1e-16: a rare ulp
+
+
+@pytest.mark.parametrize("sigma", [0.0, 0.3])
+def test_the_bound_holds_against_float64_logits(hidden_store, tmp_path, sigma):
+    """A hidden reference against a stored and a live candidate: every token's |ΔKLD| from the float64 KLD of the
+    exact rows is within its bound, both directions; identical logits give a bound as small as the code's."""
+    cap, path, _ = hidden_store
+    rng = np.random.default_rng(8)
+    cand_logits = {c: perturb(rng, x, sigma) if sigma else x for c, x in cap.logits.items()}
+    cand = write_store(tmp_path / "CAND.qeval", cap.tokens, cand_logits, N_VOCAB, label="CAND")
+    with StoreReader(path) as ref, StoreReader(cand.path) as cr:
+        for source in (cr, RowsSource(ref, cand_logits)):
+            cmp = metrics.compare(ref, source, threads=2)
+            _, bound, _, _ = assert_bound_holds(cmp, cap.logits, cand_logits)
+            if not sigma:
+                assert np.max(bound) < 1e-5
+
+
+def test_auto_keeps_hidden_only_where_the_replay_is_within_its_target(tmp_path):
+    """PieceBuilder: both forms made; the piece keeps the hidden form when its worst token's replay KL is within
+    AUTO_REPLAY_KL, else the logits code."""
+    from qeval.capture.capture import PieceBuilder, StoredForm
+
+    code = SqrtLogCode()
+    for noise, kept in ((1e-7, HiddenChunk), (3e-2, None)):
+        cap = HiddenCapture(seed=2, n_chunks=1, noise=noise)
+        form_ = StoredForm("auto", cap.head, "auto")
+        builder = PieceBuilder(0, None, 0)
+        targets = cap.tokens[0, 12:23]
+        builder.add(form_.encode(cap.logits[0], cap.hidden[0], targets, code))
+        piece = builder.finish()
+        assert isinstance(piece, kept) if kept else not isinstance(piece, HiddenChunk)
+
+
+# --------------------------------------------------------------------------------------------------
+# a reader that trusts nothing
+# --------------------------------------------------------------------------------------------------
+def _read_all(path) -> None:
+    with StoreReader(path) as r:
+        for c in r.chunk_indices:
+            r.read_chunk(c).codes(N_VOCAB)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_random_corruption_of_a_hidden_store_is_refused_cleanly(hidden_store, tmp_path, seed):
+    """A byte flipped anywhere (head, hidden rows, their checksum, the error records ...): StoreFormatError when the
+    store or a chunk is read, or identical data; never another exception, never a wrong number."""
+    cap, path, chunks = hidden_store
+    with StoreReader(path) as r:
+        want = {c: r.read_chunk(c).codes(N_VOCAB) for c in range(3)}
+    rng = np.random.default_rng(seed)
+    data = bytearray(path.read_bytes())
+    # half the flips in the head record (most of the file), half elsewhere
+    outw = next((off, n) for t, off, n in _records(bytes(data)) if t == b"OUTW")
+    at = int(rng.integers(outw[0], outw[0] + 16 + outw[1])) if seed % 2 else int(rng.integers(0, len(data)))
+    data[at] ^= 1 << int(rng.integers(0, 8))
+    bad = tmp_path / "bad.qeval"
+    bad.write_bytes(bytes(data))
+    try:
+        with StoreReader(bad) as r:
+            for c in r.chunk_indices:
+                got = r.read_chunk(c)
+                np.testing.assert_array_equal(got.codes(N_VOCAB), want[c])
+                np.testing.assert_array_equal(got.error.kl, chunks[c].error.kl)
+    except StoreFormatError:
+        pass
+
+
+@pytest.mark.parametrize("fraction", [0.01, 0.3, 0.6, 0.97, 0.9999])
+def test_a_truncated_hidden_store_is_incomplete_or_refused(hidden_store, tmp_path, fraction):
+    _, path, _ = hidden_store
+    data = path.read_bytes()
+    cut = tmp_path / "cut.qeval"
+    cut.write_bytes(data[:int(len(data) * fraction)])
+    with pytest.raises(StoreFormatError):
+        _read_all(cut)
+
+
+def test_a_head_that_is_not_the_headers_is_refused(hidden_store):
+    """The head's bytes replaced (checksum made right): its fingerprint is not the header's."""
+    _, path, _ = hidden_store
+
+    def other_weights(payload: bytearray) -> bytearray:
+        payload[-5] ^= 0x10
+        return payload
+
+    _rewrite_payload(path, b"OUTW", other_weights)
+    with pytest.raises(StoreFormatError, match="does not match the header's description and fingerprint"):
+        _read_all(path)
+
+
+def test_rows_replayed_otherwise_than_at_capture_are_refused(hidden_store):
+    """The capture's checksum of its replayed rows no longer matches (a machine that codes a row differently)."""
+    _, path, _ = hidden_store
+    n_scored = N_CTX // 2 - 1
+
+    def other_checksum(payload: bytearray) -> bytearray:
+        at = 16 + 16 * n_scored + 40 * n_scored
+        payload[at:at + 8] = struct.pack("<Q", 12345)
+        return payload
+
+    _rewrite_payload(path, b"HIDN", other_checksum)
+    with StoreReader(path) as r, pytest.raises(StoreFormatError, match="replayed on this machine differ"):
+        r.read_chunk(0).codes(N_VOCAB)
+
+
+def test_version_5_header_rules(hidden_store):
+    """`head` exactly in version 5; a form, head type or activation it does not know: one message."""
+    _, path, _ = hidden_store
+    with StoreReader(path) as r:
+        h = r.header.to_json()
+    StoreHeader.from_json(h, "x")
+    for bad, message in (({**h, "head": {}}, "without an output head"),
+                         ({**h, "format_version": 4}, "with an output head"),
+                         ({**h, "head": {**h["head"], "form": "sparse"}}, "does not know"),
+                         ({**h, "head": {**h["head"], "type": "Q4_K"}}, "does not know"),
+                         ({**h, "head": {**h["head"], "type": ["Q8_0"]}}, "does not know"),
+                         ({**h, "head": {**h["head"], "n_vocab": 5}}, "does not know"),
+                         ({**h, "head": "yes"}, "must be an object")):
+        with pytest.raises(StoreFormatError, match=message):
+            StoreHeader.from_json(bad, "x")
+
+
+def test_a_header_naming_an_unknown_form_is_refused_by_the_reader(hidden_store):
+    _, path, _ = hidden_store
+
+    def renamed(payload: bytearray) -> bytearray:
+        text = bytes(payload).replace(b'"form": "hidden"', b'"form": "hiddex"')
+        assert text != bytes(payload)
+        return bytearray(text)
+
+    _rewrite_payload(path, b"HEAD", renamed)
+    with pytest.raises(StoreFormatError, match="does not know"):
+        StoreReader(path)
+
+
+def test_a_writer_embeds_the_head_its_header_names(tmp_path):
+    cap = HiddenCapture(seed=6, n_chunks=1)
+    code = SqrtLogCode()
+    header = make_header(cap.tokens, N_VOCAB, code, head=head_entry(cap.head, "hidden"))
+    other = tiny_head(np.random.default_rng(99))
+    for head in (None, other):
+        with pytest.raises(ValueError, match="embeds the output head"):
+            StoreWriter.open(tmp_path / "x.qeval", header, cap.tokens, code.lut(), head=head)
+
+
+# --------------------------------------------------------------------------------------------------
+# identity, info, an interrupted capture
+# --------------------------------------------------------------------------------------------------
+def test_the_form_is_part_of_a_stores_identity(hidden_store, tmp_path):
+    """The same capture in the logits form and in the hidden form (or auto) are different producers: a store of one
+    is never resumed, reused or grown as the other."""
+    cap, path, _ = hidden_store
+    logits = write_store(tmp_path / "L.qeval", cap.tokens, cap.logits, N_VOCAB, label="HID")
+    with StoreReader(path) as h, StoreReader(logits.path) as lr:
+        assert form(h.header) != form(lr.header)
+        assert form(h.header)["head"] == {"form": "hidden", "fingerprint": cap.head.fingerprint}
+        assert any("codec" in c or "form" in c for c in capture_conflicts(lr.header, lr.tokens, True, h.header,
+                                                                          h.tokens))
+    auto = make_header(cap.tokens, N_VOCAB, SqrtLogCode(), "HID", head=head_entry(cap.head, "auto"))
+    assert form(auto) != form(StoreReader(path).header)
+
+
+def test_an_interrupted_hidden_capture_resumes(tmp_path):
+    cap = HiddenCapture(seed=7)
+    path = tmp_path / "R.qeval"
+    cap.write(path, finish=False)
+    with StoreReader(path, tolerate_torn_tail=True) as r:
+        assert not r.complete and r.chunk_indices == [0, 1, 2]
+    header = StoreReader(path, tolerate_torn_tail=True).header
+    with StoreWriter.open(path, header, cap.tokens, SqrtLogCode().lut(), head=cap.head) as w:
+        assert w.done_chunks == {0, 1, 2}
+        w.finish()
+    _read_all(path)
+
+
+def test_info_shows_the_form_of_every_piece_and_the_head(hidden_store):
+    _, path, _ = hidden_store
+    d, text = api.info_report(str(path))
+    assert d["pieces_by_form"] == {"hidden": 3} and d["head"]["type"] == "Q8_0"
+    assert d["error"]["recorded"] and d["error"]["kl_max"] < 1e-5
+    assert "hidden" in text and "head" in text
+    assert json.dumps(d)
+
+
+# --------------------------------------------------------------------------------------------------
+# real captures (slow)
+# --------------------------------------------------------------------------------------------------
+def captured_pair(model, runs, chunks: int, n_ctx: int = 512, cand_model=None):
+    """The same capture in the hidden and the logits form, llama.cpp's exact rows of its windows, and a
+    candidate's (`cand_model`, else the model's own)."""
+    from test_error_bound import exact_rows  # noqa: PLC0415
+
+    api.capture_store(str(model), "HID", runs_dir=runs, chunks=chunks, n_ctx=n_ctx, reference_form="hidden")
+    api.capture_store(str(model), "LOG", runs_dir=runs, chunks=chunks, n_ctx=n_ctx)
+    with StoreReader(runs / "LOG.qeval") as lr:
+        exact = exact_rows(model, lr.tokens)
+        cand = exact_rows(cand_model, lr.tokens) if cand_model is not None else exact
+    return exact, cand
+
+
+def assert_hidden_reference_holds(runs, exact: dict, cand: dict, code_equal: float) -> dict:
+    """The hidden store against the logits one and against live candidate rows: every piece hidden, its replayed
+    rows the logits store's codes (all but a `code_equal` fraction), its record within the code's error, scalars
+    exact, the bound holding token by token against float64 KLDs of llama.cpp's rows."""
+    with StoreReader(runs / "HID.qeval") as h, StoreReader(runs / "LOG.qeval") as lr:
+        assert {f for _, _, f in h.piece_forms()} == {"hidden"}
+        for c in h.chunk_indices:
+            same = np.mean(h.read_chunk(c).codes(h.header.n_vocab) == lr.read_chunk(c).codes(h.header.n_vocab))
+            assert same >= code_equal
+            np.testing.assert_array_equal(h.read_chunk(c).logprob_target, lr.read_chunk(c).logprob_target)
+        kl = np.concatenate([e.kl for _, e in h.iter_errors()])
+        kl_logits = np.concatenate([e.kl for _, e in lr.iter_errors()])
+        assert kl.max() < 2e-6 and abs(kl.mean() / kl_logits.mean() - 1) < 0.05
+        for source in (lr, RowsSource(h, cand)):
+            cmp = metrics.compare(h, source, threads=2)
+            assert_bound_holds(cmp, exact, cand if source is not lr else exact)
+        return {"hidden_bytes": (runs / "HID.qeval").stat().st_size, "head_bytes": h.header.head["bytes"]}
+
+
+def test_gemma_q8_0_in_the_hidden_form(models, tmp_path):
+    """Gemma-3-270M Q8_0, one window of 512: the hidden capture replays llama.cpp's logits to the code's own rows
+    (the codes equal the logits store's but for rare float32 ulps), its bound holds token by token against float64
+    (a live Q4_0 candidate and the logits store), and it costs under 2.5 KB per scored token beyond the head."""
+    runs = tmp_path / "runs"
+    exact, cand = captured_pair(models["Q8_0"], runs, chunks=1, cand_model=models["Q4_0"])
+    sizes = assert_hidden_reference_holds(runs, exact, cand, code_equal=0.9999)
+    assert (sizes["hidden_bytes"] - sizes["head_bytes"]) / 255 < 2500
+
+
+def test_an_f16_head_in_the_hidden_form(gemma_tokenizer, tmp_path):
+    """A tiny random model whose head is F16 (its activations fp16): the same, with fp16 rows."""
+    import tinymodels  # noqa: PLC0415
+
+    model = tinymodels.build_mamba(tmp_path / "mamba.gguf", gemma_tokenizer)
+    runs = tmp_path / "runs"
+    exact, cand = captured_pair(model, runs, chunks=2, n_ctx=64)
+    with StoreReader(runs / "HID.qeval") as h:
+        assert h.header.head["type"] == "F16" and h.header.head["activation"] == "f16"
+    assert_hidden_reference_holds(runs, exact, cand, code_equal=0.999)
+
+
+def head_only_gguf(path, ggml_type, arch: str = "gemma3", **keys):
+    """A GGUF of one output head tensor (and `<arch>.KEY` values): enough for read_head."""
+    import gguf  # noqa: PLC0415
+
+    writer = gguf.GGUFWriter(path, arch)
+    for key, value in keys.items():
+        writer.add_float32(f"{arch}.{key}", value)
+    w = np.random.default_rng(0).standard_normal((N_VOCAB, N_EMBD)).astype(np.float32)
+    qtype = gguf.GGMLQuantizationType[ggml_type]
+    data = w if ggml_type == "F32" else gguf.quants.quantize(w, qtype)
+    writer.add_tensor("output.weight", data, raw_dtype=None if ggml_type == "F32" else qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_the_head_read_from_a_gguf_and_what_cannot_be_replayed(tmp_path):
+    """output.weight with its soft-cap; a k-quant head or another post-head op: --reference-form hidden is refused
+    with one message, auto stores the logits form and says why."""
+    from qeval.capture.capture import stored_form  # noqa: PLC0415
+    from qeval.engine.engine import EngineSettings  # noqa: PLC0415
+    from qeval.errors import QevalError  # noqa: PLC0415
+    from qeval.storage.hidden_form import read_head  # noqa: PLC0415
+
+    head = read_head(head_only_gguf(tmp_path / "q8.gguf", "Q8_0", final_logit_softcapping=30.0))
+    assert (head.tensor, head.ggml_type, head.n_vocab, head.n_embd, head.softcap) == ("output.weight", "Q8_0",
+                                                                                       N_VOCAB, N_EMBD, 30.0)
+    assert len(head.data) == N_VOCAB * N_EMBD * 34 // 32
+    for name, path, why in (("q4_0", head_only_gguf(tmp_path / "k.gguf", "Q4_0"), "head is Q4_0"),
+                            ("scaled", head_only_gguf(tmp_path / "s.gguf", "F16", logit_scale=0.5), "op after")):
+        with pytest.raises(QevalError, match=why):
+            stored_form("hidden", str(path), EngineSettings())
+        auto = stored_form("auto", str(path), EngineSettings())
+        assert auto.head is None and why in auto.facts()["reference_form"]["why_logits"]
+    with pytest.raises(QevalError, match="--reference-form must be one of"):
+        stored_form("sparse", str(tmp_path / "q8.gguf"), EngineSettings())
+
+
+def test_shards_of_a_hidden_capture_merge_into_one_store(tmp_path):
+    """Merging copies the head once and every HIDN piece verbatim: the merged store reads as the shards did."""
+    from qeval.orchestrate.merge import merge_stores  # noqa: PLC0415
+
+    cap = HiddenCapture(seed=11, n_chunks=3)
+    whole, _ = cap.write(tmp_path / "whole.qeval")
+    code = SqrtLogCode()
+    parts = []
+    for rng in ((0, 2), (2, 3)):
+        header = make_header(cap.tokens, N_VOCAB, code, "HID", chunk_range=rng, head=head_entry(cap.head, "hidden"))
+        path = tmp_path / f"part{rng[0]}.qeval"
+        with StoreReader(tmp_path / "whole.qeval") as r, StoreWriter.open(path, header, cap.tokens, code.lut(),
+                                                                          head=cap.head) as w:
+            for c in range(*rng):
+                for piece in r.iter_pieces(c):
+                    w.write_chunk(piece)
+            w.finish()
+        parts.append(path)
+    merge_stores(parts, tmp_path / "merged.qeval")
+    with StoreReader(tmp_path / "merged.qeval") as m, StoreReader(tmp_path / "whole.qeval") as r:
+        assert m.header.head == r.header.head
+        for c in range(3):
+            np.testing.assert_array_equal(m.read_chunk(c).codes(N_VOCAB), r.read_chunk(c).codes(N_VOCAB))
