@@ -377,7 +377,7 @@ class LlamaModel:
         """Create a context of this shape (and its batch), freeing the one before. QevalError when llama.cpp cannot
         (the message names the shape, and the bytes llama.cpp asked for where it says): the model stays loaded."""
         self.free_context()
-        self.shape = shape
+        self.context_shape = shape  # output_hidden reopens it as it was
         self.rope_scale = check_context(self.facts, shape.n_ctx_seq, self.settings)
         lc, s = self._lc, self.settings
         rule = numerics.rotation_rule(self.facts, s.type_k, s.type_v, s.kv_rotation)  # `on` it cannot do: refused
@@ -676,7 +676,7 @@ class Engine(LlamaModel):
         outputs every token of the call (the rows are picked out here)."""
         if not self.hidden:
             self.hidden = True
-            self.open_context(self.shape)
+            self.open_context(self.context_shape)
             self._bind_batch()
 
     def _output_rows(self, spans: list[Span], scored: list[np.ndarray], parts, total: int
