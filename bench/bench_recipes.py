@@ -4,6 +4,15 @@ and mean KLD, measured beside the stock types and the issue's hand-made recipes.
     python bench/bench_recipes.py --chunks 4 --out bench/results/recipes-gemma3-270m
     python bench/bench_recipes.py --chunks 16 --early --runs-dir /tmp/qeval-recipes-early --out /tmp/early
 
+Held out and refined (issue 35), about ten builds on two groups and two target types:
+
+    nice -n 10 python bench/bench_recipes.py --chunks 16 --holdout 8 --refine-builds 1 \
+        --runs-dir /tmp/qeval-recipes-holdout --out bench/results/recipes-holdout-gemma3-270m
+
+chooses on 8 tuning chunks under three budgets of docs/recipes.md (≤ 187.7 MB, ≤ 253.1 MB, KLD ≤ 0.210), refines
+each choice with one build, and reports the chosen and the refined recipe against the stock type on the tuning and on
+the 8 held-out chunks (split seed 0): recipes.md, recipes.json and run.json in --out.
+
 With --early every board (the stock types, the sweep, the budgets) is decided early with the matrix's defaults, and
 the record says how many variant-chunks (forward passes, at most) each board held of its full run's.
 
@@ -30,6 +39,11 @@ from qeval.orchestrate import demo
 STOCK = ("Q2_K", "Q3_K_M", "Q4_0", "Q4_K_M")
 HAND = ("Q3_K_M token_embd=q5_0 ffn_.*=q5_0", "Q4_K_M token_embd=q5_1")
 TARGETS = ("q4_0", "q5_0", "q5_1", "q8_0")
+# the held-out run: two groups of the sweep (the embedding, where the bytes are cheapest, and ffn_down, the dearest
+# layer group), two targets, three budgets of docs/recipes.md (a hand recipe's size, Q4_K_M's, Q3_K_M's mean KLD):
+# about ten builds, the most the shared machine measures over 16 chunks in an hour
+HOLDOUT_GROUPS, HOLDOUT_TARGETS = ("token_embd", "ffn_down"), ("q4_0", "q8_0")
+HOLDOUT_MB, HOLDOUT_KLD, HOLDOUT_STOCK = (187.7, 253.1), (0.210,), ("Q3_K_M", "Q4_K_M")
 
 
 def tree_bytes(root: Path) -> int:
@@ -65,10 +79,14 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=4)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "recipes-gemma3-270m")
     ap.add_argument("--early", action="store_true", help="decide every board early (qeval recipe ... --early)")
+    ap.add_argument("--holdout", type=int, help="the held-out run instead: this many chunks held out (--split-seed 0)")
+    ap.add_argument("--refine-builds", type=int, help="with --holdout: the refinement's builds per budget")
     args = ap.parse_args()
     paths = demo.prepare_models(demo.models_dir())
     api.capture_store(str(paths["Q8_0"]), "Q8_0", runs_dir=args.runs_dir, chunks=args.chunks)
     source = str(paths[demo.SOURCE_QUANT])
+    if args.holdout is not None:
+        return held_out(args, source)
 
     def request(*recipes):
         return api.recipe_request("Q8_0", source, recipes, args.chunks, args.runs_dir,
@@ -93,6 +111,22 @@ def main() -> None:
     (args.out / "run.json").write_text(json.dumps(record, indent=1))
     print(json.dumps(record, indent=1))
     print(sweep_text)
+    print(fit_text)
+
+
+def held_out(args, source: str) -> None:
+    """The held-out run: a fit on the tuning chunks, refined, every choice reported on the held-out chunks too."""
+    request = api.recipe_request("Q8_0", source, ["Q4_K_M"], args.chunks, args.runs_dir)
+    search = api.recipe_search(holdout=args.holdout, split_seed=0, refine_builds=args.refine_builds)
+    start = time.monotonic()
+    fit, fit_text = api.recipe_fit_report(request, HOLDOUT_TARGETS, max_mb=HOLDOUT_MB, max_kld=HOLDOUT_KLD,
+                                          stock=HOLDOUT_STOCK, only=HOLDOUT_GROUPS, out=args.out, progress=True,
+                                          search=search)
+    record = {"machine": f"{cpu_name()}, {os.cpu_count()} cores, shared with other jobs", "chunks": args.chunks,
+              "holdout": args.holdout, "refine_builds": args.refine_builds, "wall_s": round(time.monotonic() - start, 1),
+              "variants_built": len(json.loads((args.runs_dir / "recipes" / "variants.json").read_text()))}
+    (args.out / "run.json").write_text(json.dumps(record, indent=1))
+    print(json.dumps(record, indent=1))
     print(fit_text)
 
 

@@ -345,21 +345,33 @@ def recipe_measure_report(request, progress: bool = False) -> tuple[dict, str]:
     return sensitivity.measure_report(request, progress)
 
 
-def recipe_sweep_report(request, targets, only=(), out: Path | None = None, progress: bool = False) -> tuple[dict, str]:
-    """Each tensor group of the request's base recipe alone moved to each of `targets`: KLD cost, bytes saved."""
+def recipe_search(holdout: int | None = None, split_seed: int | None = None, refine_builds: int | None = None,
+                  split_edges: int | None = None):
+    """How `recipe sweep` and `recipe fit` choose (qeval.orchestrate.sensitivity.SearchSettings): chunks held out of
+    every decision, the seed that draws them, the refinement's build budget, tensor groups split by layer range."""
+    from qeval.orchestrate.sensitivity import SearchSettings  # noqa: PLC0415
+
+    return SearchSettings(holdout=holdout, split_seed=split_seed, refine_builds=refine_builds,
+                          split_edges=split_edges or 0)
+
+
+def recipe_sweep_report(request, targets, only=(), out: Path | None = None, progress: bool = False,
+                        search=None) -> tuple[dict, str]:
+    """Each tensor group of the request's base recipe alone moved to each of `targets`: KLD cost, bytes saved (ranked
+    on the tuning chunks, with the held-out cost beside, where `search` (recipe_search) holds chunks out)."""
     from qeval.orchestrate import sensitivity  # noqa: PLC0415
 
-    return sensitivity.sweep_report(request, tuple(targets), tuple(only), out, progress)
+    return sensitivity.sweep_report(request, tuple(targets), tuple(only), out, progress, search or recipe_search())
 
 
 def recipe_fit_report(request, targets, max_mb=(), max_kld=(), stock=(), only=(), out: Path | None = None,
-                      progress: bool = False) -> tuple[dict, str]:
-    """The recipe the sweep's sensitivities choose under each budget (MB = 10^6 bytes, or mean KLD), measured beside
-    the stock types `stock`."""
+                      progress: bool = False, search=None) -> tuple[dict, str]:
+    """The recipe the sweep's sensitivities choose under each budget (MB = 10^6 bytes, or mean KLD), refined and
+    reported on held-out chunks as `search` (recipe_search) says, measured beside the stock types `stock`."""
     from qeval.orchestrate import sensitivity  # noqa: PLC0415
 
     return sensitivity.fit_report(request, tuple(targets), tuple(int(mb * 1e6) for mb in max_mb), tuple(max_kld),
-                                  tuple(stock), tuple(only), out, progress)
+                                  tuple(stock), tuple(only), out, progress, search or recipe_search())
 
 
 # --- stores from shards, leaderboards, paired comparison, release gate, baselines ------------------------------

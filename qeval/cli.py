@@ -523,6 +523,9 @@ RecipeKeep = typer.Option(False, "--keep", help="Keep each variant's GGUF in RUN
 RecipeTargets = typer.Option(..., "--to", help="Type each tensor group is moved to, alone (repeat for several: q2_K, q4_0, q8_0, ...).")
 RecipeGroups = typer.Option(None, "--group", help="Sweep only this tensor group (repeatable; default: every group the GGUF holds).")
 RecipeOut = typer.Option(None, "--out", help="Also write the tables, JSON and plot in this directory.")
+RecipeHoldout = typer.Option(None, "--holdout", help="Hold this many of the chunks compared out of every decision (at least 8, leaving at least 8 to tune on): choices are made on the rest and each is reported on both, as paired differences against the stock type.")
+RecipeSplitSeed = typer.Option(None, "--split-seed", help="The seed that draws the held-out chunks (default 0; recorded with the figures).")
+RecipeSplitEdges = typer.Option(None, "--split-edges", help="Split each per-layer tensor group into its first K blocks, the middle ones and its last K (K from 1 to below half the model's blocks).")
 
 
 @recipe_app.command("measure")
@@ -565,14 +568,18 @@ def recipe_sweep(
     early_sigmas: Optional[float] = EarlySigmas,
     early_confidence: Optional[float] = EarlyConfidence,
     early_seed: Optional[int] = EarlySeed,
+    holdout: Optional[int] = RecipeHoldout,
+    split_seed: Optional[int] = RecipeSplitSeed,
+    split_edges: Optional[int] = RecipeSplitEdges,
     threads: Optional[int] = Threads,
     as_json: bool = Json,
     runs_dir: Optional[Path] = RunsDir,
 ):
     """Tensor sensitivity: each tensor group alone moved to each --to type, everything else kept; KLD cost ± SE, MB saved."""
     decided_early = _early(early, early_precision, early_min_chunks, early_sigmas, early_confidence, early_seed)
+    search = api.recipe_search(holdout, split_seed, None, split_edges)
     request = api.recipe_request(ref, source, [base], chunks, runs_dir, threads, keep, decided_early)
-    _emit(*api.recipe_sweep_report(request, to, group or (), out, progress=True), as_json)
+    _emit(*api.recipe_sweep_report(request, to, group or (), out, progress=True, search=search), as_json)
 
 
 @recipe_app.command("fit")
@@ -595,6 +602,10 @@ def recipe_fit(
     early_sigmas: Optional[float] = EarlySigmas,
     early_confidence: Optional[float] = EarlyConfidence,
     early_seed: Optional[int] = EarlySeed,
+    holdout: Optional[int] = RecipeHoldout,
+    split_seed: Optional[int] = RecipeSplitSeed,
+    split_edges: Optional[int] = RecipeSplitEdges,
+    refine_builds: Optional[int] = typer.Option(None, "--refine-builds", help="After the additive choice, refine each budget's recipe by measuring the recipes next to it (one move added, dropped or retargeted, or two swapped), building at most this many variants per budget (at least 1; left out: no refinement)."),
     threads: Optional[int] = Threads,
     as_json: bool = Json,
     runs_dir: Optional[Path] = RunsDir,
@@ -602,10 +613,11 @@ def recipe_fit(
 ):
     """The best recipe under each budget: chosen from the sweep's sensitivities (greedy by KLD per byte), built and measured."""
     decided_early = _early(early, early_precision, early_min_chunks, early_sigmas, early_confidence, early_seed)
+    search = api.recipe_search(holdout, split_seed, refine_builds, split_edges)
     request = api.recipe_request(ref, source, [base, *(recipe or ())], chunks, runs_dir, threads, keep, decided_early,
                                  deploy)
     _emit(*api.recipe_fit_report(request, to, max_mb or (), max_kld or (), stock or (), group or (), out,
-                                 progress=True), as_json)
+                                 progress=True, search=search), as_json)
 
 
 # --- task accuracy and answer flips (qeval.orchestrate.tasks) ---------------------------------------------------

@@ -18,7 +18,7 @@ from conftest import assert_cli_error, run_cli
 
 from qeval import api
 from qeval.engine import recipe as recipes
-from qeval.compare import recipe_choice
+from qeval.compare import chunk_split, recipe_choice
 from qeval.compare.recipe_choice import Option
 from qeval.errors import QevalError
 from qeval.orchestrate import demo
@@ -528,3 +528,222 @@ def test_spellings_of_one_variant_are_built_and_measured_once(qwen_early, tmp_pa
     # another plan is another variant
     other = measured.measure_recipes(dataclasses.replace(request, recipes=(recipes.parse("Q4_0 ssm_out=q5_0"),)))[0]
     assert len(built) == 1 and other.status == measured.MEASURED and other.result != got[0].result
+
+
+# --------------------------------------------------------------------------------------------------
+# held-out chunks, measured refinement, layer-range groups (issue 35)
+# --------------------------------------------------------------------------------------------------
+def test_a_split_is_disjoint_seeded_and_recorded():
+    split = chunk_split.draw_split(20, 8, seed=3)
+    tuning, held = set(split.tuning.chunks), set(split.held_out.chunks)
+    assert not tuning & held and tuning | held == set(range(20)) and (len(tuning), len(held)) == (12, 8)
+    assert split == chunk_split.draw_split(20, 8, seed=3)  # the seed draws it again
+    assert split.held_out != chunk_split.draw_split(20, 8, seed=4).held_out
+    assert split.to_json() == {"seed": 3, "tuning": sorted(tuning), "held_out": sorted(held)}
+    order = np.random.default_rng(3).permutation(20)  # the recorded rule: the permutation's first 8 held out
+    assert sorted(held) == sorted(order[:8].tolist())
+    per_token = {"chunk": np.repeat(np.arange(20), 3), "kld": np.arange(60.0)}
+    cols = split.held_out.columns(per_token)
+    assert set(cols["chunk"].tolist()) == held and len(cols["kld"]) == 24
+    assert np.array_equal(cols["kld"], per_token["kld"][np.isin(per_token["chunk"], sorted(held))])
+
+
+@pytest.mark.parametrize("n, held, numbers", [(15, 8, "15 chunks with --holdout 8 leave 7 for tuning"),
+                                              (20, 7, "20 chunks with --holdout 7 leave 13 for tuning and 7"),
+                                              (20, 13, "leave 7 for tuning and 13 held out")])
+def test_a_split_with_too_few_chunks_is_refused(n, held, numbers):
+    with pytest.raises(QevalError, match="at least 8 tuning and 8 held-out") as err:
+        chunk_split.draw_split(n, held, seed=0)
+    assert numbers in str(err.value)
+
+
+@pytest.mark.parametrize("args, message", [(["--refine-builds", "0"], "--refine-builds 0: a refinement needs a "
+                                                                       "budget of at least 1"),
+                                           (["--split-seed", "2"], "needs --holdout"),
+                                           (["--split-edges", "-1"], "--split-edges -1")])
+def test_bad_search_settings_get_one_clear_message(tmp_path, args, message):
+    assert_cli_error(run_cli("recipe", "fit", "Q4_K_M", "--to", "q8_0", "--max-mb", "100", "--ref", "REF",
+                             "--source", tmp_path / "none.gguf", "--runs-dir", tmp_path, *args), message)
+
+
+class FakeCache:
+    """The recipes' cache as refine() uses it, over synthetic per-token KLD: a recipe's variant built once (status
+    MEASURED), then reused. Its KLD on the tuning chunks is the base's plus its moves' costs plus an interaction (a
+    and b both down compound); on the held-out chunks it is `held_out(truth)`, which no decision may read."""
+
+    COST = {"a": 0.01, "b": 0.02, "c": 0.03}
+    N_CHUNKS, TOKENS = 20, 4
+
+    def __init__(self, split, held_out):
+        self.split, self.held_out, self.variants, self.builds = split, held_out, {}, []
+
+    def truth(self, recipe) -> float:
+        moved = {p: t for p, t in recipe.overrides}
+        kld = 0.1 + sum(self.COST[g] if t == "q4_0" else -0.005 for g, t in moved.items())
+        return kld + (0.05 if moved.get("a") == moved.get("b") == "q4_0" else 0.0)
+
+    def size(self, recipe) -> int:
+        return 1000 + sum(-100 if t == "q4_0" else 50 for _, t in recipe.overrides)
+
+    def measure(self, recipe):
+        key = recipe.canonical()["overrides"]
+        key = tuple(sorted(map(tuple, key)))
+        if key in self.variants:
+            return dataclasses.replace(self.variants[key], recipe=recipe, status=measured.REUSED)
+        self.builds.append(key)
+        chunk = np.repeat(np.arange(self.N_CHUNKS), self.TOKENS)
+        noise = np.random.default_rng(len(self.builds)).normal(0.0, 1e-4, chunk.size)
+        held = np.isin(chunk, self.split.held_out.chunks)
+        kld = np.where(held, self.held_out(self.truth(recipe)), self.truth(recipe) + noise)
+        per_token = {"chunk": chunk, "position": np.tile(np.arange(self.TOKENS), self.N_CHUNKS), "kld": kld}
+        variant = measured.Variant(recipe, recipe.label(), self.size(recipe), None, per_token, Path("none"),
+                                   measured.MEASURED)
+        self.variants[key] = variant
+        return variant
+
+
+def fake_options() -> list[Option]:
+    return [o for g, cost in FakeCache.COST.items()
+            for o in (Option(g, "", 0, 0.0), Option(g, "q4_0", -100, cost), Option(g, "q8_0", 50, -0.005))]
+
+
+def fake_recipe(options) -> recipes.Recipe:
+    return recipes.Recipe("Q4_0", tuple((o.group, o.type) for o in options if o.type))
+
+
+def refined_with(held_out, builds=1, cache=None):
+    from qeval.orchestrate import refine  # noqa: PLC0415
+
+    split = chunk_split.draw_split(FakeCache.N_CHUNKS, 8, seed=1)
+    cache = cache or FakeCache(split, held_out)
+    budget = recipe_choice.Budget(max_bytes=800)
+    start = recipe_choice.choose(fake_options(), 1000, 0.1, max_bytes=800)
+    return refine.refine(start.options, fake_options(), budget, builds, fake_recipe, cache.measure,
+                         split.tuning), cache, start
+
+
+def test_refinement_measures_a_swap_the_additive_choice_missed():
+    # additively a and b down (800 bytes, predicted 0.13) is best; measured, they compound (0.18), and the swap to a
+    # and c down (0.14) is the neighbour predicted best from that measurement: one build finds it
+    result, cache, start = refined_with(lambda truth: 5.0 - truth)
+    assert {o.group: o.type for o in start.options} == {"a": "q4_0", "b": "q4_0", "c": ""}
+    assert result.start.recipe == fake_recipe(start.options)
+    assert result.best.recipe.overrides == (("a", "q4_0"), ("c", "q4_0"))
+    assert result.builds == 1 and len(result.tried) == 1 and result.tried[0].accepted
+    assert result.tried[0].predicted_kld == pytest.approx(0.18 + 0.03 - 0.02, abs=1e-3)
+    assert result.best.bytes <= 800
+
+
+def test_refinement_keeps_its_build_budget_and_never_builds_a_variant_twice():
+    result, cache, _ = refined_with(lambda truth: truth, builds=2)
+    assert result.builds == 2 == len(cache.builds) - 1  # the start is the fit's own variant, not the budget's
+    assert all(FakeCache.size(None, t.variant.recipe) <= 800 for t in result.tried)  # the size is known: kept
+    # a larger budget over the same cache: what was built is reused (not counted), each variant built once, and the
+    # search stops where no untried neighbour within the size is left, short of its budget
+    more, cache, _ = refined_with(lambda truth: truth, builds=50, cache=cache)
+    assert len(set(cache.builds)) == len(cache.builds) == 1 + 2 + more.builds < 1 + 2 + 50
+    assert [t.variant.status for t in more.tried][:2] == [measured.REUSED] * 2
+    assert [t.variant.recipe for t in more.tried][:2] == [t.variant.recipe for t in result.tried]
+    accepted = [t for t in more.tried if t.accepted]
+    assert more.best.recipe == (accepted[-1].variant.recipe if accepted else more.start.recipe)
+    assert all(b.kld < a.kld for a, b in zip(accepted, accepted[1:]))  # each accepted step lowers the tuning KLD
+
+
+def test_no_decision_reads_the_held_out_chunks():
+    """The held-out chunks hold values that reverse every comparison, or NaN: the search is the same step for step,
+    and its tuning figures are the tuning chunks' alone."""
+    runs = [refined_with(held, builds=3)[0] for held in (lambda t: t, lambda t: 5.0 - t, lambda t: float("nan"))]
+    for r in runs[1:]:
+        assert [t.variant.recipe for t in r.tried] == [t.variant.recipe for t in runs[0].tried]
+        assert [t.kld for t in r.tried] == [t.kld for t in runs[0].tried]
+        assert r.best.recipe == runs[0].best.recipe
+    tuning = chunk_split.draw_split(FakeCache.N_CHUNKS, 8, seed=1).tuning
+    seen = measured.seen_on(runs[2].best, tuning)
+    assert set(seen.per_token["chunk"].tolist()) == set(tuning.chunks) and np.isfinite(seen.kld_mean)
+    assert not hasattr(seen, "summary")  # a decision's view holds nothing of the other chunks
+
+
+def test_layer_range_groups_of_a_tiny_model(qwen):
+    planned = recipes.plan(qwen["source"], recipes.parse("Q8_0"))
+    assert recipes.block_count(planned) == 4
+    whole = {g.name: g for g in recipes.tensor_groups(planned)}
+    split = recipes.tensor_groups(planned, split_edges=1)
+    names = [g.name for g in split]
+    assert {"ffn_down_exps@0", "ffn_down_exps@1-2", "ffn_down_exps@3", "ssm_out@0", "ssm_out@1-2",
+            "attn_q@3", "token_embd", "output"} <= set(names)
+    assert "ssm_out@3" not in names and "attn_q@0" not in names  # layer 3 is attention, 0-2 recurrent
+    for role, group in whole.items():  # a role's ranges are its group, split
+        parts = [g for g in split if g.role == role]
+        assert sorted(t for g in parts for t in g.tensors) == sorted(group.tensors), role
+    for g in split:  # each pattern names exactly its tensors
+        assert sorted(n for n in planned if re.search(g.pattern, n)) == sorted(g.tensors), g.name
+    with pytest.raises(QevalError, match="--split-edges 2: .* a model of 4 blocks"):
+        recipes.tensor_groups(planned, split_edges=2)
+    # a sweep's --group names a role's ranges, or one range
+    moves, _ = sensitivity.plan_moves(qwen["source"], recipes.parse("Q4_0"), ("q8_0",), ("ssm_out", "attn_q@3"),
+                                      split_edges=1)
+    assert [m.group.name for m in moves] == ["ssm_out@0", "ssm_out@1-2", "attn_q@3"]
+    assert all(set(m.changed) == set(m.group.tensors) for m in moves)  # each move changes its range's tensors only
+
+
+def chunk_differences(a: dict, b: dict, chunks) -> np.ndarray:
+    """Per-chunk mean of a's KLD minus b's, float64, over `chunks`."""
+    return np.array([np.mean(a["kld"][a["chunk"] == c].astype(np.float64) - b["kld"][b["chunk"] == c])
+                     for c in chunks])
+
+
+def test_fit_with_held_out_chunks_and_refinement(qwen_early, tmp_path, monkeypatch):
+    """A fit on the tuning chunks, each choice reported against its stock type on both sets (float64 over the saved
+    per-token columns), the split recorded; and the same fit with every held-out KLD changed chooses the same."""
+    request = early_request(qwen_early, tmp_path, early=False, recipes_=("Q4_0",))
+    search = api.recipe_search(holdout=8, split_seed=5, refine_builds=1)
+    groups = ("ssm_out", "ffn_down_exps")
+    swept = sensitivity.sweep(request, ("q8_0",), groups, search=search)
+    budget = swept.base.bytes + max(-r.bytes_saved for r in swept.rows)  # room for the larger move alone
+    result, text = api.recipe_fit_report(request, ["q8_0"], max_mb=[budget / 1e6], stock=["Q4_0"], only=groups,
+                                         search=search)
+    split = chunk_split.draw_split(N_EARLY, 8, 5)
+    assert result["split"] == split.to_json() and "Chunks split by seed 5: 8 tuning" in text
+    (row,) = result["budgets"]
+    rows = {r["label"]: r for r in result["rows"]}
+    per = {label: np.load(Path(r["result"]).with_suffix(".npz")) for label, r in rows.items()}
+    stock = row["stock"]
+    for subset, name in ((split.tuning, "tuning"), (split.held_out, "held_out")):
+        d = chunk_differences(per[row["measured"]["label"]], per["Q4_0"], subset.chunks)
+        assert stock[name]["diff"] == pytest.approx(d.mean(), rel=1e-9, abs=1e-15)
+        assert stock[name]["se"] == pytest.approx(d.std(ddof=1) / np.sqrt(8), rel=1e-9, abs=1e-15)
+        assert stock[name]["chunks"] == 8
+    assert stock["optimism"] == pytest.approx(stock["tuning"]["diff"] - stock["held_out"]["diff"], rel=1e-12)
+    refined = row["refined"]
+    assert refined["builds"] <= 1 and len(refined["tried"]) >= refined["builds"]
+    assert {"tuning", "held_out", "optimism"} <= set(refined["gain"]) and "| refined " in text
+
+    # every held-out KLD changed (each variant its own way): the same sweep ranking, choice and refinement
+    load = measured._variant
+    held = np.array(split.held_out.chunks)
+
+    def scrambled(recipe, facts, path, status):
+        v = load(recipe, facts, path, status)
+        per_token = dict(v.per_token)
+        at = np.isin(per_token["chunk"], held)
+        scale = 1 + (sum(map(ord, v.label)) % 7)
+        per_token["kld"] = np.where(at, per_token["kld"] * 100 * scale + scale, per_token["kld"])
+        return dataclasses.replace(v, per_token=per_token)
+
+    monkeypatch.setattr(measured, "_variant", scrambled)
+    again, _ = api.recipe_fit_report(request, ["q8_0"], max_mb=[budget / 1e6], stock=["Q4_0"], only=groups,
+                                     search=search)
+    (other,) = again["budgets"]
+    assert other["recipe"] == row["recipe"] and other["refined"]["recipe"] == refined["recipe"]
+    assert [t["recipe"] for t in other["refined"]["tried"]] == [t["recipe"] for t in refined["tried"]]
+    assert other["stock"]["tuning"] == stock["tuning"] and other["stock"]["held_out"] != stock["held_out"]
+    swept_again = sensitivity.sweep(request, ("q8_0",), groups, search=search)
+    assert [r.cost.diff for r in swept_again.rows] == [r.cost.diff for r in swept.rows]
+    sweep_result, sweep_text = api.recipe_sweep_report(request, ["q8_0"], groups, search=search)
+    assert "held-out KLD cost" in sweep_text and all("held_out" in r for r in sweep_result["rows"])
+
+
+def test_a_split_too_small_for_the_reference_is_refused(qwen):
+    assert_cli_error(run_cli("recipe", "fit", "Q4_0", "--to", "q8_0", "--max-mb", "1", "--ref", "REF", "--source",
+                             qwen["source"], "--runs-dir", qwen["runs"], "--holdout", "8"),
+                     f"{N_CHUNKS} chunks with --holdout 8 leave 0 for tuning and 8 held out")

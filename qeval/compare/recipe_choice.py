@@ -101,3 +101,50 @@ def _better(a: Choice, b: Choice, max_bytes: int | None, max_kld: float | None) 
     if max_bytes is not None:
         return a.bytes <= max_bytes and a.kld < b.kld
     return a.kld <= max_kld and (b.kld > max_kld or a.bytes < b.bytes)
+
+
+# --------------------------------------------------------------------------------------------------
+# refinement: the neighbours of a choice and what a search minimises (qeval.orchestrate.refine)
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Budget:
+    """One budget: a size (max_bytes) or a mean KLD (max_kld)."""
+
+    max_bytes: int | None = None
+    max_kld: float | None = None
+
+    def key(self, size: int, kld: float) -> tuple:
+        """What a search minimises, lowest best: a recipe within the budget before any over it; then, within it, the
+        KLD under a size budget and the bytes under a KLD budget; over it, how far over."""
+        if self.max_bytes is not None:
+            return (size > self.max_bytes, kld if size <= self.max_bytes else size)
+        over = kld > self.max_kld
+        return (over, kld if over else size)
+
+    def may_keep(self, size: int) -> bool:
+        """Whether a recipe of this size can keep the budget (a size is known before building, a KLD is not)."""
+        return self.max_bytes is None or size <= self.max_bytes
+
+
+def neighbours(current: tuple[Option, ...], options: list[Option]) -> list[tuple[Option, ...]]:
+    """Every choice (one option per group, in current's group order) that differs from `current` in one group (a
+    move added, dropped or retargeted) or in two (a swap: one group's bytes traded for another's)."""
+    by_group: dict[str, list[Option]] = {}
+    for o in options:
+        by_group.setdefault(o.group, []).append(o)
+    others = [[o for o in by_group[c.group] if o != c] for c in current]
+    out = []
+    for i, alternatives in enumerate(others):
+        for o in alternatives:
+            one = (*current[:i], o, *current[i + 1:])
+            out.append(one)
+            for j in range(i + 1, len(current)):
+                out += [(*one[:j], p, *one[j + 1:]) for p in others[j]]
+    return out
+
+
+def predicted(current: tuple[Option, ...], size: int, kld: float, other: tuple[Option, ...]) -> tuple[int, float]:
+    """`other`'s size and mean KLD predicted from `current`'s measured ones: plus the options it changes, minus the
+    options it replaces (the additive model, applied only to the difference)."""
+    changed = [(a, b) for a, b in zip(current, other) if a != b]
+    return (size + sum(b.bytes - a.bytes for a, b in changed), kld + sum(b.kld - a.kld for a, b in changed))

@@ -361,22 +361,34 @@ def _last_line(stderr: str) -> str:
 # --------------------------------------------------------------------------------------------------
 # tensor groups: what a sensitivity sweep moves, found from the GGUF's own tensor names
 # --------------------------------------------------------------------------------------------------
-_LAYER = re.compile(r"^blk\.\d+\.")
+_LAYER = re.compile(r"^blk\.(\d+)\.")
 
 
 @dataclass(frozen=True)
 class TensorGroup:
-    """Tensors of one role (token_embd, attn_q, ffn_down_exps, ssm_out, ...) across layers, and the override
-    pattern that names exactly them."""
+    """Tensors of one role (token_embd, attn_q, ffn_down_exps, ssm_out, ...) across layers, or across one range of
+    blocks (`blocks`: tensor_groups' split_edges), and the override pattern that names exactly them."""
 
-    name: str
+    role: str
     tensors: tuple[str, ...]
+    blocks: tuple[int, ...] | None = None  # the block ids of its layer range; None: every layer of the role
+
+    @property
+    def name(self) -> str:
+        """The role, with its layer range where it has one: `attn_q`, `attn_q@0-1`, `attn_q@17`."""
+        if self.blocks is None:
+            return self.role
+        first, last = self.blocks[0], self.blocks[-1]
+        return f"{self.role}@{first}" if first == last else f"{self.role}@{first}-{last}"
 
     @property
     def pattern(self) -> str:
         """A regex llama.cpp searches in tensor names (std::regex, ECMAScript) matching this group's tensors only."""
-        per_layer = all(_LAYER.match(t) for t in self.tensors)
-        return ("^blk\\.[0-9]+\\." if per_layer else "^") + re.escape(self.name) + "\\.weight$"
+        if self.blocks is not None:
+            layers = "^blk\\.(?:" + "|".join(str(b) for b in self.blocks) + ")\\."
+        else:
+            layers = "^blk\\.[0-9]+\\." if all(_LAYER.match(t) for t in self.tensors) else "^"
+        return layers + re.escape(self.role) + "\\.weight$"
 
 
 def group_name(tensor: str) -> str | None:
@@ -386,13 +398,42 @@ def group_name(tensor: str) -> str | None:
     return _LAYER.sub("", tensor).removesuffix(".weight")
 
 
-def tensor_groups(planned: dict[str, TensorPlan]) -> list[TensorGroup]:
+def tensor_groups(planned: dict[str, TensorPlan], split_edges: int = 0) -> list[TensorGroup]:
     """The groups of the tensors a recipe's dry run (plan()) quantizes: weight matrices (two or more dimensions
-    above 1) that it does not keep in float, grouped by role, in the order of the file."""
+    above 1) that it does not keep in float, grouped by role, in the order of the file. With split_edges K, a
+    role's per-layer tensors are three groups instead: its first K blocks, the middle ones and its last K, the
+    blocks counted from the model's own (1 + the highest block id in its tensor names); a range the role has no
+    tensor in is no group."""
     members: dict[str, list[str]] = {}
     for name, t in planned.items():
         role = group_name(name)
         if role is None or sum(n > 1 for n in t.shape) < 2 or t.type in ("f32", "f16", "bf16"):
             continue
         members.setdefault(role, []).append(name)
-    return [TensorGroup(role, tuple(names)) for role, names in members.items()]
+    if not split_edges:
+        return [TensorGroup(role, tuple(names)) for role, names in members.items()]
+    ranges = layer_ranges(block_count(planned), split_edges)
+    out = []
+    for role, names in members.items():
+        if not all(_LAYER.match(n) for n in names):
+            out.append(TensorGroup(role, tuple(names)))
+            continue
+        for blocks in ranges:
+            inside = tuple(n for n in names if int(_LAYER.match(n).group(1)) in blocks)
+            if inside:
+                out.append(TensorGroup(role, inside, blocks))
+    return out
+
+
+def block_count(planned: dict[str, TensorPlan]) -> int:
+    """The model's blocks: 1 + the highest block id of its tensor names (`blk.N.`), 0 without any."""
+    ids = [int(m.group(1)) for m in map(_LAYER.match, planned) if m]
+    return max(ids) + 1 if ids else 0
+
+
+def layer_ranges(n_blocks: int, edges: int) -> list[tuple[int, ...]]:
+    """The first `edges` blocks, the middle ones and the last `edges`: refused unless a middle is left."""
+    if edges < 1 or n_blocks - 2 * edges < 1:
+        raise QevalError(f"--split-edges {edges}: it must be at least 1 and leave middle blocks, so below "
+                         f"{max(n_blocks, 1) / 2:g} for a model of {n_blocks} blocks")
+    return [tuple(range(edges)), tuple(range(edges, n_blocks - edges)), tuple(range(n_blocks - edges, n_blocks))]

@@ -29,10 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 from qeval.engine import recipe as recipes
 from qeval.engine.engine import EngineSettings, available_cores
 from qeval.engine.modelinfo import model_facts
 from qeval.engine.probe import build_id
+from qeval.compare.chunk_split import ChunkSubset
 from qeval.compare.early import EarlySettings, held_prefix
 from qeval.compare.paired_stats import PairedDifference, on_common_chunks
 from qeval.compare.summary import ComparisonSummary
@@ -287,9 +290,13 @@ def early_figures(request: RecipeRequest, variants: list[Variant]) -> dict:
     """What the request's board decided early records and cost (matrix.early_figures); {} when not decided early."""
     if request.early is None:
         return {}
+    return matrix.early_figures(request.early, n_compared(request), [v.summary.chunks for v in variants])
+
+
+def n_compared(request: RecipeRequest) -> int:
+    """The chunks every variant of the request is compared over (chunks_compared), its reference opened to tell."""
     with contextlib.closing(runs.open_source(request.ref, request.directory)) as ref:
-        n = chunks_compared(request, ref)
-    return matrix.early_figures(request.early, n, [v.summary.chunks for v in variants])
+        return chunks_compared(request, ref)
 
 
 def _result_path(request: RecipeRequest, label: str, ref) -> Path:
@@ -339,7 +346,31 @@ def _variant(recipe: recipes.Recipe, facts: dict, path: Path, status: str) -> Va
     return Variant(recipe, recipe.label(), int(facts["file_size"]), res.summary, res.per_token, path, status)
 
 
-def kld_cost(variant: Variant, base: Variant) -> PairedDifference:
+@dataclass(frozen=True)
+class Seen:
+    """A measured variant as a decision sees it (sensitivity costs, the chooser, the refinement): its recipe, label,
+    file size and the per-token columns of one chunk subset only, the tuning chunks where the chunks are split
+    (qeval.compare.chunk_split): it holds no summary and no other chunk, so nothing that reads it can read a
+    held-out chunk."""
+
+    recipe: recipes.Recipe
+    label: str
+    bytes: int
+    per_token: dict
+
+    @property
+    def kld_mean(self) -> float:
+        """The mean KLD over its tokens (every chunk holds the same number of scored tokens)."""
+        return float(np.mean(self.per_token["kld"], dtype=np.float64))
+
+
+def seen_on(variant: Variant, subset: ChunkSubset | None) -> Seen:
+    """`variant` on the chunks of `subset` alone; None: on every chunk it holds."""
+    per_token = variant.per_token if subset is None else subset.columns(variant.per_token)
+    return Seen(variant.recipe, variant.label, variant.bytes, per_token)
+
+
+def kld_cost(variant: Variant | Seen, base: Variant | Seen) -> PairedDifference:
     """The variant's mean KLD minus the base's on the same tokens, chunks as the unit: the chunks both hold (on a board
     decided early, each holds a prefix of one chunk order)."""
     a, b = on_common_chunks(variant.per_token, base.per_token), on_common_chunks(base.per_token, variant.per_token)

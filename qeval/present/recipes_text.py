@@ -16,16 +16,61 @@ def _mb(n: float | None) -> str:
 
 
 def sensitivity_markdown(rows: list[dict]) -> str:
-    """One line per move, cheapest bytes first (lowest KLD per MB saved; moves that add bytes last)."""
-    early = _decided_early(rows)
-    lines = ["| group | tensors | move | MB saved | KLD cost ± SE | KLD per MB saved |" + _EARLY_HEAD[0] * early,
-             "|---|---|---|---|---|---|" + _EARLY_HEAD[1] * early]
+    """One line per move, cheapest bytes first (lowest KLD per MB saved; moves that add bytes last); with a held-out
+    split, the cost and ratio are the tuning chunks' (the ranking's) and the held-out cost stands beside."""
+    early, held = _decided_early(rows), any("held_out" in r for r in rows)
+    lines = ["| group | tensors | move | MB saved | KLD cost ± SE | KLD per MB saved |" + _HELD_HEAD[0] * held
+             + _EARLY_HEAD[0] * early, "|---|---|---|---|---|---|" + _HELD_HEAD[1] * held + _EARLY_HEAD[1] * early]
     for r in sorted(rows, key=_cheapness):
         ratio = "" if r["kld_per_mb"] is None else f"{r['kld_per_mb']:.2e}"
+        held_cell = f" {_difference(r['held_out'])} |" if held else ""
         lines.append(f"| {r['group']} | {r['tensors']} | {r['types']} | {_mb(r['bytes_saved'])} | "
-                     f"{plus_minus(r['kld_cost'], r['kld_cost_se'], '+.5f', '.5f')} | {ratio} |"
+                     f"{plus_minus(r['kld_cost'], r['kld_cost_se'], '+.5f', '.5f')} | {ratio} |{held_cell}"
                      + _early_cells(r) * early)
     return "\n".join(lines)
+
+
+_HELD_HEAD = (" held-out KLD cost ± SE |", "---|")
+
+
+def _difference(d: dict) -> str:
+    return plus_minus(d["diff"], d["se"], "+.5f", ".5f")
+
+
+def split_line(split: dict) -> str:
+    """The held-out split in a line: seed and the chunks of each set."""
+    return (f"Chunks split by seed {split['seed']}: {len(split['tuning'])} tuning (every decision), "
+            f"{len(split['held_out'])} held out (read by none): {split['held_out']}")
+
+
+def choices_markdown(budgets: list[dict]) -> str:
+    """Each budget's chosen recipe (and refined one) against its stock type as paired differences of mean KLD (± SE,
+    chunks as the unit) on the tuning chunks and on the held-out ones, their difference (the optimism), and the
+    refined recipe's gain over the chosen one (refined − chosen: negative is better)."""
+    lines = ["| budget | recipe | stock | Δ KLD tuning | Δ KLD held-out | optimism | refined − chosen: tuning | "
+             "held-out | builds |", "|---|---|---|---|---|---|---|---|---|"]
+    for b in budgets:
+        stock = b.get("stock", {})
+        lines.append(_choice_line(b["budget"], f"chosen {b['measured']['label']}", stock.get("label", ""), stock))
+        refined = b.get("refined")
+        if refined:
+            gain = refined["gain"]
+            lines.append(_choice_line(b["budget"], f"refined {refined['measured']['label']}", stock.get("label", ""),
+                                      refined.get("stock", {}), gain, refined["builds"]))
+    return "\n".join(lines)
+
+
+def _choice_line(budget: str, label: str, stock: str, against: dict, gain: dict | None = None,
+                 builds: int | None = None) -> str:
+    def cell(d: dict, part: str) -> str:
+        return _difference(d[part]) if part in d else ""
+
+    optimism = f"{against['optimism']:+.5f}" if "optimism" in against else ""
+    tuning = cell(against, "tuning") or (_difference(against) if "diff" in against else "")
+    gains = ["", ""] if gain is None else [cell(gain, "tuning") or _difference(gain), cell(gain, "held_out")]
+    cells = [budget, label, stock, tuning, cell(against, "held_out"), optimism, *gains,
+             "" if builds is None else str(builds)]
+    return "| " + " | ".join(cells) + " |"
 
 
 # a board decided early (--early): the chunks each row stands on (a sweep's: those its cost is paired over) and why it
