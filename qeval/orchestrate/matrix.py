@@ -729,7 +729,7 @@ def decide_in_rounds(settings: EarlySettings, running: list[int], run: Callable[
                 on_stop(k)
         running = [k for k, d in enumerate(decided) if not d.stop]
         for k in running:
-            target[k] = decided[k].n_chunks + settings.step
+            target[k] = decided[k].n_chunks + settings.rule.step
 
 
 def early_decisions(plan: MatrixPlan, n_chunks: int) -> list[early_stop.Decision]:
@@ -807,9 +807,9 @@ def matrix_result(plan: MatrixPlan, run: MatrixRun, task_lines: list[str] = ()) 
 
 
 def early_figures(settings: EarlySettings, n_chunks: int, held: list[int]) -> dict:
-    """What a board decided early records and cost, as its JSON's `early`: the seed, the order and the rule, the step,
-    and the chunks its rows hold (`held`, one count per row) of the chunks the full board runs."""
-    return {"early": {**settings.record(settings.order(n_chunks)), "step": settings.step, "chunks_held": sum(held),
+    """What a board decided early records and cost, as its JSON's `early`: the seed, the order and the rule (its
+    step included), and the chunks its rows hold (`held`, one count per row) of the chunks the full board runs."""
+    return {"early": {**settings.record(settings.order(n_chunks)), "chunks_held": sum(held),
                       "chunks_full": n_chunks * len(held)}}
 
 
