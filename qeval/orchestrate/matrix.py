@@ -623,16 +623,20 @@ def saved_summaries(plan: MatrixPlan) -> list[ComparisonSummary]:
 
 def run_local(plan: MatrixPlan, advance: Callable[[int], None], announce: bool = False) -> MatrixRun:
     """Execute the plan here, one capture or pair after another; advance(n) counts chunks gone through. Before the
-    first window is decoded, what the whole matrix writes and roughly how long it takes is said (`announce`) and
-    checked against the free disk (qeval.orchestrate.budget): every pair counted as run live when the reference
-    is still to capture, the pairs that run when it is there. A pair whose write fails (a full disk) ends the run
+    first window is decoded, what the whole matrix writes and roughly how long it takes is said (`announce`; decided
+    early: from every pair at the rule's minimum to every chunk) and checked against the free disk
+    (qeval.orchestrate.budget): every pair counted as run live when the reference is still to capture, the pairs
+    that run when it is there. A pair whose write fails (a full disk) ends the run
     with one message: that pair, the bytes it and the pairs after it need; every finished pair and its checkpoint
     are kept, and the same command continues."""
+    least = plan.early.rule.min_chunks if plan.early is not None else None  # decided early: said as a range
+
     def check_all(start) -> None:
         n = plan.reference.chunks or start.header.chunk_stop
         budget.matrix_budget(f"matrix: reference {plan.reference.label} + {len(plan.pairs)} pairs", plan.directory,
                              start.header, n, [(p.label, p.model, p.settings) for p in plan.pairs], start,
-                             len(plan.samplers), keeps_candidate_stores=plan.keep_logits).check(announce)
+                             len(plan.samplers), keeps_candidate_stores=plan.keep_logits,
+                             early_min_chunks=least).check(announce)
 
     captured = capture(plan.reference, on_chunk=advance, on_plan=lambda total, done: advance(done),
                        on_start=check_all)
@@ -643,7 +647,7 @@ def run_local(plan: MatrixPlan, advance: Callable[[int], None], announce: bool =
         if captured.status == "already complete" and running:
             budget.matrix_budget(f"matrix: {len(running)} of {len(pairs)} pairs to run", plan.directory,
                                  ref.header, n_chunks, running, samplers=len(plan.samplers),
-                                 keeps_candidate_stores=plan.keep_logits).check(announce)
+                                 keeps_candidate_stores=plan.keep_logits, early_min_chunks=least).check(announce)
         if plan.early is not None:
             lines += run_early(plan, pairs, ref, n_chunks, advance)
         else:
@@ -816,7 +820,10 @@ def early_figures(settings: EarlySettings, n_chunks: int, held: list[int]) -> di
 def early_line(early: dict) -> str:
     """What a board decided early cost, and by which rule."""
     rule = early["rule"]
+    spent = (" (log scale for a mean, the error spent over the rounds: half at the minimum)"
+             if rule.get("interval") == early_stop.SPENT else "")
     return (f"Early: seed {early['seed']}, at least {rule['min_chunks']} chunks, ±{rule['rel_precision']:.0%} at "
-            f"{rule['confidence']:.0%} or neighbours {rule['neighbour_sigmas']:g} SE apart; "
+            f"{rule['confidence']:.0%}{spent} or neighbours {rule['neighbour_sigmas']:g} SE apart, "
+            f"{rule.get('step', early_stop.STEP)} chunks a round; "
             f"{early['chunks_held']} of {early['chunks_full']} pair-chunks held "
             f"({early['chunks_held'] / early['chunks_full']:.2f}× the full board's forward passes)")
