@@ -132,7 +132,8 @@ def synthetic_board(seed: int, close: bool = True, chunk_sigma: float = CHUNK_SI
 
 def results_board(directory: str) -> Board:
     """The board of the saved results in `directory` (a runs dir or its results/), read with the leaderboard's
-    own loader and checks (one reference, one token set)."""
+    own loader and checks (one reference, one token set); the control and the floor pinned, as on a matrix's board."""
+    from qeval.present import board as boardrows
     from qeval.present import leaderboard
 
     board = leaderboard.build([directory])
@@ -150,7 +151,8 @@ def results_board(directory: str) -> Board:
         sums.append(s)
     rows = board.rows
     return Board([r.label for r in rows], np.array(sums), counts, [r.size_gib for r in rows],
-                 [r.memory_estimate_gib for r in rows], [r.kv_quant for r in rows], [r.control for r in rows],
+                 [r.memory_estimate_gib for r in rows], [r.kv_quant for r in rows],
+                 [boardrows.is_baseline(r) for r in rows],  # the control and the floor, as matrix.decisions_of
                  f"results in {directory}")
 
 
