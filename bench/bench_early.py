@@ -185,9 +185,14 @@ def simulate(board: Board, seeds: int, rule: StopRule) -> dict:
     mean, low, high, se = (np.zeros((seeds, n_pairs)) for _ in range(4))
     reasons, rounds = Counter(), []
     same_order, same_fronts, up_to_ties, with_ties = 0, 0, 0, 0
+    first = []
     for seed in range(seeds):
         decisions, n_rounds = replay(board, seed, rule)
         rounds.append(n_rounds)
+        if seed == 0:  # the board `qeval matrix --early` (seed 0) decides on these results
+            first = [{"label": d.label, "chunks": d.n_chunks, "stopped": d.reason, "early": d.estimate.mean,
+                      "low": d.estimate.low, "high": d.estimate.high, "full": float(full[i])}
+                     for i, d in enumerate(decisions) if i in contenders]
         for i, d in enumerate(decisions):
             e = d.estimate
             chunks[seed, i], mean[seed, i], low[seed, i], high[seed, i], se[seed, i] = (
@@ -203,7 +208,7 @@ def simulate(board: Board, seeds: int, rule: StopRule) -> dict:
         with_ties += bool(ties)
         same_fronts += _fronts(board, mean[seed]) == full_fronts
     return {"chunks": chunks, "mean": mean, "low": low, "high": high, "se": se, "full": full,
-            "contenders": contenders, "reasons": reasons, "rounds": rounds, "same_order": same_order,
+            "contenders": contenders, "seed_0": first, "reasons": reasons, "rounds": rounds, "same_order": same_order,
             "same_order_up_to_ties": up_to_ties, "seeds_with_ties": with_ties, "same_fronts": same_fronts}
 
 
@@ -255,7 +260,7 @@ def summarize(board: Board, sim: dict, rule: StopRule, full_board_chunks: int, s
         "same_order": sim["same_order"], "same_order_up_to_ties": sim["same_order_up_to_ties"],
         "seeds_with_ties": sim["seeds_with_ties"], "same_fronts": sim["same_fronts"],
         "max_error_se": float(errors.max()) if len(errors) else None,
-        "reasons": dict(sim["reasons"]), "per_pair": per_pair, "seconds": round(seconds, 2),
+        "reasons": dict(sim["reasons"]), "per_pair": per_pair, "seed_0": sim["seed_0"], "seconds": round(seconds, 2),
     }
 
 
@@ -292,6 +297,12 @@ def markdown(results: list[dict], close: str | None) -> str:
             f"{r['of_longest_board']['mean']:.3f}× ({r['of_longest_board']['max']:.3f}×) | "
             f"{r['same_order']}/{r['seeds']} ({r['same_order_up_to_ties']}) | {r['same_fronts']}/{r['seeds']} | "
             f"{reasons} |")
+    last = results[-1]
+    lines += ["", f"The board decided early with seed 0 (what `qeval matrix --early` decides on these results), "
+                  f"{last['chunks']} chunks, {RULE_NAMES[last['rule']['interval']]}, against the full run:", "",
+              "| pair | chunks | stopped | early mean [interval] | full mean | inside |", "|---|---|---|---|---|---|"]
+    lines += [f"| {p['label']} | {p['chunks']} | {p['stopped']} | {p['early']:.6f} [{p['low']:.6f}, {p['high']:.6f}] | "
+              f"{p['full']:.6f} | {'yes' if p['low'] <= p['full'] <= p['high'] else 'no'} |" for p in last["seed_0"]]
     lines += ["", "Chunks visited per pair (mean over seeds):", ""]
     for r in results:
         lines.append(f"- {r['chunks']} chunks, {RULE_NAMES[r['rule']['interval']]}: " + ", ".join(
