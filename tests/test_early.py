@@ -443,6 +443,21 @@ def test_pairs_behind_compare_on_the_common_prefix_and_orders_must_agree():
         early.decide([a, other], N_TOTAL, StopRule())
 
 
+@pytest.mark.parametrize("later, sign", [(3.0, None), (0.5, -1)])
+def test_a_settled_order_must_agree_with_the_rows_own_means(later, sign):
+    """A (20 chunks) is far below B (8) on their 8 common chunks; A's later chunks are 3.0 a token: its row's mean
+    over its 20 would show it above B, against the settled sign, so the comparison stays open (B runs on) until the
+    two agree; with later chunks like its first, it is settled below."""
+    m = np.full(20, 255)
+    wobble = 1 + 0.01 * np.sin(np.arange(20))
+    a_sums = np.where(np.arange(20) < 8, 0.5, later) * m * wobble
+    a = PairChunks("A", np.arange(20), a_sums, m)
+    b = PairChunks("B", np.arange(8), 1.0 * m[:8] * wobble[:8][::-1], m[:8])
+    got = early.compare(a, b, N_TOTAL, StopRule())
+    assert got.diff.n_chunks == 8 and got.diff.mean == pytest.approx(-0.5, rel=0.02)
+    assert got.sign == sign
+
+
 def test_rule_is_checked_and_recorded():
     with pytest.raises(ValueError):
         StopRule(min_chunks=1)

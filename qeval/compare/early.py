@@ -42,7 +42,9 @@ The rule (StopRule, decide): every pair runs at least min_chunks chunks; then a 
   "all chunks" it has visited every chunk.
 The control (the reference recomputed) is pinned first and on no front: it stops after min_chunks.
 decide() is a pure function of every pair's visited chunks: as estimates move, a stopped pair may be asked to
-run again (its neighbours changed); comparisons with a pair that visited fewer chunks use the common prefix.
+run again (its neighbours changed); comparisons with a pair that visited fewer chunks use the common prefix, and
+settle only once the two rows' own means (each over its visited chunks, as the board shows them) agree with the
+settled sign: otherwise the board could show an order its comparison settled the other way.
 """
 
 from __future__ import annotations
@@ -314,8 +316,15 @@ def compare(a: PairChunks, b: PairChunks, n_total: int, rule: StopRule) -> Compa
     # below ~5) the t quantile exceeds 3 SE, and a noisy SE settled close neighbours in the wrong order
     settled = n >= 2 and abs(diff.mean) >= max(rule.neighbour_sigmas * diff.se, diff.half_width)  # False for NaN
     sign = (int(np.sign(diff.mean)) if settled else None)
+    if sign and a.n_chunks != b.n_chunks and np.sign(_own_mean(a) - _own_mean(b)) != sign:
+        sign = None  # the board shows each mean over its own chunks: until they agree, the shorter one runs on
     tie = bool(abs(diff.mean) + diff.half_width <= rule.rel_precision * min(abs(mean_a), abs(mean_b)))
     return Comparison(diff, mean_a, mean_b, sign, tie)
+
+
+def _own_mean(p: PairChunks) -> float:
+    """A pair's mean over every chunk it visited: the one its board row shows."""
+    return float(p.sums.sum()) / float(p.tokens.sum())
 
 
 @dataclass
