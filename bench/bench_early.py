@@ -252,7 +252,8 @@ def summarize(board: Board, sim: dict, rule: StopRule, full_board_chunks: int, s
         "rule": rule.to_json(), "seeds": seeds,
         "coverage": {**coverage(covered[:, cols], short[:, cols]), "nominal": rule.confidence,
                      "all_chunk_cases": int((~short[:, cols]).sum())},
-        "forward_fraction": {"mean": float(fraction.mean()), "max": float(fraction.max()), "min": float(fraction.min())},
+        "forward_fraction": {"mean": float(fraction.mean()), "max": float(fraction.max()),
+                             "min": float(fraction.min())},
         "of_longest_board": {"mean": float(chunks.sum(axis=1).mean() / (len(board.labels) * full_board_chunks)),
                              "max": float(chunks.sum(axis=1).max() / (len(board.labels) * full_board_chunks)),
                              "chunks": full_board_chunks},
@@ -335,7 +336,8 @@ def main(argv=None) -> None:
     if not lengths:
         sys.exit(f"the board holds {board.n_chunks} chunks: no corpus of {args.lengths} chunks in it")
     close = args.close if args.close in board.labels else None
-    out = Path(args.out) if args.out else OUT_DIR / f"early-simulation-{'results' if args.results else 'synthetic'}.json"
+    name = "results" if args.results else "synthetic"
+    out = Path(args.out) if args.out else OUT_DIR / f"early-simulation-{name}.json"
     results = []
     for n in lengths:
         for interval in args.rules:

@@ -53,14 +53,15 @@ def main(argv=None) -> None:
     ap.add_argument("--draws", type=int, default=20_000)
     args = ap.parse_args(argv)
     rng = np.random.default_rng(1)
-    print(f"| interval | {' | '.join(f'{n} chunks' for n in args.lengths)} |  (log-sd {' / '.join(map(str, args.sigmas))})")
+    sigmas = " / ".join(map(str, args.sigmas))
+    print(f"| interval | {' | '.join(f'{n} chunks' for n in args.lengths)} |  (log-sd {sigmas})")
     print("|---|" + "---|" * len(args.lengths))
     for name, n, confidence, how in CANDIDATES:
         cells = []
         for big_n in args.lengths:
-            cells.append(" / ".join(
-                f"{100 * np.mean([coverage(np.exp(s * np.random.default_rng(k).normal(size=big_n)), n, confidence, how, args.draws, rng) for k in range(args.corpora)]):.1f}"
-                for s in args.sigmas) + " %")
+            shares = [np.mean([coverage(np.exp(s * np.random.default_rng(k).normal(size=big_n)), n, confidence, how,
+                                        args.draws, rng) for k in range(args.corpora)]) for s in args.sigmas]
+            cells.append(" / ".join(f"{100 * x:.1f}" for x in shares) + " %")
         print(f"| {name} | {' | '.join(cells)} |", flush=True)
 
 

@@ -21,24 +21,25 @@ The error alpha = 1 - confidence is spent over the looks the rule plans (StopRul
 min_chunks, look k at min_chunks + k*step (the rounds), K = ceil((N - min_chunks) / step) looks short of every
 chunk (at N the mean is exact); a count between two looks (a result extended in another order) reads the
 later look's: k = ceil((n - min_chunks) / step). alpha_0 = alpha/2 (FIRST_LOOK_SHARE) at the minimum, where
-most pairs stop; alpha_k = (alpha/2) * (1/k) / sum_{j=1}^{K-1} (1/j) at look k >= 1 (a pair that runs on mostly stops within a
-few looks). The alpha_k add up to alpha, so by Bonferroni every interval of a pair, the one it stops on
-included, holds its full-run mean (every neighbour test its full-run sign) with probability >= confidence
-whichever look the data chose: optional stopping is paid for. At the minimum the interval is at 97.5 % for a
-stated 95 %; that, with the log scale, is what covers skewed chunk sums at 8 chunks, where the t-interval
-at the stated 95 % covered 92.5-94.4 % of replayed real results (bench/bench_early.py, docs/release.md).
-StopRule(interval=FIXED_T) is the rule before (the t-interval at the stated confidence at every look), kept to
-compare.
+most pairs stop; alpha_k = (alpha/2) * (1/k) / sum_{j=1}^{K-1} (1/j) at look k >= 1 (a pair that runs on
+mostly stops within a few looks). The alpha_k add up to alpha, so by Bonferroni every interval of a pair, the
+one it stops on included, holds its full-run mean (every neighbour test its full-run sign) with probability
+>= confidence whichever look the data chose: optional stopping is paid for. At the minimum the interval is at
+97.5 % for a stated 95 %; that, with the log scale, is what covers skewed chunk sums at 8 chunks, where the
+t-interval at the stated 95 % covered 92.5-94.4 % of replayed real results (bench/bench_early.py,
+bench/bench_early_intervals.py, docs/release.md). StopRule(interval=FIXED_T) is the rule before (the t-interval
+at the stated confidence at every look), kept to compare.
 
 The rule (StopRule, decide): every pair runs at least min_chunks chunks; then a pair stops when
   "settled"    its order against both of its board neighbours (paired |diff| >= neighbour_sigmas * SE, and its
                interval at the look's confidence clear of 0) and its
                Pareto status (qeval.compare.ranking: its kind's size/KLD front) can no longer change, and no
                other pair's Pareto status waits on a comparison with it;
-  "precision"  its interval's half-width (its longer side: the upper one) is <= rel_precision * mean, and every comparison still open is a tie
-               at that precision (the paired interval lies within +/- rel_precision * the smaller mean): close
-               neighbours (Q4_K_M vs Q4_K_S) keep running until their order is settled or shown to be a tie,
-               never guessed. StopRule(precision_alone=True) drops the tie condition;
+  "precision"  its interval's half-width (its longer side: the upper one) is <= rel_precision * mean, and
+               every comparison still open is a tie at that precision (the paired interval lies within
+               +/- rel_precision * the smaller mean): close neighbours (Q4_K_M vs Q4_K_S) keep running until
+               their order is settled or shown to be a tie, never guessed. StopRule(precision_alone=True) drops
+               the tie condition;
   "all chunks" it has visited every chunk.
 The control (the reference recomputed) is pinned first and on no front: it stops after min_chunks.
 decide() is a pure function of every pair's visited chunks: as estimates move, a stopped pair may be asked to
