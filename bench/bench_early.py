@@ -244,7 +244,12 @@ def summarize(board: Board, sim: dict, rule: StopRule, full_board_chunks: int, s
     fraction = chunks.sum(axis=1) / (len(board.labels) * n_total)
     short_cases = short[:, cols] & (sim["se"][:, cols] > 0)
     errors = (np.abs(sim["mean"] - full)[:, cols][short_cases] / sim["se"][:, cols][short_cases])
-    per_pair = {board.labels[i]: {"full_mean": float(full[i]), "mean_chunks": float(chunks[:, i].mean()),
+    per_chunk = board.sums / board.tokens
+    centred = per_chunk - per_chunk.mean(axis=1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):  # a control of exact zeros has no skew
+        skew = (centred ** 3).mean(axis=1) / (centred ** 2).mean(axis=1) ** 1.5
+    per_pair = {board.labels[i]: {"full_mean": float(full[i]), "chunk_skewness": float(skew[i]),
+                                  "mean_chunks": float(chunks[:, i].mean()),
                                   "max_chunks": int(chunks[:, i].max()),
                                   "coverage": coverage(covered[:, [i]], short[:, [i]])} for i in cols}
     return {
@@ -308,6 +313,8 @@ def markdown(results: list[dict], close: str | None) -> str:
     for r in results:
         lines.append(f"- {r['chunks']} chunks, {RULE_NAMES[r['rule']['interval']]}: " + ", ".join(
             f"{k} {v['mean_chunks']:.1f}" for k, v in r["per_pair"].items()))
+    lines += ["", f"Skewness of the per-chunk mean KLD over the {last['chunks']} chunks: " + ", ".join(
+        f"{k} {v['chunk_skewness']:.2f}" for k, v in last["per_pair"].items()) + "."]
     return "\n".join(lines) + "\n"
 
 
