@@ -62,13 +62,14 @@ def fronts(rows: list[dict]) -> dict[str, bool]:
     return {r["label"]: f for r, f in zip(rows, on)}
 
 
-def early_estimates(runs: Path, ref: str, labels, n_chunks: int) -> dict[str, dict]:
-    """Each pair's chunk-level estimate from its saved early result (before the full run replaces it)."""
+def early_estimates(runs: Path, ref: str, labels, n_chunks: int, rule: early.StopRule) -> dict[str, dict]:
+    """Each pair's chunk-level estimate, with the rule's interval, from its saved early result (before the full run
+    replaces it)."""
     out = {}
     for label in labels:
         res = results.load_result(results.result_path(runs / results.RESULTS_SUBDIR, label, ref))
         _, sums, tokens = early.chunk_sums(res.per_token)
-        out[label] = early.ratio_estimate(sums, tokens, n_chunks).to_json()
+        out[label] = early.pair_estimate(sums, tokens, n_chunks, rule).to_json()
     return out
 
 
@@ -95,7 +96,7 @@ def main(argv=None) -> None:
     settings = api.early_settings(seed=args.seed)
     early_json, early_text, early_wall, early_cpu = timed(
         lambda: api.matrix_report(ref, models, ["f16"], early=settings, **common))
-    estimates = early_estimates(runs, "Q8_0", candidates, args.chunks)
+    estimates = early_estimates(runs, "Q8_0", candidates, args.chunks, settings.rule)
     full_json, full_text, ext_wall, ext_cpu = timed(lambda: api.matrix_report(ref, models, ["f16"], **common))
 
     early_rows, full_rows = {r["label"]: r for r in early_json["rows"]}, {r["label"]: r for r in full_json["rows"]}
@@ -119,7 +120,7 @@ def main(argv=None) -> None:
         "models": "Gemma-3-270M quants requantized from the published Q4_K_M (qeval demo's"
                   + (", and Q4_K_S from it" if args.q4_k_s else "") + ")",
         "reference": "Q8_0", "candidates": list(candidates), "n_ctx": args.ctx, "chunks": args.chunks,
-        "rule": settings.rule.to_json(), "step": settings.step, "seed": settings.seed,
+        "rule": settings.rule.to_json(), "seed": settings.seed,
         "order": early_json["early"]["order"],
         "reference_capture": {"wall_s": round(ref_wall, 1), "cpu_s": round(ref_cpu, 1), "forward_passes": args.chunks},
         "early": {"wall_s": round(early_wall, 1), "cpu_s": round(early_cpu, 1), "forward_passes": sum(ran.values()),
@@ -156,7 +157,7 @@ def markdown(d: dict, board: str) -> str:
         f"candidates {', '.join(d['candidates'])} (KV f16, no control or floor row), n_ctx {d['n_ctx']}, "
         f"{d['chunks']} chunks. Rule: at least {d['rule']['min_chunks']} chunks, ±{d['rule']['rel_precision']:.0%} "
         f"at {d['rule']['confidence']:.0%} or neighbours {d['rule']['neighbour_sigmas']:g} SE apart, "
-        f"{d['step']} chunks a round, seed {d['seed']}. The full board is the early one extended from its "
+        f"{d['rule']['step']} chunks a round, seed {d['seed']}. The full board is the early one extended from its "
         "checkpoints (each chunk decoded once): its time is the two runs' together.", "",
         "| | forward passes (pair-chunks) | wall s | CPU s |", "|---|---|---|---|",
         f"| reference capture (both) | {d['reference_capture']['forward_passes']} | "

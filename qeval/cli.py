@@ -24,7 +24,7 @@ Early = typer.Option(False, "--early", help="Decide the board early: every pair 
 EarlyPrecision = typer.Option(None, "--early-precision", help="With --early: stop a pair once its interval's half-width is this share of its mean KLD (default 0.05: ±5 %), and every comparison still open is a tie at it.")
 EarlyMinChunks = typer.Option(None, "--early-min-chunks", help="With --early: chunks every pair runs before any stops (default 8).")
 EarlySigmas = typer.Option(None, "--early-sigmas", help="With --early: neighbours this many SEs of their paired difference apart (and their interval clear of 0) are settled (default 3).")
-EarlyConfidence = typer.Option(None, "--early-confidence", help="With --early: the confidence of the intervals (default 0.95).")
+EarlyConfidence = typer.Option(None, "--early-confidence", help="With --early: the confidence of the intervals over every round a pair may stop in (default 0.95: half of the 5 % error spent at the minimum, the rest over the later rounds).")
 EarlySeed = typer.Option(None, "--early-seed", help="With --early: the seed of the chunk order (default 0); recorded in every result.")
 TypeK = typer.Option("f16", "-ctk", "--cache-type-k", help="KV cache type for K: f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, f32.")
 TypeV = typer.Option("f16", "-ctv", "--cache-type-v", help="KV cache type for V (a quantized V cache needs -fa on).")

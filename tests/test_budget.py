@@ -61,6 +61,29 @@ def test_time_rates_give_back_the_measured_runs():
     assert budget.Run(**{**capture.__dict__, "settings": EngineSettings(n_gpu_layers=99)}).seconds is None
 
 
+def test_an_early_board_says_its_range_from_the_minimum_to_every_chunk(tmp_path):
+    """`--early` over 80 chunks: the reference captures every chunk, each of 3 pairs runs 8 to 80 of them; the time
+    is said from every pair at its minimum to every chunk (not the full run's alone: the demo's said 29 min and
+    took 4), the bytes as the most it can write."""
+    capture = budget.Run("R", 291_543_744, 80 * 512, 80 * 255, 262_144, live=False, keeps_store=True, settings=TWO)
+    pair = budget.Run("P", 237_077_184, 80 * 512, 80 * 255, 262_144, live=True, keeps_store=False,
+                      keeps_result=True, settings=TWO)
+    full = budget.Budget("matrix: reference R + 3 pairs", (capture, pair, pair, pair), tmp_path, 80)
+    early = budget.Budget(full.what, full.runs, tmp_path, 80, early_min_chunks=8)
+    whole, least = capture.seconds + 3 * pair.seconds, capture.seconds + 3 * pair.seconds * 8 / 80
+    assert budget.time_text(least) != budget.time_text(whole)
+    text = early.text(10**12)
+    assert "decided early: each pair 8 to 80 chunks (24 to 240 pair-chunks)" in text
+    assert f"roughly {budget.time_text(least)} (every pair at its minimum) to {budget.time_text(whole)} on 2 CPU " \
+           "threads" in text
+    assert f"writes up to ~{budget.size_text(full.bytes)}" in text and early.bytes == full.bytes
+    plain = full.text(10**12)
+    assert f"; roughly {budget.time_text(whole)} on 2 CPU threads" in plain and "decided early" not in plain
+    # a corpus shorter than the minimum: every pair runs it all
+    short = budget.Budget(full.what, full.runs, tmp_path, 80, early_min_chunks=100).text(10**12)
+    assert "each pair 80 to 80 chunks" in short and f"roughly {budget.time_text(whole)} (every pair" in short
+
+
 def test_store_bytes_bound_the_demos_measured_disk():
     """The demo wrote 21.7 GB: 9 stores (reference, 6 candidates, control, floor) of 20,400 scored tokens."""
     runs = [budget.Run(f"s{i}", 1, 80 * 512, 20_400, 262_144, live=i > 0, keeps_store=True, keeps_result=i > 0)

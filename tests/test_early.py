@@ -186,6 +186,76 @@ def test_paired_estimate_matches_plain_float64_and_beats_unpaired():
         early.paired_estimate(a[:n], b[:n - 1], m[:n], N_TOTAL)
 
 
+@pytest.mark.parametrize("n", [8, 17])
+def test_a_means_interval_on_the_log_scale(n):
+    rng = np.random.default_rng(n)
+    m = rng.integers(100, 300, size=N_TOTAL)
+    s = rng.gamma(2.0, 0.01, size=N_TOTAL) * m
+    e = early.ratio_estimate(s[:n], m[:n], N_TOTAL, 0.99, log_scale=True)
+    mean, se, q = plain_ratio(s[:n], m[:n]), plain_ratio_se(s[:n], m[:n], N_TOTAL), plain_t_quantile(0.995, n - 1)
+    assert (e.low, e.high) == pytest.approx((mean / math.exp(q * se / mean), mean * math.exp(q * se / mean)),
+                                            rel=1e-5)
+    assert e.high - e.mean > e.mean - e.low and e.half_width == pytest.approx(e.high - e.mean)
+    zero = early.ratio_estimate(np.zeros(n), m[:n], N_TOTAL, 0.99, log_scale=True)  # the control: exactly 0
+    assert zero.low == zero.high == zero.mean == 0.0
+
+
+@pytest.mark.parametrize("n_total, min_chunks, step", [(80, 8, 4), (40, 8, 4), (20, 8, 4), (80, 10, 3), (11, 8, 4)])
+def test_the_error_is_spent_over_the_planned_looks(n_total, min_chunks, step):
+    """Half of alpha at the minimum, the rest over the later looks in proportion to 1/k; over every look short of the
+    whole corpus they add up to alpha; a count between looks reads the later look's; FIXED_T: alpha at each."""
+    rule = StopRule(min_chunks=min_chunks, step=step)
+    looks = list(range(min_chunks, n_total, step))
+    spent = [1.0 - rule.look_confidence(n, n_total) for n in looks]
+    assert sum(spent) == pytest.approx(0.05, rel=1e-12)
+    assert spent == pytest.approx([plain_alpha(n, rule, n_total) for n in looks], rel=1e-12)
+    assert spent[0] == pytest.approx(0.025 if len(looks) > 1 else 0.05)
+    assert all(a >= b for a, b in zip(spent[1:], spent[2:]))
+    for n in range(min_chunks + 1, n_total):
+        assert rule.look_confidence(n, n_total) == rule.look_confidence(looks[-1] if n > looks[-1] else
+                                                                        next(at for at in looks if at >= n), n_total)
+    assert all(StopRule(interval=early.FIXED_T).look_confidence(n, n_total) == 0.95 for n in looks)
+
+
+def test_a_pairs_estimate_reads_the_looks_interval():
+    sums, m = board_data(seed=12, means=(0.2,))
+    rule = StopRule()
+    for n in (8, 12, 30):
+        e = early.pair_estimate(sums[0][:n], m[:n], N_TOTAL, rule)
+        want = early.ratio_estimate(sums[0][:n], m[:n], N_TOTAL, rule.look_confidence(n, N_TOTAL), log_scale=True)
+        assert e == want and e.confidence == 1.0 - plain_alpha(n, rule)
+
+
+def skewed_population(n_total=40, seed=1, sigma=0.5):
+    """Per-chunk KLD sums of one pair: lognormal chunk difficulty (skewness ~1.8), 255 scored tokens a chunk."""
+    m = np.full(n_total, 255)
+    return 0.2 * np.exp(sigma * np.random.default_rng(seed).normal(size=n_total)) * m, m
+
+
+def sampled_coverage(rule, draws=3000, n=8):
+    """Over `draws` seeded chunk orders: the share of the early intervals after the first n chunks that hold the
+    whole corpus's mean, and its binomial SE."""
+    sums, m = skewed_population()
+    full = plain_ratio(sums, m)
+    hits = 0
+    for seed in range(draws):
+        at = early.chunk_order(len(m), seed)[:n]
+        e = early.pair_estimate(sums[at], m[at], len(m), rule)
+        hits += e.low <= full <= e.high
+    share = hits / draws
+    return share, math.sqrt(share * (1 - share) / draws)
+
+
+def test_the_interval_at_the_minimum_covers_skewed_chunks_where_the_fixed_t_did_not():
+    """A skewed corpus of 40 chunks, sampled 8 at a time: the t-interval at a fixed 95 % (the rule before issue 35)
+    covers clearly less than it states; the rule's interval (log scale, half the error at the minimum) at least
+    what it states, both beyond their Monte Carlo error."""
+    old, old_se = sampled_coverage(StopRule(interval=early.FIXED_T))
+    new, new_se = sampled_coverage(StopRule())
+    assert old < 0.95 - 3 * old_se
+    assert new > 0.95 + 2 * new_se
+
+
 # --------------------------------------------------------------------------------------------------
 # the rule
 # --------------------------------------------------------------------------------------------------
@@ -214,11 +284,11 @@ def close_board(seed=4):
 
 
 def test_close_neighbours_keep_running_never_guess():
-    """Close neighbours run on, naming each other, while their far neighbours stop; by 30 chunks Q4_K_M's mean is
+    """Close neighbours run on, naming each other, while their far neighbours stop; by 40 chunks Q4_K_M's mean is
     known to 5 %, but its order against Q4_K_S is neither settled nor a tie: it runs on (with precision alone it
     would have stopped there, its order a guess)."""
     sums, m, labels = close_board(5)
-    for n, sizes in ((8, None), (30, None), (8, [None] * 4), (30, [None] * 4)):  # no sizes: on no front
+    for n, sizes in ((8, None), (40, None), (8, [None] * 4), (40, [None] * 4)):  # no sizes: on no front
         d = by_label(early.decide(pairs_of(sums, m, n, labels=labels, sizes=sizes), N_TOTAL, StopRule()))
         assert not d["Q4_K_M"].stop and not d["Q4_K_S"].stop
         assert d["Q4_K_M"].reason == d["Q4_K_S"].reason == early.OPEN
@@ -226,7 +296,7 @@ def test_close_neighbours_keep_running_never_guess():
         assert not d["Q4_K_M"].ties
         assert d["Q8_0"].stop and d["Q2_K"].stop and d["Q8_0"].reason == d["Q2_K"].reason == early.SETTLED
     assert early.precise(d["Q4_K_M"].estimate, 0.05)
-    alone = by_label(early.decide(pairs_of(sums, m, 30, labels=labels), N_TOTAL, StopRule(precision_alone=True)))
+    alone = by_label(early.decide(pairs_of(sums, m, 40, labels=labels), N_TOTAL, StopRule(precision_alone=True)))
     assert alone["Q4_K_M"].stop and alone["Q4_K_M"].reason == early.PRECISION
 
 
@@ -242,6 +312,21 @@ def test_close_neighbours_stop_only_in_the_true_order_or_as_a_tie(seed):
     assert n > 8
 
 
+def plain_alpha(n, rule, n_total=N_TOTAL):
+    """The error the rule spends at the look after n chunks (module docstring of qeval.compare.early), by a loop:
+    the looks are min, min + step, ... below n_total; half of alpha at the first, the other half over the rest
+    in proportion to 1/k."""
+    looks = list(range(rule.min_chunks, n_total, rule.step))
+    alpha = 1.0 - rule.confidence
+    k = next((j for j, at in enumerate(looks) if n <= at), len(looks) - 1)
+    if k == 0 or len(looks) == 1:
+        return alpha / 2 if len(looks) > 1 else alpha
+    harmonic = 0.0
+    for j in range(1, len(looks)):
+        harmonic += 1.0 / j
+    return alpha / 2 / k / harmonic
+
+
 def plain_decision(a, b, m, n, rule):
     """(stop, reason) of A on a board of A and B (same size: B's Pareto status hangs on A), from plain float64."""
     if n < rule.min_chunks:
@@ -249,10 +334,11 @@ def plain_decision(a, b, m, n, rule):
     mean_a, mean_b = plain_ratio(a[:n], m[:n]), plain_ratio(b[:n], m[:n])
     d = mean_a - mean_b
     se_d = plain_ratio_se([x - y for x, y in zip(a[:n], b[:n])], m[:n], N_TOTAL)
-    q = plain_t_quantile(0.5 + rule.confidence / 2, n - 1)
-    if abs(d) >= rule.neighbour_sigmas * se_d:
+    q = plain_t_quantile(1 - plain_alpha(n, rule) / 2, n - 1)
+    if abs(d) >= max(rule.neighbour_sigmas, q) * se_d:
         return True, early.SETTLED
-    half = q * plain_ratio_se(a[:n], m[:n], N_TOTAL)
+    # the mean's interval on the log scale: its upper side is the longer
+    half = mean_a * (math.exp(q * plain_ratio_se(a[:n], m[:n], N_TOTAL) / mean_a) - 1.0)
     tie = abs(d) + q * se_d <= rule.rel_precision * min(mean_a, mean_b)
     if half <= rule.rel_precision * mean_a and (tie or rule.precision_alone):
         return True, early.PRECISION
@@ -357,19 +443,38 @@ def test_pairs_behind_compare_on_the_common_prefix_and_orders_must_agree():
         early.decide([a, other], N_TOTAL, StopRule())
 
 
+@pytest.mark.parametrize("later, sign", [(3.0, None), (0.5, -1)])
+def test_a_settled_order_must_agree_with_the_rows_own_means(later, sign):
+    """A (20 chunks) is far below B (8) on their 8 common chunks; A's later chunks are 3.0 a token: its row's mean
+    over its 20 would show it above B, against the settled sign, so the comparison stays open (B runs on) until the
+    two agree; with later chunks like its first, it is settled below."""
+    m = np.full(20, 255)
+    wobble = 1 + 0.01 * np.sin(np.arange(20))
+    a_sums = np.where(np.arange(20) < 8, 0.5, later) * m * wobble
+    a = PairChunks("A", np.arange(20), a_sums, m)
+    b = PairChunks("B", np.arange(8), 1.0 * m[:8] * wobble[:8][::-1], m[:8])
+    got = early.compare(a, b, N_TOTAL, StopRule())
+    assert got.diff.n_chunks == 8 and got.diff.mean == pytest.approx(-0.5, rel=0.02)
+    assert got.sign == sign
+
+
 def test_rule_is_checked_and_recorded():
     with pytest.raises(ValueError):
         StopRule(min_chunks=1)
     with pytest.raises(ValueError):
         StopRule(confidence=1.0)
+    with pytest.raises(ValueError):
+        StopRule(step=0)
+    with pytest.raises(ValueError, match="interval"):
+        StopRule(interval="bootstrap")
     assert StopRule().to_json() == {"min_chunks": 8, "rel_precision": 0.05, "neighbour_sigmas": 3.0,
-                                    "confidence": 0.95, "precision_alone": False}
+                                    "confidence": 0.95, "precision_alone": False, "step": 4, "interval": "spent"}
 
 
 # --------------------------------------------------------------------------------------------------
 # the simulation (bench/bench_early.py) runs on synthetic data and on the results a matrix saves
 # --------------------------------------------------------------------------------------------------
-def test_bench_simulates_synthetic_boards_and_saved_results(tmp_path, monkeypatch):
+def test_bench_replays_both_rules_at_every_length(tmp_path, monkeypatch):
     import json
     from pathlib import Path
 
@@ -378,27 +483,33 @@ def test_bench_simulates_synthetic_boards_and_saved_results(tmp_path, monkeypatc
     import bench_early
 
     out = tmp_path / "synthetic.json"
-    bench_early.main(["--seeds", "3", "--calibration-seeds", "0", "--close", "1.03", "--out", str(out)])
+    bench_early.main(["--seeds", "3", "--lengths", "20", "80", "--out", str(out)])
     doc = json.loads(out.read_text())
-    demo, close = doc["results"]
-    assert demo["seeds"] == 3 and demo["forward_fraction"]["mean"] == pytest.approx(0.1)  # all settle at 8 of 80
-    assert demo["same_order"] == 3 and "Q4_K_S" in close["pairs"] and out.with_suffix(".md").is_file()
-    assert all(len(run["order"]) == 80 for run in demo["runs"])
+    got = [(r["chunks"], r["rule"]["interval"]) for r in doc["results"]]
+    assert got == [(20, early.FIXED_T), (20, early.SPENT), (80, early.FIXED_T), (80, early.SPENT)]
+    for r in doc["results"]:
+        c = r["coverage"]
+        assert r["seeds"] == 3 and c["cases"] + c["all_chunk_cases"] == 3 * (len(r["pairs"]) - 1)
+        assert c["share"] == c["covered"] / c["cases"]
+        assert c["binomial_se"] == pytest.approx(math.sqrt(c["share"] * (1 - c["share"]) / c["cases"]))
+        assert 0.1 - 1e-12 <= r["of_longest_board"]["mean"] <= r["forward_fraction"]["mean"] + 1e-12
+    assert doc["close"] == "Q8_0+kv-q8_0-norot" and doc["close"] in doc["results"][0]["per_pair"]
+    assert "Q8_0+kv-q8_0-norot coverage" in out.with_suffix(".md").read_text()
 
     runs = build_results(tmp_path / "runs")
     out = tmp_path / "results.json"
-    bench_early.main(["--results", str(runs), "--seeds", "2", "--calibration-seeds", "0", "--min-chunks", "2",
+    bench_early.main(["--results", str(runs), "--seeds", "2", "--lengths", "6", "40", "--min-chunks", "2",
                       "--out", str(out)])
-    (res,) = json.loads(out.read_text())["results"]
-    assert set(res["pairs"]) == set(res["per_pair"]) == {c[0] for c in CANDIDATES}
-    assert res["chunks"] == 6 and res["coverage"]["nominal"] == 0.95
+    res = json.loads(out.read_text())["results"]
+    assert [r["chunks"] for r in res] == [6, 6]  # 40 chunks: more than the board holds, left out
+    assert set(res[0]["per_pair"]) == {c[0] for c in CANDIDATES} and res[0]["coverage"]["nominal"] == 0.95
 
 
 @pytest.mark.parametrize("n, settled", [(4, False), (8, True)])
 def test_neighbours_settle_only_when_their_interval_is_clear_of_zero(n, settled):
     """3.1 SEs apart settles neighbours over 8 chunks (t quantile 2.36 at 7 df), not over 4 (3.18 at 3 df): there
-    the SE itself is too uncertain for 3 SE to mean 95 %."""
-    rule = early.StopRule(min_chunks=2)
+    the SE itself is too uncertain for 3 SE to mean 95 % (at a fixed 95 %: the rule before issue 35)."""
+    rule = early.StopRule(min_chunks=2, interval=early.FIXED_T)
     spread = np.linspace(-1.0, 1.0, n)  # per-chunk differences around their mean
     se = early.ratio_estimate(spread, np.ones(n), 10**9).se  # the paired SE (the mean does not move it)
     b_sums = np.full(n, 10.0)

@@ -107,6 +107,14 @@ def test_a_separated_board_stops_at_the_minimum_with_the_full_order(replayed, fu
     assert f"{3 * MIN} of {3 * N} pair-chunks held" in text
 
 
+def test_an_early_matrix_announces_its_range(replayed, tmp_path, capsys):
+    """Before the first window: the pairs' range from the minimum to every chunk, not the full run's alone."""
+    sweep.run_matrix(request(replayed, tmp_path, early=decided()), progress=True)
+    said = capsys.readouterr().err
+    assert f"decided early: each pair {MIN} to {N} chunks ({3 * MIN} to {3 * N} pair-chunks)" in said
+    assert "(every pair at its minimum) to " in said
+
+
 def _estimate(directory: Path, label: str) -> early.Estimate:
     """The chunk-level estimate of a saved early result, computed from its per-token KLD here."""
     res = saved(directory, label)

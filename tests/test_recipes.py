@@ -469,7 +469,8 @@ def test_early_recipes_stop_on_the_matrix_rule_and_a_full_run_extends_them(qwen_
 def test_a_cost_of_variants_decided_early_is_paired_on_their_common_chunks(qwen_early, tmp_path):
     """Two variants holding different prefixes of the order: the cost is over the chunks both hold, float64."""
     request = early_request(qwen_early, tmp_path, recipes_=EARLY_RECIPES[:2])
-    a, b = measured.measure_recipes(dataclasses.replace(request, early=dataclasses.replace(request.early, step=1)))
+    a, b = measured.measure_recipes(dataclasses.replace(request, early=dataclasses.replace(
+        request.early, rule=dataclasses.replace(request.early.rule, step=1))))
     if a.summary.chunks == b.summary.chunks:  # make them differ: the second runs on over every chunk
         b = measured.measure_recipes(dataclasses.replace(request, recipes=(b.recipe,), early=None))[0]
     cost = measured.kld_cost(a, b)

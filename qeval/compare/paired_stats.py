@@ -3,6 +3,7 @@ one-sample t-interval over them, and a block bootstrap over chunks."""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -52,8 +53,10 @@ def on_common_chunks(per_token: dict, other: dict, columns=("chunk", "position",
     return {name: np.asarray(per_token[name])[at] for name in columns}
 
 
+@functools.lru_cache(maxsize=4096)
 def t_quantile(confidence: float, df: int) -> float:
-    """The multiplier of a two-sided t-interval at `confidence` with df degrees of freedom."""
+    """The multiplier of a two-sided t-interval at `confidence` with df degrees of freedom (cached: a board decided
+    early asks for the same few, round after round)."""
     return float(sps.t.ppf(0.5 + confidence / 2.0, df))
 
 

@@ -151,6 +151,9 @@ class Budget:
     runs: tuple[Run, ...]
     directory: Path
     chunks: int
+    # a board decided early (`--early`): every live run goes through at least this many of the chunks, at most all
+    # of them; the bytes stay the most it can write (the disk check), the time is said as the range
+    early_min_chunks: int | None = None
 
     @property
     def bytes(self) -> int:
@@ -158,18 +161,39 @@ class Budget:
 
     @property
     def seconds(self) -> float | None:
+        return self._seconds(1.0)
+
+    @property
+    def least_seconds(self) -> float | None:
+        """Decided early: the time when every live run stops at its minimum (a capture still runs every chunk)."""
+        return self._seconds(min(self.early_min_chunks, self.chunks) / max(self.chunks, 1))
+
+    def _seconds(self, live_share: float) -> float | None:
         times = [r.seconds for r in self.runs]
-        return None if any(t is None for t in times) else sum(times)
+        if any(t is None for t in times):
+            return None
+        return sum(t * (live_share if r.live else 1.0) for r, t in zip(self.runs, times))
 
     def text(self, free: int) -> str:
-        """One line: what it writes where, the free space there, and roughly how long it takes."""
+        """One line: what it writes where, the free space there, and roughly how long it takes (decided early: from
+        every pair at its minimum to every pair over every chunk)."""
         stores = sum(r.keeps_store for r in self.runs)
         rows = max((r.rows for r in self.runs), default=0)
-        writes = (f"writes ~{size_text(self.bytes)} to {self.directory}" if self.bytes else "writes nothing") + \
+        early = self.early_min_chunks is not None
+        writes = (f"writes {'up to ' if early else ''}~{size_text(self.bytes)} to {self.directory}"
+                  if self.bytes else "writes nothing") + \
             (f" ({stores} store{'s' if stores != 1 else ''} of {rows:,} scored tokens)" if stores else "") + \
             f"; {size_text(free)} free there"
         seconds = self.seconds
-        takes = (f"roughly {time_text(seconds)} on {self.runs[0].settings.n_threads or available_cores()} CPU "
+        roughly = f"roughly {time_text(seconds)}" if seconds is not None else ""
+        if early:
+            live = sum(r.live for r in self.runs)
+            least = min(self.early_min_chunks, self.chunks)
+            writes += (f"; decided early: each pair {least:,} to {self.chunks:,} chunks ({live * least:,} to "
+                       f"{live * self.chunks:,} pair-chunks)")
+            if seconds is not None:
+                roughly = f"roughly {time_text(self.least_seconds)} (every pair at its minimum) to {time_text(seconds)}"
+        takes = (f"{roughly} on {self.runs[0].settings.n_threads or available_cores()} CPU "
                  f"threads (rates measured on a {MEASURED_ON}; a mixture of experts takes less)") \
             if seconds is not None else "time not estimated with layers on a GPU (rates measured on CPU only)"
         return f"qeval: {self.what}: {self.chunks:,} chunks, {writes}; {takes}"
@@ -231,10 +255,11 @@ def check_live(header: StoreHeader, n_chunks: int, label: str, model: str, setti
 
 def matrix_budget(what: str, directory: Path, header: StoreHeader, n_chunks: int, candidates,
                   reference: CaptureStart | None = None, samplers: int = 0,
-                  keeps_candidate_stores: bool = True) -> Budget:
+                  keeps_candidate_stores: bool = True, early_min_chunks: int | None = None) -> Budget:
     """A matrix's runs from the reference's `header`: the reference capture still to do (`reference`, None when its
     store is complete) and every candidate (label, GGUF, settings) it runs live over n_chunks windows, each
-    saving its result and, when `keeps_candidate_stores`, its store (what a matrix does today)."""
+    saving its result and, when `keeps_candidate_stores`, its store (what a matrix does today). early_min_chunks:
+    a board decided early, whose pairs each run between that many chunks and all of them."""
     runs = (capture_run(reference),) if reference is not None else ()
     runs += live_runs(header, n_chunks, candidates, keeps_candidate_stores, True, samplers)
-    return Budget(what, runs, directory, n_chunks)
+    return Budget(what, runs, directory, n_chunks, early_min_chunks)

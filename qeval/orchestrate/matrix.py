@@ -624,16 +624,20 @@ def saved_summaries(plan: MatrixPlan) -> list[ComparisonSummary]:
 
 def run_local(plan: MatrixPlan, advance: Callable[[int], None], announce: bool = False) -> MatrixRun:
     """Execute the plan here, one capture or pair after another; advance(n) counts chunks gone through. Before the
-    first window is decoded, what the whole matrix writes and roughly how long it takes is said (`announce`) and
-    checked against the free disk (qeval.orchestrate.budget): every pair counted as run live when the reference
-    is still to capture, the pairs that run when it is there. A pair whose write fails (a full disk) ends the run
+    first window is decoded, what the whole matrix writes and roughly how long it takes is said (`announce`; decided
+    early: from every pair at the rule's minimum to every chunk) and checked against the free disk
+    (qeval.orchestrate.budget): every pair counted as run live when the reference is still to capture, the pairs
+    that run when it is there. A pair whose write fails (a full disk) ends the run
     with one message: that pair, the bytes it and the pairs after it need; every finished pair and its checkpoint
     are kept, and the same command continues."""
+    least = plan.early.rule.min_chunks if plan.early is not None else None  # decided early: said as a range
+
     def check_all(start) -> None:
         n = plan.reference.chunks or start.header.chunk_stop
         budget.matrix_budget(f"matrix: reference {plan.reference.label} + {len(plan.pairs)} pairs", plan.directory,
                              start.header, n, [(p.label, p.model, p.settings) for p in plan.pairs], start,
-                             len(plan.samplers), keeps_candidate_stores=plan.keep_logits).check(announce)
+                             len(plan.samplers), keeps_candidate_stores=plan.keep_logits,
+                             early_min_chunks=least).check(announce)
 
     captured = capture(plan.reference, on_chunk=advance, on_plan=lambda total, done: advance(done),
                        on_start=check_all)
@@ -644,7 +648,7 @@ def run_local(plan: MatrixPlan, advance: Callable[[int], None], announce: bool =
         if captured.status == "already complete" and running:
             budget.matrix_budget(f"matrix: {len(running)} of {len(pairs)} pairs to run", plan.directory,
                                  ref.header, n_chunks, running, samplers=len(plan.samplers),
-                                 keeps_candidate_stores=plan.keep_logits).check(announce)
+                                 keeps_candidate_stores=plan.keep_logits, early_min_chunks=least).check(announce)
         if plan.early is not None:
             lines += run_early(plan, pairs, ref, n_chunks, advance)
         else:
@@ -730,7 +734,7 @@ def decide_in_rounds(settings: EarlySettings, running: list[int], run: Callable[
                 on_stop(k)
         running = [k for k, d in enumerate(decided) if not d.stop]
         for k in running:
-            target[k] = decided[k].n_chunks + settings.step
+            target[k] = decided[k].n_chunks + settings.rule.step
 
 
 def early_decisions(plan: MatrixPlan, n_chunks: int) -> list[early_stop.Decision]:
@@ -808,16 +812,19 @@ def matrix_result(plan: MatrixPlan, run: MatrixRun, task_lines: list[str] = ()) 
 
 
 def early_figures(settings: EarlySettings, n_chunks: int, held: list[int]) -> dict:
-    """What a board decided early records and cost, as its JSON's `early`: the seed, the order and the rule, the step,
-    and the chunks its rows hold (`held`, one count per row) of the chunks the full board runs."""
-    return {"early": {**settings.record(settings.order(n_chunks)), "step": settings.step, "chunks_held": sum(held),
+    """What a board decided early records and cost, as its JSON's `early`: the seed, the order and the rule (its
+    step included), and the chunks its rows hold (`held`, one count per row) of the chunks the full board runs."""
+    return {"early": {**settings.record(settings.order(n_chunks)), "chunks_held": sum(held),
                       "chunks_full": n_chunks * len(held)}}
 
 
 def early_line(early: dict) -> str:
     """What a board decided early cost, and by which rule."""
     rule = early["rule"]
+    spent = (" (log scale for a mean, the error spent over the rounds: half at the minimum)"
+             if rule.get("interval") == early_stop.SPENT else "")
     return (f"Early: seed {early['seed']}, at least {rule['min_chunks']} chunks, ±{rule['rel_precision']:.0%} at "
-            f"{rule['confidence']:.0%} or neighbours {rule['neighbour_sigmas']:g} SE apart; "
+            f"{rule['confidence']:.0%}{spent} or neighbours {rule['neighbour_sigmas']:g} SE apart, "
+            f"{rule.get('step', early_stop.STEP)} chunks a round; "
             f"{early['chunks_held']} of {early['chunks_full']} pair-chunks held "
             f"({early['chunks_held'] / early['chunks_full']:.2f}× the full board's forward passes)")
