@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from common import best
 
 from qeval.capture.capture import store_header
 from qeval.compare import metrics
@@ -159,15 +160,6 @@ def nll_exact(rows: np.ndarray, tokens: np.ndarray, ref: StoreReader) -> np.ndar
         lz = np.log(np.exp(x - m).sum(axis=1)) + m[:, 0]
         out.append(lz - x[np.arange(len(x)), tokens[c, positions + 1]])
     return np.concatenate(out)
-
-
-def best(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def timings(engine_store: dict[str, Path], cand_rows: np.ndarray, repeats: int) -> dict:

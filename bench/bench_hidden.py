@@ -53,6 +53,7 @@ import zstandard
 from qeval.engine.engine import Engine, EngineSettings
 from qeval.inputs.corpus import load_corpus, make_windows
 from qeval.orchestrate import demo
+from qeval.storage import hidden_form
 from qeval.storage.scoring import HALF
 
 N_CTX = 512
@@ -169,16 +170,10 @@ def to_fp16(x: np.ndarray) -> np.ndarray:
 
 
 def encode_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Rows as q8_0 blocks, as the AVX quantize_row_q8_0 of ggml-cpu/arch/x86/quants.c makes them:
-    per 32 values d = amax/127 kept as fp16, q = round-half-even(x * (127/amax)) in float32.
-    (fp16 d [rows, n/32], int8 q [rows, n/32, 32]): 34 bytes per 32 values."""
-    blocks = x.astype(np.float32).reshape(*x.shape[:-1], -1, QK8_0)
-    amax = np.abs(blocks).max(axis=-1, keepdims=True)
-    d = (amax / np.float32(127)).astype(np.float16)
-    with np.errstate(divide="ignore"):
-        inv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
-    q = np.rint(blocks * inv).astype(np.int8)  # _mm256_round_ps(_MM_ROUND_NEAREST): ties to even, as np.rint
-    return d[..., 0], q
+    """Rows as q8_0 blocks, as the AVX quantize_row_q8_0 of ggml-cpu/arch/x86/quants.c makes them (the shipped
+    emulation, qeval.storage.hidden_form.encode_q8_0, over any leading dimensions): 34 bytes per 32 values."""
+    d, q = hidden_form.encode_q8_0(x.reshape(-1, x.shape[-1]))
+    return d.reshape(*x.shape[:-1], -1), q.reshape(*x.shape[:-1], -1, QK8_0)
 
 
 def decode_q8_0(d: np.ndarray, q: np.ndarray) -> np.ndarray:

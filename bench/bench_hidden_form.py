@@ -27,7 +27,7 @@ import os
 import time
 from pathlib import Path
 
-from common import cpu_name
+from common import best, cpu_name
 
 from qeval import api
 from qeval.compare import metrics
@@ -70,15 +70,6 @@ def sizes(work: Path, chunks: int) -> dict:
                              hidden_row_raw_bytes=r.output_head.activation.row_bytes(r.header.head["n_embd"]))
             out[label] = entry
     return {"stores": out, "llamacpp_bytes_per_token": LLAMACPP_BYTES_PER_TOKEN}
-
-
-def best(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def speed(work: Path, chunks: int, repeats: int) -> dict:

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from qeval.inputs.corpus import load_corpus
@@ -55,3 +56,13 @@ def llama_numbers(text: str) -> dict:
     return {"ppl_cand": grab(r"Mean PPL\(Q\)\s*:\s*([\d.]+)"), "ppl_ref": grab(r"Mean PPL\(base\)\s*:\s*([\d.]+)"),
             "mean_kld": grab(r"Mean\s+KLD:\s*([-\d.]+)"), "same_top_pct": grab(r"Same top p:\s*([\d.]+)"),
             "final_ppl": grab(r"Final estimate: PPL = ([\d.]+)")}
+
+
+def best(fn, repeats: int) -> float:
+    """The shortest of `repeats` timed calls of fn (seconds): the least disturbed one on a shared machine."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
