@@ -560,10 +560,10 @@ class PairWriteFailed(WriteFailed):
         return f"{self.head}: {more}; {kept}: free space and re-run the same command to continue where it stopped"
 
 
-# What a result holds beyond its per-token columns (its JSON summary: the figures, by depth, the request ...: 14 kB
-# measured on text, more with conversations' segments), and the per-token bytes of a checkpoint or result when a
+# What a result holds beyond its per-token columns (its JSON summary: the figures, by depth and by the reference's
+# confidence, the request ...: 15 kB measured on text, more with samplers and conversations' segments), and the per-token bytes of a checkpoint or result when a
 # pair has written none yet to measure them by (~60-80 measured): the full-disk estimates.
-_RESULT_JSON_BYTES = 32 << 10
+_RESULT_JSON_BYTES = 40 << 10
 _TOKEN_BYTES = 100
 
 
