@@ -94,6 +94,25 @@ def test_replay_is_the_float64_product_and_independent_of_the_block(ggml_type, s
     np.testing.assert_array_equal(got, one_by_one)
 
 
+@pytest.mark.parametrize("n_tokens", [1, 5, 37])
+def test_q8_0_replay_is_the_in_order_block_sum_bit_for_bit(n_tokens):
+    """A store's checksum is over replayed rows, so the kernel must give one fixed sum on any machine and tiling:
+    Σ_b int_dot_b · (d_x·d_w), blocks in order, float64, computed here with exact int64 dot products (plain numpy),
+    over token counts that are not a multiple of the kernel's 4 and a vocabulary that is not one of its tile."""
+    rng = np.random.default_rng(7)
+    head = tiny_head(rng)
+    hidden = rng.standard_normal((n_tokens, N_EMBD)).astype(np.float32) * 5
+    rows = StoredActivations.parse(activation_bytes(hidden, head.activation), n_tokens, N_EMBD, head.activation, "t")
+    blocks = np.frombuffer(head.data, np.uint8).reshape(N_VOCAB, -1, 2 + QK8_0)
+    w_scale = blocks[:, :, :2].copy().view("<f2")[..., 0].astype(np.float64)
+    w_q = blocks[:, :, 2:].copy().view(np.int8).astype(np.int64)
+    want = np.zeros((n_tokens, N_VOCAB))
+    for b in range(N_EMBD // QK8_0):
+        int_dot = rows.values[:, b, :].astype(np.int64) @ w_q[:, b, :].T
+        want += int_dot.astype(np.float64) * (rows.scales[:, b][:, None] * w_scale[:, b][None, :])
+    np.testing.assert_array_equal(head.replay(rows), want)
+
+
 def test_q8_0_activations_as_ggml_stores_them():
     """34 bytes per 32 values; zero blocks stay zero; round-half-even of x·127/amax."""
     x = np.zeros((2, 64), np.float32)

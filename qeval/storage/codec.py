@@ -154,7 +154,7 @@ def _codes(logits: np.ndarray, row_max: np.ndarray, code: SqrtLogCode) -> tuple[
 
 
 # --- the hidden form: rows replayed through the output head, coded by the store's code ---------------------------
-REPLAY_ROWS = 32  # rows replayed at once: the kernel walks the head once per block (float64 [V, 32]: 64 MB at 262K)
+REPLAY_ROWS = 128  # rows replayed at once: the kernel walks the head once per block (float64 [128, V]: 268 MB at 262K)
 
 
 def replayed_codes(head: OutputHead, rows: StoredActivations, code: SqrtLogCode) -> Iterator[np.ndarray]:

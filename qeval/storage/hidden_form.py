@@ -22,7 +22,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -40,6 +42,8 @@ AUTO_REPLAY_KL = 1e-9
 # post-head ops qeval replays (gemma2/gemma3: c·tanh(x/c)); any other post-head key makes a head unreplayable
 SOFTCAP_KEY = "final_logit_softcapping"
 UNREPLAYABLE_KEYS = ("logit_scale", "attn_logit_softcapping_final")
+VOCAB_TILE = 128  # vocabulary rows a replay task walks: its float32 weights stay in L2 (320 KB at n_embd 640)
+REPLAY_THREADS = os.cpu_count() or 1  # tiles replayed at once
 
 
 @dataclass(frozen=True)
@@ -217,18 +221,24 @@ class OutputHead:
         return StoredActivations(None, raw.astype(np.float32))
 
     def replay(self, rows: StoredActivations) -> np.ndarray:
-        """float64 logits [n, n_vocab] of stored hidden rows, post-head ops applied; the same on every machine."""
-        out_t = np.empty((self.n_vocab, len(rows)), dtype=np.float64)
-        w = self.weights
-        if rows.scales is not None:
-            _replay_q8_0(np.ascontiguousarray(rows.scales.T), np.ascontiguousarray(
-                rows.values.astype(np.float32).transpose(1, 2, 0)), w.scales, w.values, out_t)
-        else:
-            _replay_float(np.ascontiguousarray(rows.values.T), w.values, out_t)
-        out = np.ascontiguousarray(out_t.T)
-        if self.softcap:
-            np.tanh(out / self.softcap, out=out)
-            out *= self.softcap
+        """float64 logits [n, n_vocab] of stored hidden rows, post-head ops applied; the same on every machine.
+        The vocabulary is walked in tiles on REPLAY_THREADS threads (each tile's rows are independent sums, so the
+        split changes no bit)."""
+        out = np.empty((len(rows), self.n_vocab), dtype=np.float64)
+        tiles = [slice(v0, v0 + VOCAB_TILE) for v0 in range(0, self.n_vocab, VOCAB_TILE)]
+        multiplied = rows.values.astype(np.float32) if rows.scales is not None else np.ascontiguousarray(rows.values.T)
+
+        def replay_tile(vocab: slice) -> None:
+            if rows.scales is not None:
+                _replay_q8_0_tile(multiplied, rows.scales, self.weights.scales[vocab], self.weights.values[vocab],
+                                  out[:, vocab])
+            else:
+                _replay_float(multiplied, self.weights.values[vocab], out[:, vocab])
+            if self.softcap:
+                out[:, vocab] = self.softcap * np.tanh(out[:, vocab] / self.softcap)
+
+        with ThreadPoolExecutor(REPLAY_THREADS) as pool:
+            list(pool.map(replay_tile, tiles))
         return out
 
 
@@ -296,38 +306,53 @@ def _field(reader, key: str):
     return field.contents()
 
 
-# --- replay kernels (deterministic: no BLAS, fixed summation order) --------------------------------------------
-# Both walk the vocabulary once per block of tokens and vectorise across the tokens (each token its own lane), so
-# no sum is ever reassociated: the result is the same bit for bit on any IEEE machine, at about half of a float32
-# BLAS matmul's speed (measured in docs/why-logits.md).
+# --- replay kernels (deterministic: no BLAS, a fixed summation order, whatever thread runs a tile) ---------------
+def _replay_q8_0_tile(x_q, x_scale, w_scale, w_q, out):
+    """out[t, v] = Σ_b (Σ_j x_q[t,b,j]·w_q[v,b,j]) · (x_scale[t,b]·w_scale[v,b]), b in order, in float64.
+    x_q float32 [T, nb, 32] (int values), x_scale float64 [T, nb], w_scale float64 [V, nb], w_q int8 [V, nb, 32].
+    The weights go over as float32 [nb, 32, V], so the kernel's inner loop runs along the vocabulary."""
+    _replay_q8_0(x_q, x_scale, np.ascontiguousarray(w_q.astype(np.float32).transpose(1, 2, 0)),
+                 np.ascontiguousarray(w_scale.T), out)
+
+
 @numba.njit(nogil=True, cache=True, fastmath=False)
-def _replay_q8_0(x_scale_t, x_q_t, w_scale, w_q, out_t):  # pragma: no cover - compiled
-    """out_t[v, t] = Σ_b (Σ_j x_q[t,b,j]·w_q[v,b,j]) · x_scale[t,b]·w_scale[v,b]. x_scale_t float64 [nb, T],
-    x_q_t float32 [nb, 32, T] (int values), w_scale float64 [V, nb], w_q int8 [V, nb, 32]. A block's integer dot
-    product is below 2^24 (32·127·127), so its float32 sum is exact in any order; each scale product is exact in
-    float64 (fp16 · fp16), and the blocks are summed in order in float64."""
-    nb, n = x_scale_t.shape
-    s = np.empty(n, dtype=np.float32)
-    acc = np.empty(n)
-    for v in range(w_scale.shape[0]):
+def _replay_q8_0(x_q, x_scale, w_t, w_scale_t, out):  # pragma: no cover - compiled
+    """_replay_q8_0_tile's sums, four tokens at a time (each weight loaded once for four). A block's integer dot
+    product is at most 32·127·127 < 2^24, so every partial sum of it is exact in float32; each scale product is
+    exact in float64 (fp16 · fp16), each term too (< 2^19 times a 22-bit product), and the blocks are summed in
+    order."""
+    n, nb, _ = x_q.shape
+    vt = w_t.shape[2]
+    dots = np.empty((4, vt), dtype=np.float32)
+    acc = np.empty((4, vt))
+    zero = np.float32(0)
+    for t0 in range(0, n, 4):
+        m = min(4, n - t0)
         acc[:] = 0.0
         for b in range(nb):
-            s[:] = 0.0
+            dots[:] = 0.0
             for j in range(QK8_0):
-                w = np.float32(w_q[v, b, j])
-                x = x_q_t[b, j]
-                for t in range(n):
-                    s[t] += x[t] * w
-            scale = w_scale[v, b]
-            xs = x_scale_t[b]
-            for t in range(n):
-                acc[t] += np.float64(s[t]) * (xs[t] * scale)
-        out_t[v] = acc
+                x0 = x_q[t0, b, j]
+                x1 = x_q[t0 + 1, b, j] if m > 1 else zero
+                x2 = x_q[t0 + 2, b, j] if m > 2 else zero
+                x3 = x_q[t0 + 3, b, j] if m > 3 else zero
+                w = w_t[b, j]
+                for v in range(vt):
+                    dots[0, v] += x0 * w[v]
+                    dots[1, v] += x1 * w[v]
+                    dots[2, v] += x2 * w[v]
+                    dots[3, v] += x3 * w[v]
+            for k in range(m):
+                xs = x_scale[t0 + k, b]
+                for v in range(vt):
+                    acc[k, v] += np.float64(dots[k, v]) * (xs * w_scale_t[b, v])
+        for k in range(m):
+            out[t0 + k, :] = acc[k]
 
 
 @numba.njit(nogil=True, cache=True, fastmath=False)
-def _replay_float(x_t, w, out_t):  # pragma: no cover - compiled
-    """out_t[v, t] = Σ_i x[t,i]·w[v,i] in float64, i in order (fp16 / bf16 products are exact in float64).
+def _replay_float(x_t, w, out):  # pragma: no cover - compiled
+    """out[t, v] = Σ_i x[t,i]·w[v,i] in float64, i in order (fp16 / bf16 products are exact in float64).
     x_t float64 [d, T], w float32 [V, d]."""
     d, n = x_t.shape
     acc = np.empty(n)
@@ -338,4 +363,4 @@ def _replay_float(x_t, w, out_t):  # pragma: no cover - compiled
             x = x_t[i]
             for t in range(n):
                 acc[t] += x[t] * wi
-        out_t[v] = acc
+        out[:, v] = acc
