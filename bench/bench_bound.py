@@ -1,23 +1,28 @@
-"""The stored reference's certified error bound on the demo's rows, against the truth (docs/error-bound.md)
+"""The stored reference's certified error bound on the demo's rows, in each form, against the truth
+(docs/error-bound.md)
 
     PYTHONPATH=. nice python bench/bench_bound.py [--chunks 3] [--repeats 3] [--work DIR]
         [--out bench/results/bound-<cpu>.json]
 
 Gemma-3-270M (the demo's quants, ~/.cache/qeval/models), n_ctx 512, the shipped corpus, --chunks windows:
-1. The Q8_0 reference is decoded once; its float32 logits are kept (a memory-mapped .npy under --work) and coded
-   into a store by qeval's capture code, with the per-token error record (format 4).
+1. The Q8_0 reference is decoded once, as a capture decodes it, with its head inputs (Engine.output_hidden); its
+   float32 logits are kept (a memory-mapped .npy under --work) and made into two stores by qeval's capture code,
+   both from these same rows: the logits form (format 4, with the per-token error record) and the hidden form
+   (format 5, as `qeval capture --reference-form hidden` writes it: the head embedded, each piece the head's input,
+   its error record measured against these logits). The truth below is then the truth of both stores.
 2. Each row of the demo's board is decoded live: the control (the reference under the matrix's control batch
    layout), KV q8_0 and q4_0 (flash attention on), Q4_K_M, Q4_0, Q3_K_M, Q2_K. Its float32 rows go through
    qeval's comparison of a stored reference against a live candidate (metrics.compare, the kernel `qeval kld`
-   runs), and the same figures are computed in float64 from the two exact rows.
-3. Per row: mean KLD as qeval reports it, its certified bound, the true difference from the mean KLD of the
-   exact logits, the mean per-token |error|; how often the per-token bound holds (it must: 100 %), and how loose
-   it is (median and p99 of bound / |error| over tokens with an error above 1e-12), both directions.
+   runs), against each store, and the same figures are computed in float64 from the two exact rows.
+3. Per row and form (rows[i]["logits"], rows[i]["hidden"]): mean KLD as qeval reports it, its certified bound, the
+   true difference from the mean KLD of the exact logits, the mean per-token |error|; how often the per-token bound
+   holds (it must: 100 %), and how loose it is (median and p99 of bound / |error| over tokens with an error above
+   1e-12), both directions.
 4. Timings, side by side in this run (best of --repeats; the load is printed): coding rows without and with the
    error record (one thread; with it the scalars are exact float64 too); comparing the stored reference with the
    Q4_0 candidate's live rows and with its store, each without the bound (stores without a record) and with it
-   (2 threads, metrics.compare as `qeval kld` runs it, the forward pass excluded); and the forward pass per scored
-   row, for scale.
+   (2 threads, metrics.compare as `qeval kld` runs it, the forward pass excluded; logits form); and the forward
+   pass per scored row, for scale.
 """
 
 from __future__ import annotations
@@ -34,14 +39,14 @@ from pathlib import Path
 import numpy as np
 from common import best
 
-from qeval.capture.capture import store_header
+from qeval.capture.capture import HIDDEN, LOGITS, PieceBuilder, StoredForm, scored_targets, store_header, stored_form
 from qeval.compare import metrics
 from qeval.engine.engine import Engine, EngineSettings
 from qeval.inputs.corpus import load_corpus, make_windows, tokenize_documents
 from qeval.orchestrate import demo
 from qeval.orchestrate.matrix import control_settings
 from qeval.storage.codec import SqrtLogCode
-from qeval.storage.store import ChunkBuilder, StoreReader, StoreWriter
+from qeval.storage.store import StoreReader, StoreWriter, zstd_compressor
 
 N_CTX = 512
 BLOCK = 16  # rows coded per call, as the capture codes them
@@ -62,29 +67,36 @@ def load() -> str:
     return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def decode_rows(engine: Engine, windows: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, float]:
-    """float32 [windows, scored, V]: the engine's scored rows of every window; and seconds of decoding."""
+def decode_rows(engine: Engine, windows: np.ndarray, out: np.ndarray | None = None,
+                hidden: np.ndarray | None = None) -> tuple[np.ndarray, float]:
+    """float32 [windows, scored, V]: the engine's scored rows of every window, decoded as a capture decodes them
+    (their head inputs into `hidden` [windows, scored, n_embd] too, given an engine that outputs them); and seconds
+    of decoding."""
     n_scored = len(engine.scoring.positions(N_CTX))
     rows = out if out is not None else np.empty((len(windows), n_scored, engine.n_vocab), dtype=np.float32)
     t0 = time.perf_counter()
-    for w, window in enumerate(windows):
-        for first, block in engine.iter_scored_logits(window):
-            rows[w, first:first + len(block)] = block
+    for call in engine.iter_calls(windows):
+        for block in call:
+            rows[block.window, block.first_row:block.first_row + len(block.logits)] = block.logits
+            if hidden is not None:
+                hidden[block.window, block.first_row:block.first_row + len(block.logits)] = block.hidden
     return rows, time.perf_counter() - t0
 
 
 def write_reference(engine: Engine, windows: np.ndarray, logits: np.ndarray, path: Path, label: str,
-                    code: SqrtLogCode) -> None:
-    """A store of these rows, as a capture codes and writes them (with `code`'s error record or without)."""
-    header = store_header(engine, label, windows, (0, len(windows)), {"name": "shipped"}, code)
+                    code: SqrtLogCode, form: StoredForm = StoredForm(), hidden: np.ndarray | None = None) -> None:
+    """A store of these rows in `form`, as a capture codes and writes them (with `code`'s error record or without;
+    the hidden form from the rows' head inputs, `hidden`)."""
+    header = store_header(engine, label, windows, (0, len(windows)), {"name": "shipped"}, code,
+                          head=form.header_entry(), **form.facts())
     path.unlink(missing_ok=True)
     positions = engine.scoring.positions(N_CTX)
-    with StoreWriter.open(path, header, windows, code.lut()) as writer:
+    with StoreWriter.open(path, header, windows, code.lut(), head=form.head) as writer:
         for c in range(len(windows)):
-            builder = ChunkBuilder(c)
+            builder = PieceBuilder(c, zstd_compressor(1), 0)
             for s in range(0, len(positions), BLOCK):
-                block = code.encode_block(logits[c, s:s + BLOCK], windows[c, positions[s:s + BLOCK] + 1])
-                builder.add(block.planes, block.logprob_target, block.logprob_max, block.top_ids, block.error)
+                builder.add(form.encode(logits[c, s:s + BLOCK], None if hidden is None else hidden[c, s:s + BLOCK],
+                                        scored_targets(windows[c], positions[s:s + BLOCK]), code))
             writer.write_chunk(builder.finish())
         writer.finish()
 
@@ -138,12 +150,13 @@ def looseness(bound: np.ndarray, err: np.ndarray) -> dict:
             "p99_ratio": float(np.percentile(ratio, 99)) if seen.any() else math.nan}
 
 
-def measure_row(label: str, ref: StoreReader, ref_rows: np.ndarray, cand_rows: np.ndarray) -> dict:
+def measure_row(ref: StoreReader, ref_rows: np.ndarray, cand_rows: np.ndarray) -> dict:
+    """A candidate's figures against one stored reference, beside the truth of the exact rows it was made from."""
     cmp = metrics.compare(ref, LiveRows(ref, cand_rows), threads=1)
     t = cmp.per_token
     forward, reverse = (np.concatenate(x) for x in zip(*(true_klds(ref_rows[c], cand_rows[c]) for c in cmp.chunks)))
     err_f, err_r = np.abs(t["kld"] - forward), np.abs(t["kld_reverse"] - reverse)
-    return {"label": label, "kld_mean": float(t["kld"].mean()), "kld_mean_bound": float(t["kld_bound"].mean()),
+    return {"kld_mean": float(t["kld"].mean()), "kld_mean_bound": float(t["kld_bound"].mean()),
             "kld_mean_exact": float(forward.mean()),
             "kld_mean_true_difference": float(abs(t["kld"].mean() - forward.mean())),
             "forward": looseness(t["kld_bound"], err_f), "reverse": looseness(t["kld_reverse_bound"], err_r),
@@ -185,6 +198,15 @@ def timings(engine_store: dict[str, Path], cand_rows: np.ndarray, repeats: int) 
     return {f"{k}_ms_per_row": v for k, v in out.items()}
 
 
+def print_row(name: str, figures: dict) -> None:
+    f, r = figures["forward"], figures["reverse"]
+    print(f"{name:<23} mean KLD {figures['kld_mean']:.6f}  bound {figures['kld_mean_bound']:.2e}  true difference "
+          f"{figures['kld_mean_true_difference']:.2e} (mean |error| {f['mean_abs_error']:.2e}); holds "
+          f"{f['holds_pct']:.0f} % / {r['holds_pct']:.0f} % of {f['tokens']} tokens; bound/error median "
+          f"{f['median_ratio']:.1f} p99 {f['p99_ratio']:.0f} (reverse {r['median_ratio']:.1f}, "
+          f"{r['p99_ratio']:.0f})", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--chunks", type=int, default=3)
@@ -202,14 +224,20 @@ def main() -> None:
         n_scored = len(engine.scoring.positions(N_CTX))
         ref_rows = np.lib.format.open_memmap(args.work / "Q8_0.npy", "w+", np.float32,
                                              (len(windows), n_scored, engine.n_vocab))
-        _, forward_s = decode_rows(engine, windows, ref_rows)
-        stores = {"with": args.work / "Q8_0.qeval", "without": args.work / "Q8_0-norecord.qeval"}
+        hidden = np.empty((len(windows), n_scored, engine.n_embd), dtype=np.float32)
+        engine.output_hidden()  # as a capture in the hidden form decodes: both stores are made of these rows
+        _, forward_s = decode_rows(engine, windows, ref_rows, hidden)
+        stores = {"with": args.work / "Q8_0.qeval", "without": args.work / "Q8_0-norecord.qeval",
+                  HIDDEN: args.work / "Q8_0-hidden.qeval"}
         write_reference(engine, windows, ref_rows, stores["with"], "Q8_0", SqrtLogCode())
         write_reference(engine, windows, ref_rows, stores["without"], "Q8_0", SqrtLogCode(error=None))
+        write_reference(engine, windows, ref_rows, stores[HIDDEN], "Q8_0", SqrtLogCode(),
+                        stored_form(HIDDEN, models["Q8_0"], settings), hidden)
     results = {"cpu": cpu_name(), "chunks": args.chunks, "scored_tokens": int(len(windows) * n_scored),
                "load_before": load(), "forward_ms_per_scored_row": forward_s / (len(windows) * n_scored) * 1e3,
                "rows": []}
-    with StoreReader(stores["with"]) as ref:
+    with StoreReader(stores["with"]) as logits_ref, StoreReader(stores[HIDDEN]) as hidden_ref:
+        refs = {LOGITS: logits_ref, HIDDEN: hidden_ref}
         for label, quant, kv in ROWS:
             cand_settings = control_settings(settings, N_CTX) if kv is None else EngineSettings(**kv)
             with Engine(models[quant], N_CTX, cand_settings) as engine:
@@ -218,15 +246,11 @@ def main() -> None:
                     stores.update(cand_with=args.work / "Q4_0.qeval", cand_without=args.work / "Q4_0-norecord.qeval")
                     write_reference(engine, windows, cand_rows, stores["cand_with"], "Q4_0", SqrtLogCode())
                     write_reference(engine, windows, cand_rows, stores["cand_without"], "Q4_0", SqrtLogCode(error=None))
-            row = measure_row(label, ref, ref_rows, cand_rows)
+            row = {"label": label, **{form: measure_row(ref, ref_rows, cand_rows) for form, ref in refs.items()}}
             results["rows"].append(row)
-            f, r = row["forward"], row["reverse"]
-            print(f"{label:<14} mean KLD {row['kld_mean']:.6f}  bound {row['kld_mean_bound']:.2e}  true difference "
-                  f"{row['kld_mean_true_difference']:.2e} (mean |error| {f['mean_abs_error']:.2e}); holds "
-                  f"{f['holds_pct']:.0f} % / {r['holds_pct']:.0f} % of {f['tokens']} tokens; bound/error median "
-                  f"{f['median_ratio']:.1f} p99 {f['p99_ratio']:.0f} (reverse {r['median_ratio']:.1f}, "
-                  f"{r['p99_ratio']:.0f})", flush=True)
-            if row["label"] == "Q4_0":
+            for form in refs:
+                print_row(f"{label} ({form})", row[form])
+            if label == "Q4_0":
                 results["timings"] = timings(stores, cand_rows, args.repeats)
             del cand_rows
     results["load_after"] = load()
