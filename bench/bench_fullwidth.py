@@ -1,7 +1,7 @@
 """The seeds' width, measured (issue 28): qeval capture, a live qeval candidate and llama-perplexity on the
 full-width qwen35moe model of bench/fullwidth_model.py, at long n_ctx, one window each.
 
-    python bench/bench_fullwidth.py --steps capture:8192,kld:8192:f16,llama:8192 \
+    python bench/bench_fullwidth.py --steps capture:8192,capture:8192:hidden,kld:8192:f16,llama:8192 \
         [--score every:64] [--corpus NAME] [--llama-perplexity PATH] [--as-gib 14] [--models-dir DIR] \
         [--out bench/results/fullwidth-qwen35moe-amd-epyc.json]
 
@@ -9,8 +9,8 @@ A step is one child process, run under `prlimit --as` (an address-space cap: a r
 memory fails alone instead of pushing a shared machine out of memory) and timed by /usr/bin/time (wall
 clock, peak RSS):
 
-* capture:N — `qeval capture` of the Q8_0 reference, n_ctx N, one window of --corpus (its documents joined:
-  --concat), --score S;
+* capture:N[:FORM] — `qeval capture` of the Q8_0 reference, n_ctx N, one window of --corpus (its documents joined:
+  --concat), --score S, --reference-form FORM (default logits; the store is ref<N>, or ref<N>-<FORM>);
 * kld:N:KV[:ROT] — `qeval kld` of the Q4_0 model run live against that capture, KV cache type KV for K and V,
   Hadamard rotation ROT (on/off; default auto);
 * llama:N — llama-perplexity --kl-divergence-base of the Q8_0 reference, n_ctx N, one chunk, over the same
@@ -18,7 +18,9 @@ clock, peak RSS):
 
 Flash attention is on in every step (a quantized V cache needs it). Each finished step is appended to --out
 at once, so an interrupted series keeps what it measured; a step that failed is kept with its exit code and
-last lines, and one that asked for more memory than the cap is marked so. A capture's store size is recorded.
+last lines, and one that asked for more memory than the cap is marked so. A capture records its store's size, scored
+tokens, bytes per scored token (the hidden form's also without the head it embeds once) and the error the store
+recorded (`qeval info --json`: KL(exact ‖ stored) per token, max |Δ log p|).
 
     python bench/bench_fullwidth.py --table [--out FILE]
 
@@ -40,6 +42,7 @@ from common import TIME, cpu_name
 from fullwidth_model import build
 
 from qeval.inputs.corpus import DEFAULT_CORPUS, load_corpus
+from qeval.storage.hidden_form import FORMS
 
 OOM_SIGNS = ("bad_alloc", "Cannot allocate memory", "MemoryError", "failed to allocate", "insufficient memory",
              "out of memory", "unable to allocate", "failed to mmap")
@@ -82,8 +85,10 @@ def step_argv(step: str, models: dict[str, Path], args, runs: Path, corpus: Path
     kind, n_ctx, *rest = step.split(":")
     common = ["-fa", "on", "-t", str(args.threads), "--runs-dir", str(runs)]  # kld takes n_ctx from the reference
     if kind == "capture":
-        return qeval_argv("capture", str(models["Q8_0"]), "-l", f"ref{n_ctx}", "-c", n_ctx, "--score", args.score,
-                          "--corpus", args.corpus, "--chunks", "1", "--concat", *common), None
+        label, form = capture_store(step)
+        return qeval_argv("capture", str(models["Q8_0"]), "-l", label, "-c", n_ctx, "--score", args.score,
+                          "--corpus", args.corpus, "--chunks", "1", "--concat", "--reference-form", form,
+                          *common), None
     if kind == "kld":
         kv, rotation = (rest + ["auto"])[:2] if rest else ("f16", "auto")
         return qeval_argv("kld", "--ref", f"ref{n_ctx}", "--cand", str(models["Q4_0"]), "--json",
@@ -96,7 +101,27 @@ def step_argv(step: str, models: dict[str, Path], args, runs: Path, corpus: Path
         base = SCRATCH / f"base{n_ctx}.kld"
         return [str(lp), "-m", str(models["Q8_0"]), "-f", str(corpus), "-c", n_ctx, "--chunks", "1",
                 "--kl-divergence-base", str(base), "-fa", "on", "-t", str(args.threads)], env
-    sys.exit(f"unknown step {step!r}: capture:N, kld:N:KV[:ROT] or llama:N")
+    sys.exit(f"unknown step {step!r}: capture:N[:FORM], kld:N:KV[:ROT] or llama:N")
+
+
+def capture_store(step: str) -> tuple[str, str]:
+    """(store label, --reference-form) of a capture:N[:FORM] step: ref<N> in the logits form, ref<N>-<FORM> else."""
+    _, n_ctx, *rest = step.split(":")
+    form = rest[0] if rest else "logits"
+    return f"ref{n_ctx}" + ("" if form == "logits" else f"-{form}"), form
+
+
+def store_facts(store: Path) -> dict:
+    """A capture's store: its bytes, scored tokens, bytes per scored token (the hidden form's also without its
+    head) and the error it recorded (`qeval info --json`)."""
+    if not store.is_file():
+        return {"store_bytes": 0}
+    info = json.loads(subprocess.run(qeval_argv("info", str(store), "--json"), capture_output=True, text=True,
+                                     check=True).stdout)
+    return {"store_bytes": info["size_bytes"], "scored_tokens": info["scored_tokens"],
+            "bytes_per_scored_token": info["bytes_per_scored_token"],
+            **{k: info[k] for k in ("form", "bytes_per_scored_token_without_head", "llamacpp_equivalent_bytes")
+               if k in info}, "error": info["error"]}
 
 
 def qeval_json(stdout: str) -> dict | None:
@@ -115,9 +140,10 @@ KV_ORDER = ("f16", "q8_0", "q4_0")
 
 
 def parse_step(step: str) -> tuple[str, str, list[str]]:
-    """A step's kind, n_ctx and KV part ([type] or [type, rotation]; f16 where the step names none)."""
+    """A step's kind, n_ctx and KV part ([type] or [type, rotation]; f16 where the step names none: a capture's
+    third part is its form, its KV f16)."""
     kind, n_ctx, *kv = step.split(":")
-    return kind, n_ctx, kv or ["f16"]
+    return kind, n_ctx, kv if kv and kind == "kld" else ["f16"]
 
 
 def table(doc: dict) -> str:
@@ -126,7 +152,8 @@ def table(doc: dict) -> str:
 
     def order(s: dict) -> tuple:
         kind, n_ctx, kv = parse_step(s["step"])
-        return int(n_ctx), list(RUNS).index(kind), KV_ORDER.index(kv[0]), kv[1:] != ["on"], s["score"]
+        return (int(n_ctx), list(RUNS).index(kind), KV_ORDER.index(kv[0]), kv[1:] != ["on"], s["score"],
+                FORMS.index(capture_store(s["step"])[1]) if kind == "capture" else 0)
 
     columns = ("n_ctx", "run", "KV (rotation)", "text", "scored rows", "wall, peak RSS", "store",
                "mean KLD ± SE, same top-1", "beside")
@@ -137,12 +164,17 @@ def table(doc: dict) -> str:
         done = (f"stopped after {s['wall_s']:.0f} s, {s['peak_rss_gib']:.2f} GiB: {stopped}" if stopped
                 else f"{s['wall_s']:.0f} s, **{s['peak_rss_gib']:.2f} GiB**")
         store = f"{s['store_bytes'] / 1e6:,.0f} MB" if s.get("store_bytes") else ""
+        if s.get("bytes_per_scored_token"):
+            store += f", {s['bytes_per_scored_token']:,.0f} B per scored token"
+        if s.get("bytes_per_scored_token_without_head"):
+            store += f" ({s['bytes_per_scored_token_without_head']:,.0f} without the head)"
         metrics = (s.get("result") or {}).get("metrics", {})
         quality = (f"{metrics['kld_mean']['value']:.4f} ± {metrics['kld_mean']['se']:.4f}, "
                    f"{metrics['same_top1_pct']['value']:.1f} %" if metrics else "")
         text = "" if kind == "kld" else Path(s.get("corpus", DEFAULT_CORPUS)).name  # kld: the reference's text
         kv_text = f"{kv[0]} ({kv[1]})" if len(kv) > 1 else kv[0]
-        rows.append(f"| {int(n_ctx) // 1024}K | {RUNS[kind]} | {kv_text} | {text} | "
+        run = RUNS[kind] + (f", {capture_store(s['step'])[1]} form" if kind == "capture" else "")
+        rows.append(f"| {int(n_ctx) // 1024}K | {run} | {kv_text} | {text} | "
                     f"{s['score'] if kind != 'llama' else 'second half'} | {done} | {store} | {quality} | "
                     f"{s.get('ran_beside', '')} |")
     return "\n".join(rows)
@@ -180,7 +212,7 @@ def main() -> None:
     for step in args.steps.split(","):
         argv, env = step_argv(step, models, args, runs, corpus)
         if step.startswith("capture"):  # a finished store of the same capture would be reused, not measured
-            (runs / f"ref{step.split(':')[1]}.qeval").unlink(missing_ok=True)
+            (runs / f"{capture_store(step)[0]}.qeval").unlink(missing_ok=True)
         result = {"step": step, "score": args.score, "corpus": args.corpus, "as_cap_gib": args.as_gib,
                   "ran_beside": args.beside,
                   **run_capped(argv, as_bytes, env)}
@@ -188,8 +220,7 @@ def main() -> None:
         if step.startswith("kld"):
             result["result"] = qeval_json(stdout)
         if step.startswith("capture"):
-            store = runs / f"ref{step.split(':')[1]}.qeval"
-            result["store_bytes"] = store.stat().st_size if store.is_file() else 0
+            result.update(store_facts(runs / f"{capture_store(step)[0]}.qeval"))
         if step.startswith("llama"):
             base = SCRATCH / f"base{step.split(':')[1]}.kld"
             result["kld_base_bytes"] = base.stat().st_size if base.is_file() else 0
