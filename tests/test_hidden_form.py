@@ -387,6 +387,11 @@ def test_info_shows_the_form_of_every_piece_and_the_head(hidden_store):
     assert d["error"]["recorded"] and d["error"]["kl_max"] < 1e-5
     assert "hidden" in text and "head" in text
     assert json.dumps(d)
+    # a small store with its code table and head is larger than llama.cpp's file: said so, never "0.1x larger"
+    assert d["ratio_vs_llamacpp"] < 1
+    vs_llamacpp = next(line for line in text.splitlines() if line.startswith("vs llama.cpp:"))
+    assert f"{1 / d['ratio_vs_llamacpp']:.1f}x smaller: this store is the larger" in vs_llamacpp
+    assert "x larger" not in vs_llamacpp
 
 
 # --------------------------------------------------------------------------------------------------

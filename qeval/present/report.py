@@ -30,6 +30,14 @@ from qeval.storage.llamacpp import record_values
 from qeval.storage.store import StoreHeader
 
 
+def _relative_size(ratio: float) -> str:
+    """llama.cpp's bytes over this store's, in words: which of the two is larger, and by how much."""
+    if ratio >= 1 or not math.isfinite(ratio):
+        return f"{ratio:.1f}x larger"
+    return f"{1 / ratio:.1f}x smaller: this store is the larger (its fixed records, the code table and any embedded " \
+           "output head, outweigh its scored tokens)"
+
+
 def _pm(value: float, se: float) -> str:
     """A number ± its SE as llama-perplexity's blocks print it."""
     return plus_minus(value, se, "10.6f")
@@ -276,7 +284,7 @@ def info_text(d: dict) -> str:
         f"size       : {d['size_bytes']:,} bytes, {d['bytes_per_scored_token']:,.0f} bytes per scored token "
         f"({d['scored_tokens']:,} tokens)",
         f"vs llama.cpp: {d['llamacpp_equivalent_bytes']:,} bytes in --kl-divergence-base layout, "
-        f"{d['ratio_vs_llamacpp']:.1f}x larger",
+        + _relative_size(d['ratio_vs_llamacpp']),
         f"error      : {error_text(d['error'])}",
     ]
     if "head" in d:
