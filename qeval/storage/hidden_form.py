@@ -42,7 +42,7 @@ AUTO_REPLAY_KL = 1e-9
 # post-head ops qeval replays (gemma2/gemma3: c·tanh(x/c)); any other post-head key makes a head unreplayable
 SOFTCAP_KEY = "final_logit_softcapping"
 UNREPLAYABLE_KEYS = ("logit_scale", "attn_logit_softcapping_final")
-VOCAB_TILE = 128  # vocabulary rows a replay task walks: its float32 weights stay in L2 (320 KB at n_embd 640)
+VOCAB_TILE = 128  # vocabulary rows a replay task walks: its weights stay in L2 (82 KB of int8 at n_embd 640)
 REPLAY_THREADS = os.cpu_count() or 1  # tiles replayed at once
 
 
@@ -207,13 +207,19 @@ class OutputHead:
 
     @cached_property
     def weights(self) -> StoredActivations:
-        """The weights split for the replay kernels (as StoredActivations: the same layouts, n_vocab rows)."""
+        """The weights laid out for the replay kernels, once per head: Q8_0 in tiles of VOCAB_TILE vocabulary rows,
+        scales float64 [tiles, nb, VOCAB_TILE] and int8 values [tiles, nb, 32, VOCAB_TILE] (the vocabulary last, so
+        the kernel's inner loop runs along it; each tile contiguous; the last one padded with zeros); F16 / BF16 /
+        F32 as float32 [V, d]."""
         if self.ggml_type == "Q8_0":
             nb = self.n_embd // QK8_0
-            blocks = np.frombuffer(self.data, dtype=np.uint8).reshape(self.n_vocab, nb, 2 + QK8_0)
-            scales = np.ascontiguousarray(blocks[:, :, :2]).view("<f2")[..., 0].astype(np.float64)
-            values = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8)
-            return StoredActivations(scales, values)
+            n_tiles = -(-self.n_vocab // VOCAB_TILE)
+            blocks = np.zeros((n_tiles * VOCAB_TILE, nb, 2 + QK8_0), dtype=np.uint8)
+            blocks[:self.n_vocab] = np.frombuffer(self.data, dtype=np.uint8).reshape(self.n_vocab, nb, 2 + QK8_0)
+            tiled = blocks.reshape(n_tiles, VOCAB_TILE, nb, 2 + QK8_0)
+            scales = np.ascontiguousarray(tiled[..., :2]).view("<f2")[..., 0].transpose(0, 2, 1).astype(np.float64)
+            values = np.ascontiguousarray(tiled[..., 2:].transpose(0, 2, 3, 1)).view(np.int8)
+            return StoredActivations(np.ascontiguousarray(scales), values)
         dtype = {"F16": "<f2", "F32": "<f4"}.get(self.ggml_type)
         raw = np.frombuffer(self.data, dtype=dtype or "<u2").reshape(self.n_vocab, self.n_embd)
         if dtype is None:  # BF16
@@ -225,13 +231,14 @@ class OutputHead:
         The vocabulary is walked in tiles on REPLAY_THREADS threads (each tile's rows are independent sums, so the
         split changes no bit)."""
         out = np.empty((len(rows), self.n_vocab), dtype=np.float64)
-        tiles = [slice(v0, v0 + VOCAB_TILE) for v0 in range(0, self.n_vocab, VOCAB_TILE)]
+        tiles = range(-(-self.n_vocab // VOCAB_TILE))
         multiplied = rows.values.astype(np.float32) if rows.scales is not None else np.ascontiguousarray(rows.values.T)
 
-        def replay_tile(vocab: slice) -> None:
+        def replay_tile(tile: int) -> None:
+            vocab = slice(tile * VOCAB_TILE, (tile + 1) * VOCAB_TILE)
             if rows.scales is not None:
-                _replay_q8_0_tile(multiplied, rows.scales, self.weights.scales[vocab], self.weights.values[vocab],
-                                  out[:, vocab])
+                _replay_q8_0(multiplied, rows.scales, self.weights.values[tile], self.weights.scales[tile],
+                             out[:, vocab])
             else:
                 _replay_float(multiplied, self.weights.values[vocab], out[:, vocab])
             if self.softcap:
@@ -307,22 +314,15 @@ def _field(reader, key: str):
 
 
 # --- replay kernels (deterministic: no BLAS, a fixed summation order, whatever thread runs a tile) ---------------
-def _replay_q8_0_tile(x_q, x_scale, w_scale, w_q, out):
-    """out[t, v] = Σ_b (Σ_j x_q[t,b,j]·w_q[v,b,j]) · (x_scale[t,b]·w_scale[v,b]), b in order, in float64.
-    x_q float32 [T, nb, 32] (int values), x_scale float64 [T, nb], w_scale float64 [V, nb], w_q int8 [V, nb, 32].
-    The weights go over as float32 [nb, 32, V], so the kernel's inner loop runs along the vocabulary."""
-    _replay_q8_0(x_q, x_scale, np.ascontiguousarray(w_q.astype(np.float32).transpose(1, 2, 0)),
-                 np.ascontiguousarray(w_scale.T), out)
-
-
 @numba.njit(nogil=True, cache=True, fastmath=False)
 def _replay_q8_0(x_q, x_scale, w_t, w_scale_t, out):  # pragma: no cover - compiled
-    """_replay_q8_0_tile's sums, four tokens at a time (each weight loaded once for four). A block's integer dot
-    product is at most 32·127·127 < 2^24, so every partial sum of it is exact in float32; each scale product is
-    exact in float64 (fp16 · fp16), each term too (< 2^19 times a 22-bit product), and the blocks are summed in
-    order."""
+    """out[t, v] = Σ_b (Σ_j x_q[t,b,j]·w_t[b,j,v]) · (x_scale[t,b]·w_scale_t[b,v]), b in order, in float64; four
+    tokens at a time along the vocabulary (each weight loaded once for four). x_q float32 [T, nb, 32] (int values),
+    x_scale float64 [T, nb], w_t int8 [nb, 32, ≥ V], w_scale_t float64 [nb, ≥ V], out [T, V]. A block's integer dot product is at
+    most 32·127·127 < 2^24, so every partial sum of it is exact in float32; each scale product is exact in float64
+    (fp16 · fp16), each term too (< 2^19 times a 22-bit product), and the blocks are summed in order."""
     n, nb, _ = x_q.shape
-    vt = w_t.shape[2]
+    vt = out.shape[1]
     dots = np.empty((4, vt), dtype=np.float32)
     acc = np.empty((4, vt))
     zero = np.float32(0)
@@ -338,10 +338,11 @@ def _replay_q8_0(x_q, x_scale, w_t, w_scale_t, out):  # pragma: no cover - compi
                 x3 = x_q[t0 + 3, b, j] if m > 3 else zero
                 w = w_t[b, j]
                 for v in range(vt):
-                    dots[0, v] += x0 * w[v]
-                    dots[1, v] += x1 * w[v]
-                    dots[2, v] += x2 * w[v]
-                    dots[3, v] += x3 * w[v]
+                    wv = np.float32(w[v])
+                    dots[0, v] += x0 * wv
+                    dots[1, v] += x1 * wv
+                    dots[2, v] += x2 * wv
+                    dots[3, v] += x3 * wv
             for k in range(m):
                 xs = x_scale[t0 + k, b]
                 for v in range(vt):
