@@ -8,13 +8,16 @@ Gemma-3-270M (the demo's quants, ~/.cache/qeval/models), n_ctx 512, the shipped 
 1. The Q8_0 reference is decoded once, as a capture decodes it, with its head inputs (Engine.output_hidden); its
    float32 logits are kept (a memory-mapped .npy under --work) and made into two stores by qeval's capture code,
    both from these same rows: the logits form (format 4, with the per-token error record) and the hidden form
-   (format 5, as `qeval capture --reference-form hidden` writes it: the head embedded, each piece the head's input,
-   its error record measured against these logits). The truth below is then the truth of both stores.
+   (format 6, as `qeval capture --reference-form hidden` writes it: the head embedded, each piece the head's input,
+   its two error records measured against these logits: of the coded replayed rows, and of the replayed rows
+   themselves, which a live comparison reads uncoded). The truth below is then the truth of both stores.
 2. Each row of the demo's board is decoded live: the control (the reference under the matrix's control batch
    layout), KV q8_0 and q4_0 (flash attention on), Q4_K_M, Q4_0, Q3_K_M, Q2_K. Its float32 rows go through
    qeval's comparison of a stored reference against a live candidate (metrics.compare, the kernel `qeval kld`
    runs), against each store, and the same figures are computed in float64 from the two exact rows.
-3. Per row and form (rows[i]["logits"], rows[i]["hidden"]): mean KLD as qeval reports it, its certified bound, the
+3. Per row and form (rows[i]["logits"], rows[i]["hidden"]: read uncoded with llama.cpp's own kernel where its rows
+   hash as the capture's, rows[i]["hidden_portable"]: with qeval's portable replay, as on a CPU whose ggml sums
+   otherwise; results["replay_engines"] says which engine each read used): mean KLD as qeval reports it, its certified bound, the
    true difference from the mean KLD of the exact logits, the mean per-token |error|; how often the per-token bound
    holds (it must: 100 %), and how loose it is (median and p99 of bound / |error| over tokens with an error above
    1e-12), both directions.
@@ -49,6 +52,7 @@ from qeval.storage.codec import SqrtLogCode
 from qeval.storage.store import StoreReader, StoreWriter, zstd_compressor
 
 N_CTX = 512
+PORTABLE = "hidden_portable"  # the hidden store read with qeval's portable replay (ggml taken as not matching)
 BLOCK = 16  # rows coded per call, as the capture codes them
 KV_FA = {"type_k": "q8_0", "type_v": "q8_0", "flash_attn": "on"}
 ROWS = [("control", "Q8_0", None), ("Q8_0+kv-q8_0", "Q8_0", KV_FA),
@@ -96,7 +100,7 @@ def write_reference(engine: Engine, windows: np.ndarray, logits: np.ndarray, pat
             builder = PieceBuilder(c, zstd_compressor(1), 0)
             for s in range(0, len(positions), BLOCK):
                 builder.add(form.encode(logits[c, s:s + BLOCK], None if hidden is None else hidden[c, s:s + BLOCK],
-                                        scored_targets(windows[c], positions[s:s + BLOCK]), code))
+                                        scored_targets(windows[c], positions[s:s + BLOCK]), code, s))
             writer.write_chunk(builder.finish())
         writer.finish()
 
@@ -236,8 +240,10 @@ def main() -> None:
     results = {"cpu": cpu_name(), "chunks": args.chunks, "scored_tokens": int(len(windows) * n_scored),
                "load_before": load(), "forward_ms_per_scored_row": forward_s / (len(windows) * n_scored) * 1e3,
                "rows": []}
-    with StoreReader(stores["with"]) as logits_ref, StoreReader(stores[HIDDEN]) as hidden_ref:
-        refs = {LOGITS: logits_ref, HIDDEN: hidden_ref}
+    with (StoreReader(stores["with"]) as logits_ref, StoreReader(stores[HIDDEN]) as hidden_ref,
+          StoreReader(stores[HIDDEN]) as portable_ref):
+        portable_ref.replay_matched("ggml", False)  # as on a CPU whose ggml sums otherwise than the capturing one
+        refs = {LOGITS: logits_ref, HIDDEN: hidden_ref, PORTABLE: portable_ref}
         for label, quant, kv in ROWS:
             cand_settings = control_settings(settings, N_CTX) if kv is None else EngineSettings(**kv)
             with Engine(models[quant], N_CTX, cand_settings) as engine:
@@ -253,6 +259,7 @@ def main() -> None:
             if label == "Q4_0":
                 results["timings"] = timings(stores, cand_rows, args.repeats)
             del cand_rows
+        results["replay_engines"] = {HIDDEN: hidden_ref.replay_matches, PORTABLE: portable_ref.replay_matches}
     results["load_after"] = load()
     t = results["timings"]
     print(f"coding a row (1 thread): {t['code_without_record_ms_per_row']:.2f} ms without the record, "

@@ -11,7 +11,9 @@ sizes: bytes per scored token of each store (the whole file; the hidden one also
   once whatever the number of tokens, and per part: hidden rows, scalars and ids, error record), beside llama.cpp's
   --kl-divergence-base (524,296 B per token at this vocabulary); capture seconds per scored token of each form.
 speed: side by side in one run (best of --repeats): replaying the hidden store (reading every chunk's rows as a
-  comparison does: decompress, replay through the head on every core, code), in scored tokens per second; `qeval kld` (the
+  comparison does: decompress, replay through the head on every core), in scored tokens per second: uncoded by
+  llama.cpp's own kernel (ggml) and by qeval's portable one (a live comparison's read), and coded (a stored
+  candidate's comparison: portable replay, then the code); `qeval kld` (the
   comparison alone, metrics.compare) of a Q4_0 store against LOG and against HID; and live, the Q4_0 GGUF decoded
   against each reference (the forward pass included), seconds per scored token.
 
@@ -77,11 +79,22 @@ def speed(work: Path, chunks: int, repeats: int) -> dict:
     q4 = done["models"]["Q4_0"]
     capture(work, "Q4_0", q4, chunks, "logits")
     out = {}
-    with StoreReader(work / "HID.qeval") as hid:
-        hid.output_head.weights  # loaded once, as a comparison does on its first chunk
-        scored = sum(hid.header.n_scored_of(c) for c in hid.chunk_indices)
-        replay = best(lambda: [hid.read_chunk(c).codes(hid.header.n_vocab) for c in hid.chunk_indices], repeats)
-        out["replay_tokens_per_s"] = scored / replay  # on REPLAY_THREADS threads (every core)
+    for engine in ("ggml", "portable"):
+        with StoreReader(work / "HID.qeval") as hid:
+            if engine == "portable":
+                hid.replay_matched("ggml", False)  # as on a CPU whose ggml sums otherwise
+            hid.output_head.weights  # loaded once, as a comparison does on its first chunk
+            scored = sum(hid.header.n_scored_of(c) for c in hid.chunk_indices)
+            for c in hid.chunk_indices[:1]:  # warm: ggml's copy of the head, compiled kernels
+                list(hid.read_chunk(c).iter_rows(hid.header.n_vocab))
+            replay = best(lambda: [list(hid.read_chunk(c).iter_rows(hid.header.n_vocab)) for c in hid.chunk_indices],
+                          repeats)
+            out[f"replay_uncoded_{engine}_tokens_per_s"] = scored / replay
+            out[f"replay_uncoded_{engine}_engines"] = hid.replay_matches
+            if engine == "portable":  # the coded read (a comparison against a stored candidate): portable, coded
+                replay = best(lambda: [hid.read_chunk(c).codes(hid.header.n_vocab) for c in hid.chunk_indices],
+                              repeats)
+                out["replay_coded_tokens_per_s"] = scored / replay  # on REPLAY_THREADS threads (every core)
     for ref in ("LOG", "HID"):
         with StoreReader(work / f"{ref}.qeval") as r, StoreReader(work / "Q4_0.qeval") as cand:
             t = best(lambda: metrics.compare(r, cand, threads=os.cpu_count()), repeats)

@@ -81,7 +81,7 @@ def make_rows(n_vocab: int, n: int, seed: int) -> Rows:
         builder, rows = ChunkBuilder(0), []
         for start in range(0, n, ENCODE_BLOCK):
             block = code.encode_block(logits[start:start + ENCODE_BLOCK], targets[start:start + ENCODE_BLOCK])
-            builder.add(block.planes, block.logprob_target, block.logprob_max, block.top_ids, block.error)
+            builder.add_block(block)
             rows.append(block.planes)
         chunks.append(builder.finish())
         planes.append(np.concatenate(rows))

@@ -159,7 +159,7 @@ def capture(
     force: bool = typer.Option(False, "--force", help="Replace a store at the output that holds another capture (the old one is kept until the new one is complete)."),
     rope_scaling: Optional[str] = RopeScaling,
     rope_scale: Optional[float] = RopeScale,
-    reference_form: str = typer.Option("logits", "--reference-form", help="What the store keeps per scored token: 'logits' (the default: coded logits, ~130 KB per token at a 262K vocab, any model and backend), 'hidden' (the output head's input as ggml's CPU kernel consumes it, ~0.7 KB per token, plus the head once; replayed when compared, with its measured error in the bound; Q8_0/F16/BF16/F32 heads on CPU only) or 'auto' (hidden where its replay is measured within 1e-9 nats KL, logits elsewhere). A logits store cannot be converted: the hidden state is gone."),
+    reference_form: str = typer.Option("logits", "--reference-form", help="What the store keeps per scored token: 'logits' (the default: coded logits, ~130 KB per token at a 262K vocab, any model and backend), 'hidden' (the output head's input as ggml's CPU kernel consumes it, ~1 KB per token, plus the head once; replayed when compared, by llama.cpp's own kernel where this CPU sums as the capturing one did (then exactly llama.cpp's logits), else by qeval's portable replay, with its measured error in the bound; Q8_0/F16/BF16/F32 heads on CPU only) or 'auto' (hidden where its replay is measured within 1e-9 nats KL, logits elsewhere). A logits store cannot be converted: the hidden state is gone."),
     runs_dir: Optional[Path] = RunsDir,
 ):
     """Run a model over the corpus and store its scored logits (resumes an interrupted capture)."""

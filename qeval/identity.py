@@ -69,9 +69,11 @@ def form(header) -> dict:
     """A store's stored form: its code and, for a store that records its error (format version 4), the record's
     bands. A store made before error records holds its code alone, so its identity is what it was; a result made
     against one form is never reused for another."""
-    if header.head:  # the hidden form: the form asked for and the head its pieces are replayed through
+    if header.head:  # the hidden form: the form asked for, the head its pieces are replayed through, and whether a
+        # live comparison reads them uncoded (format 6: other figures than the coded read of format 5)
+        head = {"form": header.head["form"], "fingerprint": header.head["fingerprint"]}
         return {**header.codec, "error": header.error,
-                "head": {"form": header.head["form"], "fingerprint": header.head["fingerprint"]}}
+                "head": {**head, "read_uncoded": True} if header.replay_record else head}
     return {**header.codec, "error": header.error} if header.error else header.codec
 
 

@@ -117,7 +117,7 @@ def build_chunk(index: int, logits: np.ndarray, targets: np.ndarray, code: SqrtL
     builder = ChunkBuilder(index)
     for s in range(0, len(logits), block):
         enc = code.encode_block(logits[s:s + block], targets[s:s + block])
-        builder.add(enc.planes, enc.logprob_target, enc.logprob_max, enc.top_ids, enc.error)
+        builder.add_block(enc)
     return builder.finish()
 
 

@@ -232,13 +232,15 @@ def test_a_split_models_size_counts_every_shard(tmp_path):
 
 
 def test_a_hidden_store_is_counted_as_its_rows_and_its_head_once():
-    """The hidden form: ~0.7 KB per scored token of q8_0 rows at d_model 640 plus the head once, not ~130 KB per
-    token; the one-window Gemma-3-270M Q8_0 store measured 178,769,465 bytes (255 tokens, head 178,257,920)."""
+    """The hidden form: ~1 KB per scored token of q8_0 rows at d_model 640 and their records, plus the head once, not
+    ~130 KB per token; Gemma-3-270M Q8_0 stores measured 178,769,465 bytes (format 5: 255 tokens, head 178,257,920)
+    and 199,223,565 (format 6, with the replay records: 80 windows, 20,400 tokens; docs/why-logits.md)."""
     head = {"form": "hidden", "type": "Q8_0", "n_embd": 640, "bytes": 178_257_920}
     hidden = budget.Run("H", 1, 512, 255, 262_144, live=False, keeps_store=True, head=head)
     assert 178_769_465 <= hidden.bytes <= 1.01 * 178_769_465
     logits = budget.Run("L", 1, 80 * 512, 20_400, 262_144, live=False, keeps_store=True)
     many = budget.Run("H", 1, 80 * 512, 20_400, 262_144, live=False, keeps_store=True, head=head)
+    assert 199_223_565 <= many.bytes <= 1.01 * 199_223_565
     assert many.bytes - head["bytes"] < logits.bytes / 100
     auto = budget.Run("A", 1, 80 * 512, 20_400, 262_144, live=False, keeps_store=True, head={**head, "form": "auto"})
     assert auto.bytes == logits.bytes + head["bytes"]

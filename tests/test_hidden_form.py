@@ -1,6 +1,7 @@
-"""The hidden form of a reference (qeval.storage.hidden_form, format version 5): the output head's input stored as
-ggml's CPU kernel consumes it, replayed through the embedded head by a reader. Replay kernels against plain float64,
-stores written and read back, the bound against float64 logits token by token, and a reader that trusts nothing."""
+"""The hidden form of a reference (qeval.storage.hidden_form, format version 6): the output head's input stored as
+ggml's CPU kernel consumes it, replayed through the embedded head by a reader (qeval's portable kernel, or ggml's
+own: qeval.storage.ggml_replay). Replay kernels against plain float64, stores written and read back, coded and
+uncoded, the bound against float64 logits token by token, and a reader that trusts nothing."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from qeval import api
 from qeval.compare import metrics
 from qeval.errors import StoreFormatError
 from qeval.identity import capture_conflicts, form
-from qeval.storage.codec import REPLAY_ROWS, SqrtLogCode, encode_hidden_block
+from qeval.storage.codec import REPLAY_ENGINES, REPLAY_ROWS, SqrtLogCode, encode_hidden_block
+from qeval.storage.ggml_replay import GgmlHead
 from qeval.storage.hidden_form import (
     QK8_0,
     OutputHead,
@@ -29,7 +31,7 @@ from qeval.storage.hidden_form import (
     encode_q8_0,
     head_entry,
 )
-from qeval.storage.store import ChunkBuilder, HiddenChunk, StoreHeader, StoreReader, StoreWriter
+from qeval.storage.store import PIECE_ROWS, ChunkBuilder, HiddenChunk, StoreHeader, StoreReader, StoreWriter
 
 N_VOCAB, N_EMBD, N_CTX = 700, 64, 24
 
@@ -67,7 +69,8 @@ def as_multiplied(hidden: np.ndarray, head: OutputHead) -> np.ndarray:
         blocks = hidden.astype(np.float32).reshape(len(hidden), -1, QK8_0)
         amax = np.abs(blocks).max(axis=-1, keepdims=True)
         d = (amax / 127).astype(np.float16).astype(np.float64)
-        q = np.rint(blocks * np.where(amax > 0, np.float32(127) / amax, 0).astype(np.float32))
+        with np.errstate(divide="ignore"):  # a block of zeros: q = 0
+            q = np.rint(blocks * np.where(amax > 0, np.float32(127) / amax, 0).astype(np.float32))
         return (q * d).reshape(len(hidden), -1)
     if head.ggml_type == "F16":
         return hidden.astype(np.float16).astype(np.float64)
@@ -92,6 +95,28 @@ def test_replay_is_the_float64_product_and_independent_of_the_block(ggml_type, s
     np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-12)
     one_by_one = np.concatenate([head.replay(rows.rows(t, t + 1)) for t in range(37)])
     np.testing.assert_array_equal(got, one_by_one)
+
+
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "F16", "BF16", "F32"])
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+def test_ggml_replays_the_float64_product_to_float32_and_row_by_row(ggml_type, softcap):
+    """llama.cpp's own kernel (this build's ggml) on the stored rows: W·h of the rounded activations to float32
+    accumulation error, soft-capped where asked, and the same bits for a row at its row of the chunk whatever rows
+    are multiplied beside it, and however the rows are split into calls (a capture's blocks, a reader's pieces):
+    what makes its checksum a property of the rows."""
+    rng = np.random.default_rng(2)
+    head = tiny_head(rng, ggml_type, softcap)
+    hidden = rng.standard_normal((70, N_EMBD)).astype(np.float32) * 3
+    rows = StoredActivations.parse(activation_bytes(hidden, head.activation), 70, N_EMBD, head.activation, "t")
+    ggml = GgmlHead.of(head, threads=2)
+    got = ggml.replay(rows)
+    assert got.dtype == np.float32 and got.shape == (70, N_VOCAB)
+    want = as_multiplied(hidden, head) @ dequantized(head).T
+    if softcap:
+        want = softcap * np.tanh(want / softcap)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+    for start, stop in ((0, 3), (69, 70), (16, 32), (60, 70)):
+        np.testing.assert_array_equal(got[start:stop], ggml.replay(rows.rows(start, stop), start))
 
 
 @pytest.mark.parametrize("n_tokens", [1, 5, 37])
@@ -132,32 +157,39 @@ class HiddenCapture:
     """A synthetic capture: hidden rows, the head, and the 'exact' float32 logits llama.cpp would give (the float64
     product with float32 noise, as its accumulation order moves them)."""
 
-    def __init__(self, seed: int, n_chunks: int = 3, ggml_type: str = "Q8_0", noise: float = 2e-6):
+    def __init__(self, seed: int, n_chunks: int = 3, ggml_type: str = "Q8_0", noise: float = 2e-6,
+                 n_ctx: int = N_CTX):
         rng = np.random.default_rng(seed)
         self.head = tiny_head(rng, ggml_type)
-        self.tokens = make_tokens(rng, n_chunks, N_CTX, N_VOCAB)
+        self.tokens = make_tokens(rng, n_chunks, n_ctx, N_VOCAB)
         self.hidden, self.logits = {}, {}
-        n = N_CTX // 2 - 1
+        n = n_ctx // 2 - 1
         for c in range(n_chunks):
             h = rng.standard_normal((n, N_EMBD)).astype(np.float32) * 2
             exact = as_multiplied(h, self.head) @ dequantized(self.head).T
             self.hidden[c] = h
             self.logits[c] = (exact * (1 + noise * rng.standard_normal(exact.shape))).astype(np.float32)
 
-    def write(self, path, form_name: str = "hidden", finish: bool = True, block: int = 5):
+    def write(self, path, form_name: str = "hidden", finish: bool = True, block: int = 5, ggml: bool = True,
+              **header_fields):
         code = SqrtLogCode()
-        header = make_header(self.tokens, N_VOCAB, code, "HID", head=head_entry(self.head, form_name))
+        ggml_head = GgmlHead.of(self.head) if ggml else None
+        header = make_header(self.tokens, N_VOCAB, code, "HID", head=head_entry(self.head, form_name), **header_fields)
         chunks = {}
         with StoreWriter.open(path, header, self.tokens, code.lut(), head=self.head) as w:
             for c in range(len(self.tokens)):
-                builder = ChunkBuilder(c, hidden=True)
                 targets = self.tokens[c, header.positions_of(c) + 1]
-                for s in range(0, len(targets), block):
-                    b = encode_hidden_block(self.logits[c][s:s + block], self.hidden[c][s:s + block],
-                                            targets[s:s + block], code, self.head)
-                    builder.add(b.planes, b.logprob_target, b.logprob_max, b.top_ids, b.error, b.hidden)
-                chunks[c] = builder.finish()
-                w.write_chunk(chunks[c])
+                pieces = []
+                for first in range(0, len(targets), PIECE_ROWS):  # a long window: pieces of PIECE_ROWS rows
+                    builder = ChunkBuilder(c, first_row=first, hidden=True)
+                    end = min(first + PIECE_ROWS, len(targets))
+                    for s in range(first, end, block):
+                        e = min(s + block, end)
+                        builder.add_block(encode_hidden_block(self.logits[c][s:e], self.hidden[c][s:e], targets[s:e],
+                                                              code, self.head, ggml_head, s))
+                    pieces.append(builder.finish())
+                    w.write_chunk(pieces[-1])
+                chunks[c] = pieces[0] if len(pieces) == 1 else pieces
             if finish:
                 w.finish()
         return header, chunks
@@ -172,14 +204,28 @@ def hidden_store(tmp_path):
 
 
 def test_a_hidden_store_reads_back_as_the_capture_coded_it(hidden_store):
-    """Version 5, the head once, HIDN pieces; a reader's rows are the capture's replayed rows exactly, its scalars
-    exact from the capture's float32 logits, its error record as measured."""
+    """Version 6, the head once, HIDN pieces; a reader's rows are the capture's replayed rows exactly, coded and
+    uncoded, its scalars exact from the capture's float32 logits, both error records as measured."""
     cap, path, chunks = hidden_store
     data = path.read_bytes()
     tags = [t for t, _, _ in _records(data)]
     assert tags[:4] == [b"HEAD", b"TOKS", b"LUT_", b"OUTW"] and tags.count(b"HIDN") == 3 and b"CHNK" not in tags
     with StoreReader(path) as r:
-        assert r.header.format_version == 5 and r.header.head["type"] == "Q8_0"
+        assert r.header.format_version == 6 and r.header.head["type"] == "Q8_0"
+        for c in range(3):
+            at_capture = encode_hidden_block(cap.logits[c], cap.hidden[c], cap.tokens[c, r.header.positions_of(c) + 1],
+                                             SqrtLogCode(), cap.head, GgmlHead.of(cap.head))
+            assert [u.engine for u in at_capture.uncoded] == list(REPLAY_ENGINES)
+            piece = r.read_chunk(c)
+            assert [p.engine for p in piece.replays] == list(REPLAY_ENGINES)
+            rows = list(piece.iter_rows(N_VOCAB))  # ggml's rows: this machine's ggml is the capture's
+            assert [k for k, _, _ in rows] == list(range(len(at_capture)))
+            np.testing.assert_array_equal(np.stack([row for _, row, _ in rows]), at_capture.uncoded[0].rows)
+            np.testing.assert_array_equal(np.concatenate([e.hi for _, _, e in rows]), piece.replays[0].record.hi)
+            for at_write, read, made in zip(chunks[c].replays, piece.replays, at_capture.uncoded, strict=True):
+                assert at_write.checksum == read.checksum == xxhash.xxh3_64_intdigest(made.rows.data)
+                np.testing.assert_array_equal(read.record.kl, made.record.kl)
+                assert read.record.lo.shape == (len(at_capture), 1)  # one band
         assert [f for _, _, f in r.piece_forms()] == ["hidden"] * 3
         for c in range(3):
             got = r.read_chunk(c)
@@ -209,17 +255,78 @@ def test_the_replayed_rows_are_the_codes_of_the_replay(hidden_store):
 @pytest.mark.parametrize("sigma", [0.0, 0.3])
 def test_the_bound_holds_against_float64_logits(hidden_store, tmp_path, sigma):
     """A hidden reference against a stored and a live candidate: every token's |ΔKLD| from the float64 KLD of the
-    exact rows is within its bound, both directions; identical logits give a bound as small as the code's."""
+    exact rows is within its bound, both directions; identical logits give a bound as small as the code's. Against
+    the live candidate the reference is read uncoded (version 6; a version 5 copy is read coded only): for a copy
+    its bound is the replay's alone, far below the coded one's."""
     cap, path, _ = hidden_store
     rng = np.random.default_rng(8)
     cand_logits = {c: perturb(rng, x, sigma) if sigma else x for c, x in cap.logits.items()}
     cand = write_store(tmp_path / "CAND.qeval", cap.tokens, cand_logits, N_VOCAB, label="CAND")
-    with StoreReader(path) as ref, StoreReader(cand.path) as cr:
-        for source in (cr, RowsSource(ref, cand_logits)):
-            cmp = metrics.compare(ref, source, threads=2)
-            _, bound, _, _ = assert_bound_holds(cmp, cap.logits, cand_logits)
+    cap.write(tmp_path / "V5.qeval", format_version=5)
+    bounds = {}
+    with StoreReader(path) as ref, StoreReader(cand.path) as cr, StoreReader(tmp_path / "V5.qeval") as v5:
+        assert v5.header.format_version == 5
+        for name, r, source in (("stored", ref, cr), ("live", ref, RowsSource(ref, cand_logits)),
+                                ("live v5", v5, RowsSource(v5, cand_logits))):
+            cmp = metrics.compare(r, source, threads=2)
+            _, bounds[name], _, _ = assert_bound_holds(cmp, cap.logits, cand_logits)
             if not sigma:
-                assert np.max(bound) < 1e-5
+                assert np.max(bounds[name]) < 1e-5
+    if not sigma:  # a copy: the code's share, most of the coded bound, is gone (a far candidate's bound is mostly
+        # the reference's error against the rows' difference: one band of the replay's error, not the code's bands)
+        assert np.mean(bounds["live"]) < np.mean(bounds["live v5"]) / 5
+
+
+def _uncoded_entries_at(n: int) -> int:
+    """Where a HIDN payload's first uncoded replay entry starts (n rows, top_k 10)."""
+    return 16 + 16 * n + 40 * n + 8 + 8
+
+
+def _set_uncoded_checksum(path, entry: int) -> None:
+    """Replace (checksum made right) the rows' checksum of the `entry`-th uncoded replay of every HIDN record."""
+    n = N_CTX // 2 - 1
+
+    def other(payload: bytearray) -> bytearray:
+        at = _uncoded_entries_at(n) + entry * (16 + 16 + 24 * n) + 8
+        payload[at:at + 8] = struct.pack("<Q", 12345)
+        return payload
+
+    _rewrite_payload(path, b"HIDN", other)
+
+
+def test_a_long_window_in_pieces_is_read_uncoded_piece_by_piece(tmp_path):
+    """A window of 299 scored rows in two HIDN pieces (256 + 43): read uncoded as one chunk, its rows those of the
+    whole window replayed at once (each row at its row of the chunk), each with its own piece's record; the bound
+    holds against a live candidate."""
+    cap = HiddenCapture(seed=12, n_chunks=1, n_ctx=600)
+    _, chunks = cap.write(tmp_path / "L.qeval", block=16)
+    assert [p.n_tokens for p in chunks[0]] == [256, 43]
+    rng = np.random.default_rng(13)
+    cand_logits = {0: perturb(rng, cap.logits[0], 0.2)}
+    with StoreReader(tmp_path / "L.qeval") as r:
+        rows = list(r.read_chunk(0).iter_rows(N_VOCAB))
+        whole = encode_hidden_block(cap.logits[0], cap.hidden[0], cap.tokens[0, r.header.positions_of(0) + 1],
+                                    SqrtLogCode(), cap.head, GgmlHead.of(cap.head)).uncoded[0]
+        assert whole.engine == "ggml" and [k for k, _, _ in rows] == list(range(299))
+        np.testing.assert_array_equal(np.stack([row for _, row, _ in rows]), whole.rows)
+        np.testing.assert_array_equal(np.concatenate([e.kl for _, _, e in rows]), whole.record.kl)
+        assert_bound_holds(metrics.compare(r, RowsSource(r, cand_logits), threads=2), cap.logits, cand_logits)
+
+
+def test_where_ggml_sums_otherwise_the_portable_replay_is_read(hidden_store):
+    """A machine whose ggml gives other rows than the capture's (here: the capture's checksum of them changed):
+    the uncoded read takes the portable replay's rows and record instead, and does not try ggml again."""
+    cap, path, chunks = hidden_store
+    _set_uncoded_checksum(path, 0)
+    with StoreReader(path) as r:
+        for c in range(3):
+            rows = list(r.read_chunk(c).iter_rows(N_VOCAB))
+            portable = encode_hidden_block(cap.logits[c], cap.hidden[c], cap.tokens[c, r.header.positions_of(c) + 1],
+                                           SqrtLogCode(), cap.head).uncoded[0]
+            assert portable.engine == "portable"
+            np.testing.assert_array_equal(np.stack([row for _, row, _ in rows]), portable.rows)
+            np.testing.assert_array_equal(np.concatenate([e.kl for _, _, e in rows]), portable.record.kl)
+        assert r.replay_matches == {"ggml": False, "portable": True}
 
 
 def test_auto_keeps_hidden_only_where_the_replay_is_within_its_target(tmp_path):
@@ -245,6 +352,7 @@ def _read_all(path) -> None:
     with StoreReader(path) as r:
         for c in r.chunk_indices:
             r.read_chunk(c).codes(N_VOCAB)
+            list(r.read_chunk(c).iter_rows(N_VOCAB))
 
 
 @pytest.mark.parametrize("seed", range(16))
@@ -254,6 +362,7 @@ def test_random_corruption_of_a_hidden_store_is_refused_cleanly(hidden_store, tm
     cap, path, chunks = hidden_store
     with StoreReader(path) as r:
         want = {c: r.read_chunk(c).codes(N_VOCAB) for c in range(3)}
+        want_rows = {c: [row for _, row, _ in r.read_chunk(c).iter_rows(N_VOCAB)] for c in range(3)}
     rng = np.random.default_rng(seed)
     data = bytearray(path.read_bytes())
     # half the flips in the head record (most of the file), half elsewhere
@@ -268,6 +377,9 @@ def test_random_corruption_of_a_hidden_store_is_refused_cleanly(hidden_store, tm
                 got = r.read_chunk(c)
                 np.testing.assert_array_equal(got.codes(N_VOCAB), want[c])
                 np.testing.assert_array_equal(got.error.kl, chunks[c].error.kl)
+                for (_, row, record), want_row in zip(r.read_chunk(c).iter_rows(N_VOCAB), want_rows[c], strict=True):
+                    np.testing.assert_array_equal(row, want_row)
+                np.testing.assert_array_equal(r.read_chunk(c).replay_error.lo, chunks[c].replay_error.lo)
     except StoreFormatError:
         pass
 
@@ -308,6 +420,51 @@ def test_rows_replayed_otherwise_than_at_capture_are_refused(hidden_store):
     _rewrite_payload(path, b"HIDN", other_checksum)
     with StoreReader(path) as r, pytest.raises(StoreFormatError, match="replayed on this machine differ"):
         r.read_chunk(0).codes(N_VOCAB)
+
+
+def test_a_capture_without_ggml_records_the_portable_replay_alone(tmp_path):
+    """Where no ggml library is at hand, the capture records only the portable replay, and a reader reads it."""
+    cap = HiddenCapture(seed=6, n_chunks=1)
+    cap.write(tmp_path / "P.qeval", ggml=False)
+    with StoreReader(tmp_path / "P.qeval") as r:
+        piece = r.read_chunk(0)
+        assert [p.engine for p in piece.replays] == ["portable"]
+        rows = np.stack([row for _, row, _ in piece.iter_rows(N_VOCAB)])
+        assert r.replay_matches == {"portable": True}
+    want = encode_hidden_block(cap.logits[0], cap.hidden[0], cap.tokens[0, r.header.positions_of(0) + 1],
+                               SqrtLogCode(), cap.head).uncoded[0].rows
+    np.testing.assert_array_equal(rows, want)
+
+
+@pytest.mark.parametrize("field, value, message", [("count", 0, "names 0 uncoded replays"),
+                                                   ("count", 3, "names 3 uncoded replays"),
+                                                   ("engine", 7, "unknown or repeated replay engine"),
+                                                   ("engine", 2, "unknown or repeated replay engine")])
+def test_malformed_uncoded_replays_are_refused(hidden_store, field, value, message):
+    """A HIDN record (checksum made right) naming no replay, too many, an unknown engine or one twice (the first
+    entry renamed to the second's engine)."""
+    _, path, _ = hidden_store
+    at = _uncoded_entries_at(N_CTX // 2 - 1) - (8 if field == "count" else 0)
+
+    def changed(payload: bytearray) -> bytearray:
+        payload[at:at + 4] = struct.pack("<I", value)
+        return payload
+
+    _rewrite_payload(path, b"HIDN", changed)
+    with StoreReader(path) as r, pytest.raises(StoreFormatError, match=message):
+        r.read_chunk(0)
+
+
+def test_rows_read_uncoded_otherwise_than_at_capture_are_refused(hidden_store):
+    """No engine's float32 rows hash as the capture's (version 6): the uncoded read (a live comparison's) is refused;
+    the coded read, whose checksum still holds, is not."""
+    _, path, _ = hidden_store
+    _set_uncoded_checksum(path, 0)
+    _set_uncoded_checksum(path, 1)
+    with StoreReader(path) as r:
+        r.read_chunk(0).codes(N_VOCAB)
+        with pytest.raises(StoreFormatError, match="replayed on this machine differ"):
+            list(r.read_chunk(0).iter_rows(N_VOCAB))
 
 
 def test_version_5_header_rules(hidden_store):
@@ -360,11 +517,33 @@ def test_the_form_is_part_of_a_stores_identity(hidden_store, tmp_path):
     logits = write_store(tmp_path / "L.qeval", cap.tokens, cap.logits, N_VOCAB, label="HID")
     with StoreReader(path) as h, StoreReader(logits.path) as lr:
         assert form(h.header) != form(lr.header)
-        assert form(h.header)["head"] == {"form": "hidden", "fingerprint": cap.head.fingerprint}
+        assert form(h.header)["head"] == {"form": "hidden", "fingerprint": cap.head.fingerprint, "read_uncoded": True}
         assert any("codec" in c or "form" in c for c in capture_conflicts(lr.header, lr.tokens, True, h.header,
                                                                           h.tokens))
     auto = make_header(cap.tokens, N_VOCAB, SqrtLogCode(), "HID", head=head_entry(cap.head, "auto"))
     assert form(auto) != form(StoreReader(path).header)
+    # a format-5 copy (read coded only) is another form: its results are never reused for the format-6 store
+    older = make_header(cap.tokens, N_VOCAB, SqrtLogCode(), "HID", head=head_entry(cap.head, "hidden"),
+                        format_version=5)
+    assert older.format_version == 5 and form(older) != form(StoreReader(path).header)
+
+
+def test_info_reads_pieces_of_any_size(tmp_path):
+    """A later piece larger than the first (its hidden rows compress less): info reads every replay record."""
+    cap = HiddenCapture(seed=5, n_chunks=2)
+    cap.hidden[0][:, 8:] = 0  # mostly zeros: a small frame
+    cap.logits[0] = (as_multiplied(cap.hidden[0], cap.head) @ dequantized(cap.head).T).astype(np.float32)
+    cap.write(tmp_path / "S.qeval")
+    d, _ = api.info_report(str(tmp_path / "S.qeval"))
+    assert all(e["tokens"] == d["scored_tokens"] for e in d["replay"].values())
+
+
+def test_info_says_a_format_5_store_is_read_coded_only(tmp_path):
+    cap = HiddenCapture(seed=3, n_chunks=1)
+    cap.write(tmp_path / "V5.qeval", format_version=5)
+    d, text = api.info_report(str(tmp_path / "V5.qeval"))
+    assert d["header"]["format_version"] == 5 and not d["replay"]
+    assert "read coded only (format 5" in text
 
 
 def test_an_interrupted_hidden_capture_resumes(tmp_path):
@@ -386,6 +565,10 @@ def test_info_shows_the_form_of_every_piece_and_the_head(hidden_store):
     assert d["pieces_by_form"] == {"hidden": 3} and d["head"]["type"] == "Q8_0"
     assert d["error"]["recorded"] and d["error"]["kl_max"] < 1e-5
     assert "hidden" in text and "head" in text
+    assert list(d["replay"]) == list(REPLAY_ENGINES)
+    assert all(e["tokens"] == d["scored_tokens"] for e in d["replay"].values())
+    assert d["replay"]["portable"]["max_abs_dlogp"] < d["error"]["max_abs_dlogp"]  # the replay alone: no code's rounding
+    assert "read uncoded against a live candidate" in text and "ggml (" in text
     assert json.dumps(d)
     # a small store with its code table and head is larger than llama.cpp's file: said so, never "0.1x larger"
     assert d["ratio_vs_llamacpp"] < 1
@@ -426,7 +609,13 @@ def assert_hidden_reference_holds(runs, exact: dict, cand: dict, code_equal: flo
         for source in (lr, RowsSource(h, cand)):
             cmp = metrics.compare(h, source, threads=2)
             assert_bound_holds(cmp, exact, cand if source is not lr else exact)
-        return {"hidden_bytes": (runs / "HID.qeval").stat().st_size, "head_bytes": h.header.head["bytes"]}
+        # the live rows read the replay uncoded: ggml's where it hashed as the capture's, else the portable one's;
+        # either way the reference's share of the bound is the replay's, far below the code's
+        assert True in h.replay_matches.values()
+        coded = metrics.compare(lr, RowsSource(lr, cand), threads=2).per_token["kld_bound"]
+        assert np.mean(cmp.per_token["kld_bound"]) < np.mean(coded) / 10
+        return {"hidden_bytes": (runs / "HID.qeval").stat().st_size, "head_bytes": h.header.head["bytes"],
+                "replay_matches": h.replay_matches}
 
 
 def test_gemma_q8_0_in_the_hidden_form(models, tmp_path):
@@ -514,3 +703,6 @@ def test_shards_of_a_hidden_capture_merge_into_one_store(tmp_path):
         assert m.header.head == r.header.head
         for c in range(3):
             np.testing.assert_array_equal(m.read_chunk(c).codes(N_VOCAB), r.read_chunk(c).codes(N_VOCAB))
+            for (_, got, _), (_, want, _) in zip(m.read_chunk(c).iter_rows(N_VOCAB), r.read_chunk(c).iter_rows(N_VOCAB),
+                                                 strict=True):
+                np.testing.assert_array_equal(got, want)

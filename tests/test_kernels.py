@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from conftest import decoded_logprobs, kld64, log_softmax64, perturb, realistic_logits
 
-from qeval.compare.kernels import N_SUMS, decode_tables, kld_from_sums, pair_sums, pair_sums_logits
+from qeval.compare.kernels import (N_SUMS, Z_Q_EXACT, decode_tables, kld_from_sums, pair_sums, pair_sums_logits,
+                                   pair_sums_replayed)
 from qeval.storage.codec import BadLogits, SqrtLogCode
 from qeval.storage.store import codes_to_planes, planes_to_codes
 
@@ -74,6 +75,30 @@ def test_pair_sums_logits_match_float64_reference(n_vocab):
     np.testing.assert_allclose(fwd, kld64(lp, lq), rtol=1e-9, atol=1e-13)
     np.testing.assert_allclose(rev, kld64(lq, lp), rtol=1e-9, atol=1e-13)
     assert fwd.mean() > 1e-3  # the rows really differ
+
+
+@pytest.mark.parametrize("n_vocab", [2, 17, 4099])
+def test_pair_sums_replayed_match_float64_reference(n_vocab):
+    """A reference read uncoded (a replayed hidden-form row, float32) against a live candidate's float32 row: the
+    float64 KLD of the two rows as they are, no code, no floor, both ways; a reference entry of probability 0 adds
+    nothing forward and makes the reverse KLD infinite where the candidate has mass there."""
+    rng = np.random.default_rng(300 + n_vocab)
+    p, q = (x.astype(np.float32) for x in logits_with_masks(rng, 6, n_vocab, sigma=0.7))
+    q = np.where(np.isinf(q), np.float32(-40), q)  # mask the reference only: a finite forward KLD
+    out = np.full((6, N_SUMS), np.nan)
+    scratch = np.empty((4, n_vocab), dtype=np.float64)
+    for t in range(6):
+        pair_sums_replayed(p[t], q[t], out[t], scratch)
+    fwd, rev = kld_from_sums(out)
+    lp, lq = log_softmax64(p), log_softmax64(q)
+    np.testing.assert_allclose(fwd, kld64(lp, lq), rtol=1e-9, atol=1e-13)
+    np.testing.assert_allclose(out[:, Z_Q_EXACT], np.exp(lq - lq.max(axis=1, keepdims=True)).sum(axis=1), rtol=1e-12)
+    masked = np.isinf(p).any(axis=1)
+    assert np.all(np.isinf(rev[masked])) and (n_vocab < 5 or masked.any())
+    np.testing.assert_allclose(rev[~masked], kld64(lq, lp)[~masked], rtol=1e-9, atol=1e-13)
+    assert fwd.mean() > 1e-3  # the rows really differ
+    with pytest.raises(BadLogits):
+        pair_sums_replayed(np.full(n_vocab, np.nan, np.float32), q[0], out[0], scratch)
 
 
 def test_pair_sums_logits_refuse_nan_rows():

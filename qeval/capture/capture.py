@@ -27,6 +27,7 @@ from qeval.pool import bounded_map
 from qeval.storage.codec import BadLogits, EncodedBlock, SqrtLogCode, encode_hidden_block
 from qeval.storage.hidden_form import AUTO_REPLAY_KL, FORMS, NotReplayable, OutputHead, head_entry, read_head
 from qeval.storage.error_record import ErrorRecord, rows_of
+from qeval.storage.ggml_replay import GgmlHead
 from qeval.storage.runs import LIVE_SUFFIX
 from qeval.storage.scoring import ASSISTANT, Scoring, WindowLabels
 from qeval.storage.store import (
@@ -57,13 +58,14 @@ class StoredForm:
     head: OutputHead | None = None
     asked: str = LOGITS
     why_logits: str = ""
+    ggml: GgmlHead | None = None  # the head in llama.cpp's own kernel, replaying beside the portable replay
 
-    def encode(self, logits: np.ndarray, hidden: np.ndarray | None, targets: np.ndarray,
-               code: SqrtLogCode) -> EncodedBlock | dict[str, EncodedBlock]:
-        """A logits form's block, else each kept form's block by name."""
+    def encode(self, logits: np.ndarray, hidden: np.ndarray | None, targets: np.ndarray, code: SqrtLogCode,
+               first_row: int = 0) -> EncodedBlock | dict[str, EncodedBlock]:
+        """A logits form's block, else each kept form's block by name (`first_row`: its first row in the chunk)."""
         if self.name == LOGITS:
             return code.encode_block(logits, targets)
-        blocks = {HIDDEN: encode_hidden_block(logits, hidden, targets, code, self.head)}
+        blocks = {HIDDEN: encode_hidden_block(logits, hidden, targets, code, self.head, self.ggml, first_row)}
         if self.name == AUTO:
             blocks[LOGITS] = code.encode_block(logits, targets)
         return blocks
@@ -93,7 +95,7 @@ def stored_form(asked: str, model: str, settings: EngineSettings) -> StoredForm:
         if asked == HIDDEN:
             raise QevalError(f"--reference-form hidden: {exc} (--reference-form auto stores logits there)") from None
         return StoredForm(asked=asked, why_logits=str(exc))
-    return StoredForm(asked, head, asked)
+    return StoredForm(asked, head, asked, ggml=GgmlHead.of(head, settings.n_threads))
 
 
 class PieceBuilder:
@@ -110,10 +112,10 @@ class PieceBuilder:
             if name not in self.builders:  # the hidden rows are small: a compressor of their own
                 self.builders[name] = ChunkBuilder(self.index, self.compressor if name == LOGITS else None,
                                                    self.first_row, hidden=name == HIDDEN)
-            self.builders[name].add(block.planes, block.logprob_target, block.logprob_max, block.top_ids, block.error,
-                                    block.hidden)
-            if block.replay_kl is not None:
-                self.worst_replay_kl = max(self.worst_replay_kl, float(block.replay_kl.max()))
+            self.builders[name].add_block(block)
+            for uncoded in block.uncoded:  # the portable replay's KL(exact ‖ replayed): what any machine reads
+                if uncoded.engine == "portable":
+                    self.worst_replay_kl = max(self.worst_replay_kl, float(uncoded.record.kl.max()))
 
     def finish(self) -> ChunkData:
         hidden = HIDDEN in self.builders and (LOGITS not in self.builders or self.worst_replay_kl <= AUTO_REPLAY_KL)
@@ -199,7 +201,8 @@ def iter_encoded_blocks(engine: Backend, windows: np.ndarray, indices: list[int]
         rows, start, stop = job
         try:
             return form.encode(rows.logits[start:stop], None if rows.hidden is None else rows.hidden[start:stop],
-                               scored_targets(windows[rows.window], rows.positions[start:stop]), code)
+                               scored_targets(windows[rows.window], rows.positions[start:stop]), code,
+                               rows.first_row + start)
         except BadLogits as exc:
             raise QevalError(f"chunk {indices[rows.window]}: the model produced invalid logits ({exc}); the model "
                              "file or this llama.cpp build is broken for these settings") from None
@@ -398,7 +401,7 @@ class LiveChunk:
             for block in src.blocks_of(self.index):
                 if save:  # saved piece by piece, as a capture writes it
                     builder = builder or ChunkBuilder(self.index, compressor=src.compressor, first_row=row)
-                    builder.add(block.planes, block.logprob_target, block.logprob_max, block.top_ids, block.error)
+                    builder.add_block(block)
                 self._errors.append((row, block.error))
                 row += len(block.planes)
                 if builder is not None and ends_piece(row, self.n_tokens):

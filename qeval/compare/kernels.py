@@ -101,6 +101,17 @@ def pair_sums(planes_p, planes_q, e_p, l_p, e_q, l_q, out, bands_p=None, bands_q
             out[t, 7] = kq + r1 + kp + rb
 
 
+@numba.njit(nogil=True, cache=True, inline="always")
+def _write_sums(out, zp, zq, spp, spq, sqq, sqp):  # pragma: no cover - compiled
+    """A row's six sums of the KLDs into its columns Z_P .. S_QP."""
+    out[0] = zp
+    out[1] = zq
+    out[2] = spp
+    out[3] = spq
+    out[4] = sqq
+    out[5] = sqp
+
+
 @numba.njit(nogil=True, cache=True, fastmath=False)
 def _pair_sums_row(hp, lo_p, raw, e_raw, inv_exact, floor, e_floor, e_p, l_p, bands_p, weights_p, tokens_p,
                    out):  # pragma: no cover - compiled
@@ -150,12 +161,7 @@ def _pair_sums_row(hp, lo_p, raw, e_raw, inv_exact, floor, e_floor, e_p, l_p, ba
             b1 += eq * a
             b2 += eq * min(1.0, g) * a
             rb += (abs(e_raw[i] * inv_exact - pn) + pw) * weights_p[2, b]
-    out[0] = zp
-    out[1] = zq
-    out[2] = spp
-    out[3] = spq
-    out[4] = sqq
-    out[5] = sqp
+    _write_sums(out, zp, zq, spp, spq, sqq, sqp)
     out[8] = 1.0 / inv_exact
     if bands_p is not None:
         # the candidate as compared (q') against its exact row q: log q_i - log q'_i = c - g_i, c = log(zq/z_exact)
@@ -186,6 +192,61 @@ def pair_sums_logits(planes_ref: np.ndarray, logits: np.ndarray, e_p: np.ndarray
     floor = float(l_p[0])
     _pair_sums_row(planes_ref[0], planes_ref[1], raw, e_raw, 1.0 / e_raw.sum(), floor, math.exp(floor), e_p, l_p,
                    bands_p, weights_p, tokens_p, out)
+
+
+@numba.njit(nogil=True, cache=True, fastmath=False)
+def _pair_sums_replayed_row(raw_p, e_p, raw_q, e_q, inv_exact, band_width, weights_p, tokens_p,
+                            out):  # pragma: no cover - compiled
+    """One row of pair_sums_replayed: the reference's raw_p = x − max and e_p = exp(raw_p) against the candidate's
+    (float64; inv_exact = 1 / Σ e_q), both read as they are; the bound from the reference's record alone."""
+    n_bands = 0 if weights_p is None else weights_p.shape[1]
+    zp = zq = spp = spq = sqq = sqp = ip = 0.0
+    if weights_p is not None:  # (a None argument compiles the bound away: numba prunes the branch)
+        ip = tokens_p[0, 1]
+    a1 = 0.0  # sum p~ w |a|: the reference's error against the rows' differences
+    rb = 0.0  # sum (|q - p~| + p~ w) err: the reference's error where the rows differ
+    for i in range(len(raw_p)):
+        ep, eq, lp, lq = e_p[i], e_q[i], raw_p[i], raw_q[i]
+        zp += ep
+        zq += eq
+        if ep > 0.0:  # an entry of probability 0 adds nothing (its log is -inf)
+            spp += ep * lp
+            spq += ep * lq
+        if eq > 0.0:
+            sqq += eq * lq
+            sqp += eq * lp
+        if weights_p is not None:
+            depth = -lp / band_width  # the band, as ErrorBands.band_of puts the entry
+            b = n_bands - 1 if depth >= n_bands - 1 else int(depth)
+            pn = ep * ip
+            pw = pn * weights_p[0, b]
+            if ep > 0.0:
+                a1 += pw * abs(lp - lq)
+            rb += (abs(eq * inv_exact - pn) + pw) * weights_p[2, b]
+    _write_sums(out, zp, zq, spp, spq, sqq, sqp)
+    out[8] = 1.0 / inv_exact
+    if weights_p is not None:
+        kp = tokens_p[0, 0]
+        out[6] = kp + a1
+        out[7] = kp + rb
+
+
+def pair_sums_replayed(ref_row: np.ndarray, logits: np.ndarray, out: np.ndarray, scratch: np.ndarray,
+                       band_width: float = 1.0, weights_p: np.ndarray | None = None,
+                       tokens_p: np.ndarray | None = None) -> None:
+    """The sums of a reference row read uncoded (float32 [V]: a hidden-form row replayed, qeval.storage.codec
+    .replayed_rows) against a live float32 logits row [V]: no code, no floor on either side, so the only error is
+    the replay's, which the reference's record (weights_p [3, K], tokens_p [1, 2]: BandWeights of the replayed
+    rows, bands of `band_width` nats) bounds, docs/error-bound.md ("A reference read uncoded"). `scratch` is float64
+    [4, V], reused across calls."""
+    raw_p, e_p, raw_q, e_q = scratch
+    for row, raw, e in ((ref_row, raw_p, e_p), (logits, raw_q, e_q)):
+        row_max = row.max()  # NaN if any entry is
+        if not np.isfinite(row_max):
+            raise BadLogits("logits contain NaN or a row with no finite value")
+        subtract_max(row, row_max, raw)
+        np.exp(raw, out=e)
+    _pair_sums_replayed_row(raw_p, e_p, raw_q, e_q, 1.0 / e_q.sum(), band_width, weights_p, tokens_p, out)
 
 
 def decode_tables(lut: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

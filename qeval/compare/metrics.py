@@ -24,6 +24,7 @@ from qeval.compare.kernels import (
     kld_from_sums,
     pair_sums,
     pair_sums_logits,
+    pair_sums_replayed,
 )
 from qeval.errors import MismatchError, QevalError
 from qeval.identity import window_labels_identity
@@ -243,36 +244,43 @@ def plane_sums(ref: ChunkData, cand: ChunkData, ref_tables, cand_tables, n_vocab
 
 
 def logit_sums(ref: ChunkData, cand, targets: np.ndarray, ref_tables, n_vocab: int, sums: np.ndarray,
-               runner: KernelRunner, ref_bands: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """Fused sums of a coded reference chunk against a live candidate's float32 rows (cand.iter_logits),
-    row by row; the candidate's (logprob_target, top_ids), which no store holds for it: exact, from its float32
-    logits in float64. With `ref_bands` (the reference's band of each code), the bound's columns too."""
+               runner: KernelRunner, ref_bands: np.ndarray | None,
+               band_width: float) -> tuple[np.ndarray, np.ndarray]:
+    """Fused sums of a reference chunk against a live candidate's float32 rows (cand.iter_logits), row by row, the
+    reference read as ref.iter_rows gives it: coded (pair_sums_logits) or, a hidden piece that can, its replayed
+    rows uncoded (pair_sums_replayed); the candidate's (logprob_target, top_ids), which no store holds for it:
+    exact, from its float32 logits in float64. With `ref_bands` (the reference's band of each code; its record's
+    bands are `band_width` nats), the bound's columns too."""
     n = len(targets)
     logprob_target = np.empty(n, dtype=np.float64)
     top_ids = np.empty((n, min(TOP_K, n_vocab)), dtype=np.int32)
-    scratch = threading.local()  # each kernel thread's candidate rows x - max and exp(x - max)
+    scratch = threading.local()  # each kernel thread's rows x - max and exp(x - max)
 
-    def kernel(planes_ref: np.ndarray, logits: np.ndarray, r: int, weights) -> None:
+    def kernel(ref_row: np.ndarray, logits: np.ndarray, r: int, weights) -> None:
         if getattr(scratch, "rows", None) is None:
-            scratch.rows = np.empty((2, n_vocab), dtype=np.float64)
+            scratch.rows = np.empty((4, n_vocab), dtype=np.float64)
         try:
-            pair_sums_logits(planes_ref[0], logits, *ref_tables, sums[r], scratch.rows, ref_bands, *weights)
+            if ref_row.dtype == np.float32:
+                pair_sums_replayed(ref_row, logits, sums[r], scratch.rows, band_width, *weights)
+                cand_raw = scratch.rows[2]
+            else:
+                pair_sums_logits(ref_row, logits, *ref_tables, sums[r], scratch.rows[:2], ref_bands, *weights)
+                cand_raw = scratch.rows[0]
         except BadLogits as exc:
             raise QevalError(f"chunk {ref.index}: the candidate model produced invalid logits ({exc}); the model "
                              "file or this llama.cpp build is broken for these settings") from None
-        logprob_target[r] = scratch.rows[0, targets[r]] - np.log(sums[r, Z_Q_EXACT])
+        logprob_target[r] = cand_raw[targets[r]] - np.log(sums[r, Z_Q_EXACT])
         top_ids[r] = top_k_ids(logits)
 
-    ref_rows = ref.iter_planes(n_vocab, 1, runner.in_flight + 2)  # a row must outlive the task that reads it
+    ref_rows = ref.iter_rows(n_vocab, runner.in_flight + 2)  # a row must outlive the task that reads it
     for start, rows, ends_call in cand.iter_logits():
         for k in range(len(rows)):
-            _, planes_ref = next(ref_rows)
-            r = start + k
+            r, ref_row, record = next(ref_rows)
             weights = (None, None)
-            if ref_bands is not None:  # the row's: per band [3, K], per token [1, 2]
-                per_band, per_token = band_weights(ref, r, r + 1)
-                weights = (per_band[:, 0], per_token.T)
-            runner.submit(kernel, planes_ref, rows[k], r, weights)
+            if ref_bands is not None and record is not None:  # the row's: per band [3, K], per token [1, 2]
+                w = BandWeights.of(record)
+                weights = (w.bands[:, 0], w.tokens.T)
+            runner.submit(kernel, ref_row, rows[k], r, weights)
         if ends_call:  # the candidate's next rows come from a new decode call, which overwrites these
             runner.drain()
     runner.drain()
@@ -284,7 +292,8 @@ def logit_sums(ref: ChunkData, cand, targets: np.ndarray, ref_tables, n_vocab: i
 def compare_chunk(ref: ChunkData, cand, tokens: np.ndarray, positions: np.ndarray, ref_tables,
                   cand_tables, n_vocab: int, kernel_pool: ThreadPoolExecutor | None = None,
                   samplers: sampler.Prepared | None = None, labels: WindowLabels | None = None,
-                  bands: tuple[np.ndarray, np.ndarray | None] | None = None) -> dict[str, np.ndarray]:
+                  bands: tuple[np.ndarray, np.ndarray | None] | None = None,
+                  band_width: float = 1.0) -> dict[str, np.ndarray]:
     """Per-token metrics of one chunk pair. `tokens` is the chunk's n_ctx token ids, `positions` its scored
     logit positions (header.positions_of). `cand` is coded (a ChunkData, or read like one) or a live
     candidate's float32 rows (LiveLogitsChunk: has iter_logits). `labels`: a conversation capture's, adding
@@ -293,7 +302,7 @@ def compare_chunk(ref: ChunkData, cand, tokens: np.ndarray, positions: np.ndarra
     With `kernel_pool`, token blocks go to its threads as they are decompressed (at most two
     blocks per thread in flight, so memory stays bounded). `samplers` (sampler.prepare) adds their
     per-token columns, computed on the same decompressed blocks (coded candidates only). `bands`: error_bands (None,
-    or a coded candidate's None: the bound columns are NaN, "not recorded").
+    or a coded candidate's None: the bound columns are NaN, "not recorded"); band_width: the reference record's bands.
     """
     n = ref.n_tokens
     if cand.n_tokens != n:
@@ -308,7 +317,7 @@ def compare_chunk(ref: ChunkData, cand, tokens: np.ndarray, positions: np.ndarra
         if samplers is not None and samplers.kernel:
             raise ValueError("samplers read coded rows: open the live candidate with coded=True")
         cand_logprob_target, cand_top_ids = logit_sums(ref, cand, targets, ref_tables, n_vocab, sums, runner,
-                                                       bands and bands[0])
+                                                       bands and bands[0], band_width)
     else:
         plane_sums(ref, cand, ref_tables, cand_tables, n_vocab, sums, runner, samplers, sampled,
                    bands if bounded else None)
@@ -400,7 +409,8 @@ def compare(ref: LogitSource, cand: LogitSource, n_chunks: int | None = None, th
 
     def one(i: int) -> dict[str, np.ndarray]:
         return compare_chunk(read(ref, i, "ref"), read(cand, i, "cand"), ref.tokens[i], ref.header.positions_of(i),
-                             ref_tables, cand_tables, n_vocab, kernel_pool, prepared, ref.header.window_labels, bands)
+                             ref_tables, cand_tables, n_vocab, kernel_pool, prepared, ref.header.window_labels, bands,
+                             ref.header.error_bands.width if bands else 1.0)
 
     parts = []
     try:

@@ -23,6 +23,7 @@ from qeval.capture.capture import CaptureStart
 from qeval.engine.engine import GENERATE, EngineSettings, available_cores
 from qeval.errors import QevalError
 from qeval.present.progress import say
+from qeval.storage.codec import REPLAY_BANDS, REPLAY_ENGINES
 from qeval.storage.error_record import DEFAULT_BANDS, record_bytes
 from qeval.storage.hidden_form import ACTIVATIONS
 from qeval.storage.store import StoreHeader
@@ -40,11 +41,13 @@ STORE_BYTES_PER_VOCAB_ENTRY = (132_203 - STORE_ROW_BYTES) / 262_144
 # plus an ERRS record's frame and head (40 bytes) per chunk piece of at most 256 rows, counted here per row.
 ERROR_ROW_BYTES = record_bytes(1, DEFAULT_BANDS) - record_bytes(0, DEFAULT_BANDS) + 1
 STORE_TABLE_BYTES = 65_536 * 4
-# The hidden form (format version 5, qeval.storage.hidden_form) keeps per scored token its scalars, ids and error
+# The hidden form (format versions 5 and 6, qeval.storage.hidden_form) keeps per scored token its scalars, ids and error
 # record as above and the output head's input instead of the codes: zstd takes q8_0 rows (680 bytes at Gemma-3's
 # d_model 640) to ~0.92 of their size (docs/why-logits.md), fp16 rows hardly at all; plus the head, once per store.
-# Auto may keep either form per piece: counted as the logits form, plus the head.
+# Auto may keep either form per piece: counted as the logits form, plus the head. Since format 6 a hidden row also
+# has a replay record of one band per replay engine (24 bytes each), and each piece their 72 bytes of framing.
 HIDDEN_ZSTD_RATIO = 0.95
+REPLAY_ROW_BYTES = len(REPLAY_ENGINES) * (record_bytes(1, REPLAY_BANDS.count) - record_bytes(0, REPLAY_BANDS.count)) + 1
 # A saved result's per-token columns (.npz): 12 float64 columns (kld, nll, p, top-k agreement ...) and 4 per
 # sampler, counted uncompressed (npz files measured 52-94 bytes per token), plus its JSON summary.
 RESULT_COLUMNS, SAMPLER_COLUMNS, RESULT_JSON_BYTES = 12, 4, 64_000
@@ -94,7 +97,7 @@ class Run:
     def row_form_bytes(self) -> float:
         """What a scored row's form costs beyond its scalars and error record: its codes, or its hidden row."""
         if self.head is not None and self.head["form"] == "hidden":
-            return ACTIVATIONS[self.head["type"]].row_bytes(self.head["n_embd"]) * HIDDEN_ZSTD_RATIO
+            return ACTIVATIONS[self.head["type"]].row_bytes(self.head["n_embd"]) * HIDDEN_ZSTD_RATIO + REPLAY_ROW_BYTES
         return self.n_vocab * STORE_BYTES_PER_VOCAB_ENTRY
 
     @property

@@ -240,7 +240,11 @@ def hidden_form_facts(source, size: int, scored: int) -> dict:
     if not h.hidden:
         return {}
     forms = Counter(f for _, _, f in source.piece_forms()) if hasattr(source, "piece_forms") else Counter()
-    return {"pieces_by_form": dict(sorted(forms.items())), "head": h.head,
+    replays = {}
+    for _, replay in source.iter_replays() if h.replay_record else ():
+        replays.setdefault(replay.engine, []).append(replay.record)
+    replay = {engine: error_record.summarize(records) for engine, records in replays.items()}
+    return {"pieces_by_form": dict(sorted(forms.items())), "head": h.head, "replay": replay,
             "bytes_per_scored_token_without_head": (size - h.head["bytes"]) / scored if scored else math.nan}
 
 
@@ -294,7 +298,8 @@ def info_text(d: dict) -> str:
                   f"head       : {head['tensor']} {head['type']} [{head['n_vocab']} x {head['n_embd']}], activations "
                   f"{head['activation']}, soft-cap {head['softcap'] or 'none'}, {head['bytes']:,} bytes embedded once, "
                   f"sha256 {head['fingerprint'][:16]}…; {d['bytes_per_scored_token_without_head']:,.0f} bytes per "
-                  "scored token without it"]
+                  "scored token without it",
+                  f"replay     : {replay_text(d['replay'])}"]
     return "\n".join(lines)
 
 
@@ -310,6 +315,17 @@ def error_text(e: dict) -> str:
             f"{e['kl_mean']:.2e}, max {e['kl_max']:.2e} nats; |Δ log p| ≤ {e['max_abs_dlogp_top_band']:.2e} within "
             f"{e['bands']['band_width']:g} nat of the top, ≤ {e['max_abs_dlogp']:.3g} over the whole vocabulary (the "
             "deepest entries, of negligible mass); each comparison turns it into a certified bound on its figures")
+
+
+def replay_text(replays: dict) -> str:
+    """What the hidden pieces recorded of their rows read uncoded, per replay engine (format 6), or why nothing."""
+    if not replays:
+        return ("read coded only (format 5, made before qeval recorded the replays' own error): capture it again "
+                "to read it uncoded against a live candidate")
+    return ("read uncoded against a live candidate by the first engine whose rows hash as the capture's here; "
+            "measured at capture against the exact logits, per scored token: " + "; ".join(
+                f"{engine} ({e['tokens']:,} tokens): KL(exact ‖ replayed) mean {e['kl_mean']:.2e}, max "
+                f"{e['kl_max']:.2e} nats, |Δ log p| ≤ {e['max_abs_dlogp']:.2e}" for engine, e in replays.items()))
 
 
 def write_per_token(t: dict[str, np.ndarray], label_names: dict | None, path: Path) -> None:

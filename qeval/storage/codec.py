@@ -32,8 +32,8 @@ import numba
 import numpy as np
 
 from qeval.errors import StoreFormatError
-from qeval.storage.error_record import ErrorBands, ErrorMeter, ErrorRecord
-from qeval.storage.hidden_form import OutputHead, StoredActivations, activation_bytes, replay_kl
+from qeval.storage.error_record import ErrorBands, ErrorMeter, ErrorRecord, subtract_max
+from qeval.storage.hidden_form import OutputHead, StoredActivations, activation_bytes
 from qeval.storage.planes import N_CODES, TOP_K, codes_to_planes, planes_to_codes
 
 
@@ -101,7 +101,7 @@ class EncodedBlock:
     top_ids: np.ndarray  # int32 [b, min(TOP_K, V)]
     error: ErrorRecord | None = None  # how far the coded rows are from the logits (SqrtLogCode.error)
     hidden: bytes | None = None  # the hidden form: the rows' stored activations (planes: the replayed rows')
-    replay_kl: np.ndarray | None = None  # the hidden form: KL(exact ‖ replayed logits) per token, float64
+    uncoded: tuple["UncodedRows", ...] = ()  # the hidden form: its rows as each replay engine gives them, uncoded
 
     def __len__(self) -> int:
         return len(self.logprob_target)
@@ -153,38 +153,57 @@ def _codes(logits: np.ndarray, row_max: np.ndarray, code: SqrtLogCode) -> tuple[
     return codes, mass
 
 
-# --- the hidden form: rows replayed through the output head, coded by the store's code ---------------------------
+# --- the hidden form: rows replayed through the output head, read as float32 rows or coded by the store's code -----
 REPLAY_ROWS = 128  # rows replayed at once: the kernel walks the head once per block (float64 [128, V]: 268 MB at 262K)
 
 
-def replayed_codes(head: OutputHead, rows: StoredActivations, code: SqrtLogCode) -> Iterator[np.ndarray]:
-    """uint16 codes [b, V] of stored hidden rows replayed through the head (float64, post-head ops applied, rounded
-    to float32 as llama.cpp's logits are), REPLAY_ROWS at a time: what a reader of the hidden form compares."""
+def replayed_rows(head: OutputHead, rows: StoredActivations) -> Iterator[np.ndarray]:
+    """float32 logits [b, V] of stored hidden rows replayed through the head (float64, post-head ops applied, then
+    rounded to float32 as llama.cpp's logits are), REPLAY_ROWS at a time: what a reader of the hidden form reads,
+    uncoded (a live comparison) or coded (replayed_planes)."""
     for start in range(0, len(rows), REPLAY_ROWS):
-        yield code_replayed(head.replay(rows.rows(start, start + REPLAY_ROWS)), code)
+        replayed = head.replay(rows.rows(start, start + REPLAY_ROWS)).astype(np.float32)
+        if not np.all(np.isfinite(replayed.max(axis=1))):
+            raise BadLogits("replayed logits contain NaN or a row with no finite value")
+        yield replayed
 
 
 def code_replayed(replayed: np.ndarray, code: SqrtLogCode) -> np.ndarray:
-    """uint16 codes of float64 replayed logits, rounded to float32 first (as llama.cpp's logits are)."""
-    logits = replayed.astype(np.float32)
-    row_max = logits.max(axis=1, keepdims=True)
-    if not np.all(np.isfinite(row_max)):
-        raise BadLogits("replayed logits contain NaN or a row with no finite value")
-    return _codes(logits, row_max, code)[0]
+    """uint16 codes of float32 replayed logits."""
+    return _codes(replayed, replayed.max(axis=1, keepdims=True), code)[0]
 
 
 def replayed_planes(head: OutputHead, rows: StoredActivations, code: SqrtLogCode) -> Iterator[np.ndarray]:
-    """replayed_codes as planes (uint8 [b, 2, V]), as a store's chunk yields them."""
-    for codes in replayed_codes(head, rows, code):
-        yield codes_to_planes(codes)
+    """The replayed rows coded, as planes (uint8 [b, 2, V]), as a store's chunk yields them."""
+    for replayed in replayed_rows(head, rows):
+        yield codes_to_planes(code_replayed(replayed, code))
+
+
+# The engines that replay a hidden piece's rows for an uncoded read, in the order a reader prefers them: llama.cpp's
+# own kernel (ggml_replay: its rows hash the same only where ggml sums in the capture's order) and qeval's portable
+# one (the same rows everywhere). A store names them by their index + 1.
+REPLAY_ENGINES = ("ggml", "portable")
+# A replay's error is uniform over the vocabulary (float32 rounding of the logits, ~1e-6 nats, or none): one band.
+REPLAY_BANDS = ErrorBands(1, 1.0)
+
+
+@dataclass
+class UncodedRows:
+    """A block's rows as one replay engine gives them (float32 [b, V]) and their error against the exact logits."""
+
+    engine: str
+    rows: np.ndarray
+    record: ErrorRecord
 
 
 def encode_hidden_block(logits: np.ndarray, hidden: np.ndarray, targets: np.ndarray, code: SqrtLogCode,
-                        head: OutputHead) -> "EncodedBlock":
+                        head: OutputHead, ggml_head=None, first_row: int = 0) -> "EncodedBlock":
     """A block in the hidden form: hidden float32 [b, n_embd] rows (the head's input) with their exact float32
-    logits [b, V]. The planes are those of the replayed rows (what a reader compares), the scalars and top ids
-    exact (from `logits`, as encode_block's), the error record measured from the exact rows against the coded
-    replayed ones, and `replay_kl` KL(exact ‖ replayed logits) per token, before coding."""
+    logits [b, V]. The planes are those of the portable replay's rows (what a coded comparison reads), the scalars
+    and top ids exact (from `logits`, as encode_block's), `error` measured from the exact rows against those coded
+    rows; `uncoded`: the rows replayed by llama.cpp's kernel (`ggml_head`, a ggml_replay.GgmlHead, where there is
+    one) and by the portable one, each with its error record measured from the exact rows (what a live comparison
+    reads, uncoded: the replay's own error). `first_row`: the block's first row in its chunk (ggml_replay)."""
     logits = np.ascontiguousarray(logits, dtype=np.float32)
     b, n_vocab = logits.shape
     top_vals = np.empty((b, min(TOP_K, n_vocab)), dtype=np.float32)
@@ -194,14 +213,27 @@ def encode_hidden_block(logits: np.ndarray, hidden: np.ndarray, targets: np.ndar
         raise BadLogits("logits contain NaN or a row with no finite value")
     stored = activation_bytes(hidden, head.activation)
     rows = StoredActivations.parse(stored, b, head.n_embd, head.activation, "hidden rows")
-    replayed = np.concatenate([head.replay(rows.rows(s, s + REPLAY_ROWS)) for s in range(0, b, REPLAY_ROWS)])
-    codes = code_replayed(replayed, code)
+    replayed = {"portable": np.concatenate(list(replayed_rows(head, rows)))}
+    if ggml_head is not None:
+        replayed["ggml"] = ggml_head.replay(rows, first_row)
+    codes = code_replayed(replayed["portable"], code)
     lut, lut_exp, band = code.error_tables()
     error, log_norm = ErrorMeter.of(code.error, n_vocab).measure(logits, top_vals[:, 0],
                                                                  lambda t: (codes[t], lut, lut_exp, band))
+    meter = ErrorMeter.of(REPLAY_BANDS, n_vocab)
+    uncoded = tuple(UncodedRows(engine, replayed[engine], meter.measure(
+        logits, top_vals[:, 0], lambda t, r=replayed[engine]: float_row_tables(r[t], REPLAY_BANDS))[0])
+        for engine in REPLAY_ENGINES if engine in replayed)
     logprob_target = (logits[np.arange(b), targets].astype(np.float64) - top_vals[:, 0]) - log_norm
-    return EncodedBlock(codes_to_planes(codes), logprob_target, -log_norm, top_ids, error, stored,
-                        replay_kl(logits, replayed))
+    return EncodedBlock(codes_to_planes(codes), logprob_target, -log_norm, top_ids, error, stored, uncoded)
+
+
+def float_row_tables(row: np.ndarray, bands: ErrorBands) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A float32 row stored as itself, for ErrorMeter.measure: (index 0..V-1, l = x − max in float64 (exact),
+    exp(l), band of l) — the entries a kernel reading the row uncoded computes (kernels.pair_sums_replayed)."""
+    stored = np.empty(len(row), dtype=np.float64)
+    subtract_max(row, row.max(), stored)
+    return np.arange(len(row)), stored, np.exp(stored), bands.band_of(stored)
 
 
 def code_of(codec: dict, lut: np.ndarray, where: str) -> SqrtLogCode:

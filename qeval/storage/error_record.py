@@ -205,11 +205,13 @@ class ErrorMeter:
 
     @classmethod
     def of(cls, bands: ErrorBands, n_vocab: int) -> "ErrorMeter":
-        """This thread's meter for rows of n_vocab entries."""
-        meter = getattr(cls._mine, "meter", None)
-        if meter is None or meter.bands != bands or len(meter._d) != n_vocab:
-            meter = cls._mine.meter = cls(bands, n_vocab)
-        return meter
+        """This thread's meter for rows of n_vocab entries in `bands`."""
+        meters = getattr(cls._mine, "meters", None)
+        if meters is None or any(len(m._d) != n_vocab for m in meters.values()):
+            meters = cls._mine.meters = {}
+        if bands not in meters:
+            meters[bands] = cls(bands, n_vocab)
+        return meters[bands]
 
     def _exact_row(self, row: np.ndarray, row_max: float) -> float:
         """Fill d = x − max and e = exp(d) of a float32 row, in float64; return Σ e."""

@@ -26,7 +26,7 @@ import struct
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import xxhash
@@ -36,7 +36,7 @@ from qeval import __version__
 from qeval.errors import MismatchError, QevalError, StoreFormatError, WriteFailed
 from qeval.identity import capture_conflicts, extends, tokens_sha256
 from qeval.storage.error_record import ErrorBands, ErrorRecord, record_bytes, rows_of
-from qeval.storage.codec import code_of, replayed_planes
+from qeval.storage.codec import REPLAY_BANDS, REPLAY_ENGINES, EncodedBlock, code_of, replayed_planes, replayed_rows
 from qeval.storage.hidden_form import OutputHead, StoredActivations, check_head_entry
 from qeval.storage.planes import N_CODES, TOP_K, codes_to_planes, planes_to_codes  # noqa: F401 - re-exported
 from qeval.storage.scoring import HALF, Scoring, WindowLabels, positions_of
@@ -51,7 +51,10 @@ ERROR_VERSION = 4
 # 5: a store that may hold the hidden form (header `head`): its output head once (OUTW, after LUT_), and each piece
 # either a CHNK (logits codes) or a HIDN record (the head's input, replayed by the reader), each followed by ERRS.
 HIDDEN_VERSION = 5
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+# 6: a HIDN record also holds, per replay engine (codec.REPLAY_ENGINES), the checksum of the float32 rows it replays
+# and their own error record (one band): what a live comparison reads uncoded. Version 5 pieces are read coded only.
+REPLAY_RECORD_VERSION = 6
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 PIECE_TAGS = (b"CHNK", b"HIDN")  # the two forms of a piece
 # A chunk (window) of more scored rows is written as pieces of this many rows (one CHNK record each), so
 # writer and reader hold one piece, not a window: a 32K window scored everywhere is ~4 GB compressed.
@@ -64,6 +67,8 @@ _CHECKSUM = struct.Struct("<Q")  # XXH3-64: 16 GB/s here, CRC-32 (zlib) only 1.8
 _TRAILER = struct.Struct("<8sQ")
 _CHUNK_HEAD = struct.Struct("<IIII")
 _REPLAY_CHECKSUM = struct.Struct("<Q")  # a HIDN record's checksum of its replayed rows (HiddenChunk)
+_UNCODED_HEAD = struct.Struct("<II")  # version 6: how many uncoded replays a HIDN record holds, 0
+_UNCODED_ENTRY = struct.Struct("<IIQ")  # each: its engine (index in REPLAY_ENGINES + 1), 0, its rows' checksum
 _INDEX_ENTRY = np.dtype([("chunk", "<u4"), ("first_row", "<u4"), ("offset", "<u8")])  # one per CHNK record
 
 # Sanity bounds for values read from a file, so a corrupt header cannot make us allocate wildly.
@@ -112,8 +117,13 @@ class StoreHeader:
             object.__setattr__(self, "format_version", LABELLED_VERSION)
         if self.error and self.format_version < ERROR_VERSION:
             object.__setattr__(self, "format_version", ERROR_VERSION)
-        if self.head and self.format_version < HIDDEN_VERSION:
-            object.__setattr__(self, "format_version", HIDDEN_VERSION)
+        if self.head and self.format_version < HIDDEN_VERSION:  # (a version 5 asked for by name stays: older form)
+            object.__setattr__(self, "format_version", REPLAY_RECORD_VERSION)
+
+    @property
+    def replay_record(self) -> bool:
+        """Whether its hidden pieces carry the replay record (version 6): a live comparison reads them uncoded."""
+        return bool(self.head) and self.format_version >= REPLAY_RECORD_VERSION
 
     @cached_property
     def error_bands(self) -> ErrorBands | None:
@@ -276,6 +286,13 @@ class ChunkData:
             if reader.read(1):
                 raise StoreFormatError(f"chunk {self.index}: code frame holds more data than its token count")
 
+    def iter_rows(self, n_vocab: int, buffers: int = 1) -> Iterator[tuple[int, np.ndarray, ErrorRecord | None]]:
+        """(row, the row as read, its error record) one row at a time, as a comparison against a live candidate reads
+        a reference: planes uint8 [2, V] (coded), or float32 [V] replayed rows (a version 6 hidden piece, read
+        uncoded). A row stays valid while `buffers` − 1 more are read."""
+        for start, planes in self.iter_planes(n_vocab, 1, buffers):
+            yield start, planes[0], self.error_rows(start, start + 1)
+
     def error_rows(self, start: int, stop: int) -> ErrorRecord | None:
         """The error record of rows [start, stop) (None for a store without one). A chunk read as it streams (a
         PiecedChunk, a live one) has those of the rows iter_planes has yielded."""
@@ -289,40 +306,78 @@ class ChunkData:
         return out
 
 
+@dataclass(frozen=True)
+class UncodedReplay:
+    """What a version 6 HIDN record says of its rows as one engine replays them: their checksum (XXH3-64 of the
+    float32 rows in row order) and their error record against the exact logits (one band)."""
+
+    engine: str
+    checksum: int
+    record: ErrorRecord
+
+
 @dataclass
 class HiddenChunk(ChunkData):
     """A piece stored in the hidden form (a HIDN record): its scalars and error record as a CHNK's, and instead of
     codes one zstd frame of the output head's input (codes_zst holds it). Read like any chunk: iter_planes replays
     the rows through the store's head and codes them with its code, exactly as the capture did, and checks the
-    rows against the capture's checksum of them (replay_checksum), so the error record is that of these rows."""
+    rows against the capture's checksum of them (replay_checksum), so the error record is that of these rows.
+    A version 6 piece can also be read uncoded (iter_rows): the float32 rows of the first replay engine whose rows
+    hash as the capture's did on this machine, with that engine's error record (`replays`)."""
 
     replay_checksum: int = 0  # XXH3-64 of the coded replayed rows' planes, in row order
     reader: "StoreReader | None" = None  # where its head and code come from (None: a piece being written)
+    replays: tuple[UncodedReplay, ...] = ()  # version 6, in the order a reader prefers the engines; (): version 5
 
-    def iter_planes(self, n_vocab: int, block_tokens: int = 16, buffers: int = 1) -> Iterator[tuple[int, np.ndarray]]:
-        """Replayed blocks are fresh arrays, so `buffers` (a ring size for stored codes) is not needed."""
-        reader = self.reader
-        head = reader.output_head
-        frame_bytes = self.n_tokens * head.activation.row_bytes(head.n_embd)
-        raw = bytearray(frame_bytes)
+    def _stored_rows(self) -> StoredActivations:
+        head = self.reader.output_head
+        raw = bytearray(self.n_tokens * head.activation.row_bytes(head.n_embd))
         with zstandard.ZstdDecompressor().stream_reader(self.codes_zst, read_across_frames=False) as stream:
             _read_exact(stream, memoryview(raw), f"chunk {self.index} (hidden rows)")
             if stream.read(1):
                 raise StoreFormatError(f"chunk {self.index}: hidden frame holds more data than its token count")
-        rows = StoredActivations.parse(raw, self.n_tokens, head.n_embd, head.activation,
-                                       f"{reader.path}: chunk {self.index}")
+        return StoredActivations.parse(raw, self.n_tokens, head.n_embd, head.activation,
+                                       f"{self.reader.path}: chunk {self.index}")
+
+    def _differs(self) -> StoreFormatError:
+        return StoreFormatError(f"{self.reader.path}: chunk {self.index}: the hidden rows replayed on this machine "
+                                "differ from the capture's (its error record is not theirs); compare on a machine "
+                                "like the capturing one, or capture the reference in the logits form")
+
+    def iter_planes(self, n_vocab: int, block_tokens: int = 16, buffers: int = 1) -> Iterator[tuple[int, np.ndarray]]:
+        """Replayed blocks are fresh arrays, so `buffers` (a ring size for stored codes) is not needed."""
         digest = xxhash.xxh3_64()
 
-        def blocks() -> Iterator[np.ndarray]:
-            for planes in replayed_planes(head, rows, reader.code):
+        def checked() -> Iterator[np.ndarray]:
+            for planes in replayed_planes(self.reader.output_head, self._stored_rows(), self.reader.code):
                 digest.update(planes)
                 yield planes
+            if digest.intdigest() != self.replay_checksum:
+                raise self._differs()
 
-        yield from reblock(blocks(), block_tokens)
-        if digest.intdigest() != self.replay_checksum:
-            raise StoreFormatError(f"{reader.path}: chunk {self.index}: the hidden rows replayed on this machine differ "
-                                   "from the capture's (its error record is not theirs); compare on a machine "
-                                   "like the capturing one, or capture the reference in the logits form")
+        yield from reblock(checked(), block_tokens)
+
+    def iter_rows(self, n_vocab: int, buffers: int = 1) -> Iterator[tuple[int, np.ndarray, ErrorRecord | None]]:
+        if not self.replays:  # version 5: its record is of the coded rows only
+            yield from super().iter_rows(n_vocab, buffers)
+            return
+        rows, replay = self._uncoded_rows()
+        for k in range(len(rows)):
+            yield k, rows[k], replay.record.rows(k, k + 1)
+
+    def _uncoded_rows(self) -> tuple[np.ndarray, UncodedReplay]:
+        """float32 rows [n, V] of the first engine (of those the capture recorded) whose rows hash as the capture's
+        did, checked before any is read, and what the capture recorded of them."""
+        stored = self._stored_rows()
+        for replay in self.replays:
+            rows = self.reader.replayed_by(replay.engine, stored, self.first_row)
+            if rows is None:  # the engine is not at hand, or did not reproduce the capture's rows before
+                continue
+            matches = xxhash.xxh3_64_intdigest(rows.data) == replay.checksum
+            self.reader.replay_matched(replay.engine, matches)
+            if matches:
+                return rows, replay
+        raise self._differs()
 
 
 def reblock(blocks: Iterable[np.ndarray], size: int) -> Iterator[tuple[int, np.ndarray]]:
@@ -370,11 +425,15 @@ class ChunkBuilder:
         self._parts: list = []
         self._scalars: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self._errors: list[ErrorRecord | None] = []
+        self._uncoded: dict[str, tuple] = {}  # a hidden chunk's: per engine, its rows' digest and records
 
     def add(self, planes: np.ndarray, logprob_target: np.ndarray, logprob_max: np.ndarray,
-            top_ids: np.ndarray, error: ErrorRecord | None = None, hidden_rows: bytes | None = None) -> None:
+            top_ids: np.ndarray, error: ErrorRecord | None = None, hidden_rows: bytes | None = None,
+            uncoded: tuple = ()) -> None:
         """planes: uint8 [b, 2, V] (see codes_to_planes); error: the rows' error record (all blocks or none);
-        hidden_rows: the rows' stored hidden form (a hidden builder's blocks, whose planes are the replayed rows')."""
+        hidden_rows: the rows' stored hidden form (a hidden builder's blocks, whose planes are the replayed rows'),
+        with `uncoded`, those rows as each replay engine gives them (codec.UncodedRows; the same engines in every
+        block)."""
         if planes.dtype != np.uint8 or planes.ndim != 3 or planes.shape[1] != 2:
             raise ValueError(f"planes must be uint8 [b, 2, V], got {planes.dtype} {planes.shape}")
         if self._errors and (error is None) != (self._errors[0] is None):
@@ -383,6 +442,12 @@ class ChunkBuilder:
         if (hidden_rows is not None) != self.hidden:
             raise ValueError("a hidden chunk's blocks come with their hidden rows, a logits chunk's without")
         if self.hidden:
+            if self._scalars and [u.engine for u in uncoded] != list(self._uncoded):
+                raise ValueError("a hidden chunk's blocks come with the rows of the same replay engines")
+            for u in uncoded:
+                digest, records = self._uncoded.setdefault(u.engine, (xxhash.xxh3_64(), []))
+                digest.update(np.ascontiguousarray(u.rows, dtype=np.float32).data)
+                records.append(u.record)
             self._digest.update(planes.data)
             self._parts.append(self._z.compress(hidden_rows))
         else:
@@ -391,13 +456,20 @@ class ChunkBuilder:
                               np.asarray(top_ids, np.int32)))
         self._errors.append(error)
 
+    def add_block(self, block: EncodedBlock) -> None:
+        """A block as the codec made it (codec.encode_block, encode_hidden_block)."""
+        self.add(block.planes, block.logprob_target, block.logprob_max, block.top_ids, block.error, block.hidden,
+                 block.uncoded)
+
     def finish(self) -> ChunkData:
         lt, lm, top = (np.concatenate(cols) for cols in zip(*self._scalars))
         self._parts.append(self._z.flush())
         error = None if self._errors[0] is None else ErrorRecord.concat(self._errors)
         if self.hidden:
+            replays = tuple(UncodedReplay(engine, digest.intdigest(), ErrorRecord.concat(records))
+                            for engine, (digest, records) in self._uncoded.items())
             return HiddenChunk(self.index, lt, lm, top, b"".join(self._parts), self.first_row, error,
-                               self._digest.intdigest())
+                               self._digest.intdigest(), replays=replays)
         return ChunkData(self.index, lt, lm, top, b"".join(self._parts), self.first_row, error)
 
     @property
@@ -409,8 +481,8 @@ def _encode_record(tag: bytes, payload: bytes) -> bytes:
     return _RECORD.pack(tag, 0, len(payload)) + payload + _CHECKSUM.pack(checksum(payload))
 
 
-def _chunk_payload(chunk: ChunkData, top_k: int) -> bytes:
-    n = chunk.n_tokens
+def _chunk_payload(chunk: ChunkData, header: StoreHeader) -> bytes:
+    n, top_k = chunk.n_tokens, header.top_k
     if chunk.top_ids.shape != (n, top_k):
         raise ValueError(f"top_ids must be [{n}, {top_k}], got {chunk.top_ids.shape}")
     return b"".join([
@@ -418,9 +490,23 @@ def _chunk_payload(chunk: ChunkData, top_k: int) -> bytes:
         np.ascontiguousarray(chunk.logprob_target, "<f8").tobytes(),
         np.ascontiguousarray(chunk.logprob_max, "<f8").tobytes(),
         np.ascontiguousarray(chunk.top_ids, "<i4").tobytes(),
-        _REPLAY_CHECKSUM.pack(chunk.replay_checksum) if isinstance(chunk, HiddenChunk) else b"",
+        _hidden_fields(chunk, header) if isinstance(chunk, HiddenChunk) else b"",
         chunk.codes_zst,
     ])
+
+
+def _hidden_fields(chunk: HiddenChunk, header: StoreHeader) -> bytes:
+    """What a HIDN record holds before its frame: the coded rows' checksum; from version 6 the uncoded replays (per
+    engine: its index + 1, its rows' checksum, their error record as an ERRS payload of one band)."""
+    if header.format_version < REPLAY_RECORD_VERSION:
+        return _REPLAY_CHECKSUM.pack(chunk.replay_checksum)
+    if not chunk.replays:
+        raise ValueError(f"chunk {chunk.index}: a hidden piece without its uncoded replays")
+    parts = [_REPLAY_CHECKSUM.pack(chunk.replay_checksum), _UNCODED_HEAD.pack(len(chunk.replays), 0)]
+    for replay in chunk.replays:
+        parts += [_UNCODED_ENTRY.pack(REPLAY_ENGINES.index(replay.engine) + 1, 0, replay.checksum),
+                  replay.record.payload(chunk.index, chunk.first_row)]
+    return b"".join(parts)
 
 
 class StoreWriter:
@@ -559,7 +645,7 @@ class StoreWriter:
         hidden = isinstance(chunk, HiddenChunk)
         if hidden and not self.header.hidden:
             raise ValueError(f"chunk {chunk.index}: a hidden piece for a store without an output head")
-        record = _encode_record(PIECE_TAGS[hidden], _chunk_payload(chunk, self.header.top_k))
+        record = _encode_record(PIECE_TAGS[hidden], _chunk_payload(chunk, self.header))
         offset = self._fh.tell()
         self._append(record + self._error_record(chunk))  # one write: a piece is never stored without its record
         self._pieces.setdefault(chunk.index, []).append((chunk.first_row, offset))
@@ -726,6 +812,7 @@ class StoreReader:
 
     def __init__(self, path: str | os.PathLike, verify_chunks: bool = False, tolerate_torn_tail: bool = False):
         self.path = Path(path)
+        self._replay_matches: dict[str, bool] = {}  # per replay engine: whether its rows hashed as a capture's
         try:
             self._fh = open(self.path, "rb")
         except OSError as exc:
@@ -1023,10 +1110,74 @@ class StoreReader:
             raise StoreFormatError(f"{self.path}: chunk {index} holds token ids outside the vocab")
         error = self._error_at(end, index, n, first_row)[0] if h.error_bands is not None else None
         if hidden:
-            (replayed,) = _REPLAY_CHECKSUM.unpack_from(payload, pos)
-            return HiddenChunk(index, cols[0], cols[1], top_ids, memoryview(payload)[pos + _REPLAY_CHECKSUM.size:],
-                               first_row, error, replayed, self)
+            return self._hidden_piece(payload, pos, index, first_row, n, (*cols[:2], top_ids, error))
         return ChunkData(index, cols[0], cols[1], top_ids, memoryview(payload)[pos:], first_row, error)  # no 35 MB copy
+
+    def _hidden_piece(self, payload, pos: int, index: int, first_row: int, n: int, scalars: tuple) -> HiddenChunk:
+        """The HiddenChunk of a HIDN payload whose fields (_hidden_fields) start at `pos`, the scalars (and error
+        record) read; each field checked (StoreFormatError)."""
+        (replayed,) = _REPLAY_CHECKSUM.unpack_from(payload, pos)
+        pos += _REPLAY_CHECKSUM.size
+        replays = []
+        if self.header.format_version >= REPLAY_RECORD_VERSION:
+            short = StoreFormatError(f"{self.path}: chunk {index} record is too short for its uncoded replays")
+            if len(payload) < pos + _UNCODED_HEAD.size:
+                raise short
+            count, zero = _UNCODED_HEAD.unpack_from(payload, pos)
+            pos += _UNCODED_HEAD.size
+            if not 1 <= count <= len(REPLAY_ENGINES) or zero:
+                raise StoreFormatError(f"{self.path}: chunk {index} names {count} uncoded replays")
+            size = record_bytes(n, REPLAY_BANDS.count)
+            for _ in range(count):
+                if len(payload) < pos + _UNCODED_ENTRY.size + size:
+                    raise short
+                engine, zero, checksum_ = _UNCODED_ENTRY.unpack_from(payload, pos)
+                pos += _UNCODED_ENTRY.size
+                if not 1 <= engine <= len(REPLAY_ENGINES) or zero or REPLAY_ENGINES[engine - 1] in (
+                        r.engine for r in replays):
+                    raise StoreFormatError(f"{self.path}: chunk {index} names an unknown or repeated replay engine "
+                                           f"({engine})")
+                record = ErrorRecord.from_payload(memoryview(payload)[pos:pos + size], index, first_row, n,
+                                                  REPLAY_BANDS.count, f"{self.path} (uncoded replay)")
+                replays.append(UncodedReplay(REPLAY_ENGINES[engine - 1], checksum_, record))
+                pos += size
+        replays.sort(key=lambda r: REPLAY_ENGINES.index(r.engine))  # the order a reader prefers them in
+        return HiddenChunk(index, *scalars[:3], memoryview(payload)[pos:], first_row, scalars[3], replayed, self,
+                           tuple(replays))
+
+    @cached_property
+    def _ggml_head(self):
+        """The store's head in llama.cpp's own kernel (ggml_replay.GgmlHead), or None where there is no ggml."""
+        from qeval.storage.ggml_replay import GgmlHead  # noqa: PLC0415 - loads ggml only for a hidden store
+
+        return GgmlHead.of(self.output_head)
+
+    def replayed_by(self, engine: str, rows: StoredActivations, first_row: int) -> np.ndarray | None:
+        """float32 rows [n, V] of stored hidden rows (the first one row `first_row` of its chunk) as `engine`
+        replays them here; None where the engine is not at hand, or where its rows differed from a capture's before
+        (a CPU whose ggml sums in another order)."""
+        if self._replay_matches.get(engine) is False:
+            return None
+        if engine == "ggml":
+            return None if self._ggml_head is None else self._ggml_head.replay(rows, first_row)
+        return np.concatenate(list(replayed_rows(self.output_head, rows)))
+
+    @property
+    def replay_matches(self) -> dict[str, bool]:
+        """Per replay engine tried so far: whether its rows hashed as the capture's did."""
+        return dict(self._replay_matches)
+
+    def replay_matched(self, engine: str, matches: bool) -> None:
+        """Whether `engine`'s rows hashed as the capture's: an engine that did not is not tried again."""
+        self._replay_matches[engine] = matches
+
+    def iter_replays(self) -> Iterator[tuple[int, UncodedReplay]]:
+        """(chunk, uncoded replay) of every engine of every hidden piece that records them (version 6), row order."""
+        for index, first_row, piece_form in self.piece_forms():
+            if piece_form == "hidden" and self.header.replay_record:
+                piece = self._read_piece(index, first_row, dict(self._pieces_of(index))[first_row], None)
+                for replay in piece.replays:
+                    yield index, replay
 
     def piece_forms(self) -> Iterator[tuple[int, int, str]]:
         """(chunk, first row, "logits" or "hidden") of every piece, from the records' tags alone."""
@@ -1059,11 +1210,18 @@ class PiecedChunk(ChunkData):
         return self._reader.header.n_scored_of(self.index)
 
     def iter_planes(self, n_vocab: int, block_tokens: int = 16, buffers: int = 1) -> Iterator[tuple[int, np.ndarray]]:
+        return self._walk(lambda piece: piece.iter_planes(n_vocab, block_tokens, buffers))
+
+    def iter_rows(self, n_vocab: int, buffers: int = 1) -> Iterator[tuple[int, np.ndarray, ErrorRecord | None]]:
+        return self._walk(lambda piece: piece.iter_rows(n_vocab, buffers))
+
+    def _walk(self, read: Callable[[ChunkData], Iterator[tuple]]) -> Iterator[tuple]:
+        """What `read` yields of each piece in turn, its first item (a row) counted from the chunk's first row."""
         scalars = []
         for piece in self._reader.iter_pieces(self.index, self._buffer):
             self._errors.append((piece.first_row, piece.error))
-            for start, planes in piece.iter_planes(n_vocab, block_tokens, buffers):
-                yield piece.first_row + start, planes
+            for start, *rest in read(piece):
+                yield piece.first_row + start, *rest
             scalars.append(_scalars_of(piece))
             del piece  # (see iter_pieces)
         self._scalars = _joined_scalars(scalars)
