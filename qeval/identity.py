@@ -38,7 +38,8 @@ import numpy as np
 # never shown. 2: results hold the "metrics" block of qeval.compare.metric_registry.
 # 3: per-token "position" is the logit position; summaries hold "by_depth".
 # 4: every metric holds its certified bound (docs/error-bound.md); live candidates in float64 (their NLL exact).
-METRICS_VERSION = 4
+# 5: the bound also covers the float64 evaluation of the KLD; a format-6 hidden reference is read uncoded live.
+METRICS_VERSION = 5
 
 # How identity fields read in messages (anything else reads as its own name).
 _NAMES = {"kv": "KV", "tokens_sha256": "token ids sha256", "tokenizer_sha256": "tokenizer",

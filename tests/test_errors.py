@@ -123,10 +123,10 @@ def test_wrong_magic(one, tmp_path):
 
 def test_unsupported_preamble_version(one):
     path = one.cand.path
-    corrupt(path, 8, struct.pack("<I", 6))
-    with pytest.raises(StoreFormatError, match="version 6 is not supported"):
+    corrupt(path, 8, struct.pack("<I", 9))
+    with pytest.raises(StoreFormatError, match="version 9 is not supported"):
         StoreReader(path)
-    assert_cli_error(kld_cli("REF", "CAND", one.directory), "version 6 is not supported")
+    assert_cli_error(kld_cli("REF", "CAND", one.directory), "version 9 is not supported")
 
 
 def test_unsupported_header_version(tmp_path):

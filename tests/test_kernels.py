@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from conftest import decoded_logprobs, kld64, log_softmax64, perturb, realistic_logits
 
-from qeval.compare.kernels import (N_SUMS, Z_Q_EXACT, decode_tables, kld_from_sums, pair_sums, pair_sums_logits,
-                                   pair_sums_replayed)
+from qeval.compare.kernels import (N_SUMS, Z_Q_EXACT, decode_tables, evaluation_error, kld_from_sums, pair_sums,
+                                   pair_sums_logits, pair_sums_replayed)
 from qeval.storage.codec import BadLogits, SqrtLogCode
 from qeval.storage.store import codes_to_planes, planes_to_codes
 
@@ -99,6 +99,33 @@ def test_pair_sums_replayed_match_float64_reference(n_vocab):
     assert fwd.mean() > 1e-3  # the rows really differ
     with pytest.raises(BadLogits):
         pair_sums_replayed(np.full(n_vocab, np.nan, np.float32), q[0], out[0], scratch)
+
+
+def test_the_float64_evaluation_of_a_kld_is_within_its_evaluation_error():
+    """Two float32 rows of a 262K vocabulary read as they are (no code: the stored form's error is 0), their KLDs
+    from the fused float64 sums against the same KLDs in 80-bit long double: the difference is not 0, and within
+    evaluation_error, which stays far below any stored form's error."""
+    rng = np.random.default_rng(17)
+    n_vocab = 262_144
+    p = realistic_logits(rng, 3, n_vocab)
+    p, q = p.astype(np.float32), perturb(rng, p, 0.5).astype(np.float32)
+    out = np.full((3, N_SUMS), np.nan)
+    scratch = np.empty((4, n_vocab), dtype=np.float64)
+    for t in range(3):
+        pair_sums_replayed(p[t], q[t], out[t], scratch)
+    got = np.stack(kld_from_sums(out))
+    bound = np.stack(evaluation_error(out, n_vocab))
+
+    def log_softmax_ld(x):
+        x = x.astype(np.longdouble)
+        x = x - x.max(axis=1, keepdims=True)
+        return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+
+    lp, lq = log_softmax_ld(p), log_softmax_ld(q)
+    exact = np.stack([(np.exp(lp) * (lp - lq)).sum(axis=1), (np.exp(lq) * (lq - lp)).sum(axis=1)])
+    error = np.abs(got - exact).astype(np.float64)
+    assert np.all(error > 0) and np.all(error <= bound), (error, bound)
+    assert np.all(bound < 1e-8)
 
 
 def test_pair_sums_logits_refuse_nan_rows():

@@ -255,6 +255,22 @@ def decode_tables(lut: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.exp(lut64), lut64
 
 
+def evaluation_error(sums: np.ndarray, n_vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, reverse) per token: how far float64 evaluation can move a KLD computed from the fused sums
+    (docs/error-bound.md, "The float64 evaluation"). Each of the sums adds n_vocab terms of one sign (every l ≤ 0,
+    every e ≥ 0) one after the other, each term within a few units in the last place (u = 2^-53) of its value, so a
+    sum is within (n_vocab + 8)·u of its own magnitude, which the sums hold; the quotient and the logs add a few u."""
+    u = 2.0 ** -53
+    eps = (n_vocab + 8) * u
+    log_z = np.abs(np.log(sums[:, Z_P])) + np.abs(np.log(sums[:, Z_Q]))
+
+    def one(s_self: int, s_cross: int, z: int) -> np.ndarray:
+        ratio = (np.abs(sums[:, s_self]) + np.abs(sums[:, s_cross])) / sums[:, z]
+        return eps * (2 * ratio + 2) + 16 * u * (ratio + log_z)
+
+    return one(S_PP, S_PQ, Z_P), one(S_QQ, S_QP, Z_Q)
+
+
 def kld_from_sums(sums: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(KLD(P||Q), KLD(Q||P)) per token from the fused sums."""
     zp, zq = sums[:, Z_P], sums[:, Z_Q]

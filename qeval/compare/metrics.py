@@ -21,6 +21,7 @@ from qeval.compare.kernels import (
     N_SUMS,
     Z_Q_EXACT,
     decode_tables,
+    evaluation_error,
     kld_from_sums,
     pair_sums,
     pair_sums_logits,
@@ -323,8 +324,10 @@ def compare_chunk(ref: ChunkData, cand, tokens: np.ndarray, positions: np.ndarra
                    bands if bounded else None)
         cand_logprob_target, cand_top_ids = cand.logprob_target, cand.top_ids
     kld, kld_reverse = kld_from_sums(sums)
-    kld_bound, kld_reverse_bound = sums[:, BOUND_FWD], sums[:, BOUND_REV]
-    if not bounded:
+    if bounded:  # the stored forms' share, and what evaluating the KLD in float64 may add
+        kld_bound, kld_reverse_bound = (sums[:, col] + ev for col, ev in zip((BOUND_FWD, BOUND_REV),
+                                                                             evaluation_error(sums, n_vocab)))
+    else:
         kld_bound = kld_reverse_bound = np.full(n, np.nan)
     out = {
         "chunk": np.full(n, ref.index, dtype=np.int32),
