@@ -195,11 +195,10 @@ def pair_sums_logits(planes_ref: np.ndarray, logits: np.ndarray, e_p: np.ndarray
 
 
 @numba.njit(nogil=True, cache=True, fastmath=False)
-def _pair_sums_replayed_row(raw_p, e_p, raw_q, e_q, inv_exact, band_width, weights_p, tokens_p,
-                            out):  # pragma: no cover - compiled
+def _pair_sums_replayed_row(raw_p, e_p, raw_q, e_q, inv_exact, weights_p, tokens_p, out):  # pragma: no cover
     """One row of pair_sums_replayed: the reference's raw_p = x − max and e_p = exp(raw_p) against the candidate's
-    (float64; inv_exact = 1 / Σ e_q), both read as they are; the bound from the reference's record alone."""
-    n_bands = 0 if weights_p is None else weights_p.shape[1]
+    (float64; inv_exact = 1 / Σ e_q), both read as they are; the bound from the reference's record alone, whose one
+    band (codec.REPLAY_BANDS) holds every entry."""
     zp = zq = spp = spq = sqq = sqp = ip = 0.0
     if weights_p is not None:  # (a None argument compiles the bound away: numba prunes the branch)
         ip = tokens_p[0, 1]
@@ -216,13 +215,11 @@ def _pair_sums_replayed_row(raw_p, e_p, raw_q, e_q, inv_exact, band_width, weigh
             sqq += eq * lq
             sqp += eq * lp
         if weights_p is not None:
-            depth = -lp / band_width  # the band, as ErrorBands.band_of puts the entry
-            b = n_bands - 1 if depth >= n_bands - 1 else int(depth)
             pn = ep * ip
-            pw = pn * weights_p[0, b]
+            pw = pn * weights_p[0, 0]
             if ep > 0.0:
                 a1 += pw * abs(lp - lq)
-            rb += (abs(eq * inv_exact - pn) + pw) * weights_p[2, b]
+            rb += (abs(eq * inv_exact - pn) + pw) * weights_p[2, 0]
     _write_sums(out, zp, zq, spp, spq, sqq, sqp)
     out[8] = 1.0 / inv_exact
     if weights_p is not None:
@@ -232,12 +229,11 @@ def _pair_sums_replayed_row(raw_p, e_p, raw_q, e_q, inv_exact, band_width, weigh
 
 
 def pair_sums_replayed(ref_row: np.ndarray, logits: np.ndarray, out: np.ndarray, scratch: np.ndarray,
-                       band_width: float = 1.0, weights_p: np.ndarray | None = None,
-                       tokens_p: np.ndarray | None = None) -> None:
+                       weights_p: np.ndarray | None = None, tokens_p: np.ndarray | None = None) -> None:
     """The sums of a reference row read uncoded (float32 [V]: a hidden-form row replayed, qeval.storage.codec
     .replayed_rows) against a live float32 logits row [V]: no code, no floor on either side, so the only error is
-    the replay's, which the reference's record (weights_p [3, K], tokens_p [1, 2]: BandWeights of the replayed
-    rows, bands of `band_width` nats) bounds, docs/error-bound.md ("A reference read uncoded"). `scratch` is float64
+    the replay's, which the reference's record (weights_p [3, 1], tokens_p [1, 2]: BandWeights of the replayed
+    rows, one band) bounds, docs/error-bound.md ("A reference read uncoded"). `scratch` is float64
     [4, V], reused across calls."""
     raw_p, e_p, raw_q, e_q = scratch
     for row, raw, e in ((ref_row, raw_p, e_p), (logits, raw_q, e_q)):
@@ -246,7 +242,7 @@ def pair_sums_replayed(ref_row: np.ndarray, logits: np.ndarray, out: np.ndarray,
             raise BadLogits("logits contain NaN or a row with no finite value")
         subtract_max(row, row_max, raw)
         np.exp(raw, out=e)
-    _pair_sums_replayed_row(raw_p, e_p, raw_q, e_q, 1.0 / e_q.sum(), band_width, weights_p, tokens_p, out)
+    _pair_sums_replayed_row(raw_p, e_p, raw_q, e_q, 1.0 / e_q.sum(), weights_p, tokens_p, out)
 
 
 def decode_tables(lut: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -245,13 +245,12 @@ def plane_sums(ref: ChunkData, cand: ChunkData, ref_tables, cand_tables, n_vocab
 
 
 def logit_sums(ref: ChunkData, cand, targets: np.ndarray, ref_tables, n_vocab: int, sums: np.ndarray,
-               runner: KernelRunner, ref_bands: np.ndarray | None,
-               band_width: float) -> tuple[np.ndarray, np.ndarray]:
+               runner: KernelRunner, ref_bands: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     """Fused sums of a reference chunk against a live candidate's float32 rows (cand.iter_logits), row by row, the
     reference read as ref.iter_rows gives it: coded (pair_sums_logits) or, a hidden piece that can, its replayed
     rows uncoded (pair_sums_replayed); the candidate's (logprob_target, top_ids), which no store holds for it:
-    exact, from its float32 logits in float64. With `ref_bands` (the reference's band of each code; its record's
-    bands are `band_width` nats), the bound's columns too."""
+    exact, from its float32 logits in float64. With `ref_bands` (the reference's band of each code), the bound's
+    columns too."""
     n = len(targets)
     logprob_target = np.empty(n, dtype=np.float64)
     top_ids = np.empty((n, min(TOP_K, n_vocab)), dtype=np.int32)
@@ -262,7 +261,7 @@ def logit_sums(ref: ChunkData, cand, targets: np.ndarray, ref_tables, n_vocab: i
             scratch.rows = np.empty((4, n_vocab), dtype=np.float64)
         try:
             if ref_row.dtype == np.float32:
-                pair_sums_replayed(ref_row, logits, sums[r], scratch.rows, band_width, *weights)
+                pair_sums_replayed(ref_row, logits, sums[r], scratch.rows, *weights)
                 cand_raw = scratch.rows[2]
             else:
                 pair_sums_logits(ref_row, logits, *ref_tables, sums[r], scratch.rows[:2], ref_bands, *weights)
@@ -293,8 +292,7 @@ def logit_sums(ref: ChunkData, cand, targets: np.ndarray, ref_tables, n_vocab: i
 def compare_chunk(ref: ChunkData, cand, tokens: np.ndarray, positions: np.ndarray, ref_tables,
                   cand_tables, n_vocab: int, kernel_pool: ThreadPoolExecutor | None = None,
                   samplers: sampler.Prepared | None = None, labels: WindowLabels | None = None,
-                  bands: tuple[np.ndarray, np.ndarray | None] | None = None,
-                  band_width: float = 1.0) -> dict[str, np.ndarray]:
+                  bands: tuple[np.ndarray, np.ndarray | None] | None = None) -> dict[str, np.ndarray]:
     """Per-token metrics of one chunk pair. `tokens` is the chunk's n_ctx token ids, `positions` its scored
     logit positions (header.positions_of). `cand` is coded (a ChunkData, or read like one) or a live
     candidate's float32 rows (LiveLogitsChunk: has iter_logits). `labels`: a conversation capture's, adding
@@ -303,7 +301,7 @@ def compare_chunk(ref: ChunkData, cand, tokens: np.ndarray, positions: np.ndarra
     With `kernel_pool`, token blocks go to its threads as they are decompressed (at most two
     blocks per thread in flight, so memory stays bounded). `samplers` (sampler.prepare) adds their
     per-token columns, computed on the same decompressed blocks (coded candidates only). `bands`: error_bands (None,
-    or a coded candidate's None: the bound columns are NaN, "not recorded"); band_width: the reference record's bands.
+    or a coded candidate's None: the bound columns are NaN, "not recorded").
     """
     n = ref.n_tokens
     if cand.n_tokens != n:
@@ -318,7 +316,7 @@ def compare_chunk(ref: ChunkData, cand, tokens: np.ndarray, positions: np.ndarra
         if samplers is not None and samplers.kernel:
             raise ValueError("samplers read coded rows: open the live candidate with coded=True")
         cand_logprob_target, cand_top_ids = logit_sums(ref, cand, targets, ref_tables, n_vocab, sums, runner,
-                                                       bands and bands[0], band_width)
+                                                       bands and bands[0])
     else:
         plane_sums(ref, cand, ref_tables, cand_tables, n_vocab, sums, runner, samplers, sampled,
                    bands if bounded else None)
@@ -412,8 +410,7 @@ def compare(ref: LogitSource, cand: LogitSource, n_chunks: int | None = None, th
 
     def one(i: int) -> dict[str, np.ndarray]:
         return compare_chunk(read(ref, i, "ref"), read(cand, i, "cand"), ref.tokens[i], ref.header.positions_of(i),
-                             ref_tables, cand_tables, n_vocab, kernel_pool, prepared, ref.header.window_labels, bands,
-                             ref.header.error_bands.width if bands else 1.0)
+                             ref_tables, cand_tables, n_vocab, kernel_pool, prepared, ref.header.window_labels, bands)
 
     parts = []
     try:
