@@ -135,11 +135,6 @@ class Estimate:
     def df(self) -> int:
         return self.n_chunks - 1
 
-    @property
-    def fpc(self) -> float:
-        """The finite-population correction of the variance, 1 - n/N."""
-        return 1.0 - self.n_chunks / self.n_total
-
     def to_json(self) -> dict:
         return {**asdict(self), "half_width": self.half_width}
 
