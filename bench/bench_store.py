@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
-from qeval.capture.capture import encode_window, scored_targets
+from qeval.capture.capture import iter_pieces, scored_targets
 from qeval.compare import stats
 from qeval.compare.kernels import decode_tables
 from qeval.compare.metrics import compare_chunk
@@ -34,6 +34,13 @@ from qeval.storage.store import ZSTD_LEVEL, ChunkBuilder, zstd_compressor
 
 CANDIDATES = ("Q4_0", "Q3_K_M", "Q2_K")
 KNEES = (0.0, -1.0, -2.0, -3.0, -4.0, -5.0, -6.0)
+
+
+def encode_window(engine, index: int, window: np.ndarray, code: SqrtLogCode, pool: ThreadPoolExecutor):
+    """One window of at most PIECE_ROWS scored rows decoded, coded and compressed into a chunk, as a capture does."""
+    chunk, = iter_pieces(engine, window[None], [index], [engine.scoring.positions(engine.n_ctx)], code, pool,
+                         zstd_compressor(pool._max_workers))
+    return chunk
 
 
 def log_softmax64(x: np.ndarray) -> np.ndarray:

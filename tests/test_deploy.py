@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import gguf
@@ -18,6 +19,7 @@ import tinymodels
 from conftest import assert_cli_error, run_cli
 
 from qeval import api
+from qeval.engine import deploy as engine_deploy
 from qeval.engine import machine as machines
 from qeval.engine import memory
 from qeval.engine.deploy import DeployModel, SpeedTest
@@ -62,6 +64,37 @@ def test_spec_parses_lists_and_round_trips():
 def test_spec_refuses_bad_input(text, fragment):
     with pytest.raises(QevalError, match=fragment):
         deploy.parse_deploy_spec(text)
+
+
+@pytest.fixture
+def no_proc(monkeypatch):
+    """A platform without /proc (macOS, Windows): opening /proc/self/status fails as it does there."""
+    def refuse(path, *args, **kwargs):
+        raise FileNotFoundError(2, "No such file or directory", str(path))
+
+    monkeypatch.setattr(engine_deploy, "open", refuse, raising=False)
+
+
+def test_the_resident_set_is_read_from_proc_where_there_is_one():
+    with open("/proc/self/status", encoding="ascii") as fh:
+        kib = next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:"))
+    assert abs(engine_deploy.resident_bytes() - kib * 1024) < 64 << 20
+
+
+def test_without_proc_the_resident_set_is_psutils(no_proc, monkeypatch):
+    info = types.SimpleNamespace(rss=123 << 20)
+    fake = types.SimpleNamespace(Process=lambda: types.SimpleNamespace(memory_info=lambda: info))
+    monkeypatch.setitem(sys.modules, "psutil", fake)
+    assert engine_deploy.resident_bytes() == 123 << 20
+
+
+def test_without_proc_or_psutil_rss_is_refused_before_any_work(no_proc, monkeypatch):
+    monkeypatch.setitem(sys.modules, "psutil", None)  # not installed: its import fails
+    with pytest.raises(QevalError, match="resident set is unavailable on this platform.*pip install psutil"):
+        engine_deploy.resident_bytes()
+    with pytest.raises(QevalError, match="resident set is unavailable"):
+        deploy.plan_rows([], deploy.parse_deploy_spec("rss=1"))
+    deploy.plan_rows([], deploy.parse_deploy_spec("rss=0"))  # no RSS asked: nothing to refuse
 
 
 def test_spec_beyond_the_trained_context_is_refused():

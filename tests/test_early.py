@@ -14,6 +14,17 @@ from qeval.compare.early import PairChunks, StopRule
 N_TOTAL = 80
 
 
+@pytest.fixture
+def bench_early(monkeypatch):
+    """bench/bench_early.py: the simulation, and the rule before issue 35 (FixedTRule) it keeps to compare."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import bench_early
+
+    return bench_early
+
+
 # --------------------------------------------------------------------------------------------------
 # plain float64 references, independent of qeval
 # --------------------------------------------------------------------------------------------------
@@ -93,14 +104,12 @@ def test_chunk_order_is_a_seeded_permutation():
     assert rec["seed"] == 3 and rec["order"] == a.tolist() and rec["rule"]["min_chunks"] == 8
 
 
-def test_an_early_run_is_extended_by_continuing_its_order():
+def test_an_early_run_stands_on_the_prefix_of_its_order_it_holds():
     order = early.chunk_order(20, 1)
-    assert early.is_prefix(order, order[:8]) and early.is_prefix(order, order)
-    assert not early.is_prefix(order, order[1:9])
-    assert early.next_chunks(order, order[:8], 5).tolist() == order[8:13].tolist()
-    assert early.next_chunks(order, order[:18], 5).tolist() == order[18:].tolist()
-    with pytest.raises(ValueError, match="prefix"):
-        early.next_chunks(order, order[2:5], 1)
+    assert early.held_prefix(order, set(order[:8].tolist())) == order[:8].tolist()
+    assert early.held_prefix(order, set(order.tolist())) == order.tolist()
+    assert early.held_prefix(order, set(order[1:9].tolist())) == []  # held in another order: they wait
+    assert early.held_prefix(order, {*order[:5].tolist(), *order[6:12].tolist()}) == order[:5].tolist()
 
 
 def test_chunk_sums_match_a_loop_over_tokens():
@@ -201,9 +210,10 @@ def test_a_means_interval_on_the_log_scale(n):
 
 
 @pytest.mark.parametrize("n_total, min_chunks, step", [(80, 8, 4), (40, 8, 4), (20, 8, 4), (80, 10, 3), (11, 8, 4)])
-def test_the_error_is_spent_over_the_planned_looks(n_total, min_chunks, step):
+def test_the_error_is_spent_over_the_planned_looks(n_total, min_chunks, step, bench_early):
     """Half of alpha at the minimum, the rest over the later looks in proportion to 1/k; over every look short of the
-    whole corpus they add up to alpha; a count between looks reads the later look's; FIXED_T: alpha at each."""
+    whole corpus they add up to alpha; a count between looks reads the later look's; the rule before (FixedTRule):
+    alpha at each."""
     rule = StopRule(min_chunks=min_chunks, step=step)
     looks = list(range(min_chunks, n_total, step))
     spent = [1.0 - rule.look_confidence(n, n_total) for n in looks]
@@ -214,7 +224,7 @@ def test_the_error_is_spent_over_the_planned_looks(n_total, min_chunks, step):
     for n in range(min_chunks + 1, n_total):
         assert rule.look_confidence(n, n_total) == rule.look_confidence(looks[-1] if n > looks[-1] else
                                                                         next(at for at in looks if at >= n), n_total)
-    assert all(StopRule(interval=early.FIXED_T).look_confidence(n, n_total) == 0.95 for n in looks)
+    assert all(bench_early.FixedTRule().look_confidence(n, n_total) == 0.95 for n in looks)
 
 
 def test_a_pairs_estimate_reads_the_looks_interval():
@@ -246,11 +256,11 @@ def sampled_coverage(rule, draws=3000, n=8):
     return share, math.sqrt(share * (1 - share) / draws)
 
 
-def test_the_interval_at_the_minimum_covers_skewed_chunks_where_the_fixed_t_did_not():
+def test_the_interval_at_the_minimum_covers_skewed_chunks_where_the_fixed_t_did_not(bench_early):
     """A skewed corpus of 40 chunks, sampled 8 at a time: the t-interval at a fixed 95 % (the rule before issue 35)
     covers clearly less than it states; the rule's interval (log scale, half the error at the minimum) at least
     what it states, both beyond their Monte Carlo error."""
-    old, old_se = sampled_coverage(StopRule(interval=early.FIXED_T))
+    old, old_se = sampled_coverage(bench_early.FixedTRule())
     new, new_se = sampled_coverage(StopRule())
     assert old < 0.95 - 3 * old_se
     assert new > 0.95 + 2 * new_se
@@ -285,8 +295,8 @@ def close_board(seed=4):
 
 def test_close_neighbours_keep_running_never_guess():
     """Close neighbours run on, naming each other, while their far neighbours stop; by 40 chunks Q4_K_M's mean is
-    known to 5 %, but its order against Q4_K_S is neither settled nor a tie: it runs on (with precision alone it
-    would have stopped there, its order a guess)."""
+    known to 5 %, but its order against Q4_K_S is neither settled nor a tie: it runs on (on precision alone it would
+    have stopped there, its order a guess)."""
     sums, m, labels = close_board(5)
     for n, sizes in ((8, None), (40, None), (8, [None] * 4), (40, [None] * 4)):  # no sizes: on no front
         d = by_label(early.decide(pairs_of(sums, m, n, labels=labels, sizes=sizes), N_TOTAL, StopRule()))
@@ -296,8 +306,6 @@ def test_close_neighbours_keep_running_never_guess():
         assert not d["Q4_K_M"].ties
         assert d["Q8_0"].stop and d["Q2_K"].stop and d["Q8_0"].reason == d["Q2_K"].reason == early.SETTLED
     assert early.precise(d["Q4_K_M"].estimate, 0.05)
-    alone = by_label(early.decide(pairs_of(sums, m, 40, labels=labels), N_TOTAL, StopRule(precision_alone=True)))
-    assert alone["Q4_K_M"].stop and alone["Q4_K_M"].reason == early.PRECISION
 
 
 @pytest.mark.parametrize("seed", range(4, 10))
@@ -340,20 +348,19 @@ def plain_decision(a, b, m, n, rule):
     # the mean's interval on the log scale: its upper side is the longer
     half = mean_a * (math.exp(q * plain_ratio_se(a[:n], m[:n], N_TOTAL) / mean_a) - 1.0)
     tie = abs(d) + q * se_d <= rule.rel_precision * min(mean_a, mean_b)
-    if half <= rule.rel_precision * mean_a and (tie or rule.precision_alone):
+    if half <= rule.rel_precision * mean_a and tie:
         return True, early.PRECISION
     return False, early.OPEN
 
 
-@pytest.mark.parametrize("precision_alone", [False, True])
-def test_precision_stops_exactly_when_due(precision_alone):
+def test_precision_stops_exactly_when_due():
     """Two pairs of one size, level within noise (never settled at 20 SEs): A stops on precision at the first chunk
-    count where its half-width reaches 5 % of its mean (and, by default, the two are a tie at that precision)."""
+    count where its half-width reaches 5 % of its mean and the two are a tie at that precision."""
     rng = np.random.default_rng(5)
     m = np.full(N_TOTAL, 255)
     a = 0.2 * np.exp(rng.normal(0, 0.3, size=N_TOTAL)) * m
     b = a * (1 + rng.normal(0, 0.004, size=N_TOTAL))
-    rule = StopRule(neighbour_sigmas=20.0, precision_alone=precision_alone)
+    rule = StopRule(neighbour_sigmas=20.0)
     got, want = [], []
     for n in range(2, N_TOTAL):
         dec = by_label(early.decide(pairs_of([a, b], m, n, labels=["A", "B"], sizes=[1.0, 1.0]), N_TOTAL, rule))
@@ -465,8 +472,6 @@ def test_rule_is_checked_and_recorded():
         StopRule(confidence=1.0)
     with pytest.raises(ValueError):
         StopRule(step=0)
-    with pytest.raises(ValueError, match="interval"):
-        StopRule(interval="bootstrap")
     assert StopRule().to_json() == {"min_chunks": 8, "rel_precision": 0.05, "neighbour_sigmas": 3.0,
                                     "confidence": 0.95, "precision_alone": False, "step": 4, "interval": "spent"}
 
@@ -474,19 +479,16 @@ def test_rule_is_checked_and_recorded():
 # --------------------------------------------------------------------------------------------------
 # the simulation (bench/bench_early.py) runs on synthetic data and on the results a matrix saves
 # --------------------------------------------------------------------------------------------------
-def test_bench_replays_both_rules_at_every_length(tmp_path, monkeypatch):
+def test_bench_replays_both_rules_at_every_length(tmp_path, bench_early):
     import json
-    from pathlib import Path
 
     from test_leaderboard import CANDIDATES, build_results
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
-    import bench_early
 
     out = tmp_path / "synthetic.json"
     bench_early.main(["--seeds", "3", "--lengths", "20", "80", "--out", str(out)])
     doc = json.loads(out.read_text())
     got = [(r["chunks"], r["rule"]["interval"]) for r in doc["results"]]
-    assert got == [(20, early.FIXED_T), (20, early.SPENT), (80, early.FIXED_T), (80, early.SPENT)]
+    assert got == [(20, bench_early.FIXED_T), (20, early.SPENT), (80, bench_early.FIXED_T), (80, early.SPENT)]
     for r in doc["results"]:
         c = r["coverage"]
         assert r["seeds"] == 3 and c["cases"] + c["all_chunk_cases"] == 3 * (len(r["pairs"]) - 1)
@@ -506,10 +508,10 @@ def test_bench_replays_both_rules_at_every_length(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("n, settled", [(4, False), (8, True)])
-def test_neighbours_settle_only_when_their_interval_is_clear_of_zero(n, settled):
+def test_neighbours_settle_only_when_their_interval_is_clear_of_zero(n, settled, bench_early):
     """3.1 SEs apart settles neighbours over 8 chunks (t quantile 2.36 at 7 df), not over 4 (3.18 at 3 df): there
     the SE itself is too uncertain for 3 SE to mean 95 % (at a fixed 95 %: the rule before issue 35)."""
-    rule = early.StopRule(min_chunks=2, interval=early.FIXED_T)
+    rule = bench_early.FixedTRule(min_chunks=2)
     spread = np.linspace(-1.0, 1.0, n)  # per-chunk differences around their mean
     se = early.ratio_estimate(spread, np.ones(n), 10**9).se  # the paired SE (the mean does not move it)
     b_sums = np.full(n, 10.0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 
 import numpy as np
 import pytest
@@ -21,8 +22,10 @@ from qeval.compare import metrics
 from qeval.errors import StoreFormatError
 from qeval.identity import capture_conflicts, form
 from qeval.storage.codec import REPLAY_ENGINES, REPLAY_ROWS, SqrtLogCode, encode_hidden_block
+from qeval.storage import ggml_replay, ggml_types, llama_libraries
 from qeval.storage.ggml_replay import GgmlHead
 from qeval.storage.hidden_form import (
+    ACTIVATIONS,
     QK8_0,
     OutputHead,
     StoredActivations,
@@ -117,6 +120,52 @@ def test_ggml_replays_the_float64_product_to_float32_and_row_by_row(ggml_type, s
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
     for start, stop in ((0, 3), (69, 70), (16, 32), (60, 70)):
         np.testing.assert_array_equal(got[start:stop], ggml.replay(rows.rows(start, stop), start))
+
+
+def test_ggml_types_are_gguf_tables_as_they_were_written_by_hand():
+    """The ids and block sizes qeval used to write out (hidden_form, modelinfo, memory), now read from gguf."""
+    ids = {"F32": 0, "F16": 1, "Q8_0": 8, "BF16": 30, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "iq4_nl": 20}
+    blocks = {"f32": (4, 1), "f16": (2, 1), "bf16": (2, 1), "q8_0": (34, 32), "q4_0": (18, 32), "q4_1": (20, 32),
+              "q5_0": (22, 32), "q5_1": (24, 32), "iq4_nl": (18, 32)}
+    assert {name: ggml_types.type_id(name) for name in ids} == ids
+    for name, (size, block) in blocks.items():
+        assert ggml_types.row_bytes(name, 640) == 640 // block * size
+        assert ggml_types.bytes_per_value(name) == size / block
+    assert ggml_types.is_type("Q4_K") and not ggml_types.is_type("q9_9") and not ggml_types.is_type(None)
+    assert [a.row_bytes(640) for a in ACTIVATIONS.values()] == [680, 1280, 1280, 2560]
+
+
+@pytest.mark.parametrize("platform, names", [
+    ("linux", ["libggml-base.so"]),
+    ("darwin", ["libggml-base.so", "libggml-base.dylib"]),
+    ("win32", ["ggml-base.dll", "libggml-base.dll"]),
+])
+def test_llamacpps_libraries_are_found_by_their_name_on_each_platform(monkeypatch, tmp_path, platform, names):
+    """One lookup for every platform llama-cpp-python ships for (its own names, in its order); LLAMA_CPP_LIB_PATH
+    is the folder it loads from when set. A folder of another platform's files holds no library."""
+    monkeypatch.setattr(sys, "platform", platform)
+    monkeypatch.setenv("LLAMA_CPP_LIB_PATH", str(tmp_path))
+    assert llama_libraries.library_file_names("ggml-base") == names
+    assert llama_libraries.library_path("ggml-base") is None
+    for name in reversed(names):  # the last one alone, then the first beside it: the first wins
+        (tmp_path / name).write_bytes(b"")
+        assert llama_libraries.library_path("ggml-base") == tmp_path / name
+    other = tmp_path / "other"
+    other.mkdir()
+    for name in ("libggml-base.so", "libggml-base.dylib", "ggml-base.dll"):
+        if name not in names:
+            (other / name).write_bytes(b"")
+    assert llama_libraries.library_path("ggml-base", other) is None
+    assert llama_libraries.loaded_folder() == tmp_path
+
+
+def test_without_its_libraries_the_ggml_replay_is_unavailable_not_an_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("LLAMA_CPP_LIB_PATH", str(tmp_path))
+    ggml_replay._library.cache_clear()
+    try:
+        assert GgmlHead.of(tiny_head(np.random.default_rng(0))) is None
+    finally:
+        ggml_replay._library.cache_clear()
 
 
 @pytest.mark.parametrize("n_tokens", [1, 5, 37])

@@ -247,14 +247,6 @@ def iter_pieces(engine: Backend, windows: np.ndarray, indices: list[int], scored
             builder = None
 
 
-def encode_window(engine: Backend, index: int, window: np.ndarray, code: SqrtLogCode,
-                  pool: ThreadPoolExecutor, compressor: zstandard.ZstdCompressor | None = None) -> ChunkData:
-    """One window of at most PIECE_ROWS scored rows decoded, coded and compressed into a chunk (benchmarks)."""
-    chunk, = iter_pieces(engine, window[None], [index], [engine.scoring.positions(engine.n_ctx)], code, pool,
-                         compressor or zstd_compressor(pool._max_workers))
-    return chunk
-
-
 def scored_targets(window: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """The correct next token of every scored logit position."""
     return window[positions + 1].astype(np.int64)

@@ -27,8 +27,8 @@ one it stops on included, holds its full-run mean (every neighbour test its full
 >= confidence whichever look the data chose: optional stopping is paid for. At the minimum the interval is at
 97.5 % for a stated 95 %; that, with the log scale, is what covers skewed chunk sums at 8 chunks, where the
 t-interval at the stated 95 % covered 92.5-94.4 % of replayed real results (bench/bench_early.py,
-bench/bench_early_intervals.py, docs/release.md). StopRule(interval=FIXED_T) is the rule before (the t-interval
-at the stated confidence at every look), kept to compare.
+bench/bench_early_intervals.py, docs/release.md). bench/bench_early.py keeps the rule before (FixedTRule: the
+t-interval at the stated confidence at every look) to compare.
 
 The rule (StopRule, decide): every pair runs at least min_chunks chunks; then a pair stops when
   "settled"    its order against both of its board neighbours (paired |diff| >= neighbour_sigmas * SE, and its
@@ -38,8 +38,7 @@ The rule (StopRule, decide): every pair runs at least min_chunks chunks; then a 
   "precision"  its interval's half-width (its longer side: the upper one) is <= rel_precision * mean, and
                every comparison still open is a tie at that precision (the paired interval lies within
                +/- rel_precision * the smaller mean): close neighbours (Q4_K_M vs Q4_K_S) keep running until
-               their order is settled or shown to be a tie, never guessed. StopRule(precision_alone=True) drops
-               the tie condition;
+               their order is settled or shown to be a tie, never guessed;
   "all chunks" it has visited every chunk.
 The control (the reference recomputed) is pinned first and on no front: it stops after min_chunks.
 decide() is a pure function of every pair's visited chunks: as estimates move, a stopped pair may be asked to
@@ -52,7 +51,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import numpy as np
 
@@ -64,10 +63,12 @@ MIN_CHUNKS = 8
 REL_PRECISION = 0.05
 NEIGHBOUR_SIGMAS = 3.0
 STEP = 4  # chunks a pair runs on per round once past the minimum (bench/bench_early.py's simulation: --step)
-# the intervals (StopRule.interval): the error spent over the planned looks, a mean on the log scale (the rule);
-# the t-interval at the stated confidence at every look (the rule before issue 35: its replays covered 92-94 %)
-SPENT, FIXED_T = "spent", "fixed-t"
-INTERVALS = (SPENT, FIXED_T)
+# the intervals, as a rule's record names them: the error spent over the planned looks, a mean on the log scale
+SPENT = "spent"
+# what a rule's record says of the choices rules before issue 35 offered (a precision stop without the tie
+# condition, the t-interval at the stated confidence at every look): the rule is fixed now, and the record keeps
+# saying so, so that results saved since keep their identity
+RECORDED = {"precision_alone": False, "interval": SPENT}
 FIRST_LOOK_SHARE = 0.5  # of the error, spent at the minimum: most pairs stop there
 
 # why a pair stops, or runs on
@@ -89,21 +90,6 @@ def chunk_order(n_chunks: int, seed: int) -> np.ndarray:
 def order_record(seed: int, order: Sequence[int], rule: "StopRule") -> dict:
     """What a result records about its early run: the seed, the chunk order and the rule."""
     return {"seed": int(seed), "order": [int(c) for c in order], "rule": rule.to_json()}
-
-
-def is_prefix(order: Sequence[int], chunks: Sequence[int]) -> bool:
-    """Whether `chunks` (visited, in visit order) are the first len(chunks) chunks of `order`: a run that can be
-    extended by continuing `order`."""
-    chunks = np.asarray(chunks)
-    return len(chunks) <= len(order) and bool(np.array_equal(np.asarray(order)[:len(chunks)], chunks))
-
-
-def next_chunks(order: Sequence[int], visited: Sequence[int], k: int) -> np.ndarray:
-    """The next k chunks (fewer at the end) of `order` after a run that visited the prefix `visited`."""
-    if not is_prefix(order, visited):
-        raise ValueError("the visited chunks are not a prefix of the order: this run cannot be extended")
-    n = len(visited)
-    return np.asarray(order[n:n + k], dtype=np.int64)
 
 
 def chunk_sums(per_token: dict[str, np.ndarray], column: str = "kld",
@@ -148,11 +134,6 @@ class Estimate:
     @property
     def df(self) -> int:
         return self.n_chunks - 1
-
-    @property
-    def fpc(self) -> float:
-        """The finite-population correction of the variance, 1 - n/N."""
-        return 1.0 - self.n_chunks / self.n_total
 
     def to_json(self) -> dict:
         return {**asdict(self), "half_width": self.half_width}
@@ -216,9 +197,8 @@ class StopRule:
     rel_precision: float = REL_PRECISION  # stop when the half-width is <= this share of the mean ...
     neighbour_sigmas: float = NEIGHBOUR_SIGMAS  # ... or when every comparison that matters is this many SEs apart
     confidence: float = CONFIDENCE  # of the intervals (precision, ties, the reported interval), over all looks
-    precision_alone: bool = False  # True: precision stops a pair even while a comparison is open and no tie
     step: int = STEP  # chunks a pair still running adds per round: the looks are min_chunks, +step, +2 step, ...
-    interval: str = SPENT  # SPENT (the rule); FIXED_T: the rule before issue 35, kept to compare (bench_early.py)
+    log_scale: ClassVar[bool] = True  # a pair's mean takes its interval on the log scale (KLD sums are skewed)
 
     def __post_init__(self):
         if self.min_chunks < 2:
@@ -229,13 +209,6 @@ class StopRule:
             raise ValueError("rel_precision and neighbour_sigmas must be > 0")
         if self.step < 1:
             raise ValueError(f"step must be >= 1, not {self.step}")
-        if self.interval not in INTERVALS:
-            raise ValueError(f"interval must be one of {', '.join(INTERVALS)}, not {self.interval!r}")
-
-    @property
-    def log_scale(self) -> bool:
-        """Whether a pair's mean takes its interval on the log scale."""
-        return self.interval == SPENT
 
     def looks(self, n_total: int) -> int:
         """The looks the rule plans short of the whole corpus: min_chunks, min_chunks + step, ... below n_total
@@ -247,9 +220,9 @@ class StopRule:
         in: k = ceil((n - min_chunks) / step)). alpha_0 = FIRST_LOOK_SHARE * alpha at the minimum; the rest of
         alpha = 1 - confidence goes to the later looks k = 1 .. K-1 in proportion to 1/k (most pairs that run on
         stop within a few looks). Over every look they add up to alpha (Bonferroni: the interval a pair stops on
-        holds with confidence >= `confidence`, whichever look the data chose). FIXED_T: `confidence` at every look."""
+        holds with confidence >= `confidence`, whichever look the data chose)."""
         looks = self.looks(n_total)
-        if self.interval == FIXED_T or looks == 1:
+        if looks == 1:
             return self.confidence
         alpha = 1.0 - self.confidence
         k = min(max(math.ceil((n - self.min_chunks) / self.step), 0), looks - 1)
@@ -258,7 +231,7 @@ class StopRule:
         return 1.0 - alpha * (1.0 - FIRST_LOOK_SHARE) / k / sum(1.0 / j for j in range(1, looks))
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), **RECORDED}
 
 
 @dataclass(frozen=True)
@@ -436,7 +409,7 @@ def decide(pairs: Sequence[PairChunks], n_total: int, rule: StopRule = StopRule(
             d.ties = tuple(labels[j] for j in open_ if board.cmp(i, j).tie)
             if not open_:
                 d.stop, d.reason = True, SETTLED
-            elif precise(e, rule.rel_precision) and (rule.precision_alone or len(d.ties) == len(open_)):
+            elif precise(e, rule.rel_precision) and len(d.ties) == len(open_):
                 d.stop, d.reason = True, PRECISION
         out.append(d)
     return out

@@ -249,10 +249,6 @@ def names_in(per_token) -> list[str]:
     return [key.partition("@")[2] for key in per_token if key.startswith("tvd@")]
 
 
-def columns_of(samplers) -> list[str]:
-    return [column(kind, s.name) for s in samplers for kind in COLUMN_KINDS]
-
-
 # --------------------------------------------------------------------------------------------------
 # preparing a set of samplers for one store pair
 # --------------------------------------------------------------------------------------------------

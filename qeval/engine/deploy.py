@@ -44,6 +44,8 @@ DEPLOY_UBATCH = 512
 EXPERTS_PATTERN = r"blk\.{layer}\.ffn_(up|down|gate|gate_up)_(ch|)exps"  # llm_ffn_block_regex(i, LLM_FFN_EXPS_REGEX)
 TOKEN_SEED = 0  # of the random tokens (llama-bench: std::rand() unseeded, i.e. seed 1)
 RSS_LINE = "qeval-rss: "  # the child's answer: this prefix and a JSON object
+RSS_UNAVAILABLE = ("the resident set is unavailable on this platform (no /proc/self/status, and psutil is not "
+                   "installed: pip install psutil)")
 FILL_TIMEOUT_S = 24 * 3600
 
 
@@ -201,12 +203,20 @@ class DeployModel(LlamaModel):
 
 
 def resident_bytes() -> int:
-    """This process's resident set (VmRSS of /proc/self/status)."""
-    with open("/proc/self/status", encoding="ascii") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise OSError("no VmRSS in /proc/self/status")
+    """This process's resident set: VmRSS of /proc/self/status (Linux), else psutil's (macOS, Windows, where it is
+    installed); QevalError where neither tells."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import psutil  # noqa: PLC0415 - optional: only where /proc is absent
+    except ImportError:
+        raise QevalError(RSS_UNAVAILABLE) from None
+    return psutil.Process().memory_info().rss
 
 
 def fill_in_child(job: dict) -> None:
@@ -215,8 +225,8 @@ def fill_in_child(job: dict) -> None:
     from qeval.engine.engine import quiet_llama  # noqa: PLC0415
 
     quiet_llama()  # llama.cpp's backends initialised before the baseline: only the model and context count
-    before = resident_bytes()
     try:
+        before = resident_bytes()
         with DeployModel(job["model"], EngineSettings(**job["settings"]), job["n_cpu_moe"]) as model:
             model.fill(job["n_ctx"])
             answer = {"rss_growth_bytes": resident_bytes() - before}

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from qeval.engine.modelinfo import cached_gguf_read, gguf_reader
 from qeval.storage.deployment import COMPONENTS
+from qeval.storage.ggml_types import row_bytes
 
 GEOMETRY_VERSION = 1
 CELL_PAD = 256  # llama.cpp pads n_ctx, and every SWA cache, to a multiple of this many cells
@@ -44,9 +45,6 @@ _RS_CACHE = re.compile(r"llama_memory_recurrent: size =\s*[0-9.]+ MiB \(\s*(\d+)
 _CACHE_NAMES = {"SWA": "sliding-window", "non-SWA": "full-attention"}
 _EXPERT_OVERRIDE = re.compile(r"tensor (\S+) \(.*\) buffer type overridden to (\S+)")
 
-# Bytes per block and values per block of each cache type (ggml's type traits).
-BLOCKS = {"f32": (4, 1), "f16": (2, 1), "bf16": (2, 1), "q8_0": (34, 32), "q4_0": (18, 32), "q4_1": (20, 32),
-          "q5_0": (22, 32), "q5_1": (24, 32), "iq4_nl": (18, 32)}
 RECURRENT_VALUE_BYTES = 4  # llama.cpp keeps recurrent states in f32
 
 # llama.cpp's default sliding-window pattern per architecture (load_swa_pattern(ml, n, dense_first) in
@@ -183,12 +181,6 @@ def _recurrent_layers(arch: str, key, heads: list, n_layer: int) -> list[bool]:
 
 def _pad(n: int, to: int = CELL_PAD) -> int:
     return -(-n // to) * to
-
-
-def row_bytes(cache_type: str, values: int) -> int:
-    """ggml_row_size: bytes of a row of `values` values of this type."""
-    block_bytes, block_values = BLOCKS[cache_type]
-    return values // block_values * block_bytes
 
 
 def cache_cells(geometry: dict, n_ctx: int, n_ubatch: int) -> tuple[int, int]:

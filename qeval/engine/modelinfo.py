@@ -18,6 +18,7 @@ from collections import Counter
 from pathlib import Path
 
 from qeval.errors import QevalError
+from qeval.storage import ggml_types
 from qeval.storage.runs import is_gguf
 
 FINGERPRINT_BLOCKS = 64
@@ -215,19 +216,14 @@ def kv_geometry(field, arch: str) -> dict | None:
             "k_head": int(k_len), "v_head": int(v_len)}  # head sizes: llama.cpp's KV rotation rule reads them
 
 
-# Bytes per cached value of each KV cache type (ggml's block sizes: q8_0 is 34 bytes per 32 values, ...).
-KV_BYTES_PER_VALUE = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
-                      "q5_0": 22 / 32, "q5_1": 24 / 32, "iq4_nl": 18 / 32}
-
-
 def kv_cache_gib(facts: dict, type_k: str | None, type_v: str | None, n_ctx: int) -> float | None:
     """An estimate of the KV cache's size at n_ctx tokens of context for these cache types (kv_geometry: sliding-
     window layers counted in full), None when the facts or types do not tell. What llama.cpp allocates at a
     deployment context, compute buffers included, is measured by qeval.engine.deploy (`qeval deploy`, `--deploy`);
     its KV bytes are computed exactly by qeval.engine.memory.formula_bytes."""
     geometry = facts.get("kv_cache") if facts else None
-    if geometry is None or type_k not in KV_BYTES_PER_VALUE or type_v not in KV_BYTES_PER_VALUE:
+    if geometry is None or not ggml_types.is_type(type_k) or not ggml_types.is_type(type_v):
         return None
-    per_token = (geometry["k_values_per_token"] * KV_BYTES_PER_VALUE[type_k]
-                 + geometry["v_values_per_token"] * KV_BYTES_PER_VALUE[type_v])
+    per_token = (geometry["k_values_per_token"] * ggml_types.bytes_per_value(type_k)
+                 + geometry["v_values_per_token"] * ggml_types.bytes_per_value(type_v))
     return per_token * n_ctx / 2**30

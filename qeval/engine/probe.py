@@ -24,6 +24,7 @@ from pathlib import Path
 from qeval.engine.buildflags import X86_OPTIONS, cpu_flags, is_x86_64, reinstall_command
 from qeval.engine.modelinfo import cache_dir
 from qeval.errors import QevalError
+from qeval.storage.llama_libraries import library_folders, shared_libraries
 
 SYSTEM_INFO_PREFIX = "qeval-llama-system-info: "
 
@@ -32,10 +33,9 @@ def build_id() -> str:
     import llama_cpp  # noqa: PLC0415
 
     # LLAMA_CPP_LIB_PATH makes llama-cpp-python load the libraries from elsewhere: hash those too
-    roots = [Path(llama_cpp.__file__).parent, *filter(None, [os.environ.get("LLAMA_CPP_LIB_PATH")])]
     h = hashlib.sha256(llama_cpp.__version__.encode())
-    for root in map(Path, roots):
-        for lib in sorted(root.rglob("*.so*")) + sorted(root.rglob("*.dylib")) + sorted(root.rglob("*.dll")):
+    for root in library_folders():
+        for lib in shared_libraries(root):
             st = lib.stat()
             h.update(f"{lib}:{st.st_size}:{st.st_mtime_ns}".encode())
     return h.hexdigest()[:32]

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from qeval.errors import QevalError
 from qeval.identity import digest
+from qeval.storage import ggml_types
 
 IMATRIX_KEY = "imatrix"
 # llama.cpp ftypes a recipe can start from (gguf.LlamaFileType's MOSTLY_* names); the rest are obsolete or guesses
@@ -47,10 +48,8 @@ def base_types() -> dict[str, int]:
 
 def tensor_types() -> dict[str, int]:
     """ggml type name (lower case: q4_k, q8_0, f16) -> its ggml_type value, for the types a tensor can be given."""
-    import gguf  # noqa: PLC0415
-
-    return {t.name.lower(): int(t.value) for t in gguf.GGMLQuantizationType
-            if t.name not in ("I8", "I16", "I32", "I64", "F64")}
+    return {name: ggml_types.type_id(name) for name in ggml_types.type_names()
+            if name not in ("i8", "i16", "i32", "i64", "f64")}
 
 
 def type_name(text: str, what: str) -> str:
@@ -241,13 +240,10 @@ class TensorPlan:
 
 def tensor_bytes(type_name: str, shape) -> int:
     """Bytes of a tensor of this ggml type and shape (ggml_row_size per row)."""
-    import gguf  # noqa: PLC0415
-
-    block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name.upper()]]
     rows = 1
     for n in shape[1:]:
         rows *= n
-    return rows * (shape[0] // block) * type_size
+    return rows * ggml_types.row_bytes(type_name, shape[0])
 
 
 def _padded(n: int) -> int:

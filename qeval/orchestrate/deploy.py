@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from qeval.engine import memory, numerics
-from qeval.engine.deploy import DEPLOY_BATCH, DEPLOY_UBATCH, DeployModel, SpeedTest, rss_growth
+from qeval.engine.deploy import DEPLOY_BATCH, DEPLOY_UBATCH, DeployModel, SpeedTest, resident_bytes, rss_growth
 from qeval.engine.engine import PROMPT, ContextFailed, EngineSettings, available_cores
 from qeval.engine.machine import current_machine
 from qeval.engine.modelinfo import model_facts
@@ -225,7 +225,9 @@ def _memory_done(figure: MemoryFigure | None, rss: bool) -> bool:
 
 def plan_rows(rows: list[DeployRow], spec: DeploySpec) -> None:
     """Refuse, before any work, what a matrix or a command would only find wrong after hours: a spec beyond a model's
-    trained context, settings llama.cpp cannot run."""
+    trained context, settings llama.cpp cannot run, rss=1 where this platform cannot tell a resident set."""
+    if spec.rss:
+        resident_bytes()  # QevalError where neither /proc nor psutil tells
     for row in rows:
         check_spec(spec, model_facts(row.model), deploy_settings(row.settings, spec))
 

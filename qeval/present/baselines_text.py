@@ -7,6 +7,7 @@ from pathlib import Path
 from qeval.compare import metric_registry
 from qeval.compare.metric_registry import MetricValue, plus_minus
 from qeval.compare.summary import ComparisonSummary
+from qeval.present.markdown import markdown_table
 
 
 def _as_printed(x: float) -> str | None:
@@ -90,8 +91,7 @@ def baseline_text(b, run_summary: ComparisonSummary | None = None, matched: set 
                 diff = "" if rv is None else f"{rv.value - mv.value:+.{metric_registry.lookup(key).decimals(mv.value)}f}"
                 row += [format_value(key, rv), diff]
             rows.append(row)
-    lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    lines += ["", markdown_table(header, rows)]
     notes = [f"{e.id}: {e.note}" for e in b.entries if e.note]
     if notes:
         lines += ["", "notes:", *[f"- {n}" for n in notes]]

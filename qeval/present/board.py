@@ -22,6 +22,7 @@ from qeval.compare.summary import ComparisonSummary, DepthBand, TokenGroup
 from qeval.engine.modelinfo import kv_cache_gib
 from qeval.identity import is_control, is_floor
 from qeval.present import task_flips
+from qeval.present.markdown import markdown_table
 from qeval.present.task_flips import FlipFigures
 from qeval.storage.scoring import Scoring
 
@@ -400,17 +401,6 @@ def leaderboard_markdown(rows: list[BoardRow], samplers=(), tasks=(), pareto: bo
     return markdown_table(["label", *(name for name, _ in columns), *(["Pareto"] if pareto else [])],
                           [[*leaderboard_cells(r, tasks, control, segments, floor, early, deployment),
                             *([pareto_mark(r)] if pareto else [])] for r in sorted(rows, key=rank_key)])
-
-
-def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    """A markdown table of cells (a | inside a heading or cell escaped)."""
-    lines = ["| " + " | ".join(map(_md_escape, header)) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(_md_escape(c) for c in cells) + " |" for cells in rows]
-    return "\n".join(lines)
-
-
-def _md_escape(text: str) -> str:
-    return str(text).replace("|", "\\|")
 
 
 def _num(v, fmt: str) -> str:

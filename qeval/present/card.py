@@ -22,6 +22,7 @@ from qeval.errors import QevalError
 from qeval.present import board as boardrows
 from qeval.present import card_merge, card_provenance, deployment_board, leaderboard, plots, task_flips
 from qeval.present.board import BoardRow
+from qeval.present.markdown import markdown_table
 
 CARD_METRICS = ("kld_mean", "kld_999", "same_top1_pct", "ppl")  # the table's metric columns, in order
 PLOT = "kld_vs_size"  # the leaderboard's figure of mean KLD against size, Pareto front marked
@@ -174,9 +175,8 @@ def _fixed(v: float | None, fmt: str) -> str:
 
 def table(card: Card) -> str:
     control, segments, floor, view = card.has_control, card.segments, card.has_floor, card.deployment
-    return boardrows.markdown_table(header(card.bands, card.tasks, control, segments, floor, view),
-                                    [cells(r, card.bands, card.tasks, control, segments, floor, view)
-                                     for r in card.rows])
+    return markdown_table(header(card.bands, card.tasks, control, segments, floor, view),
+                          [cells(r, card.bands, card.tasks, control, segments, floor, view) for r in card.rows])
 
 
 def confidence_lines(card: Card) -> list[str]:

@@ -4,6 +4,7 @@ the cross-checks beside it, and the machine they belong to."""
 
 from __future__ import annotations
 
+from qeval.present.markdown import markdown_table
 from qeval.storage.deployment import COMPONENTS, DeploymentRecord, MemoryFigure, SpeedFigure
 
 MIB = 1 << 20
@@ -38,10 +39,9 @@ def speed_table(records: list[DeploymentRecord]) -> str:
     if not tests:
         return ""
     names = [SpeedFigure(*key).name + " t/s" for key in tests]
-    lines = ["| label | KV | " + " | ".join(names) + " |", "|---|---|" + "---:|" * len(names)]
-    for r in records:
-        lines.append(f"| {r.label} | {_kv(r)} | " + " | ".join(speed_cell(r.speed_of(*k)) for k in tests) + " |")
-    return "\n".join(lines)
+    return markdown_table(["label", "KV", *names],
+                          [[r.label, _kv(r), *(speed_cell(r.speed_of(*k)) for k in tests)] for r in records],
+                          right=range(2, 2 + len(names)))
 
 
 def _formula_cell(m: MemoryFigure) -> str:
@@ -58,16 +58,17 @@ def memory_table(records: list[DeploymentRecord]) -> str:
     rows = [(r, m) for r in records for m in sorted(r.memory, key=lambda m: m.n_ctx)]
     if not rows:
         return ""
-    lines = ["| label | KV | n_ctx | " + " | ".join(COMPONENTS) + " | total MiB | formula KV+RS (Δ) | RSS MiB |",
-             "|---|---|---:|" + "---:|" * (len(COMPONENTS) + 3)]
-    for r, m in rows:
-        if m.error:
-            lines.append(f"| {r.label} | {_kv(r)} | {m.n_ctx} | {m.error} |" + " |" * (len(COMPONENTS) + 2))
-            continue
-        parts = " | ".join(_mib(m.component_bytes(c)) for c in COMPONENTS)
-        lines.append(f"| {r.label} | {_kv(r)} | {m.n_ctx} | {parts} | {_mib(m.total_bytes)} | {_formula_cell(m)} | "
-                     f"{_mib(m.rss_growth_bytes)} |")
-    return "\n".join(lines)
+    header = ["label", "KV", "n_ctx", *COMPONENTS, "total MiB", "formula KV+RS (Δ)", "RSS MiB"]
+    return markdown_table(header, [[r.label, _kv(r), m.n_ctx, *_memory_cells(m)] for r, m in rows],
+                          right=range(2, len(header)))
+
+
+def _memory_cells(m: MemoryFigure) -> list[str]:
+    """A context's figures after its label, KV and n_ctx: its error in the first column where it failed."""
+    if m.error:
+        return [m.error] + [""] * (len(COMPONENTS) + 2)
+    return [*(_mib(m.component_bytes(c)) for c in COMPONENTS), _mib(m.total_bytes), _formula_cell(m),
+            _mib(m.rss_growth_bytes)]
 
 
 def machine_line(machine: dict, load_average: list | None) -> str:

@@ -20,7 +20,7 @@ from typing import Iterable, Sequence
 from qeval.compare import deployment_choice, metric_registry
 from qeval.compare.deployment_choice import GIB, Candidate
 from qeval.errors import QevalError
-from qeval.present.board import markdown_table
+from qeval.present.markdown import markdown_table
 
 NOT_MEASURED = "not measured"
 FAILED = "failed"

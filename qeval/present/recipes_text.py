@@ -7,6 +7,7 @@ rows with a `vs` block), so saved JSON renders the same as a run just finished."
 from __future__ import annotations
 
 from qeval.compare.metric_registry import plus_minus
+from qeval.present.markdown import markdown_table
 
 MB = 1e6
 
@@ -19,18 +20,16 @@ def sensitivity_markdown(rows: list[dict]) -> str:
     """One line per move, cheapest bytes first (lowest KLD per MB saved; moves that add bytes last); with a held-out
     split, the cost and ratio are the tuning chunks' (the ranking's) and the held-out cost stands beside."""
     early, held = _decided_early(rows), any("held_out" in r for r in rows)
-    lines = ["| group | tensors | move | MB saved | KLD cost ± SE | KLD per MB saved |" + _HELD_HEAD[0] * held
-             + _EARLY_HEAD[0] * early, "|---|---|---|---|---|---|" + _HELD_HEAD[1] * held + _EARLY_HEAD[1] * early]
-    for r in sorted(rows, key=_cheapness):
+    header = ["group", "tensors", "move", "MB saved", "KLD cost ± SE", "KLD per MB saved",
+              *["held-out KLD cost ± SE"] * held, *_EARLY_HEAD * early]
+
+    def line(r: dict) -> list:
         ratio = "" if r["kld_per_mb"] is None else f"{r['kld_per_mb']:.2e}"
-        held_cell = f" {_difference(r['held_out'])} |" if held else ""
-        lines.append(f"| {r['group']} | {r['tensors']} | {r['types']} | {_mb(r['bytes_saved'])} | "
-                     f"{plus_minus(r['kld_cost'], r['kld_cost_se'], '+.5f', '.5f')} | {ratio} |{held_cell}"
-                     + _early_cells(r) * early)
-    return "\n".join(lines)
+        return [r["group"], r["tensors"], r["types"], _mb(r["bytes_saved"]),
+                plus_minus(r["kld_cost"], r["kld_cost_se"], "+.5f", ".5f"), ratio,
+                *([_difference(r["held_out"])] if held else []), *_early_cells(r) * early]
 
-
-_HELD_HEAD = (" held-out KLD cost ± SE |", "---|")
+    return markdown_table(header, map(line, sorted(rows, key=_cheapness)))
 
 
 def _difference(d: dict) -> str:
@@ -47,43 +46,42 @@ def choices_markdown(budgets: list[dict]) -> str:
     """Each budget's chosen recipe (and refined one) against its stock type as paired differences of mean KLD (± SE,
     chunks as the unit) on the tuning chunks and on the held-out ones, their difference (the optimism), and the
     refined recipe's gain over the chosen one (refined − chosen: negative is better)."""
-    lines = ["| budget | recipe | stock | Δ KLD tuning | Δ KLD held-out | optimism | refined − chosen: tuning | "
-             "held-out | builds |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     for b in budgets:
         stock = b.get("stock", {})
-        lines.append(_choice_line(b["budget"], f"chosen {b['measured']['label']}", stock.get("label", ""), stock))
+        rows.append(_choice_line(b["budget"], f"chosen {b['measured']['label']}", stock.get("label", ""), stock))
         refined = b.get("refined")
         if refined:
             gain = refined["gain"]
-            lines.append(_choice_line(b["budget"], f"refined {refined['measured']['label']}", stock.get("label", ""),
-                                      refined.get("stock", {}), gain, refined["builds"]))
-    return "\n".join(lines)
+            rows.append(_choice_line(b["budget"], f"refined {refined['measured']['label']}", stock.get("label", ""),
+                                     refined.get("stock", {}), gain, refined["builds"]))
+    return markdown_table(["budget", "recipe", "stock", "Δ KLD tuning", "Δ KLD held-out", "optimism",
+                           "refined − chosen: tuning", "held-out", "builds"], rows)
 
 
 def _choice_line(budget: str, label: str, stock: str, against: dict, gain: dict | None = None,
-                 builds: int | None = None) -> str:
+                 builds: int | None = None) -> list[str]:
     def cell(d: dict, part: str) -> str:
         return _difference(d[part]) if part in d else ""
 
     optimism = f"{against['optimism']:+.5f}" if "optimism" in against else ""
     tuning = cell(against, "tuning") or (_difference(against) if "diff" in against else "")
     gains = ["", ""] if gain is None else [cell(gain, "tuning") or _difference(gain), cell(gain, "held_out")]
-    cells = [budget, label, stock, tuning, cell(against, "held_out"), optimism, *gains,
-             "" if builds is None else str(builds)]
-    return "| " + " | ".join(cells) + " |"
+    return [budget, label, stock, tuning, cell(against, "held_out"), optimism, *gains,
+            "" if builds is None else str(builds)]
 
 
 # a board decided early (--early): the chunks each row stands on (a sweep's: those its cost is paired over) and why it
 # stopped (qeval.present.board.EARLY_NOTE)
-_EARLY_HEAD = (" chunks | stopped |", "---|---|")
+_EARLY_HEAD = ["chunks", "stopped"]
 
 
 def _decided_early(rows: list[dict]) -> bool:
     return any(r.get("stopped") for r in rows)
 
 
-def _early_cells(row: dict) -> str:
-    return f" {row.get('chunks', '')} | {row.get('stopped', '')} |"
+def _early_cells(row: dict) -> list:
+    return [row.get("chunks", ""), row.get("stopped", "")]
 
 
 def _cheapness(row: dict) -> tuple:
@@ -95,32 +93,31 @@ def recipes_markdown(rows: list[dict]) -> str:
     """The measured recipes by size: bytes, mean KLD ± SE, same top-1, and (`vs`) the paired difference of mean KLD
     against the stock type nearest in size, on the same tokens."""
     early = _decided_early(rows)
-    lines = ["| label | recipe | MB | mean KLD ± SE | same top-1 % | vs stock: Δ KLD ± SE |"
-             + _EARLY_HEAD[0] * early,
-             "|---|---|---|---|---|---|" + _EARLY_HEAD[1] * early]
-    for r in sorted(rows, key=lambda r: r["bytes"]):
+
+    def line(r: dict) -> list:
         vs = r.get("vs")
         diff = f"{vs['label']}: {plus_minus(vs['diff'], vs['se'], '+.5f', '.5f')}" if vs else ""
         top1 = "?" if r.get("same_top1_pct") is None else f"{r['same_top1_pct']:.2f}"
-        lines.append(f"| {r['label']} | `{r['recipe']}` | {_mb(r['bytes'])} | "
-                     f"{plus_minus(r['kld_mean'], r['kld_mean_se'], '.5f')} | {top1} | {diff} |"
-                     + _early_cells(r) * early)
-    return "\n".join(lines)
+        return [r["label"], f"`{r['recipe']}`", _mb(r["bytes"]), plus_minus(r["kld_mean"], r["kld_mean_se"], ".5f"),
+                top1, diff, *_early_cells(r) * early]
+
+    return markdown_table(["label", "recipe", "MB", "mean KLD ± SE", "same top-1 %", "vs stock: Δ KLD ± SE",
+                           *_EARLY_HEAD * early], map(line, sorted(rows, key=lambda r: r["bytes"])))
 
 
 def budgets_markdown(budgets: list[dict]) -> str:
     """One line per budget: the recipe chosen (predicted, then measured) beside the stock type nearest the budget, and
     their paired difference of mean KLD."""
-    lines = ["| budget | recipe | predicted MB, KLD | MB | mean KLD ± SE | same top-1 % | stock | MB | mean KLD ± SE | "
-             "same top-1 % | Δ KLD ± SE (paired) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     for b in budgets:
         m, s = b["measured"], b.get("stock")
         cells = [b["budget"], m["label"], f"{_mb(b['predicted_bytes'])}, {b['predicted_kld']:.5f}", _mb(m["bytes"]),
                  plus_minus(m["kld_mean"], m["kld_mean_se"], ".5f"), f"{m['same_top1_pct']:.2f}"]
         cells += ([s["label"], _mb(s["bytes"]), plus_minus(s["kld_mean"], s["kld_mean_se"], ".5f"),
                    f"{s['same_top1_pct']:.2f}", plus_minus(s["diff"], s["se"], "+.5f", ".5f")] if s else [""] * 5)
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(cells)
+    return markdown_table(["budget", "recipe", "predicted MB, KLD", "MB", "mean KLD ± SE", "same top-1 %", "stock",
+                           "MB", "mean KLD ± SE", "same top-1 %", "Δ KLD ± SE (paired)"], rows)
 
 
 def plot_sensitivity(rows: list[dict], title: str = ""):

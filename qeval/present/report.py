@@ -25,6 +25,7 @@ from qeval.compare.metric_registry import (
 from qeval.compare.metrics import GROUP_FIELDS, PER_TOKEN_FIELDS
 from qeval.compare.summary import ComparisonSummary, Side, TokenGroup, kv_text
 from qeval.identity import NOT_RECORDED, form
+from qeval.present.markdown import markdown_table
 from qeval.storage import error_record
 from qeval.storage.llamacpp import record_values
 from qeval.storage.store import StoreHeader
@@ -363,12 +364,12 @@ def ppl_matrix_markdown(pairs: list[tuple[str, str, str]], summaries: list[Compa
     ref_name, ref_cell = cell.get(("ref", "f16"), (None, ""))
     if not any(kv == "f16" for _, _, kv in pairs) and ref_name not in {Path(p).name for p in models}:
         kvs.remove("f16")
-    lines = ["| model | " + " | ".join(f"KV {kv}" for kv in kvs) + " |", "|---|" + "---|" * len(kvs)]
-    for path in models:
+
+    def row(path: str) -> list[str]:
         name = Path(path).name
-        cells = [cell.get((path, kv), ref_cell if name == ref_name and kv == "f16" else "") for kv in kvs]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        return [name, *(cell.get((path, kv), ref_cell if name == ref_name and kv == "f16" else "") for kv in kvs)]
+
+    return markdown_table(["model", *(f"KV {kv}" for kv in kvs)], map(row, models))
 
 
 def merge_text(merged: dict) -> str:

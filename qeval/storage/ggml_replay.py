@@ -21,11 +21,13 @@ import os
 import threading
 from ctypes import c_bool, c_float, c_int, c_int64, c_size_t, c_void_p
 from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 
-from qeval.storage.hidden_form import _GGML_TYPE_IDS, QK8_0, OutputHead, StoredActivations
+from qeval.errors import QevalError
+from qeval.storage.ggml_types import type_id
+from qeval.storage.hidden_form import QK8_0, OutputHead, StoredActivations
+from qeval.storage.llama_libraries import library_path
 
 # Rows multiplied per graph, always (padded with zero rows): ggml picks its kernel by the shape of the product (an
 # F16 head's rows come out otherwise one by one than 64 at a time), so a fixed shape, and a row always in the same
@@ -69,12 +71,8 @@ class _Ggml:
 def _library() -> _Ggml | None:
     """The ggml of the llama.cpp build qeval runs (llama-cpp-python loads the same files), or None."""
     try:
-        folder = os.environ.get("LLAMA_CPP_LIB_PATH")
-        if not folder:
-            import llama_cpp  # noqa: PLC0415 - only a replay needs it
-
-            folder = str(Path(llama_cpp.__file__).parent / "lib")
-        return _Ggml(ctypes.CDLL(str(Path(folder) / "libggml-base.so")), ctypes.CDLL(str(Path(folder) / "libggml-cpu.so")))
+        base, cpu = library_path("ggml-base"), library_path("ggml-cpu")
+        return None if base is None or cpu is None else _Ggml(ctypes.CDLL(str(base)), ctypes.CDLL(str(cpu)))
     except (ImportError, OSError, AttributeError):
         return None
 
@@ -102,7 +100,7 @@ class GgmlHead:
         self.lib, self.head, self.threads = lib, head, threads
         self._lock = threading.Lock()  # one graph at a time: the work context is reused
         self._weights_ctx = lib.init(_InitParams(len(head.data) + lib.tensor_overhead() + _SLACK, None, False))
-        self._weights = lib.new_tensor_2d(self._weights_ctx, _GGML_TYPE_IDS[head.ggml_type], head.n_embd,
+        self._weights = lib.new_tensor_2d(self._weights_ctx, type_id(head.ggml_type), head.n_embd,
                                           head.n_vocab)
         ctypes.memmove(lib.get_data(self._weights), np.frombuffer(head.data, dtype=np.uint8).ctypes.data,
                        len(head.data))
@@ -136,7 +134,7 @@ class GgmlHead:
     def _multiply(self, part: np.ndarray) -> np.ndarray:
         lib, ctx, head = self.lib, self._work_ctx, self.head
         lib.reset(ctx)
-        x = lib.new_tensor_2d(ctx, _GGML_TYPE_IDS[head.ggml_type], head.n_embd, len(part))  # the vec_dot_type
+        x = lib.new_tensor_2d(ctx, type_id(head.ggml_type), head.n_embd, len(part))  # the vec_dot_type
         ctypes.memmove(lib.get_data(x), part.ctypes.data, part.nbytes)
         logits = lib.mul_mat(ctx, self._weights, x)
         if head.softcap:  # as llama.cpp's graph: scale by 1/c, tanh, scale by c, in float32
@@ -144,7 +142,7 @@ class GgmlHead:
         graph = lib.new_graph(ctx)
         lib.build_forward_expand(graph, logits)
         if lib.compute(ctx, graph, self.threads) != 0:
-            raise RuntimeError("ggml could not compute the head's replay")
+            raise QevalError(f"ggml could not compute the replay of the output head {head.tensor} ({head.ggml_type})")
         values = (c_float * (len(part) * head.n_vocab)).from_address(lib.get_data(logits))
         return np.ctypeslib.as_array(values).reshape(len(part), head.n_vocab).copy()
 

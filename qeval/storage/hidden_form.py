@@ -34,6 +34,7 @@ import numba
 import numpy as np
 
 from qeval.errors import QevalError, StoreFormatError
+from qeval.storage import ggml_types
 
 QK8_0 = 32
 FORMS = ("logits", "hidden", "auto")  # --reference-form: what a capture stores (auto: hidden where it replays)
@@ -51,18 +52,15 @@ REPLAY_THREADS = os.cpu_count() or 1  # tiles replayed at once
 class Activation:
     """How ggml's CPU mul_mat rounds its activations for one weight type, and how a row of them is stored."""
 
-    name: str  # the vec_dot_type: q8_0, f16, bf16, f32
-    bytes_per_value: float
+    name: str  # the vec_dot_type, a ggml type: q8_0, f16, bf16, f32
 
     def row_bytes(self, n_embd: int) -> int:
-        return int(n_embd * self.bytes_per_value)
+        return ggml_types.row_bytes(self.name, n_embd)
 
 
 # weight type (GGML name) -> the activation form its CPU kernel multiplies
-ACTIVATIONS = {"Q8_0": Activation("q8_0", 34 / 32), "F16": Activation("f16", 2), "BF16": Activation("bf16", 2),
-               "F32": Activation("f32", 4)}
-_WEIGHT_BYTES = {"Q8_0": 34 / 32, "F16": 2, "BF16": 2, "F32": 4}
-_GGML_TYPE_IDS = {"F32": 0, "F16": 1, "Q8_0": 8, "BF16": 30}
+ACTIVATIONS = {"Q8_0": Activation("q8_0"), "F16": Activation("f16"), "BF16": Activation("bf16"),
+               "F32": Activation("f32")}
 
 
 class NotReplayable(QevalError):
@@ -268,7 +266,7 @@ def head_of_description(d: object, data, where: str) -> OutputHead:
     if not (isinstance(tensor, str) and ints_ok and isinstance(softcap, (int, float)) and math.isfinite(softcap)
             and softcap >= 0 and (ggml_type != "Q8_0" or n_embd % QK8_0 == 0)):
         raise StoreFormatError(f"{where}: output head description is malformed ({d!r})")
-    expected = int(n_vocab * n_embd * _WEIGHT_BYTES[ggml_type])
+    expected = n_vocab * ggml_types.row_bytes(ggml_type, n_embd)
     if len(data) != expected:
         raise StoreFormatError(f"{where}: output head has {len(data)} bytes of weights, expected {expected}")
     return OutputHead(tensor, ggml_type, n_vocab, n_embd, float(softcap), data)
