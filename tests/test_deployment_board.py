@@ -432,7 +432,8 @@ def test_parse_sizes_and_counts():
 
 
 def test_the_control_is_named_not_chosen():
-    rows = [BoardRow("control", "?", "f16/f16", None, "f16", "f16", 1.0, None, {}, {}, None, control=True)]
+    rows = [BoardRow(label="control", quant="?", kv="f16/f16", type_k="f16", type_v="f16", size_gib=1.0, metrics={},
+                     control=True)]
     from qeval.present.deployment_board import DeploymentBoard, Machine  # noqa: PLC0415
 
     view = DeploymentBoard(Machine("a" * 12, {"id": "a" * 64}, True), {}, {})
