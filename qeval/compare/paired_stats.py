@@ -130,8 +130,8 @@ def paired_difference(a: np.ndarray, b: np.ndarray, chunk: np.ndarray, metric: s
         raise QevalError(f"confidence must be between 0 and 1, not {confidence}")
     m = metric_registry.lookup(metric)  # a sampler's TVD (tvd_pct@NAME) pairs too
     if m is None or not m.paired:
-        raise QevalError(f"{metric!r} is not a metric paired comparisons apply to ({', '.join(m.key for m in metric_registry.paired())}, "
-                         "tvd_pct@SAMPLER)")
+        paired = ", ".join(m.key for m in metric_registry.paired())
+        raise QevalError(f"{metric!r} is not a metric paired comparisons apply to ({paired}, tvd_pct@SAMPLER)")
     scale = m.scale
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     if a.shape != b.shape or a.shape != np.shape(chunk):

@@ -204,11 +204,12 @@ def board_row(summary: ComparisonSummary, samplers=(), flips: dict[str, FlipFigu
     types = (kv.get("type_k"), kv.get("type_v"))
     kv_gib = kv_cache_gib(model, *types, summary.reference.n_ctx or 0)
     ref_kv = summary.reference.kv_types
-    return BoardRow(label=cand.label, quant=model.get("quant", "?"), kv=cand.kv_text(), model_file=model.get("file_name"),
-                    type_k=types[0], type_v=types[1], size_gib=size, bpw=model.get("bits_per_weight"),
-                    metrics={m.key: held.get(m.key) for m in metric_registry.board()},
+    return BoardRow(label=cand.label, quant=model.get("quant", "?"), kv=cand.kv_text(),
+                    model_file=model.get("file_name"), type_k=types[0], type_v=types[1], size_gib=size,
+                    bpw=model.get("bits_per_weight"), metrics={m.key: held.get(m.key) for m in metric_registry.board()},
                     samplers={name: _sampler_figures(summary, held, name) for name in samplers},
-                    deepest=summary.deepest, task_flips=flips or {}, kv_quant=types != (ref_kv.get("type_k"), ref_kv.get("type_v")),
+                    deepest=summary.deepest, task_flips=flips or {},
+                    kv_quant=types != (ref_kv.get("type_k"), ref_kv.get("type_v")),
                     memory_estimate_gib=None if size is None or kv_gib is None else round(size + kv_gib, 4),
                     control=is_control(summary.comparison_request()), floor=is_floor(summary.comparison_request()),
                     segments={g.name: g for g in summary.by_segment or ()},
@@ -223,9 +224,10 @@ def reference_row(summary: ComparisonSummary) -> BoardRow:
     ref = summary.reference
     model, kv = ref.facts, ref.kv_types
     p = summary.perplexity
-    return BoardRow(label=ref.label, quant=model.get("quant", "?"), kv=ref.kv_text(), model_file=model.get("file_name"),
-                    type_k=kv.get("type_k"), type_v=kv.get("type_v"), size_gib=model.get("size_gib"),
-                    bpw=model.get("bits_per_weight"), metrics={"ppl": MetricValue(p["ppl_ref"], p["ppl_ref_se"])},
+    return BoardRow(label=ref.label, quant=model.get("quant", "?"), kv=ref.kv_text(),
+                    model_file=model.get("file_name"), type_k=kv.get("type_k"), type_v=kv.get("type_v"),
+                    size_gib=model.get("size_gib"), bpw=model.get("bits_per_weight"),
+                    metrics={"ppl": MetricValue(p["ppl_ref"], p["ppl_ref_se"])},
                     fingerprint=model.get("fingerprint"), reference=True)
 
 
