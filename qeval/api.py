@@ -405,12 +405,11 @@ def choose_report(runs: list[Path], memory: str | float | None = None, context: 
                   machine: str | None = None) -> tuple[dict, str]:
     """The deployment question over the board of saved results: the best quality (`by`, a board metric; mean KLD)
     that fits `memory` (GiB, or a size with a unit: "8GiB") at deployment context `context` and generates at least
-    `min_tg` tokens/s at depth `depth`, on this machine or `machine`, from measured figures only; every other row
+    `min_tg` tokens/s at depth `depth` (0 when not given, llama-bench's default), on this machine or `machine`, from measured figures only; every other row
     named with why it is ruled out (qeval.compare.deployment_choice)."""
-    from qeval.compare.deployment_choice import Question  # noqa: PLC0415
     from qeval.orchestrate import boards  # noqa: PLC0415
 
-    return boards.choose(runs, Question.parse(memory, context, min_tg, depth, by), machine=machine)
+    return boards.choose(runs, boards.read_question(memory, context, min_tg, depth, by), machine=machine)
 
 
 def paired_report(ref: str, cand_a: str, cand_b: str, chunks: int | None = None, runs_dir=None, method: str = "t",

@@ -27,7 +27,9 @@ from qeval.errors import QevalError
 from qeval.orchestrate import boards
 from qeval.present import leaderboard
 from qeval.present.board import BoardRow
+from qeval.present.choose_text import reason_text
 from qeval.present.deployment_board import CONTROL_WHY, Records
+from qeval.present.deployment_page import question_link
 from qeval.storage.deployment import load_records
 
 # label, model file, quant, size GiB, bpw, KV type, noise sigma (more noise -> higher KLD)
@@ -322,6 +324,14 @@ def test_choose_cli(runs):
     assert res.returncode == 0 and json.loads(res.stdout)["question"]["n_ctx"] == CTX
 
 
+def test_a_speed_without_a_depth_is_read_at_depth_0_as_llama_bench_reads_it(runs):
+    res = run_cli("choose", runs, "--min-tg", "25", "--json")
+    assert res.returncode == 0, res.stderr
+    result = json.loads(res.stdout)
+    assert result["question"]["depth"] == 0 and result == api.choose_report([runs], min_tg=25, depth=0)[0]
+    assert "Default with --min-tg: 0" in " ".join(run_cli("choose", "--help").stdout.split())
+
+
 @pytest.mark.parametrize("args, fragments", [
     (("--memory", "8 potatoes", "--context", "32768"), ("--memory '8 potatoes' is not a size",)),
     (("--memory", "0", "--context", "32768"), ("must be a positive size",)),
@@ -330,7 +340,7 @@ def test_choose_cli(runs):
     (("--memory", "8"), ("give both --memory and --context",)),
     (("--min-tg", "-5", "--depth", "0"), ("--min-tg must be a speed of 0 tokens/s or more",)),
     (("--min-tg", "fast", "--depth", "0"), ("--min-tg 'fast' is not a speed",)),
-    (("--min-tg", "20",), ("give both --min-tg and --depth",)),
+    (("--depth", "0",), ("give both --min-tg and --depth",)),
     (("--min-tg", "20", "--depth", "1000"), ("--depth 1000", "measured depths are 0, 4096")),
     ((), ("ask for memory",)),
     (("--min-tg", "20", "--depth", "0", "--by", "vibes"), ("--by 'vibes' is not a board metric",)),
@@ -378,7 +388,7 @@ def test_every_reason_on_plain_candidates():
 def test_a_near_miss_never_reads_as_the_limit():
     q = Question(memory_gib=1.0, n_ctx=100, min_tg=10.0, depth=0)
     near = Candidate("near", 0.1, {100: 1.004 * GIB}, {0: 9.96})
-    assert [r.text for r in deployment_choice.reasons(near, q)] == [
+    assert [reason_text(r, q) for r in deployment_choice.reasons(near, q)] == [
         "does not fit: 1.004 GiB > 1 GiB at context 100", "too slow: 9.96 tokens/s < 10 tokens/s at depth 0"]
 
 
@@ -419,25 +429,27 @@ def test_front_matches_brute_force_on_random_points(seed):
 
 
 def test_parse_sizes_and_counts():
-    assert deployment_choice.parse_size("8") == 8.0
-    assert deployment_choice.parse_size("8GiB") == deployment_choice.parse_size("8 G") == 8.0
-    assert deployment_choice.parse_size("512MiB") == 0.5
-    assert deployment_choice.parse_size("8GB") == 8e9 / GIB
-    assert deployment_choice.parse_count("32k", "--context") == 32768
+    assert boards.parse_size("8") == 8.0
+    assert boards.parse_size("8GiB") == boards.parse_size("8 G") == 8.0
+    assert boards.parse_size("512MiB") == 0.5
+    assert boards.parse_size("8GB") == 8e9 / GIB
+    assert boards.parse_count("32k", "--context") == 32768
     for bad in ("", "8 GiBs", "-1", "1e999"):
         with pytest.raises(QevalError):
-            deployment_choice.parse_size(bad)
-    assert Question(memory_gib=7.5, n_ctx=4096, min_tg=12.5, depth=0, by="kld_999").link() == \
+            boards.parse_size(bad)
+    assert question_link(Question(memory_gib=7.5, n_ctx=4096, min_tg=12.5, depth=0, by="kld_999")) == \
         "mem=7.5&ctx=4096&tg=12.5&depth=0&by=kld_999"
 
 
 def test_the_control_is_named_not_chosen():
-    rows = [BoardRow("control", "?", "f16/f16", None, "f16", "f16", 1.0, None, {}, {}, None, control=True)]
+    rows = [BoardRow(label="control", quant="?", kv="f16/f16", type_k="f16", type_v="f16", size_gib=1.0, metrics={},
+                     control=True)]
     from qeval.present.deployment_board import DeploymentBoard, Machine  # noqa: PLC0415
 
     view = DeploymentBoard(Machine("a" * 12, {"id": "a" * 64}, True), {}, {})
     (c,) = view.candidates(rows)
-    assert deployment_choice.reasons(c, Question(min_tg=1, depth=0))[0].text == CONTROL_WHY
+    q = Question(min_tg=1, depth=0)
+    assert reason_text(deployment_choice.reasons(c, q)[0], q) == CONTROL_WHY
 
 
 # --------------------------------------------------------------------------------------------------
@@ -489,4 +501,5 @@ def test_a_board_measured_only_elsewhere_says_so_and_points_to_the_machine(runs,
 def test_a_record_without_the_asked_figures_is_not_measured_there():
     """A record that holds a prompt speed only: the row is measured, not at the asked depth."""
     c = Candidate("pp-only", 0.1, recorded=True)
-    assert [r.text for r in deployment_choice.reasons(c, Question(min_tg=1, depth=0))] == ["not measured at depth 0"]
+    q = Question(min_tg=1, depth=0)
+    assert [reason_text(r, q) for r in deployment_choice.reasons(c, q)] == ["not measured at depth 0"]

@@ -241,7 +241,7 @@ def test_an_early_kv_row_is_paired_with_the_floor_on_the_chunks_it_holds():
                "q4_0": {"chunk": chunk[at], "position": position[at], "kld": row_kld.astype(np.float32)}}
 
     def row(label, **flags):
-        return board.BoardRow(label, "Q8_0", "f16/f16", None, None, None, None, None, {}, {}, None, **flags)
+        return board.BoardRow(label=label, quant="Q8_0", kv="f16/f16", metrics={}, **flags)
 
     rows = [row("floor", floor=True), row("q4_0", kv_quant=True)]
     board.compare_with_floor(rows, lambda r: columns[r.label])

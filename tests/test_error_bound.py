@@ -158,8 +158,8 @@ def test_board_rows_show_their_bound_and_the_control_reads_its_own():
     from qeval.present import board  # noqa: PLC0415
 
     def row(label, kld, se, bound, control=False):
-        return board.BoardRow(label, "?", "?", None, None, None, 0.5, None,
-                              {"kld_mean": MetricValue(kld, se, bound=bound)}, {}, None, control=control, chunks=4)
+        return board.BoardRow(label=label, quant="?", kv="?", size_gib=0.5,
+                              metrics={"kld_mean": MetricValue(kld, se, bound=bound)}, control=control, chunks=4)
 
     control = row("control", 4e-7, 1e-8, 3.2e-6, control=True)
     # 3.6e-6 over the control: far beyond its SEs (above, without the bounds), but within the bounds, which reach

@@ -239,7 +239,7 @@ def test_pareto_fronts_of_the_synthetic_board(board):
 
 
 def _row(label: str, size: float, memory: float, kld: float, kv_quant: bool) -> BoardRow:
-    return BoardRow(label, "?", "?", None, None, None, size, None, {"kld_mean": MetricValue(kld, 0.0)}, {}, None,
+    return BoardRow(label=label, quant="?", kv="?", size_gib=size, metrics={"kld_mean": MetricValue(kld, 0.0)},
                     kv_quant=kv_quant, memory_estimate_gib=memory)
 
 

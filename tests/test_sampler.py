@@ -487,7 +487,7 @@ def test_sampler_figures_survive_a_baseline_round_trip(tmp_path):
 def test_cli_compare_pairs_the_tvd(tmp_path):
     from synth_runs import make_runs  # noqa: PLC0415
 
-    from qeval.orchestrate import paired  # noqa: PLC0415
+    from qeval.compare.paired_stats import chunk_means  # noqa: PLC0415
 
     runs = make_runs(tmp_path / "runs")
     res = run_cli("compare", "--ref", "REF", "--cand", "A", "--cand", "B", "--runs-dir", runs, "--sampler",
@@ -499,7 +499,7 @@ def test_cli_compare_pairs_the_tvd(tmp_path):
             StoreReader(runs / "B.qeval") as b:
         ta = metrics.compare(ref, a, threads=1, samplers=["qwen3.5-thinking"]).per_token
         tb = metrics.compare(ref, b, threads=1, samplers=["qwen3.5-thinking"]).per_token
-    per_chunk = paired.chunk_means(ta["tvd@qwen3.5-thinking"] - tb["tvd@qwen3.5-thinking"], ta["chunk"]) * 100
+    per_chunk = chunk_means(ta["tvd@qwen3.5-thinking"] - tb["tvd@qwen3.5-thinking"], ta["chunk"]) * 100
     assert d["diff"] == pytest.approx(per_chunk.mean(), rel=1e-9)
     assert d["se"] == pytest.approx(np.std(per_chunk, ddof=1) / math.sqrt(len(per_chunk)), rel=1e-9)
     assert d["mean_a"] == pytest.approx(100 * ta["tvd@qwen3.5-thinking"].mean(), rel=1e-9)

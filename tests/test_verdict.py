@@ -43,8 +43,8 @@ def kv_row_over_floor(mean: float, se: float, n_chunks: int) -> board.BoardRow:
                "q2_k+kv-q4_0": {"chunk": chunk, "position": position, "kld": floor_kld + d[chunk]}}
 
     def row(label, kld, **flags):
-        return board.BoardRow(label, "Q2_K", "q4_0/q4_0", None, None, None, None, None,
-                              {"kld_mean": MetricValue(kld, 1e-4)}, {}, None, chunks=n_chunks, **flags)
+        return board.BoardRow(label=label, quant="Q2_K", kv="q4_0/q4_0",
+                              metrics={"kld_mean": MetricValue(kld, 1e-4)}, chunks=n_chunks, **flags)
 
     rows = [row("floor", FLOOR_KLD, floor=True), row("q2_k+kv-q4_0", FLOOR_KLD + mean, kv_quant=True)]
     board.compare_with_floor(rows, lambda r: columns[r.label])
@@ -81,8 +81,8 @@ def test_within_the_floor_needs_the_interval_below_the_floors_own_kld():
 
 
 def test_the_boards_table_json_and_note_never_read_undecided_as_within():
-    floor = board.BoardRow("floor", "Q8_0", "f16/f16 gen", None, None, None, None, None,
-                           {"kld_mean": MetricValue(FLOOR_KLD, 1e-4)}, {}, None, floor=True, chunks=2)
+    floor = board.BoardRow(label="floor", quant="Q8_0", kv="f16/f16 gen",
+                           metrics={"kld_mean": MetricValue(FLOOR_KLD, 1e-4)}, floor=True, chunks=2)
     two = kv_row_over_floor(0.658272, 0.065735, 2)
     md = board.leaderboard_markdown([floor, two])
     line = next(x for x in md.splitlines() if x.startswith("| q2_k+kv-q4_0 |"))

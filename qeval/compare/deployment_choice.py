@@ -7,12 +7,15 @@ otherwise); the reference is the best quality by definition (every figure is mea
 candidates that pass, the best quality wins, then less memory, then faster generation, then the label. The winner
 is always on the front over quality × memory at C × generation speed at D (ranking.front), which is computed here
 too: qeval.present.deployment_board draws it on the board and the HTML page looks it up.
+
+Values in, values out: the question is read from what a user typed at the edge
+(qeval.orchestrate.boards.read_question), and the answer is worded, linked and written as JSON in
+qeval.present.choose_text.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -21,32 +24,6 @@ from qeval.compare.metric_registry import METRICS
 from qeval.errors import QevalError
 
 GIB = 2**30
-SIZE_UNITS = {"": GIB, "g": GIB, "gib": GIB, "gb": 10**9, "m": 2**20, "mib": 2**20, "mb": 10**6,
-              "t": 2**40, "tib": 2**40, "tb": 10**12}
-_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", re.IGNORECASE)
-_COUNT = re.compile(r"\s*([0-9]+)\s*(k?)\s*", re.IGNORECASE)
-
-
-def parse_size(text: str, what: str = "--memory") -> float:
-    """A memory limit in GiB: a number of GiB (8, 7.5) or a number with a unit (8GiB, 8G, 8000MiB, 8GB: 10^9
-    bytes)."""
-    m = _SIZE.fullmatch(str(text))
-    unit = m.group(2).lower() if m else None
-    if unit not in SIZE_UNITS:
-        raise QevalError(f"{what} {text!r} is not a size: give GiB as a number (8, 7.5) or a number with a unit "
-                         "(8GiB, 8000MiB, 8GB)")
-    gib = float(m.group(1)) * SIZE_UNITS[unit] / GIB
-    if not gib > 0 or not math.isfinite(gib):
-        raise QevalError(f"{what} {text!r} must be a positive size")
-    return gib
-
-
-def parse_count(text: str | int, what: str) -> int:
-    """A token count: digits, or digits and k (32k = 32,768 tokens, as llama.cpp's contexts are counted)."""
-    m = _COUNT.fullmatch(str(text))
-    if not m:
-        raise QevalError(f"{what} {text!r} is not a token count: give tokens (32768) or thousands of 1,024 (32k)")
-    return int(m.group(1)) * (1024 if m.group(2) else 1)
 
 
 def quality_metric(key: str):
@@ -65,8 +42,8 @@ def better(key: str) -> int:
 
 @dataclass(frozen=True)
 class Question:
-    """What the user asks: memory at a context and/or generation speed at a depth, and the quality to maximise.
-    Build it with Question.parse from what a user typed; the constructor checks the values."""
+    """What the user asks: memory at a context and/or generation speed at a depth, and the quality to maximise; the
+    constructor checks the values."""
 
     memory_gib: float | None = None  # the memory the deployment must fit in, in GiB
     n_ctx: int | None = None  # the deployment context the memory is measured at
@@ -91,33 +68,9 @@ class Question:
             raise QevalError(f"--depth must be 0 or more tokens, not {self.depth}")
         quality_metric(self.by)
 
-    @classmethod
-    def parse(cls, memory: str | None = None, context: str | int | None = None, min_tg: str | float | None = None,
-              depth: str | int | None = None, by: str = "kld_mean") -> Question:
-        """The question from text as typed (--memory 8GiB --context 32k --min-tg 20 --depth 4096)."""
-        if min_tg is not None:
-            try:
-                min_tg = float(min_tg)
-            except ValueError:
-                raise QevalError(f"--min-tg {min_tg!r} is not a speed in tokens/s") from None
-        return cls(None if memory is None else parse_size(memory),
-                   None if context is None else parse_count(context, "--context"), min_tg,
-                   None if depth is None else parse_count(depth, "--depth"), by)
-
     @property
     def better(self) -> int:
         return better(self.by)
-
-    def link(self) -> str:
-        """The question as URL parameters of the board's HTML page (mem=8&ctx=32768&tg=20&depth=4096)."""
-        parts = []
-        if self.memory_gib is not None:
-            parts += [f"mem={self.memory_gib:g}", f"ctx={self.n_ctx}"]
-        if self.min_tg is not None:
-            parts += [f"tg={self.min_tg:g}", f"depth={self.depth}"]
-        if self.by != "kld_mean":
-            parts.append(f"by={self.by}")
-        return "&".join(parts)
 
     def to_json(self) -> dict:
         return {"memory_gib": self.memory_gib, "n_ctx": self.n_ctx, "min_tg": self.min_tg, "depth": self.depth,
@@ -144,10 +97,15 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Reason:
-    """Why a candidate is ruled out: a kind (RULE_OUTS) and the sentence naming the figures."""
+    """Why a candidate is ruled out: a kind (RULE_OUTS) and the figures it stands on (worded by
+    qeval.present.choose_text.reason_text)."""
 
     kind: str
-    text: str
+    axis: str | None = None  # "context" or "depth": the asked figure that is missing, failed or missed its limit
+    at: int | None = None  # the asked context or depth
+    figure: float | str | None = None  # what missed the limit (bytes; tokens/s), or why it could not be measured
+    measured: tuple[int, ...] = ()  # "not measured" at the asked one: the contexts or depths that were
+    note: str | None = None  # why it is not a candidate, or the other machines it was measured on
 
 
 # every kind of reason, in the order they are checked
@@ -163,61 +121,29 @@ class Choice:
     ruled_out: tuple[tuple[Candidate, tuple[Reason, ...]], ...]  # in the board's order
     front: tuple[str, ...]  # labels on the front over quality × memory at C × speed at D (the axes asked)
 
-    def to_json(self) -> dict:
-        return {"question": self.question.to_json(), "best": None if self.best is None else self.best.label,
-                "passing": [c.label for c in self.passing],
-                "ruled_out": [{"label": c.label, "reasons": [{"kind": r.kind, "text": r.text} for r in reasons]}
-                              for c, reasons in self.ruled_out],
-                "front": list(self.front)}
 
-
-def tokens(n: int) -> str:
-    return f"{n:,}"
-
-
-def beside(value: float, limit: float, decimals: int) -> str:
-    """`value` with `decimals` decimals, or more (up to 6) until it does not read as the limit it missed."""
-    for d in range(decimals, 7):
-        text = f"{value:.{d}f}"
-        if float(text) != limit:
-            return text
-    return text
-
-
-def _figure_reasons(figures: Mapping[int, float | str], at: int, where: str, measured_text: str) -> list[Reason]:
-    """Not measured at `at`, or measured there and failed."""
+def _figure_reasons(figures: Mapping[int, float | str], axis: str, at: int, missed, kind: str) -> list[Reason]:
+    """Not measured at `at`, measured there and failed, or measured and `missed` (a test of the figure): `kind`."""
     figure = figures.get(at)
     if figure is None:
-        there = ", ".join(tokens(k) for k in sorted(figures))
-        return [Reason("not measured", f"not measured at {where} {tokens(at)}" + (f" ({measured_text}: {there})"
-                                                                                  if there else ""))]
+        return [Reason("not measured", axis, at, measured=tuple(sorted(figures)))]
     if isinstance(figure, str):
-        return [Reason("could not be measured", f"could not be measured at {where} {tokens(at)}: {figure}")]
-    return []
+        return [Reason("could not be measured", axis, at, figure)]
+    return [Reason(kind, axis, at, figure)] if missed(figure) else []
 
 
 def reasons(c: Candidate, q: Question) -> tuple[Reason, ...]:
     """Why `c` does not answer `q`; empty when it passes."""
     if c.excluded:
-        return (Reason("not a candidate", c.excluded),)
+        return (Reason("not a candidate", note=c.excluded),)
     if not c.measured:
-        if c.elsewhere:
-            return (Reason("measured on another machine", f"measured on another machine: {c.elsewhere}"),)
-        return (Reason("not measured", "not measured: no speed or memory record"),)
-    out = [] if c.reference or c.quality is not None else [
-        Reason("no quality figure", f"no {quality_metric(q.by).heading} figure")]
+        return (Reason("measured on another machine", note=c.elsewhere) if c.elsewhere else Reason("not measured"),)
+    has_quality = c.reference or (c.quality is not None and math.isfinite(c.quality))
+    out = [] if has_quality else [Reason("no quality figure")]
     if q.n_ctx is not None:
-        missing = _figure_reasons(c.memory, q.n_ctx, "context", "measured contexts")
-        out += missing
-        if not missing and c.memory[q.n_ctx] > q.memory_gib * GIB:
-            out.append(Reason("does not fit", f"does not fit: {beside(c.memory[q.n_ctx] / GIB, q.memory_gib, 2)} "
-                                              f"GiB > {q.memory_gib:g} GiB at context {tokens(q.n_ctx)}"))
+        out += _figure_reasons(c.memory, "context", q.n_ctx, lambda total: total > q.memory_gib * GIB, "does not fit")
     if q.depth is not None:
-        missing = _figure_reasons(c.tg, q.depth, "depth", "measured depths")
-        out += missing
-        if not missing and c.tg[q.depth] < q.min_tg:
-            out.append(Reason("too slow", f"too slow: {beside(c.tg[q.depth], q.min_tg, 1)} tokens/s < "
-                                          f"{q.min_tg:g} tokens/s at depth {tokens(q.depth)}"))
+        out += _figure_reasons(c.tg, "depth", q.depth, lambda tps: tps < q.min_tg, "too slow")
     return tuple(out)
 
 

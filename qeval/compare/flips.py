@@ -7,7 +7,7 @@ From the per-task answers of two task stores (qeval.storage.taskstore), without 
   flips         correct -> wrong and wrong -> correct, counts and % of tasks; answers changed at all
                 (a HellaSwag answer can move from one wrong ending to another)
   McNemar       exact two-sided test on the discordant pairs: is the accuracy change more than chance?
-                p = min(1, 2 P[X <= min(b, c)]), X ~ Binomial(b + c, 1/2), computed in exact rationals
+                p = min(1, 2 P[X <= min(b, c)]), X ~ Binomial(b + c, 1/2) (scipy.stats.binomtest)
   margin bins   tasks ranked by the reference's margin (its answer's score minus the best other score)
                 and cut into equal-count bins: flip rate per bin (the paper: low-margin tasks flip)
 """
@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from fractions import Fraction
 
 import numpy as np
+from scipy.stats import binomtest
 
 from qeval.errors import MismatchError, QevalError
 from qeval.identity import short
@@ -79,11 +79,7 @@ def mcnemar_exact(b: int, c: int) -> float:
     """Exact two-sided McNemar p-value for b and c discordant pairs (binomial test at 1/2)."""
     if b < 0 or c < 0:
         raise ValueError("counts must be >= 0")
-    n = b + c
-    if n == 0:
-        return 1.0
-    tail = sum(math.comb(n, k) for k in range(min(b, c) + 1))
-    return float(min(Fraction(1), Fraction(2 * tail, 2 ** n)))
+    return 1.0 if b + c == 0 else float(binomtest(b, b + c, 0.5).pvalue)
 
 
 def margin_bins(paired: PairedTasks, bins: int) -> list[dict]:

@@ -1,5 +1,26 @@
-"""The statistics of paired comparisons (qeval.orchestrate.paired explains the choice): per-chunk means, a
-one-sample t-interval over them, and a block bootstrap over chunks."""
+"""The statistics of paired comparisons: is candidate A really better than candidate B? Paired differences on the
+same reference tokens, the same rule for a recipe's KLD cost and a KV row's KLD over a board's floor.
+
+Both candidates are scored against one reference over the same tokens, so every token gives a
+paired difference d = x_A - x_B of each metric qeval.compare.metric_registry marks `paired` (KLD, NLL,
+same-top-1). The tokens of one window are not independent: they share a context, the model's state
+and often a topic, so their differences are correlated and a per-token standard error
+(sd/sqrt(n_tokens)) is too small. Windows (chunks) are evaluated with a cleared KV cache over
+disjoint text, so they are close to independent; qeval therefore treats each chunk as one observation.
+
+Primary method, `t`: the mean difference of every chunk (255 tokens at n_ctx 512) -> a one-sample
+t-interval and a two-sided t-test over the chunk means (scipy.stats.t, n_chunks - 1 degrees of
+freedom). Every chunk holds the same number of scored tokens, so the mean of the chunk means is the
+per-token mean difference. Chosen over the bootstrap because it is exact and reproducible to the
+last digit (no random draws, equal to `scipy.stats.ttest_1samp` on the chunk means), gives a p-value
+of any size (a bootstrap p-value cannot go below 1/n_boot), and is accurate here: each chunk mean
+averages hundreds of tokens, so the chunk means are close to normal even for heavy-tailed KLD.
+
+Secondary method, `bootstrap`: a block bootstrap over chunks (resample whole chunks with
+replacement, `n_boot` = 10,000 draws, seed 0), percentile interval and a two-sided p-value from the
+share of resampled means on the other side of zero. Use it as a check when there are few chunks or
+a few chunks dominate.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +31,18 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import stats as sps
 
+from qeval.compare import metric_registry
+from qeval.compare.metric_registry import Metric
+from qeval.errors import MismatchError, QevalError
+
 
 CONFIDENCE = 0.95
 N_BOOT = 10_000
 BOOT_SEED = 0
+METHODS = ("t", "bootstrap")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PairedDifference:
     metric: str  # its qeval.compare.metric_registry key
     unit: str  # of the difference
@@ -34,7 +60,7 @@ class PairedDifference:
     confidence: float
     token_se: float  # the naive per-token SE, for comparison (too small when tokens are correlated)
     significant: bool
-    verdict: str
+    verdict: str = ""  # in words (qeval.present.paired_text.verdict); empty until it is judged
 
 
 def chunk_means(values: np.ndarray, chunk: np.ndarray) -> np.ndarray:
@@ -87,3 +113,52 @@ def interval_bootstrap(d: np.ndarray, confidence: float = CONFIDENCE, n_boot: in
     below, above = np.count_nonzero(boot <= 0.0), np.count_nonzero(boot >= 0.0)
     p = min(1.0, 2.0 * (min(below, above) + 1) / (n_boot + 1))
     return mean, float(np.std(boot, ddof=1)), float(low), float(high), p
+
+
+def difference_unit(m: Metric) -> str:
+    return "percentage points" if m.unit == "%" else m.unit
+
+
+def paired_difference(a: np.ndarray, b: np.ndarray, chunk: np.ndarray, metric: str = "kld_mean",
+                      method: str = "t", confidence: float = CONFIDENCE, n_boot: int = N_BOOT,
+                      seed: int = BOOT_SEED) -> PairedDifference:
+    """Difference of the means of `a` and `b` (per-token values of `metric` on the same tokens, before its
+    percent scale), chunk-blocked; its verdict left to the caller's words."""
+    if method not in METHODS:
+        raise QevalError(f"--method must be one of {', '.join(METHODS)}, not {method!r}")
+    if not 0.0 < confidence < 1.0:
+        raise QevalError(f"confidence must be between 0 and 1, not {confidence}")
+    m = metric_registry.lookup(metric)  # a sampler's TVD (tvd_pct@NAME) pairs too
+    if m is None or not m.paired:
+        paired = ", ".join(m.key for m in metric_registry.paired())
+        raise QevalError(f"{metric!r} is not a metric paired comparisons apply to ({paired}, tvd_pct@SAMPLER)")
+    scale = m.scale
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.shape != b.shape or a.shape != np.shape(chunk):
+        raise MismatchError("A and B must have one value per token on the same tokens")
+    d = chunk_means(a - b, chunk) * scale
+    if len(d) < 2:
+        raise QevalError(f"a paired comparison needs at least 2 chunks (the chunk is the unit of the error bar); "
+                         f"got {len(d)}")
+    diff, se, low, high, p = interval_t(d, confidence) if method == "t" else interval_bootstrap(d, confidence,
+                                                                                              n_boot, seed)
+    token_sd = float(np.std((a - b) * scale, ddof=1)) if len(a) > 1 else float("nan")
+    return PairedDifference(metric=metric, unit=difference_unit(m), better=m.better, mean_a=float(np.mean(a)) * scale,
+                            mean_b=float(np.mean(b)) * scale, diff=diff, se=se, ci_low=low, ci_high=high, p_value=p,
+                            n_chunks=len(d), n_tokens=len(a), method=method, confidence=confidence,
+                            token_se=token_sd / math.sqrt(len(a)),
+                            significant=(low > 0.0 or high < 0.0) if se > 0 else diff != 0.0)
+
+
+def kld_excess(values: dict, base: dict) -> tuple[float, float, int] | None:
+    """(mean, SE, chunks) of the per-token KLD of `values` minus `base`'s on the same tokens (per-token columns
+    {"kld", "chunk", "position"}; the chunks both hold: an early row holds fewer), chunks as the unit (interval_t
+    over chunk means); None when they are not on the same tokens or share fewer than 2 chunks."""
+    mine, theirs = on_common_chunks(values, base), on_common_chunks(base, values)
+    if not all(np.array_equal(mine[k], theirs[k]) for k in ("chunk", "position")):
+        return None
+    d = chunk_means(mine["kld"].astype(np.float64) - theirs["kld"].astype(np.float64), theirs["chunk"])
+    if len(d) < 2:
+        return None
+    mean, se, _, _, _ = interval_t(d)
+    return mean, se, len(d)

@@ -1,6 +1,7 @@
 """Boards with speed and memory: the deployment records beside a board's results and the id of this machine
 (qeval.present.deployment_board.Records), the boards of `qeval leaderboard` and `qeval card` built with them, and
-`qeval choose`, the deployment question asked of them (qeval.compare.deployment_choice).
+`qeval choose`, the deployment question asked of them (qeval.compare.deployment_choice), read here from what a user
+typed (read_question).
 
 Records are read from the runs directory of every result on the board (RUNS_DIR/deployment/), any machine's; which
 machine a board shows is the present stage's business.
@@ -8,14 +9,61 @@ machine a board shows is the present stage's business.
 
 from __future__ import annotations
 
+import math
 import os
+import re
 from pathlib import Path
 
 from qeval.compare import deployment_choice
+from qeval.compare.deployment_choice import GIB, Question
 from qeval.errors import QevalError
-from qeval.present import deployment_board, results
+from qeval.present import choose_text, results
 from qeval.present.deployment_board import Records
 from qeval.storage.deployment import DEPLOYMENT_SUBDIR, load_records
+
+
+SIZE_UNITS = {"": GIB, "g": GIB, "gib": GIB, "gb": 10**9, "m": 2**20, "mib": 2**20, "mb": 10**6,
+              "t": 2**40, "tib": 2**40, "tb": 10**12}
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", re.IGNORECASE)
+_COUNT = re.compile(r"\s*([0-9]+)\s*(k?)\s*", re.IGNORECASE)
+DEFAULT_DEPTH = 0  # a speed asked without a depth is read at llama-bench's own default depth (-d 0)
+
+
+def parse_size(text: str, what: str = "--memory") -> float:
+    """A memory limit in GiB: a number of GiB (8, 7.5) or a number with a unit (8GiB, 8G, 8000MiB, 8GB: 10^9
+    bytes)."""
+    m = _SIZE.fullmatch(str(text))
+    unit = m.group(2).lower() if m else None
+    if unit not in SIZE_UNITS:
+        raise QevalError(f"{what} {text!r} is not a size: give GiB as a number (8, 7.5) or a number with a unit "
+                         "(8GiB, 8000MiB, 8GB)")
+    gib = float(m.group(1)) * SIZE_UNITS[unit] / GIB
+    if not gib > 0 or not math.isfinite(gib):
+        raise QevalError(f"{what} {text!r} must be a positive size")
+    return gib
+
+
+def parse_count(text: str | int, what: str) -> int:
+    """A token count: digits, or digits and k (32k = 32,768 tokens, as llama.cpp's contexts are counted)."""
+    m = _COUNT.fullmatch(str(text))
+    if not m:
+        raise QevalError(f"{what} {text!r} is not a token count: give tokens (32768) or thousands of 1,024 (32k)")
+    return int(m.group(1)) * (1024 if m.group(2) else 1)
+
+
+def read_question(memory: str | float | None = None, context: str | int | None = None,
+                  min_tg: str | float | None = None, depth: str | int | None = None, by: str = "kld_mean") -> Question:
+    """The question from text as typed (--memory 8GiB --context 32k --min-tg 20 --depth 4096); a speed asked
+    without a depth is read at depth 0 (DEFAULT_DEPTH)."""
+    if min_tg is not None:
+        try:
+            min_tg = float(min_tg)
+        except ValueError:
+            raise QevalError(f"--min-tg {min_tg!r} is not a speed in tokens/s") from None
+        depth = DEFAULT_DEPTH if depth is None else depth
+    return Question(None if memory is None else parse_size(memory),
+                    None if context is None else parse_count(context, "--context"), min_tg,
+                    None if depth is None else parse_count(depth, "--depth"), by)
 
 
 def records_in(runs_dir: Path) -> list:
@@ -59,8 +107,7 @@ def card(runs: list[str | os.PathLike], out, merge=None, title: str | None = Non
     return cards.report(runs, out=out, merge=merge, title=title, deployment=records_for(runs, machine))
 
 
-def choose(runs: list[str | os.PathLike], question: deployment_choice.Question,
-           machine: str | None = None) -> tuple[dict, str]:
+def choose(runs: list[str | os.PathLike], question: Question, machine: str | None = None) -> tuple[dict, str]:
     """`qeval choose`: the deployment question over the board of saved results, (JSON, text)."""
     from qeval.present import leaderboard as boards  # noqa: PLC0415
 
@@ -72,5 +119,5 @@ def choose(runs: list[str | os.PathLike], question: deployment_choice.Question,
     view = board.deployment
     view.check(question)
     choice = deployment_choice.choose(view.candidates(board.table_rows, question.by), question)
-    return ({**choice.to_json(), "machine": view.machine.key, "board": board.title},
-            deployment_board.choice_text(view, choice, board.table_rows))
+    return ({**choose_text.choice_json(choice), "machine": view.machine.key, "board": board.title},
+            choose_text.choice_text(view, choice, board.table_rows))

@@ -1,86 +1,30 @@
-"""Is candidate A really better than candidate B? Paired differences on the same reference tokens.
-
-Both candidates are scored against one reference over the same tokens, so every token gives a
-paired difference d = x_A - x_B of each metric qeval.compare.metric_registry marks `paired` (KLD, NLL,
-same-top-1). The tokens of one window are not independent: they share a context, the model's state
-and often a topic, so their differences are correlated and a per-token standard error
-(sd/sqrt(n_tokens)) is too small. Windows (chunks) are evaluated with a cleared KV cache over
-disjoint text, so they are close to independent; qeval therefore treats each chunk as one observation.
-
-Primary method, `t`: the mean difference of every chunk (255 tokens at n_ctx 512) -> a one-sample
-t-interval and a two-sided t-test over the chunk means (scipy.stats.t, n_chunks - 1 degrees of
-freedom). Every chunk holds the same number of scored tokens, so the mean of the chunk means is the
-per-token mean difference. Chosen over the bootstrap because it is exact and reproducible to the
-last digit (no random draws, equal to `scipy.stats.ttest_1samp` on the chunk means), gives a p-value
-of any size (a bootstrap p-value cannot go below 1/n_boot), and is accurate here: each chunk mean
-averages hundreds of tokens, so the chunk means are close to normal even for heavy-tailed KLD.
-
-Secondary method, `bootstrap`: a block bootstrap over chunks (resample whole chunks with
-replacement, `n_boot` = 10,000 draws, seed 0), percentile interval and a two-sided p-value from the
-share of resampled means on the other side of zero. Use it as a check when there are few chunks or
-a few chunks dominate.
-"""
+"""`qeval compare`: is candidate A really better than candidate B? Both measured against one reference (or read
+from saved results), paired on the same reference tokens, each difference worded. The statistics, and why chunks
+are the unit, are qeval.compare.paired_stats's."""
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import os
 from dataclasses import asdict
 
 import numpy as np
 
-from qeval.compare import metric_registry, sampler
+from qeval.compare import metric_registry, paired_stats, sampler
 from qeval.compare.depth import Selection
-from qeval.compare.metric_registry import Metric
-from qeval.compare.paired_stats import (
-    BOOT_SEED,
-    CONFIDENCE,
-    N_BOOT,
-    PairedDifference,
-    chunk_means,
-    interval_bootstrap,
-    interval_t,
-)
+from qeval.compare.paired_stats import BOOT_SEED, CONFIDENCE, METHODS, N_BOOT, PairedDifference
 from qeval.errors import MismatchError, QevalError
 from qeval.orchestrate.measured import Measured, measure, over_control
 from qeval.present.paired_text import paired_text, verdict
-
-METHODS = ("t", "bootstrap")
-
-def difference_unit(m: Metric) -> str:
-    return "percentage points" if m.unit == "%" else m.unit
 
 
 def paired_difference(a: np.ndarray, b: np.ndarray, chunk: np.ndarray, metric: str = "kld_mean",
                       method: str = "t", confidence: float = CONFIDENCE, names: tuple[str, str] = ("A", "B"),
                       n_boot: int = N_BOOT, seed: int = BOOT_SEED) -> PairedDifference:
-    """Difference of the means of `a` and `b` (per-token values of `metric` on the same tokens, before its
-    percent scale), chunk-blocked."""
-    if method not in METHODS:
-        raise QevalError(f"--method must be one of {', '.join(METHODS)}, not {method!r}")
-    if not 0.0 < confidence < 1.0:
-        raise QevalError(f"confidence must be between 0 and 1, not {confidence}")
-    m = metric_registry.lookup(metric)  # a sampler's TVD (tvd_pct@NAME) pairs too
-    if m is None or not m.paired:
-        raise QevalError(f"{metric!r} is not a metric paired comparisons apply to ({', '.join(m.key for m in metric_registry.paired())}, "
-                         "tvd_pct@SAMPLER)")
-    scale = m.scale
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    if a.shape != b.shape or a.shape != np.shape(chunk):
-        raise MismatchError("A and B must have one value per token on the same tokens")
-    d = chunk_means(a - b, chunk) * scale
-    if len(d) < 2:
-        raise QevalError(f"a paired comparison needs at least 2 chunks (the chunk is the unit of the error bar); "
-                         f"got {len(d)}")
-    fn = interval_t if method == "t" else (lambda x, c: interval_bootstrap(x, c, n_boot, seed))
-    diff, se, low, high, p = fn(d, confidence)
-    token_sd = float(np.std((a - b) * scale, ddof=1)) if len(a) > 1 else float("nan")
-    significant = (low > 0.0 or high < 0.0) if se > 0 else diff != 0.0
-    out = PairedDifference(metric, difference_unit(m), m.better, float(np.mean(a)) * scale, float(np.mean(b)) * scale,
-                           diff, se, low, high, p, len(d), len(a), method, confidence, token_sd / math.sqrt(len(a)),
-                           significant, "")
-    out.verdict = verdict(out, *names)
-    return out
+    """qeval.compare.paired_stats.paired_difference of `a` and `b` with its verdict in words, naming A and B
+    `names`."""
+    out = paired_stats.paired_difference(a, b, chunk, metric, method, confidence, n_boot, seed)
+    return dataclasses.replace(out, verdict=verdict(out, *names))
 
 
 def compare_measured(a: Measured, b: Measured, method: str = "t", confidence: float = CONFIDENCE,

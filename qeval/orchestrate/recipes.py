@@ -37,13 +37,12 @@ from qeval.engine.modelinfo import model_facts
 from qeval.engine.probe import build_id
 from qeval.compare.chunk_split import ChunkSubset
 from qeval.compare.early import EarlySettings, held_prefix
-from qeval.compare.paired_stats import PairedDifference, on_common_chunks
+from qeval.compare.paired_stats import PairedDifference, on_common_chunks, paired_difference
 from qeval.compare.summary import ComparisonSummary
 from qeval.errors import QevalError
 from qeval.identity import digest
 from qeval.orchestrate import deploy, matrix
 from qeval.orchestrate.deploy import DeployRow, DeploySpec
-from qeval.orchestrate.paired import paired_difference
 from qeval.present import results
 from qeval.storage import runs
 
@@ -374,7 +373,7 @@ def kld_cost(variant: Variant | Seen, base: Variant | Seen) -> PairedDifference:
     """The variant's mean KLD minus the base's on the same tokens, chunks as the unit: the chunks both hold (on a board
     decided early, each holds a prefix of one chunk order)."""
     a, b = on_common_chunks(variant.per_token, base.per_token), on_common_chunks(base.per_token, variant.per_token)
-    return paired_difference(a["kld"], b["kld"], b["chunk"], "kld_mean", names=(variant.label, base.label))
+    return paired_difference(a["kld"], b["kld"], b["chunk"], "kld_mean")
 
 
 def is_stock(recipe: recipes.Recipe) -> bool:

@@ -4,7 +4,7 @@ A sweep takes a base recipe and moves each tensor group (found from the source G
 qeval.engine.recipe.tensor_groups) alone to each target type, everything else kept: each move is a variant
 (qeval.orchestrate.recipes), measured against the reference like the base. A move's KLD cost is the paired
 difference of its per-token KLD and the base's on the same tokens, chunks as the unit (a t-interval over chunk
-means: qeval.orchestrate.paired.paired_difference); the bytes it saves are the base file's size minus its own. A
+means: qeval.compare.paired_stats.paired_difference); the bytes it saves are the base file's size minus its own. A
 move llama.cpp's dry run shows to change no tensor (the group is there already, or a fallback lands it there) is
 not built; two targets that land on the same types are built once.
 

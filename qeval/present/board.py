@@ -16,7 +16,7 @@ import numpy as np
 
 from qeval.compare import metric_registry, ranking, sampler
 from qeval.compare.metric_registry import Metric, MetricValue, plus_minus, sampler_metrics
-from qeval.compare.paired_stats import chunk_means, interval_t, on_common_chunks
+from qeval.compare.paired_stats import kld_excess
 from qeval.compare.verdict import UNDECIDED, Verdict, excess_over, fewer_chunks, judge, written
 from qeval.compare.summary import ComparisonSummary, DepthBand, TokenGroup
 from qeval.engine.modelinfo import kv_cache_gib
@@ -107,7 +107,7 @@ def kld_cell(group: TokenGroup | None) -> str:
     return "" if group is None else plus_minus(group.kld["mean"], group.kld["se"], ".6f")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class BoardRow:
     """One candidate on a board: who it is, its board metrics (None: not held), its deepest band, its segments and
     categories (conversations), its task flips, and (on a leaderboard) its place."""
@@ -115,14 +115,15 @@ class BoardRow:
     label: str
     quant: str
     kv: str  # "type_k/type_v"
-    model_file: str | None
-    type_k: str | None
-    type_v: str | None
-    size_gib: float | None
-    bpw: float | None
     metrics: dict[str, MetricValue | None]  # metric_registry.board() by key
-    samplers: dict[str, dict[str, MetricValue | None]]  # sampler name -> its board metrics by key
-    deepest: DepthBand | None  # the band of the deepest scored positions
+    model_file: str | None = None
+    type_k: str | None = None
+    type_v: str | None = None
+    size_gib: float | None = None
+    bpw: float | None = None
+    # sampler name -> its board metrics by key
+    samplers: dict[str, dict[str, MetricValue | None]] = field(default_factory=dict)
+    deepest: DepthBand | None = None  # the band of the deepest scored positions
     task_flips: dict[str, FlipFigures] = field(default_factory=dict)  # task set -> its flips
     kv_quant: bool = False  # its KV cache types differ from the reference's: a KV-cache candidate
     # an estimate, not what llama.cpp allocates: its file plus its KV cache at the comparison's n_ctx, from the
@@ -137,7 +138,7 @@ class BoardRow:
     noise: Verdict | None = None  # its excess over the control: "within" numerical noise, above it, or undecided
     floor: bool = False  # the reference model on another of llama.cpp's kernel paths (qeval.identity.is_floor)
     kld_over_floor: float | None = None  # a KV row's mean KLD minus the floor's, paired on the same tokens
-    kld_over_floor_se: float | None = None  # its SE, chunks as the unit (qeval.compare.paired_stats.interval_t)
+    kld_over_floor_se: float | None = None  # its SE, chunks as the unit (qeval.compare.paired_stats.kld_excess)
     over_floor: Verdict | None = None  # its excess over the floor: above, within the floor's own KLD, or undecided
     segments: dict[str, TokenGroup] = field(default_factory=dict)  # segment name -> its figures (summary.by_segment)
     categories: dict[str, TokenGroup] = field(default_factory=dict)  # category name -> its figures (by_category)
@@ -204,9 +205,11 @@ def board_row(summary: ComparisonSummary, samplers=(), flips: dict[str, FlipFigu
     types = (kv.get("type_k"), kv.get("type_v"))
     kv_gib = kv_cache_gib(model, *types, summary.reference.n_ctx or 0)
     ref_kv = summary.reference.kv_types
-    return BoardRow(cand.label, model.get("quant", "?"), cand.kv_text(), model.get("file_name"), *types, size,
-                    model.get("bits_per_weight"), {m.key: held.get(m.key) for m in metric_registry.board()},
-                    {name: _sampler_figures(summary, held, name) for name in samplers}, summary.deepest, flips or {},
+    return BoardRow(label=cand.label, quant=model.get("quant", "?"), kv=cand.kv_text(),
+                    model_file=model.get("file_name"), type_k=types[0], type_v=types[1], size_gib=size,
+                    bpw=model.get("bits_per_weight"), metrics={m.key: held.get(m.key) for m in metric_registry.board()},
+                    samplers={name: _sampler_figures(summary, held, name) for name in samplers},
+                    deepest=summary.deepest, task_flips=flips or {},
                     kv_quant=types != (ref_kv.get("type_k"), ref_kv.get("type_v")),
                     memory_estimate_gib=None if size is None or kv_gib is None else round(size + kv_gib, 4),
                     control=is_control(summary.comparison_request()), floor=is_floor(summary.comparison_request()),
@@ -222,9 +225,10 @@ def reference_row(summary: ComparisonSummary) -> BoardRow:
     ref = summary.reference
     model, kv = ref.facts, ref.kv_types
     p = summary.perplexity
-    return BoardRow(ref.label, model.get("quant", "?"), ref.kv_text(), model.get("file_name"), kv.get("type_k"),
-                    kv.get("type_v"), model.get("size_gib"), model.get("bits_per_weight"),
-                    {"ppl": MetricValue(p["ppl_ref"], p["ppl_ref_se"])}, {}, None,
+    return BoardRow(label=ref.label, quant=model.get("quant", "?"), kv=ref.kv_text(),
+                    model_file=model.get("file_name"), type_k=kv.get("type_k"), type_v=kv.get("type_v"),
+                    size_gib=model.get("size_gib"), bpw=model.get("bits_per_weight"),
+                    metrics={"ppl": MetricValue(p["ppl_ref"], p["ppl_ref_se"])},
                     fingerprint=model.get("fingerprint"), reference=True)
 
 
@@ -260,8 +264,8 @@ def is_baseline(row: BoardRow) -> bool:
 
 def compare_with_floor(rows: list[BoardRow], per_token) -> None:
     """Fill kld_over_floor, its SE and over_floor of every KV-cache row against the board's floor row: the mean of
-    the per-token differences of KLD on the same tokens (the chunks both hold), chunks as the unit (a t-interval over
-    chunk means, at the confidence of qeval.compare.paired_stats), judged by qeval.compare.verdict with the floor's
+    the per-token differences of KLD on the same tokens (the chunks both hold), chunks as the unit
+    (qeval.compare.paired_stats.kld_excess), judged by qeval.compare.verdict with the floor's
     own mean KLD as the margin. per_token(row): its per-token columns ({"kld", "chunk", "position"}), None when not
     at hand. Nothing when the board has no floor."""
     floor = next((r for r in rows if r.floor), None)
@@ -272,15 +276,12 @@ def compare_with_floor(rows: list[BoardRow], per_token) -> None:
         values = per_token(row) if row.kv_quant and not is_baseline(row) else None
         if values is None:
             continue
-        mine, floors = on_common_chunks(values, base), on_common_chunks(base, values)  # an early row holds fewer chunks
-        if not all(np.array_equal(mine[k], floors[k]) for k in ("chunk", "position")):
+        excess = kld_excess(values, base)
+        if excess is None:
             continue  # not on the floor's tokens: no paired difference
-        d = chunk_means(mine["kld"].astype(np.float64) - floors["kld"].astype(np.float64), floors["chunk"])
-        if len(d) < 2:
-            continue
-        mean, se, _, _, _ = interval_t(d)
+        mean, se, chunks = excess
         row.kld_over_floor, row.kld_over_floor_se = mean, se
-        row.over_floor = judge(mean, se, len(d), margin=floor.kld_mean or 0.0)
+        row.over_floor = judge(mean, se, chunks, margin=floor.kld_mean or 0.0)
 
 
 def has_early(rows: list[BoardRow]) -> bool:

@@ -2,10 +2,12 @@
 context, generation speed, depth, quality; also from the page's URL: ?mem=8&ctx=32768&tg=20&depth=4096&by=kld_mean,
 so an answer can be linked), the board's figures as JSON, and the plain script that answers live.
 
-The script applies the rules of qeval.compare.deployment_choice to the figures of the board's machine and words its
-answer as qeval.present.deployment_board.choice_text does (tests/test_deployment_page.py holds them to the same
-answers in a browser); the fronts are not recomputed in the page: every front over a measured context and depth is
-computed in Python (deployment_board.with_front) and looked up.
+The script's rule (RULES: which rows pass, in which order, and why each other one is ruled out) is
+qeval.compare.deployment_choice's, worded as qeval.present.choose_text words it: tests/test_choose_rule.py runs it,
+taken from a written page, under Node.js over shared cases and holds every decision to Python's, and
+tests/test_deployment_page.py holds the whole page to `qeval choose` in a browser. The fronts are not recomputed in
+the page: every front over a measured context and depth is computed in Python (deployment_board.with_front) and
+looked up.
 """
 
 from __future__ import annotations
@@ -15,30 +17,52 @@ import json
 import math
 
 from qeval.compare import metric_registry
+from qeval.compare.deployment_choice import Candidate, Question, better
 from qeval.present.deployment_board import QUALITIES, DeploymentBoard
+
+
+def question_link(q: Question) -> str:
+    """The question as the page's URL parameters (mem=8&ctx=32768&tg=20&depth=4096), read back by its script."""
+    parts = []
+    if q.memory_gib is not None:
+        parts += [f"mem={q.memory_gib:g}", f"ctx={q.n_ctx}"]
+    if q.min_tg is not None:
+        parts += [f"tg={q.min_tg:g}", f"depth={q.depth}"]
+    if q.by != "kld_mean":
+        parts.append(f"by={q.by}")
+    return "&".join(parts)
+
+
+def qualities_data() -> list[dict]:
+    """The qualities a reader may ask for, as the script reads them: key, heading, better direction."""
+    return [{"key": key, "heading": metric_registry.METRICS[key].heading, "better": better(key)} for key in QUALITIES]
+
+
+def candidate_data(c: Candidate, quality: dict[str, float | None]) -> dict:
+    """A candidate as the script's rule reads it: its figures on the machine and its quality per quality metric
+    (`quality`: key -> value; a missing or non-finite one is no quality figure)."""
+    return {"label": c.label, "reference": c.reference,
+            "quality": {k: v if v is not None and math.isfinite(v) else None for k, v in quality.items()},
+            "memory": {str(k): v for k, v in c.memory.items()}, "tg": {str(k): v for k, v in c.tg.items()},
+            "elsewhere": c.elsewhere, "excluded": c.excluded, "recorded": c.recorded}
 
 
 def page_data(board: DeploymentBoard, rows) -> dict:
     """What the script reads: the machine, the measured contexts and depths, each row's figures on the machine and
-    its quality text per quality metric, and every front."""
+    its quality and quality text per quality metric, and every front."""
     metrics = [metric_registry.METRICS[key] for key in QUALITIES]
     out_rows = []
     for row, c in zip(rows, board.candidates(rows)):
-        quality, quality_text = {}, {}
-        for m in metrics:
-            mv = row.metrics.get(m.key)
-            quality[m.key] = None if mv is None or not math.isfinite(mv.value) else mv.value
-            quality_text[m.key] = f"{m.heading} " + ("(the reference)" if row.reference else
-                                                     m.cell(*((mv.value, mv.se) if mv else (None, None))))
-        out_rows.append({"label": c.label, "reference": c.reference, "quality": quality, "quality_text": quality_text,
-                         "memory": {str(k): v for k, v in c.memory.items()}, "tg": {str(k): v for k, v in c.tg.items()},
-                         "elsewhere": c.elsewhere, "excluded": c.excluded, "recorded": c.recorded})
+        held = {m.key: row.metrics.get(m.key) for m in metrics}
+        quality_text = {m.key: f"{m.heading} " + ("(the reference)" if row.reference else
+                                                  m.cell(*((mv.value, mv.se) if mv else (None, None))))
+                        for m, mv in zip(metrics, held.values())}
+        out_rows.append({**candidate_data(c, {k: None if mv is None else mv.value for k, mv in held.items()}),
+                         "quality_text": quality_text})
     context, depth = board.front_at
     return {"machine": {"key": board.machine.key, "text": board.machine.text},
             "contexts": list(board.contexts()), "depths": list(board.depths()),
-            "qualities": [{"key": m.key, "heading": m.heading, "better": -1 if m.better == "lower" else 1}
-                          for m in metrics],
-            "rows": out_rows, "defaults": {"ctx": context, "depth": depth},
+            "qualities": qualities_data(), "rows": out_rows, "defaults": {"ctx": context, "depth": depth},
             "fronts": {f"{by}|{'' if n is None else n}|{'' if d is None else d}": list(labels)
                        for (by, n, d), labels in board.fronts.items()}}
 
@@ -76,40 +100,44 @@ only; the reference is the best quality by definition. The same question on the 
 RUNS --memory M --context C --min-tg S --depth D</code>.</p>
 </section>
 <script type="application/json" id="board-data">{data}</script>
+<script id="choose-rule">{RULES}</script>
 <script>{SCRIPT}</script>
 """
 
 
-# The rules of qeval.compare.deployment_choice (reasons, choose) and the words of deployment_board.choice_text.
-SCRIPT = """
-(function () {
+# The rule of qeval.compare.deployment_choice (reasons, choose), worded as qeval.present.choose_text words it: pure
+# functions of the board's data and a question, so that tests/test_choose_rule.py can run them outside a browser.
+RULES = """
+var qevalChoose = (function () {
   "use strict";
-  var data = JSON.parse(document.getElementById("board-data").textContent);
   var GIB = 1073741824;
-  var el = function (id) { return document.getElementById(id); };
   var count = function (n) { return Number(n).toLocaleString("en-US"); };
-  var quality = function (key) { return data.qualities.filter(function (q) { return q.key === key; })[0]; };
-  var listed = function (xs) { return xs.length ? xs.join(", ") : "none"; };
-  var beside = function (value, limit, decimals) {  // deployment_choice.beside
-    var text = value.toFixed(decimals);
-    for (var d = decimals; d < 7 && Number(text) === limit; d++) { text = value.toFixed(d + 1); }
+  var quality = function (data, key) { return data.qualities.filter(function (q) { return q.key === key; })[0]; };
+  var fixed = function (value, decimals) {  // Python's f"{value:.Nf}": a tie rounds to even, toFixed rounds it up
+    var text = value.toFixed(decimals), exact = value.toFixed(100);
+    var cut = exact.indexOf(".") + 1 + decimals, last = Number(text.charAt(text.length - 1));
+    return /^50*$/.test(exact.slice(cut)) && last % 2 === 1 ? exact.slice(0, cut) : text;
+  };
+  var beside = function (value, limit, decimals) {  // choose_text.beside
+    var text = fixed(value, decimals);
+    for (var d = decimals + 1; d < 7 && Number(text) === limit; d++) { text = fixed(value, d); }
     return text;
   };
 
-  function figureReasons(figures, at, where, measuredText) {
-    var figure = figures[String(at)];
+  function figureReasons(figures, at, axis, missed, kind, text) {
+    var figure = figures[String(at)], where = axis + " " + count(at);
     if (figure === undefined || figure === null) {
       var there = Object.keys(figures).map(Number).sort(function (a, b) { return a - b; }).map(count);
-      return [["not measured", "not measured at " + where + " " + count(at) +
-               (there.length ? " (" + measuredText + ": " + there.join(", ") + ")" : "")]];
+      return [["not measured", "not measured at " + where +
+               (there.length ? " (measured " + axis + "s: " + there.join(", ") + ")" : "")]];
     }
     if (typeof figure === "string") {
-      return [["could not be measured", "could not be measured at " + where + " " + count(at) + ": " + figure]];
+      return [["could not be measured", "could not be measured at " + where + ": " + figure]];
     }
-    return [];
+    return missed(figure) ? [[kind, text(figure) + " at " + where]] : [];
   }
 
-  function reasons(row, q) {
+  function reasons(data, row, q) {
     if (row.excluded) { return [["not a candidate", row.excluded]]; }
     var measured = row.recorded || Object.keys(row.memory).length || Object.keys(row.tg).length;
     if (!measured) {
@@ -117,31 +145,24 @@ SCRIPT = """
       return [["not measured", "not measured: no speed or memory record"]];
     }
     var out = (row.reference || row.quality[q.by] !== null) ? [] :
-      [["no quality figure", "no " + quality(q.by).heading + " figure"]];
-    var missing;
+      [["no quality figure", "no " + quality(data, q.by).heading + " figure"]];
     if (q.ctx !== null) {
-      missing = figureReasons(row.memory, q.ctx, "context", "measured contexts");
-      out = out.concat(missing);
-      var bytes = row.memory[String(q.ctx)];
-      if (!missing.length && bytes > q.mem * GIB) {
-        out.push(["does not fit", "does not fit: " + beside(bytes / GIB, q.mem, 2) + " GiB > " + String(q.mem) +
-                  " GiB at context " + count(q.ctx)]);
-      }
+      out = out.concat(figureReasons(row.memory, q.ctx, "context", function (bytes) { return bytes > q.mem * GIB; },
+        "does not fit", function (bytes) {
+          return "does not fit: " + beside(bytes / GIB, q.mem, 2) + " GiB > " + String(q.mem) + " GiB";
+        }));
     }
     if (q.depth !== null) {
-      missing = figureReasons(row.tg, q.depth, "depth", "measured depths");
-      out = out.concat(missing);
-      var tps = row.tg[String(q.depth)];
-      if (!missing.length && tps < q.tg) {
-        out.push(["too slow", "too slow: " + beside(tps, q.tg, 1) + " tokens/s < " + String(q.tg) +
-                  " tokens/s at depth " + count(q.depth)]);
-      }
+      out = out.concat(figureReasons(row.tg, q.depth, "depth", function (tps) { return tps < q.tg; },
+        "too slow", function (tps) {
+          return "too slow: " + beside(tps, q.tg, 1) + " tokens/s < " + String(q.tg) + " tokens/s";
+        }));
     }
     return out;
   }
 
-  function order(q) {
-    var better = quality(q.by).better;
+  function order(data, q) {
+    var better = quality(data, q.by).better;
     return function (a, b) {
       var key = function (r) {
         var v = r.reference ? -Infinity : better * -r.quality[q.by];
@@ -155,15 +176,41 @@ SCRIPT = """
     };
   }
 
+  // The rows that pass, best first, and every other row with its reasons ([kind, text] each), in the board's order.
+  function decide(data, q) {
+    var passing = [], ruled = [];
+    data.rows.forEach(function (row) {
+      var why = reasons(data, row, q);
+      if (why.length) { ruled.push([row, why]); } else { passing.push(row); }
+    });
+    passing.sort(order(data, q));
+    return {passing: passing, ruled: ruled};
+  }
+
+  return {GIB: GIB, count: count, quality: quality, fixed: fixed, decide: decide};
+})();
+"""
+
+
+# The page around the rule: inputs, URL parameters, the answer's words and the board's marks.
+SCRIPT = """
+(function () {
+  "use strict";
+  var data = JSON.parse(document.getElementById("board-data").textContent);
+  var GIB = qevalChoose.GIB, count = qevalChoose.count, fixed = qevalChoose.fixed;
+  var el = function (id) { return document.getElementById(id); };
+  var quality = function (key) { return qevalChoose.quality(data, key); };
+  var listed = function (xs) { return xs.length ? xs.join(", ") : "none"; };
+
   function named(row) { return row.label + (row.reference ? " (reference)" : ""); }
 
   function figuresText(row, q) {
     var parts = [row.quality_text[q.by]];
     if (q.ctx !== null) {
-      parts.push((row.memory[String(q.ctx)] / GIB).toFixed(2) + " GiB at context " + count(q.ctx));
+      parts.push(fixed(row.memory[String(q.ctx)] / GIB, 2) + " GiB at context " + count(q.ctx));
     }
     if (q.depth !== null) {
-      parts.push(row.tg[String(q.depth)].toFixed(1) + " tokens/s at depth " + count(q.depth));
+      parts.push(fixed(row.tg[String(q.depth)], 1) + " tokens/s at depth " + count(q.depth));
     }
     return parts.join(", ");
   }
@@ -245,15 +292,10 @@ SCRIPT = """
     if (q.depth !== null) { asks.push("generates at least " + String(q.tg) + " tokens/s at depth " + count(q.depth)); }
     el("asked").textContent = "Question: the best " + quality(q.by).heading + " that " + asks.join(" and ") +
       ", on " + data.machine.key + " (" + data.machine.text + ")";
-    var passing = [], ruled = [], verdicts = {};
-    data.rows.forEach(function (row) {
-      var why = reasons(row, q);
-      if (why.length) {
-        ruled.push([row, why]);
-        verdicts[row.label] = {kind: "ruled", text: why.map(function (w) { return w[1]; }).join("; ")};
-      } else { passing.push(row); }
+    var decided = qevalChoose.decide(data, q), passing = decided.passing, ruled = decided.ruled, verdicts = {};
+    ruled.forEach(function (rw) {
+      verdicts[rw[0].label] = {kind: "ruled", text: rw[1].map(function (w) { return w[1]; }).join("; ")};
     });
-    passing.sort(order(q));
     passing.forEach(function (row, i) {
       verdicts[row.label] = i ? {kind: "passes", text: "passes"} : {kind: "best", text: "best"};
     });
