@@ -6,6 +6,7 @@ step-by-step greedy."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import struct
 from pathlib import Path
@@ -25,6 +26,7 @@ from qeval.orchestrate import demo
 from qeval.orchestrate import recipes as measured
 from qeval.orchestrate import sensitivity
 from qeval.storage.imatrix import read_imatrix
+from qeval.storage.variants import LEDGER, Ledger
 
 
 # --------------------------------------------------------------------------------------------------
@@ -125,6 +127,19 @@ def test_a_file_that_is_no_imatrix_is_refused(tmp_path):
     path.write_bytes(b"\x05\x00\x00\x00abc")
     with pytest.raises(QevalError, match="neither a GGUF imatrix"):
         read_imatrix(path)
+
+
+def test_the_ledger_reads_what_it_wrote_and_refuses_a_broken_file(tmp_path):
+    """variants.json: key -> {"recipe", "label", "facts"}, as qeval.storage.variants documents it."""
+    Ledger(tmp_path).put("k1", "Q4_0 ffn_.*=q8_0", "Q4_0+ffn_.q8_0.1234abcd", {"fingerprint": "f"})
+    assert json.loads((tmp_path / LEDGER).read_text()) == {
+        "k1": {"recipe": "Q4_0 ffn_.*=q8_0", "label": "Q4_0+ffn_.q8_0.1234abcd", "facts": {"fingerprint": "f"}}}
+    again = Ledger(tmp_path)
+    assert (again.get("k1"), again.label("k1"), again.get("k2"), again.label("k2")) == \
+        ({"fingerprint": "f"}, "Q4_0+ffn_.q8_0.1234abcd", None, None)
+    (tmp_path / LEDGER).write_text("{not json")
+    with pytest.raises(QevalError, match="cannot read the recipes' ledger"):
+        Ledger(tmp_path)
 
 
 # --------------------------------------------------------------------------------------------------

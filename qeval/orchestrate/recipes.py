@@ -3,8 +3,8 @@ quantizer, run live against a reference store as `qeval kld --ref STORE --cand V
 in RUNS_DIR/recipes/results.
 
 One variant is on disk at a time: it is deleted once measured, unless kept. A ledger (RUNS_DIR/recipes/variants.json:
-qeval.storage.variants) maps each variant's identity (qeval.engine.recipe.variant_identity: source, each tensor's planned type, imatrix,
-quantizer build) to the facts of the file it built and the label of the recipe that built it, under which its
+qeval.storage.variants) maps each variant's identity (qeval.engine.recipe.variant_identity: source, each tensor's
+planned type, imatrix, quantizer build) to the facts of the file it built and the label of the recipe that built it, under which its
 result is saved; with them the request a measurement answers is known without the file
 (qeval.orchestrate.matrix.planned_request), so a variant whose saved result answers it is neither rebuilt nor
 measured again — under any spelling: recipes that plan the same types are one variant, measured once (a dry run

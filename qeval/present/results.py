@@ -20,7 +20,6 @@ from qeval.storage.results import read_result, result_path, write_result
 from qeval.storage.runs import LIVE_SUFFIX
 
 
-
 @dataclass
 class Result:
     """One candidate measured against a reference: loaded from a file, or computed just now."""

@@ -181,8 +181,8 @@ def validate(doc: object, catalogue: MetricCatalogue, where: str = "baseline", n
         metrics = {}
         for key, v in metrics_doc.items():
             if catalogue.lookup(key) is None:
-                raise bad(f"{loc}: metric {key!r}", f"is unknown (known: {', '.join(catalogue.METRICS)}, and per sampler "
-                          "tvd_pct@NAME, agreement_pct@NAME, support_differs_pct@NAME)")
+                raise bad(f"{loc}: metric {key!r}", f"is unknown (known: {', '.join(catalogue.METRICS)}, and per "
+                          "sampler tvd_pct@NAME, agreement_pct@NAME, support_differs_pct@NAME)")
             metrics[key] = _metric_value(v, f"{loc}: metric {key!r}", bad)
         if ref is None and any(catalogue.lookup(k).relative for k in metrics):
             raise bad(f"{loc}: 'reference'", "is required for metrics measured against a reference")

@@ -6,10 +6,10 @@ arrays, one value per scored token: kld, kld_reverse, nll_ref, nll_cand, p_ref, 
 top5_agreement, top10_agreement, chunk, position, token, kld_bound, kld_reverse_bound, p_ref_top1 (not in a result
 saved before qeval kept it); with `qeval kld --sampler`, the samplers' columns tvd@NAME ... of qeval.compare.sampler).
 
-The summary records the request it answers (qeval.identity.ComparisonRequest: reference and candidate
-identity, chunks, metrics version, the samplers' settings, and its key) and the qeval version. A saved result stands for a
-later request only when the keys are equal. This module reads and writes the two files as plain values (a JSON
-object, named arrays); qeval.present.results gives them their types.
+The summary records the request it answers (qeval.identity.ComparisonRequest: reference and candidate identity,
+chunks, metrics version, the samplers' settings, and its key) and the qeval version. A saved result stands for a later
+request only when the keys are equal. This module reads and writes the two files as plain values (a JSON object,
+named arrays); qeval.present.results gives them their types.
 """
 
 from __future__ import annotations
