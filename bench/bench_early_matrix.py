@@ -37,6 +37,8 @@ from qeval import api
 from qeval.compare import early, ranking
 from qeval.orchestrate import demo
 from qeval.present import results
+from qeval.storage.results import result_path
+from qeval.storage.runs import RESULTS_SUBDIR
 
 CANDIDATES = ("Q4_K_M", "Q3_K_M", "Q2_K", "Q4_0")
 CLOSE = ("Q4_K_S", 14)  # llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_K_S
@@ -67,7 +69,7 @@ def early_estimates(runs: Path, ref: str, labels, n_chunks: int, rule: early.Sto
     replaces it)."""
     out = {}
     for label in labels:
-        res = results.load_result(results.result_path(runs / results.RESULTS_SUBDIR, label, ref))
+        res = results.load_result(result_path(runs / RESULTS_SUBDIR, label, ref))
         _, sums, tokens = early.chunk_sums(res.per_token)
         out[label] = early.pair_estimate(sums, tokens, n_chunks, rule).to_json()
     return out

@@ -56,7 +56,7 @@ def kld_report(ref: str, cand: str, chunks: int | None = None, runs_dir=None, th
     res = measure(ref, cand, chunks, runs_dir, threads, settings, save, progress, on_chunk, force, samplers,
                   save_result)
     if save_result and res.comparison is not None:
-        results.save_result(res.comparison, runs.runs_dir(runs_dir) / results.RESULTS_SUBDIR)
+        results.save_result(res.comparison, runs.runs_dir(runs_dir) / runs.RESULTS_SUBDIR)
     if per_token is not None:
         try:
             report.write_per_token(res.per_token, res.summary.labels, Path(per_token))

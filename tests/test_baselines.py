@@ -12,9 +12,12 @@ from conftest import REPO, assert_cli_error, run_cli
 from synth_runs import make_runs
 
 from qeval import api
+from qeval.compare import metric_registry
 from qeval.errors import QevalError
 from qeval.orchestrate import baselines
 from qeval.present import results
+from qeval.storage.baselines import BASELINES_ENV, available, load_baseline, validate
+from qeval.storage.runs import RESULTS_SUBDIR
 
 FILES = sorted((REPO / "baselines").glob("*.json"))
 # the articles the numbers come from: shared/ beside the checkout (as CI lays it out)
@@ -23,9 +26,9 @@ SOURCES = [REPO.parent / "shared" / "seeds", REPO.parent / "shared" / "reference
 
 def test_shipped_baselines_load():
     assert len(FILES) >= 3
-    assert {p.stem for p in baselines.available()} >= {p.stem for p in FILES}
+    assert {p.stem for p in available()} >= {p.stem for p in FILES}
     for path in FILES:
-        b = baselines.load_baseline(path)
+        b = load_baseline(path, metric_registry)
         assert b.entries and b.source["title"]
         for e in b.entries:
             assert e.quote or _measured_by_qeval(e), f"{path.name}: {e.id} quotes no source line"
@@ -44,7 +47,7 @@ def test_baselines_and_conversations_ship_in_a_wheel_install(tmp_path):
                             str(REPO)], capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-2000:]
     env = {**os.environ, "PYTHONPATH": str(target)}
-    env.pop(baselines.BASELINES_ENV, None)
+    env.pop(BASELINES_ENV, None)
     where = subprocess.run([sys.executable, "-c", "import qeval; print(qeval.__file__)"], cwd=tmp_path, env=env,
                            capture_output=True, text=True, check=True)
     assert Path(where.stdout.strip()).is_relative_to(target)  # the installed copy, not the checkout
@@ -71,7 +74,7 @@ def _numbers_in(text: str) -> set[float]:
 
 @pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
 def test_every_number_is_in_its_quoted_source(path):
-    b = baselines.load_baseline(path)
+    b = load_baseline(path, metric_registry)
     if all(_measured_by_qeval(e) for e in b.entries):
         pytest.skip("qeval's own measurements: nothing to quote")
     for e in b.entries:
@@ -88,11 +91,11 @@ def test_every_number_is_in_its_quoted_source(path):
 
 
 def test_published_anchor_numbers():
-    readme = baselines.load_baseline("llama-3-8b-llamacpp-readme")
+    readme = load_baseline("llama-3-8b-llamacpp-readme", metric_registry)
     q4 = readme.entry("llama3-8b.q4_K_M")
     assert (q4.metrics["kld_mean"].value, q4.metrics["same_top1_pct"].value) == (0.031273, 91.901)
     assert q4.settings["n_ctx"] == 512 and q4.settings["corpus"] == "wikitext-2"
-    follow = baselines.load_baseline("qwen3.5-35b-a3b-rtx5080-followup")
+    follow = load_baseline("qwen3.5-35b-a3b-rtx5080-followup", metric_registry)
     e2 = follow.entry("e2.UD-Q4_K_XL")
     assert (e2.metrics["kld_mean"].value, e2.metrics["kld_max"].value, e2.metrics["same_top1_pct"].value) == \
         (0.1087, 1.2175, 86.2)
@@ -134,9 +137,9 @@ def broken(path: str, value):
     ("model", KeyError, "'model' is required"),
 ])
 def test_malformed_baselines_are_refused(path, value, fragment):
-    baselines.validate(GOOD)
+    validate(GOOD, metric_registry)
     with pytest.raises(QevalError) as exc:
-        baselines.validate(broken(path, value), "x.json")
+        validate(broken(path, value), metric_registry, "x.json")
     assert fragment in str(exc.value) and str(exc.value).startswith("x.json:")
 
 
@@ -144,20 +147,20 @@ def test_duplicate_ids_and_bad_json(tmp_path):
     doc = copy.deepcopy(GOOD)
     doc["entries"].append(copy.deepcopy(doc["entries"][0]))
     with pytest.raises(QevalError, match="used twice"):
-        baselines.validate(doc)
+        validate(doc, metric_registry)
     p = tmp_path / "b.json"
     p.write_text("{not json")
     with pytest.raises(QevalError, match="not valid JSON"):
-        baselines.load_baseline(p)
+        load_baseline(p, metric_registry)
     with pytest.raises(QevalError, match="neither a file nor a known baseline"):
-        baselines.load_baseline("no-such-baseline")
+        load_baseline("no-such-baseline", metric_registry)
 
 
 @pytest.fixture(scope="module")
 def result_path(tmp_path_factory):
     runs = make_runs(tmp_path_factory.mktemp("base") / "runs")
     api.kld_report("REF", "B", runs_dir=runs, threads=1, save_result=True)
-    return runs / results.RESULTS_SUBDIR / "B.vs.REF.json"
+    return runs / RESULTS_SUBDIR / "B.vs.REF.json"
 
 
 def test_result_converts_to_a_valid_baseline(result_path, tmp_path):
@@ -165,11 +168,11 @@ def test_result_converts_to_a_valid_baseline(result_path, tmp_path):
     doc = baselines.baseline_from_result(summary, title="mine")
     out = tmp_path / "mine.json"
     out.write_text(json.dumps(doc))
-    b = baselines.load_baseline(out)
+    b = load_baseline(out, metric_registry)
     (e,) = b.entries
     assert e.id == "B" and e.candidate["label"] == "B" and e.reference["label"] == "REF"
     assert e.settings["n_ctx"] == summary.reference.n_ctx and e.settings["chunks"] == summary.chunks
-    assert set(e.metrics) == set(baselines.METRICS)
+    assert set(e.metrics) == set(metric_registry.METRICS)
     assert e.metrics["kld_mean"].value == summary.to_json()["kld"]["mean"] and e.metrics["kld_mean"].se == summary.to_json()["kld"]["se"]
     assert e.metrics["same_top1_pct"].value == pytest.approx(100 * summary.to_json()["same_top1"]["fraction"])
     assert e.metrics["kld_999"].value == summary.to_json()["kld"]["ladder"]["99.9%"] and e.metrics["kld_999"].se is None

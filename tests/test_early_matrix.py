@@ -25,7 +25,8 @@ from test_matrix_checkpoint import (  # noqa: F401 - decoded and planned_as_repl
 from qeval.compare import early
 from qeval.identity import ComparisonRequest
 from qeval.orchestrate import matrix, sweep
-from qeval.present import board, checkpoint, results
+from qeval.present import board, results
+from qeval.storage import checkpoint
 
 V, N_CTX, N = 200, 64, 32  # 31 scored tokens a chunk (--score half), 32 chunks
 # noise sizes: mean KLDs about an order of magnitude apart; CLOSE's a few % above A's

@@ -11,12 +11,14 @@ from conftest import assert_cli_error, run_cli
 from synth_runs import make_runs
 
 from qeval import api
+from qeval.compare import metric_registry
 from qeval.compare.paired_stats import CONFIDENCE, t_quantile
 from qeval.compare.summary import ComparisonSummary
 from qeval.errors import QevalError
 from qeval.orchestrate import baselines, gate
 from qeval.present import results
 from qeval.present.gate_text import gate_text
+from qeval.storage.baselines import SCHEMA, validate
 
 
 @pytest.fixture(scope="module")
@@ -126,10 +128,11 @@ def test_nothing_to_check_and_bad_limits():
 
 
 def test_baseline_combined_error_bars():
-    base = baselines.validate({
-        "schema": baselines.SCHEMA, "title": "t", "source": {"title": "s"}, "model": "m",
+    base = validate({
+        "schema": SCHEMA, "title": "t", "source": {"title": "s"}, "model": "m",
         "entries": [{"id": "q4", "candidate": {"quant": "Q4_K_M"}, "reference": {"quant": "Q8_0"},
-                     "metrics": {"kld_mean": {"value": 0.045, "se": 0.002}, "same_top1_pct": 91.0, "kld_max": 4.0}}]})
+                     "metrics": {"kld_mean": {"value": 0.045, "se": 0.002}, "same_top1_pct": 91.0, "kld_max": 4.0}}]},
+        metric_registry)
     # worse by 0.005; combined SE sqrt(0.002²+0.002²)=0.00283, 1.990*SE = 0.00563 -> within: not shown worse
     r = gate.run_checks(summary(kld=0.05, kld_se=0.002), baseline=base)
     checks = by_name(r)
@@ -149,7 +152,7 @@ def test_baseline_combined_error_bars():
 
 def test_converted_result_is_its_own_passing_baseline(runs):
     res = results.load_result(runs / "results" / "A.vs.REF.json")
-    base = baselines.validate(baselines.baseline_from_result(res.summary))
+    base = validate(baselines.baseline_from_result(res.summary), metric_registry)
     assert gate.run_checks(res.summary, baseline=base).passed
     worse = results.load_result(runs / "results" / "B.vs.REF.json").summary
     r = gate.run_checks(worse, baseline=base)

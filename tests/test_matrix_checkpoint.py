@@ -1,5 +1,5 @@
 """Matrix pairs without candidate logits (issue 25): each pair runs live uncoded and checkpoints its per-token
-results chunk by chunk (qeval.present.checkpoint), so a killed pair, or one stopped by a full disk, continues to
+results chunk by chunk (qeval.storage.checkpoint), so a killed pair, or one stopped by a full disk, continues to
 exactly the numbers of an uninterrupted run; --keep-logits keeps the candidate stores as before.
 
 Most tests run the matrix on replayed logits (tests/replay_backend.py: no llama.cpp, seconds); the full-disk test
@@ -25,7 +25,8 @@ from qeval import api
 from qeval.engine.engine import EngineSettings
 from qeval.errors import QevalError
 from qeval.orchestrate import matrix, sweep
-from qeval.present import checkpoint, results
+from qeval.present import results
+from qeval.storage import checkpoint
 from qeval.storage.store import StoreReader
 
 V, N_CTX, N = 300, 128, 6  # 63 scored tokens a chunk (--score half)

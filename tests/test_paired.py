@@ -14,7 +14,7 @@ from synth_runs import N_CHUNKS, SHORT_CHUNKS, make_runs
 from qeval import api
 from qeval.errors import QevalError
 from qeval.orchestrate import paired
-from qeval.present import results
+from qeval.storage.runs import RESULTS_SUBDIR
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +139,7 @@ def test_shorter_candidate_is_paired_on_common_chunks(runs):
 def test_saved_results_give_the_same_answer(runs, tmp_path):
     for cand in ("A", "B"):
         api.kld_report("REF", cand, runs_dir=runs, threads=1, save_result=True)
-    rdir = runs / results.RESULTS_SUBDIR
+    rdir = runs / RESULTS_SUBDIR
     from_results, _ = paired.paired_report("REF", str(rdir / "A.vs.REF.json"), str(rdir / "B.vs.REF.json"), runs_dir=runs)
     from_stores, _ = paired.paired_report("REF", "A", "B", runs_dir=runs, threads=1)
     for k in ("kld_mean", "nll_mean", "same_top1_pct"):

@@ -24,7 +24,8 @@ from conftest import assert_cli_error, make_tokens, run_cli, synth_logits, write
 from qeval import api
 from qeval.errors import QevalError
 from qeval.orchestrate.merge import merge_stores
-from qeval.present import checkpoint, results
+from qeval.present import results
+from qeval.storage import checkpoint
 from qeval.storage.store import StoreReader
 
 N_CTX, CHUNKS = 64, 4
@@ -291,7 +292,7 @@ def on_first_attempt(task, after: dict[str, int], act):
     def task_on_first_attempt(spec, name, tracker):
         import ray
 
-        from qeval.present.checkpoint import Checkpoint
+        from qeval.storage.checkpoint import Checkpoint
         from qeval.storage.store import StoreWriter
 
         if name not in after or name in ray.get(tracker.snapshot.remote()):  # not its first attempt

@@ -38,7 +38,8 @@ from test_ray import (  # local_run: the fixture of the single-machine run, shar
     numbers,
 )
 
-from qeval.present import checkpoint, results
+from qeval.present import results
+from qeval.storage import checkpoint
 from qeval.storage.store import StoreReader
 
 WORKER_NODES = 3

@@ -6,6 +6,7 @@ step-by-step greedy."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import struct
 from pathlib import Path
@@ -24,6 +25,8 @@ from qeval.errors import QevalError
 from qeval.orchestrate import demo
 from qeval.orchestrate import recipes as measured
 from qeval.orchestrate import sensitivity
+from qeval.storage.imatrix import read_imatrix
+from qeval.storage.variants import LEDGER, Ledger
 
 
 # --------------------------------------------------------------------------------------------------
@@ -80,7 +83,7 @@ def test_legacy_imatrix_is_sums_over_calls(tmp_path):
     parts += [struct.pack("<i", 12), struct.pack("<i", 4), b"wiki"]  # chunk count and dataset (optional trailer)
     path = tmp_path / "imatrix.dat"
     path.write_bytes(b"".join(parts))
-    got = recipes.read_imatrix(path)
+    got = read_imatrix(path)
     assert set(got) == set(entries)
     for name, (ncall, sums) in entries.items():
         want = sums.astype(np.float32).astype(np.float64) / (ncall if ncall > 0 else 1)
@@ -105,7 +108,7 @@ def test_gguf_imatrix_is_sums_over_counts_per_expert(tmp_path):
     sums = rng.random((3, 16)).astype(np.float32)  # 3 experts x 16 columns
     counts = np.array([[4.0], [0.0], [10.0]], dtype=np.float32)
     path = write_gguf_imatrix(tmp_path / "imatrix.gguf", {"blk.0.ffn_down_exps.weight": (sums, counts)})
-    got = recipes.read_imatrix(path)["blk.0.ffn_down_exps.weight"]
+    got = read_imatrix(path)["blk.0.ffn_down_exps.weight"]
     want = np.concatenate([sums[0] / 4.0, np.ones(16), sums[2] / 10.0])  # a count of 0: ones, as llama-quantize
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
@@ -123,7 +126,20 @@ def test_a_file_that_is_no_imatrix_is_refused(tmp_path):
     path = tmp_path / "junk.dat"
     path.write_bytes(b"\x05\x00\x00\x00abc")
     with pytest.raises(QevalError, match="neither a GGUF imatrix"):
-        recipes.read_imatrix(path)
+        read_imatrix(path)
+
+
+def test_the_ledger_reads_what_it_wrote_and_refuses_a_broken_file(tmp_path):
+    """variants.json: key -> {"recipe", "label", "facts"}, as qeval.storage.variants documents it."""
+    Ledger(tmp_path).put("k1", "Q4_0 ffn_.*=q8_0", "Q4_0+ffn_.q8_0.1234abcd", {"fingerprint": "f"})
+    assert json.loads((tmp_path / LEDGER).read_text()) == {
+        "k1": {"recipe": "Q4_0 ffn_.*=q8_0", "label": "Q4_0+ffn_.q8_0.1234abcd", "facts": {"fingerprint": "f"}}}
+    again = Ledger(tmp_path)
+    assert (again.get("k1"), again.label("k1"), again.get("k2"), again.label("k2")) == \
+        ({"fingerprint": "f"}, "Q4_0+ffn_.q8_0.1234abcd", None, None)
+    (tmp_path / LEDGER).write_text("{not json")
+    with pytest.raises(QevalError, match="cannot read the recipes' ledger"):
+        Ledger(tmp_path)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -457,7 +457,7 @@ def test_cli_check_max_tvd_per_sampler(tmp_path):
 
 
 def test_sampler_figures_survive_a_baseline_round_trip(tmp_path):
-    from qeval.orchestrate import baselines  # noqa: PLC0415
+    from qeval.storage.baselines import load_baseline  # noqa: PLC0415
 
     pair = make_pair(tmp_path / "runs", seed=2, n_chunks=2, n_ctx=32, n_vocab=1000, sigma=0.8)
     runs = pair.directory
@@ -465,7 +465,7 @@ def test_sampler_figures_survive_a_baseline_round_trip(tmp_path):
     base = tmp_path / "mine.json"
     res = run_cli("baseline", "from-result", runs / "results" / "CAND.vs.REF.json", "-o", base)
     assert res.returncode == 0, res.stderr
-    entry = baselines.load_baseline(base).entries[0]
+    entry = load_baseline(base, metric_registry).entries[0]
     assert entry.metrics["tvd_pct@greedy"].value == result["metrics"]["tvd_pct@greedy"]["value"]
     shown = run_cli("baseline", "show", base)
     assert shown.returncode == 0 and "tvd_pct@greedy" in shown.stdout, shown.stderr

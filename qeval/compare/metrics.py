@@ -443,7 +443,7 @@ def error_bands(ref: LogitSource, cand: LogitSource) -> tuple[np.ndarray, np.nda
 def comparison_of(ref: LogitSource, cand: LogitSource, chunks: list[int], parts: list[dict[str, np.ndarray]],
                   early: dict | None = None) -> Comparison:
     """The Comparison of `chunks` from their per-token columns (compare_chunk's, one dict per chunk, in the same
-    order): computed now, or read back from a pair's checkpoint (qeval.present.checkpoint). early: the record of
+    order): computed now, or read back from a pair's checkpoint (qeval.storage.checkpoint). early: the record of
     a board decided early whose sample `chunks` are (Comparison.early)."""
     if not parts:
         raise ValueError("a comparison needs at least one chunk")

@@ -17,9 +17,10 @@ from pathlib import Path
 from qeval.compare import deployment_choice
 from qeval.compare.deployment_choice import GIB, Question
 from qeval.errors import QevalError
-from qeval.present import choose_text, results
+from qeval.present import choose_text
 from qeval.present.deployment_board import Records
 from qeval.storage.deployment import DEPLOYMENT_SUBDIR, load_records
+from qeval.storage.results import find_results, runs_dir_of
 
 
 SIZE_UNITS = {"": GIB, "g": GIB, "gib": GIB, "gb": 10**9, "m": 2**20, "mib": 2**20, "mb": 10**6,
@@ -81,7 +82,7 @@ def this_machine() -> str:
 def records_for(runs: list[str | os.PathLike], machine: str | None = None) -> Records | None:
     """The records beside the results `runs` names (their runs directories' deployment/), this machine's id and
     the machine asked for; None when there are none (a machine asked for is then refused)."""
-    dirs = dict.fromkeys(results.runs_dir_of(p).resolve() for p in results.find_results(list(runs)))
+    dirs = dict.fromkeys(runs_dir_of(p).resolve() for p in find_results(list(runs)))
     records = [rec for d in dirs if (d / DEPLOYMENT_SUBDIR).is_dir() for rec in records_in(d)]
     if not records:
         if machine is not None:

@@ -34,6 +34,7 @@ from qeval.orchestrate.matrix import planned_request
 from qeval.present import results
 from qeval.present.progress import progress_bar
 from qeval.storage import runs
+from qeval.storage.results import result_path
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ def saved_candidate(cand: str, ref_label: str, directory: Path) -> SavedCandidat
     store's label, or no result's."""
     if Path(cand).exists() or not runs.is_label(cand) or runs.store_path(cand, directory).is_file():
         return None
-    path = results.result_path(directory / runs.RESULTS_SUBDIR, cand, ref_label)
+    path = result_path(directory / runs.RESULTS_SUBDIR, cand, ref_label)
     return SavedCandidate(cand, path) if path.is_file() else None
 
 

@@ -38,8 +38,7 @@ from qeval.orchestrate.matrix import (
     saved_summaries,
 )
 from qeval.orchestrate.merge import merge_stores
-from qeval.present import checkpoint
-from qeval.storage import runs
+from qeval.storage import checkpoint, runs
 from qeval.storage.store import StoreReader, replacement_path
 
 SHARDS_SUBDIR = "shards"

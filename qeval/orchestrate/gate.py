@@ -41,6 +41,7 @@ from qeval.orchestrate import baselines
 from qeval.orchestrate.measured import Measured, is_result_spec, measure, over_control
 from qeval.present import results
 from qeval.present.gate_text import control_text, gate_text
+from qeval.storage.baselines import Baseline, Entry, Published, load_baseline
 
 CONFIDENT_GATE = dataclasses.replace(
     METRICS["kld_mean"], key="kld_mean_confident", title="mean KLD where the reference is most confident",
@@ -113,7 +114,7 @@ def _has_se(se: float | None) -> bool:
     return se is not None and math.isfinite(se)
 
 
-def baseline_check(key: str, run: MetricValue, base: MetricValue, entry_id: str, chunks: int,
+def baseline_check(key: str, run: MetricValue, base: Published, entry_id: str, chunks: int,
                    judge_direct: bool = False) -> Check:
     """Worse than the baseline beyond q·sqrt(SE_run² + SE_base²) fails (q: verdict.multiplier(chunks)); else the
     check passes as "not shown worse" (a regression test has no margin to be as good within). Without any SE
@@ -174,7 +175,7 @@ def _nothing_to_check() -> QevalError:
     return QevalError(f"nothing to check: give at least one of {options}, --baseline")
 
 
-def run_checks(summary: ComparisonSummary, baseline: baselines.Baseline | None = None, baseline_entry: str | None = None,
+def run_checks(summary: ComparisonSummary, baseline: Baseline | None = None, baseline_entry: str | None = None,
                baseline_metrics: list[str] | None = None, samplers: list[str] | None = None,
                **limits: float | None) -> GateResult:
     """Judge one comparison summary; `limits` by keyword (max_kld=0.05).
@@ -252,7 +253,7 @@ def _held(measured: dict[str, MetricValue], key: str, summary: ComparisonSummary
     return measured[key]
 
 
-def _setting_notes(entry: baselines.Entry, summary: ComparisonSummary) -> list[str]:
+def _setting_notes(entry: Entry, summary: ComparisonSummary) -> list[str]:
     """Where the baseline was measured differently from this run (its numbers may not transfer)."""
     ref = summary.reference
     notes = []
@@ -269,7 +270,7 @@ def _setting_notes(entry: baselines.Entry, summary: ComparisonSummary) -> list[s
     return notes
 
 
-def _pick_early(base: baselines.Baseline, ref: str, cand: str, runs_dir) -> None:
+def _pick_early(base: Baseline, ref: str, cand: str, runs_dir) -> None:
     """Refuse an ambiguous or unmatched baseline from the stores' headers, before a long comparison."""
     from qeval.orchestrate import sources  # noqa: PLC0415 - sources imports the capture engine
 
@@ -306,7 +307,7 @@ def check_report(ref: str, cand: str, chunks: int | None = None, runs_dir: str |
     if per_sampler and not chosen and not is_result_spec(cand):
         raise QevalError(f"{', '.join(per_sampler)} needs --sampler NAME (the samplers whose figures it judges)")
     selection = Selection.parse(depth, segment, category)
-    base = baselines.load_baseline(baseline) if baseline else None
+    base = load_baseline(baseline, metric_registry) if baseline else None
     if base is not None and baseline_entry:
         base.entry(baseline_entry)
     if base is None and (baseline_entry or baseline_metrics):

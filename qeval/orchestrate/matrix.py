@@ -8,7 +8,7 @@ recompute exactly the same pairs and write the same results.
 
 A pair run live keeps no candidate logits by default: llama.cpp's float32 rows meet the reference's codes
 directly (as `qeval kld --cand MODEL`), and each chunk's per-token results go to the pair's checkpoint
-(qeval.present.checkpoint), from which a killed pair continues. With keep_logits (--keep-logits) its rows are
+(qeval.storage.checkpoint), from which a killed pair continues. With keep_logits (--keep-logits) its rows are
 coded into a store RUNS_DIR/<label>.qeval for later store-vs-store analysis, as before; the store is then what a
 killed pair continues from.
 """
@@ -45,9 +45,10 @@ from qeval.inputs.taskfiles import load_tasks
 from qeval.orchestrate import budget
 from qeval.orchestrate.deploy import DeployRow, DeploySpec
 from qeval.orchestrate import tasks as taskrun
-from qeval.present import board, checkpoint, report, results
-from qeval.storage import runs
+from qeval.present import board, report, results
+from qeval.storage import checkpoint, runs
 from qeval.storage.codec import SqrtLogCode
+from qeval.storage.results import result_path, saved_request
 from qeval.storage.scoring import Scoring
 from qeval.storage.store import PIECE_ROWS, StoreReader
 from qeval.storage.taskstore import TASKS_SUBDIR
@@ -333,8 +334,8 @@ def plan_pair(ref_store, n_chunks: int, label: str, model: str, settings: Engine
     except (QevalError, OSError):  # running it says what is wrong
         return PairPlan(label, model, settings, RUN_LIVE, samplers=samplers, keep_logits=keep_logits)
     planned = request.candidate
-    result_path = results.result_path(directory / results.RESULTS_SUBDIR, label, ref_store.header.label)
-    saved = results.saved_request(result_path)
+    saved_at = result_path(directory / runs.RESULTS_SUBDIR, label, ref_store.header.label)
+    saved = saved_request(saved_at)
     store = runs.store_path(label, directory)
     usable, store_changes = _stored_candidate(store, planned, ref_store, n_chunks)
     if saved is not None and saved.key == request.key:
@@ -346,13 +347,13 @@ def plan_pair(ref_store, n_chunks: int, label: str, model: str, settings: Engine
     if saved is not None and saved.early and dataclasses.replace(saved, early=None).key == request.key:
         note = "" if early else (f"{label}: decided early on {saved.early.get('visited')} of {n_chunks} chunks: runs "
                                  "on over every chunk, from its checkpoint")
-    elif saved is not None and action == RUN_LIVE and not keep_logits and (held := _reusable(result_path, ref_store,
+    elif saved is not None and action == RUN_LIVE and not keep_logits and (held := _reusable(saved_at, ref_store,
                                                                                                   request, n_chunks)):
         return PairPlan(label, model, settings, action, f"{label}: {held} of {n_chunks} chunks reused from its saved "
-                        f"result, the rest run live", samplers, extends=result_path)
+                        f"result, the rest run live", samplers, extends=saved_at)
     elif saved is not None:
         note = f"{label}: recomputed: its saved result answers another request ({_listed(request.changes_from(saved))})"
-    elif result_path.is_file():
+    elif saved_at.is_file():
         note = f"{label}: recomputed: its saved result records no request (saved by an older qeval)"
     elif store_changes and keep_logits:
         note = f"{label}: its store held another capture ({_listed(store_changes)}): replaced"
@@ -430,7 +431,7 @@ def progress_path(pair: PairPlan, directory: Path, ref_label: str) -> Path:
     keeps its logits, else its checkpoint."""
     if pair.action == RUN_LIVE and pair.keep_logits:
         return runs.store_path(pair.label, directory)
-    return checkpoint.checkpoint_path(directory / results.RESULTS_SUBDIR, pair.label, ref_label)
+    return checkpoint.checkpoint_path(directory / runs.RESULTS_SUBDIR, pair.label, ref_label)
 
 
 def run_pair(pair: PairPlan, ref, n_chunks: int, directory: Path, threads: int,
@@ -470,7 +471,7 @@ def run_pair(pair: PairPlan, ref, n_chunks: int, directory: Path, threads: int,
         request = identity.comparison_request(ref, cand, n_chunks, sampler.settings_names(pair.samplers))
         # how the candidate's rows were read is part of what a checkpoint holds: float32 rows and coded ones give
         # numbers that differ by the code's error, and a result must not mix them
-        path = checkpoint.checkpoint_path(directory / results.RESULTS_SUBDIR, pair.label, ref.header.label)
+        path = checkpoint.checkpoint_path(directory / runs.RESULTS_SUBDIR, pair.label, ref.header.label)
         try:
             ckpt = stack.enter_context(contextlib.closing(checkpoint.Checkpoint(
                 path, {**request.identity(), "candidate_rows": "coded" if coded else "float32"})))
@@ -503,11 +504,11 @@ def run_pair(pair: PairPlan, ref, n_chunks: int, directory: Path, threads: int,
                 sample = held_prefix(order, ckpt.parts)
                 cmp = metrics.comparison_of(ref, cand, sample, [ckpt.parts[c] for c in sample],
                                             {**early, "visited": len(sample)})
-                result = results.save_result(cmp, directory / results.RESULTS_SUBDIR)
+                result = results.save_result(cmp, directory / runs.RESULTS_SUBDIR)
                 return PairRun(result, len(sample), resumed, note=note)
             done = sorted(order)  # by chunk: the same result, bit for bit, whatever order the chunks came in
             cmp = metrics.comparison_of(ref, cand, done, [ckpt.parts[c] for c in done])
-            result = results.save_result(cmp, directory / results.RESULTS_SUBDIR)
+            result = results.save_result(cmp, directory / runs.RESULTS_SUBDIR)
         except WriteFailed as exc:
             raise _write_failed(pair.label, exc, ref, order, ckpt) from None
         ckpt.remove()
@@ -525,7 +526,7 @@ def _run_into_store(pair: PairPlan, ref, n_chunks: int, directory: Path, threads
         try:
             cmp = metrics.compare(ref, cand, n_chunks, threads=threads, on_chunk=on_chunk, samplers=pair.samplers)
             cand.writer.finish()
-            path = results.save_result(cmp, directory / results.RESULTS_SUBDIR)
+            path = results.save_result(cmp, directory / runs.RESULTS_SUBDIR)
         except WriteFailed as exc:
             raise _write_failed(pair.label, exc, ref, list(range(n_chunks)), writer=cand.writer) from None
     # the old store is removed only when its replacement is complete (StoreWriter.finish)
@@ -617,8 +618,8 @@ class MatrixRun:
 
 
 def saved_summaries(plan: MatrixPlan) -> list[ComparisonSummary]:
-    result_dir = plan.directory / results.RESULTS_SUBDIR
-    return [results.load_result(results.result_path(result_dir, p.label, plan.reference.label),
+    result_dir = plan.directory / runs.RESULTS_SUBDIR
+    return [results.load_result(result_path(result_dir, p.label, plan.reference.label),
                                 with_per_token=False).summary for p in plan.pairs]
 
 
@@ -739,8 +740,8 @@ def decide_in_rounds(settings: EarlySettings, running: list[int], run: Callable[
 
 def early_decisions(plan: MatrixPlan, n_chunks: int) -> list[early_stop.Decision]:
     """early.decide() over every pair's saved result (early or full), in plan order: the board as decided now."""
-    result_dir = plan.directory / results.RESULTS_SUBDIR
-    return decisions_of([(p.label, results.result_path(result_dir, p.label, plan.reference.label))
+    result_dir = plan.directory / runs.RESULTS_SUBDIR
+    return decisions_of([(p.label, result_path(result_dir, p.label, plan.reference.label))
                          for p in plan.pairs], n_chunks, plan.early)
 
 
@@ -778,7 +779,7 @@ def run_tasks(plan: MatrixPlan, on_plan: Callable[[int, int], None] | None = Non
 
 def _per_token(plan: MatrixPlan, label: str) -> dict | None:
     """The per-token columns of a pair's saved result (its paired difference with the floor reads them)."""
-    path = results.result_path(plan.directory / results.RESULTS_SUBDIR, label, plan.reference.label)
+    path = result_path(plan.directory / runs.RESULTS_SUBDIR, label, plan.reference.label)
     return results.load_result(path, with_per_token=True).per_token
 
 

@@ -2,9 +2,9 @@
 quantizer, run live against a reference store as `qeval kld --ref STORE --cand VARIANT.gguf`, its result saved
 in RUNS_DIR/recipes/results.
 
-One variant is on disk at a time: it is deleted once measured, unless kept. A ledger (RUNS_DIR/recipes/variants.json)
-maps each variant's identity (qeval.engine.recipe.variant_identity: source, each tensor's planned type, imatrix,
-quantizer build) to the facts of the file it built and the label of the recipe that built it, under which its
+One variant is on disk at a time: it is deleted once measured, unless kept. A ledger (RUNS_DIR/recipes/variants.json:
+qeval.storage.variants) maps each variant's identity (qeval.engine.recipe.variant_identity: source, each tensor's
+planned type, imatrix, quantizer build) to the facts of the file it built and the label of the recipe that built it, under which its
 result is saved; with them the request a measurement answers is known without the file
 (qeval.orchestrate.matrix.planned_request), so a variant whose saved result answers it is neither rebuilt nor
 measured again — under any spelling: recipes that plan the same types are one variant, measured once (a dry run
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -45,9 +44,10 @@ from qeval.orchestrate import deploy, matrix
 from qeval.orchestrate.deploy import DeployRow, DeploySpec
 from qeval.present import results
 from qeval.storage import runs
+from qeval.storage.results import result_path, saved_request
+from qeval.storage.variants import Ledger
 
 RECIPES_SUBDIR = "recipes"
-LEDGER = "variants.json"
 MEASURED, REUSED = "built and measured", "reused"
 
 
@@ -104,36 +104,6 @@ class Keyed:
     result_label: str
 
 
-class Ledger:
-    """Variant identity -> the facts of the GGUF it built (qeval.engine.modelinfo.model_facts) and the label its
-    result is saved under, in a JSON file."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        try:
-            self.entries = json.loads(path.read_text())
-        except FileNotFoundError:
-            self.entries = {}
-        except (OSError, ValueError) as exc:
-            raise QevalError(f"cannot read the recipes' ledger {path} ({exc}): remove it to measure every "
-                             "recipe again") from None
-
-    def get(self, key: str) -> dict | None:
-        entry = self.entries.get(key)
-        return entry["facts"] if entry else None
-
-    def label(self, key: str) -> str | None:
-        entry = self.entries.get(key)
-        return entry.get("label") if entry else None
-
-    def put(self, keyed: Keyed, facts: dict) -> None:
-        self.entries[keyed.key] = {"recipe": keyed.recipe.text(), "label": keyed.result_label, "facts": facts}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".json.part")
-        tmp.write_text(json.dumps(self.entries, indent=1))
-        tmp.replace(self.path)
-
-
 def measure_recipes(request: RecipeRequest, on_variant: Callable[[Variant], None] | None = None,
                     on_chunk: Callable[[int], None] | None = None) -> list[Variant]:
     """Every recipe of the request, measured (or its saved result reused), in order; recipes that are one variant
@@ -144,7 +114,7 @@ def measure_recipes(request: RecipeRequest, on_variant: Callable[[Variant], None
         raise QevalError(f"source model {source} does not exist")
     source_facts = model_facts(source)
     quantizer = build_id()
-    ledger = Ledger(request.recipes_dir / LEDGER)
+    ledger = Ledger(request.recipes_dir)
     keyed = [_keyed(source, source_facts, recipe, quantizer, ledger) for recipe in request.recipes]
     with contextlib.closing(runs.open_source(request.ref, request.directory)) as ref:
         n = chunks_compared(request, ref)
@@ -276,7 +246,7 @@ def _held(request: RecipeRequest, ref, n: int, keyed: Keyed, facts: dict | None,
     variant now would; else 0."""
     if facts is None:
         return 0
-    saved = results.saved_request(_result_path(request, keyed.result_label, ref))
+    saved = saved_request(_result_path(request, keyed.result_label, ref))
     if saved is None or dataclasses.replace(saved, early=None).key != matrix.planned_request(ref, n, facts,
                                                                                             request.engine).key:
         return 0
@@ -299,7 +269,7 @@ def n_compared(request: RecipeRequest) -> int:
 
 
 def _result_path(request: RecipeRequest, label: str, ref) -> Path:
-    return results.result_path(request.recipes_dir / results.RESULTS_SUBDIR, label, ref.header.label)
+    return result_path(request.recipes_dir / runs.RESULTS_SUBDIR, label, ref.header.label)
 
 
 def _reused(request: RecipeRequest, ref, n: int, keyed: Keyed, facts: dict | None) -> Variant | None:
@@ -307,7 +277,7 @@ def _reused(request: RecipeRequest, ref, n: int, keyed: Keyed, facts: dict | Non
     if facts is None:
         return None
     path = _result_path(request, keyed.result_label, ref)
-    saved = results.saved_request(path)
+    saved = saved_request(path)
     if saved is None or saved.key != matrix.planned_request(ref, n, facts, request.engine).key:
         return None
     return _variant(keyed.recipe, facts, path, REUSED)
@@ -333,7 +303,7 @@ def _build(request: RecipeRequest, keyed: Keyed, ledger: Ledger, threads: int) -
     gguf = request.recipes_dir / f"{keyed.result_label}.gguf"
     recipes.build(request.source, keyed.recipe, gguf, threads)
     try:
-        ledger.put(keyed, model_facts(gguf))
+        ledger.put(keyed.key, keyed.recipe.text(), keyed.result_label, model_facts(gguf))
     except BaseException:
         gguf.unlink(missing_ok=True)
         raise

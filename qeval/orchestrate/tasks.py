@@ -18,6 +18,7 @@ from qeval.compare import flips as flipmath
 from qeval.errors import QevalError
 from qeval.present import results, tasks_text
 from qeval.storage import runs
+from qeval.storage.results import result_path
 from qeval.storage.store import StoreReader
 from qeval.storage.taskstore import STORE_SUFFIX, TASKS_SUBDIR, TaskStore
 
@@ -57,7 +58,7 @@ def _measured_otherwise(label: str, directory: Path) -> str:
     a KLD result does not hold; the model it recorded can be scored on the task set."""
     refs = [ref for cand, ref in runs.result_labels(directory) if cand == label]
     if refs:
-        side = results.load_result(results.result_path(directory / runs.RESULTS_SUBDIR, label, refs[0]),
+        side = results.load_result(result_path(directory / runs.RESULTS_SUBDIR, label, refs[0]),
                                    with_per_token=False).summary.candidate
         what, model = f"a KLD result against {', '.join(refs)}", runs.live_model_path(side.path) or side.facts.get("file_name")
     elif runs.store_path(label, directory).is_file():

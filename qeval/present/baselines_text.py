@@ -8,6 +8,7 @@ from qeval.compare import metric_registry
 from qeval.compare.metric_registry import MetricValue, plus_minus
 from qeval.compare.summary import ComparisonSummary
 from qeval.present.markdown import markdown_table
+from qeval.storage.baselines import Published
 
 
 def _as_printed(x: float) -> str | None:
@@ -16,7 +17,7 @@ def _as_printed(x: float) -> str | None:
     return r if "e" not in r and len(r.lstrip("-").replace(".", "")) <= 8 else None
 
 
-def format_value(key: str, mv: MetricValue | None, as_printed: bool = False) -> str:
+def format_value(key: str, mv: MetricValue | Published | None, as_printed: bool = False) -> str:
     """`as_printed`: keep a short published value's own digits (97.674, not 97.67)."""
     if mv is None:
         return ""
@@ -63,7 +64,7 @@ def listing_text(rows: list[dict], searched: list[Path]) -> str:
 
 
 def baseline_text(b, run_summary: ComparisonSummary | None = None, matched: set | None = None) -> str:
-    """A baseline (qeval.orchestrate.baselines.Baseline) as a table, with the run `run_summary` beside the
+    """A baseline (qeval.storage.baselines.Baseline) as a table, with the run `run_summary` beside the
     entries `matched`."""
     src = b.source
     who = src.get("author") or "author not named"

@@ -33,6 +33,7 @@ from qeval.present import deployment_board, plots, results, task_flips
 from qeval.present.board import BoardRow
 from qeval.present.deployment_board import DeploymentBoard
 from qeval.present.html_page import leaderboard_html
+from qeval.storage.results import find_results
 
 DEFAULT_OUT = "leaderboard"
 
@@ -110,7 +111,7 @@ def _record(row: BoardRow, columns: tuple[str, ...], deployment: DeploymentBoard
 def load_results(runs: list[str | os.PathLike], with_per_token: bool = True) -> list[results.Result]:
     """Results named directly, or found in directories (a runs dir or its results/), each file once."""
     seen, loaded = set(), []
-    for path in results.find_results(list(runs)):
+    for path in find_results(list(runs)):
         key = path.resolve()
         if key not in seen:
             seen.add(key)

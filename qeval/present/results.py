@@ -1,21 +1,10 @@
-"""Saved comparison results: what leaderboards, paired comparisons and release gates read.
-
-A result is two files in RUNS_DIR/results/: `<cand>.vs.<ref>.json` (the comparison summary, as
-`qeval kld --json` prints it, plus `"per_token_file"`) and `<cand>.vs.<ref>.npz` (the per-token
-arrays, one value per scored token: kld, kld_reverse, nll_ref, nll_cand, p_ref, p_cand, same_top1,
-top5_agreement, top10_agreement, chunk, position, token, kld_bound, kld_reverse_bound, p_ref_top1 (not in a result
-saved before qeval kept it: with_reference_top1 reads it from the reference store); with `qeval kld --sampler`, the samplers'
-columns tvd@NAME ... of qeval.compare.sampler).
-
-The summary records the request it answers (qeval.identity.ComparisonRequest: reference and candidate
-identity, chunks, metrics version, the samplers' settings, and its key) and the qeval version. A saved result stands for a
-later request only when the keys are equal.
+"""Saved comparison results as qeval reads them: a result's summary and per-token values typed, cut to fewer chunks or
+tokens, and checked against a request. The files themselves (where, what they hold): qeval.storage.results.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,10 +14,10 @@ import numpy as np
 from qeval.compare import depth, sampler
 from qeval.compare.metrics import GROUP_FIELDS, PER_TOKEN_FIELDS, Comparison, summarize_tokens, top1_probability
 from qeval.compare.summary import ComparisonSummary, TokenGroup, of_figures, summarize
-from qeval.errors import QevalError, WriteFailed
+from qeval.errors import QevalError
 from qeval.identity import METRICS_VERSION, ComparisonRequest, changes, reference_identity
-from qeval.storage.runs import LIVE_SUFFIX, RESULT_SEPARATOR, RESULTS_SUBDIR  # noqa: F401 - RESULTS_SUBDIR public here too
-
+from qeval.storage.results import read_result, result_path, write_result
+from qeval.storage.runs import LIVE_SUFFIX
 
 
 @dataclass
@@ -124,23 +113,6 @@ def with_reference_top1(res: Result, ref) -> Result:
     return Result(summary, per_token, res.path, "\n".join(filter(None, [res.note, note])), res.comparison)
 
 
-def result_stem(cand_label: str, ref_label: str) -> str:
-    return f"{cand_label}{RESULT_SEPARATOR}{ref_label}"
-
-
-def result_path(directory: Path, cand_label: str, ref_label: str) -> Path:
-    """Where the result of `cand_label` against `ref_label` is saved in a results directory."""
-    return directory / f"{result_stem(cand_label, ref_label)}.json"
-
-
-def saved_request(path: Path) -> ComparisonRequest | None:
-    """The request the result saved at `path` answers; None when there is none there or it records none."""
-    try:
-        return ComparisonRequest.from_summary(json.loads(path.read_text()))
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
 def require_current(res: Result) -> ComparisonRequest:
     """The request a saved result answers; a result that records none (an older qeval) or was computed
     with other formulas (METRICS_VERSION) is refused: its numbers may not be what this qeval computes."""
@@ -199,72 +171,19 @@ def measured_against(res: Result, ref) -> str:
 
 
 def save_result(cmp: Comparison, directory: str | os.PathLike) -> Path:
-    """Write the summary JSON and per-token npz; returns the JSON path. Both are written beside their places
-    first, then moved there (the npz first): a failed write (WriteFailed: a full disk) leaves the result that
-    was there, if any, as it was."""
-    directory = Path(directory)
+    """Write the summary JSON and per-token npz (qeval.storage.results.write_result); returns the JSON path."""
     summary = summarize(cmp)
-    path = result_path(directory, summary.candidate.label, summary.reference.label)
-    npz = path.with_suffix(".npz")
-    summary.per_token_file = npz.name
-    tmp_npz, tmp_json = npz.with_suffix(".npz.part"), path.with_suffix(".json.part")
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with open(tmp_npz, "wb") as fh:  # a file object: np.savez_compressed would add ".npz" to a path
-            np.savez_compressed(fh, **cmp.per_token)
-        tmp_json.write_text(json.dumps(summary.to_json(), indent=2))
-    except OSError as exc:
-        tmp_npz.unlink(missing_ok=True)
-        tmp_json.unlink(missing_ok=True)
-        raise WriteFailed(f"writing the result {path} failed ({exc.strerror or exc})", path, exc.errno) from None
-    tmp_npz.replace(npz)
-    tmp_json.replace(path)
-    return path
+    path = result_path(Path(directory), summary.candidate.label, summary.reference.label)
+    return write_result(path, summary.to_json(), cmp.per_token)
 
 
 def load_result(path: str | os.PathLike, with_per_token: bool = True) -> Result:
     path = Path(path)
-    try:
-        summary = json.loads(path.read_text())
-    except OSError as exc:
-        raise QevalError(f"cannot read result {path}: {exc.strerror}") from None
-    except ValueError as exc:
-        raise QevalError(f"{path} is not a qeval result (invalid JSON: {exc})") from None
-    if not isinstance(summary, dict) or not {"reference", "candidate", "kld", "perplexity"} <= summary.keys():
-        raise QevalError(f"{path} is not a qeval result (expected the JSON of `qeval kld --json`)")
-    summary = ComparisonSummary.from_json(summary)
-    per_token = None
-    if with_per_token and summary.per_token_file:
-        npz = path.parent / summary.per_token_file
-        try:
-            with np.load(npz) as data:
-                # the group columns of conversations and the samplers' columns too
-                fields = (*PER_TOKEN_FIELDS, *GROUP_FIELDS, *filter(sampler.is_column, data.files))
-                per_token = {k: data[k] for k in fields if k in data.files}
-        except (OSError, ValueError) as exc:
-            raise QevalError(f"cannot read per-token file {npz} of {path}: {exc}") from None
-    return Result(summary, per_token, path)
+    summary, per_token = read_result(path, with_per_token, _columns)
+    return Result(ComparisonSummary.from_json(summary), per_token, path)
 
 
-def runs_dir_of(result_path: Path) -> Path:
-    """The runs directory a saved result lies in (RUNS_DIR/results/X.vs.Y.json), or its own folder when it lies
-    elsewhere."""
-    folder = Path(result_path).parent
-    return folder.parent if folder.name == RESULTS_SUBDIR else folder
-
-
-def find_results(paths: list[str | os.PathLike]) -> list[Path]:
-    """Result JSON files named directly, or found in directories (a runs dir or its results/)."""
-    found: list[Path] = []
-    for p in map(Path, paths):
-        if p.is_dir():
-            sub = p / RESULTS_SUBDIR if (p / RESULTS_SUBDIR).is_dir() else p
-            found += sorted(sub.glob("*.vs.*.json"))
-        elif p.is_file():
-            found.append(p)
-        else:
-            raise QevalError(f"{p} is neither a result file nor a directory of results")
-    if not found:
-        raise QevalError(f"no results found in {', '.join(map(str, paths))} (run `qeval matrix` or "
-                         "`qeval kld ... --save-result` first)")
-    return found
+def _columns(files: list[str]) -> tuple[str, ...]:
+    """The per-token columns a result is read with: the group columns of conversations and the samplers' columns
+    too."""
+    return (*PER_TOKEN_FIELDS, *GROUP_FIELDS, *filter(sampler.is_column, files))

@@ -19,7 +19,7 @@ from qeval.compare.summary import ComparisonSummary
 from qeval.engine.engine import recorded_kv
 from qeval.errors import MismatchError
 from qeval.identity import changes
-from qeval.present import results
+from qeval.storage.results import runs_dir_of
 from qeval.storage.taskstore import STORE_SUFFIX, TASKS_SUBDIR, TaskStore
 
 
@@ -60,7 +60,7 @@ def row_key(key: str, task: str) -> str:
 
 def tasks_root(result_path: Path) -> Path:
     """The task folder of the runs directory a saved result lies in (RUNS_DIR/results/X.vs.Y.json)."""
-    return results.runs_dir_of(result_path) / TASKS_SUBDIR
+    return runs_dir_of(result_path) / TASKS_SUBDIR
 
 
 def _check_measured(store: TaskStore, measured: dict, role: str, origin: str) -> None:

@@ -1,5 +1,5 @@
 """Where stores live: a runs directory of `<label>.qeval` files, or explicit paths. A runs directory also holds
-saved comparison results in `results/<cand>.vs.<ref>.json` (qeval.present.results reads and writes them); this module
+saved comparison results in `results/<cand>.vs.<ref>.json` (qeval.storage.results reads and writes them); this module
 only names them, so that a label can be looked for among everything the directory knows."""
 
 from __future__ import annotations

@@ -7,11 +7,8 @@ chunk is compared; a rerun reads them back instead of running those chunks again
 the result is saved. Columns are stored bit for bit, so a resumed pair ends with exactly the numbers of an
 uninterrupted one.
 
-The file is append-only: a preamble (MAGIC, version), then records `tag (4 bytes) | payload length (u64) |
-payload | XXH3-64 of the payload (u64)`, little-endian. The first record, HEAD, is JSON: {"identity": what the
-pair measures (its ComparisonRequest's identity and how the candidate's rows were read), "key": digest of it}. Each CHNK
-record is zstd(u32 chunk index | u32 JSON length | JSON {"n": tokens, "columns": [[name, numpy dtype], ...]} |
-the columns' raw bytes, in that order). A torn last record (a crash mid-write) is dropped on reading; a
+The file (spec: docs/checkpoint-format.md) is append-only: a preamble, a HEAD record (what the pair measures), then
+one CHNK record per chunk, each checksummed. A torn last record (a crash mid-write) is dropped on reading; a
 checkpoint whose identity differs from the request is never resumed: the pair starts over and says why.
 """
 
@@ -30,7 +27,7 @@ from qeval.storage.store import append_durably, checksum
 
 MAGIC = b"QEVALCKP"
 VERSION = 1
-SUFFIX = ".partial"  # not *.json: a checkpoint is never taken for a result (results.find_results)
+SUFFIX = ".partial"  # not *.json: a checkpoint is never taken for a result (qeval.storage.results.find_results)
 
 _PREAMBLE = struct.Struct("<8sI")
 _RECORD = struct.Struct("<4sQ")
