@@ -8,7 +8,7 @@ size" (recurrent state), "compute buffer size", "output buffer size", in MiB wit
 exact to ±0.005 MiB). qeval's engine records the log while it does both (qeval.engine.engine.recorded_log).
 
 The formula. From the GGUF alone: every attention layer holds K and V rows of n_head_kv x head size values per cell,
-in the cache's type (ggml's block sizes: q8_0 is 34 bytes per 32 values, ...); a full-attention layer has one cell
+in the cache's type (the block sizes of the build's ggml: q8_0 is 34 bytes per 32 values, ...); a full-attention layer has one cell
 per token of the context (n_ctx padded to 256, as llama.cpp pads it), a sliding-window layer n_swa + n_ubatch cells
 padded to 256 and at most the context (llama.cpp's tools keep SWA caches so: swa_full off); a recurrent layer (Gated
 DeltaNet, Mamba) holds one conv row of (d_conv - 1) x (d_inner + 2 x n_group x d_state) and one state row of d_state x
@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from qeval.engine import cache_types
 from qeval.engine.modelinfo import cached_gguf_read, gguf_reader
 from qeval.storage.deployment import COMPONENTS
 
@@ -44,9 +45,11 @@ _RS_CACHE = re.compile(r"llama_memory_recurrent: size =\s*[0-9.]+ MiB \(\s*(\d+)
 _CACHE_NAMES = {"SWA": "sliding-window", "non-SWA": "full-attention"}
 _EXPERT_OVERRIDE = re.compile(r"tensor (\S+) \(.*\) buffer type overridden to (\S+)")
 
-# Bytes per block and values per block of each cache type (ggml's type traits).
-BLOCKS = {"f32": (4, 1), "f16": (2, 1), "bf16": (2, 1), "q8_0": (34, 32), "q4_0": (18, 32), "q4_1": (20, 32),
-          "q5_0": (22, 32), "q5_1": (24, 32), "iq4_nl": (18, 32)}
+# What llama.cpp says of each KV cache it made (llama_kv_cache's size line: the types it allocated) and of flash
+# attention: the setting as it went in (`flash_attn = enabled|disabled|auto`), then, for auto, what it resolved to.
+_KV_TYPES = re.compile(r"llama_kv_cache: size =.*?\bK \(([^)]+)\):.*?\bV \(([^)]+)\):")
+_FA_SETTING = re.compile(r"flash_attn\s+= (enabled|disabled|auto|on|off|1|0)\b")
+_FA_RESOLVED = re.compile(r"Flash Attention (enabled|not supported, set to disabled)")
 RECURRENT_VALUE_BYTES = 4  # llama.cpp keeps recurrent states in f32
 
 # llama.cpp's default sliding-window pattern per architecture (load_swa_pattern(ml, n, dense_first) in
@@ -92,6 +95,20 @@ def failed_allocation(lines: list[str]) -> tuple[int | None, str | None]:
     asked += [round(float(mib) * MIB) for mib, _ in _FAILED_MIB.findall(text)]
     what = _FAILED_WHAT.findall(text)
     return (asked[-1] if asked else None), (what[-1].strip() if what else None)
+
+
+def allocated_cache(lines: list[str]) -> dict:
+    """What llama.cpp made of a context's cache, from its log: {"types": [(K type, V type) of each KV cache, as
+    allocated], "flash_attn": True/False, None where it did not say}."""
+    text = "".join(lines)
+    resolved = _FA_RESOLVED.findall(text)
+    setting = _FA_SETTING.findall(text)
+    if resolved:
+        flash = resolved[-1] == "enabled"
+    else:
+        flash = {"enabled": True, "on": True, "1": True, "disabled": False, "off": False, "0": False}.get(
+            setting[-1] if setting else "")
+    return {"types": _KV_TYPES.findall(text), "flash_attn": flash}
 
 
 def overridden_tensors(lines: list[str]) -> dict[str, str]:
@@ -186,9 +203,8 @@ def _pad(n: int, to: int = CELL_PAD) -> int:
 
 
 def row_bytes(cache_type: str, values: int) -> int:
-    """ggml_row_size: bytes of a row of `values` values of this type."""
-    block_bytes, block_values = BLOCKS[cache_type]
-    return values // block_values * block_bytes
+    """ggml_row_size: bytes of a row of `values` values of this cache type (its block sizes from the build's ggml)."""
+    return cache_types.cache_type(cache_type).row_bytes(values)
 
 
 def cache_cells(geometry: dict, n_ctx: int, n_ubatch: int) -> tuple[int, int]:

@@ -15,6 +15,8 @@ before it does anything else, so the message can say which of them this CPU lack
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
+import importlib.util
 import os
 import signal
 import subprocess
@@ -29,11 +31,14 @@ SYSTEM_INFO_PREFIX = "qeval-llama-system-info: "
 
 
 def build_id() -> str:
-    import llama_cpp  # noqa: PLC0415
-
-    # LLAMA_CPP_LIB_PATH makes llama-cpp-python load the libraries from elsewhere: hash those too
-    roots = [Path(llama_cpp.__file__).parent, *filter(None, [os.environ.get("LLAMA_CPP_LIB_PATH")])]
-    h = hashlib.sha256(llama_cpp.__version__.encode())
+    # found, not imported: importing llama_cpp binds the build, which the build check (qeval.engine.build_check),
+    # keyed by this id, must do first. LLAMA_CPP_LIB_PATH makes llama-cpp-python load the libraries from
+    # elsewhere: hash those too
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        raise QevalError("llama-cpp-python is not installed; see README 'Install'")
+    roots = [Path(next(iter(spec.submodule_search_locations))), *filter(None, [os.environ.get("LLAMA_CPP_LIB_PATH")])]
+    h = hashlib.sha256(importlib.metadata.version("llama_cpp_python").encode())
     for root in map(Path, roots):
         for lib in sorted(root.rglob("*.so*")) + sorted(root.rglob("*.dylib")) + sorted(root.rglob("*.dll")):
             st = lib.stat()

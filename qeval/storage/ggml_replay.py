@@ -17,7 +17,9 @@ Only the few C functions below are used; a library that lacks them, or none at a
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
+import sys
 import threading
 from ctypes import c_bool, c_float, c_int, c_int64, c_size_t, c_void_p
 from functools import lru_cache
@@ -65,17 +67,29 @@ class _Ggml:
         fn(cpu, "ggml_cpu_init", None)()
 
 
+def library_folder() -> Path | None:
+    """The folder of the llama.cpp build llama-cpp-python loads: LLAMA_CPP_LIB_PATH, else the package's own lib/
+    (found without importing llama_cpp, which would load, and bind, the build first); None without the package."""
+    folder = os.environ.get("LLAMA_CPP_LIB_PATH")
+    if folder:
+        return Path(folder)
+    spec = importlib.util.find_spec("llama_cpp")
+    return Path(next(iter(spec.submodule_search_locations))) / "lib" if spec and spec.submodule_search_locations \
+        else None
+
+
+def library_file(folder: Path, name: str) -> Path:
+    """A shared library of that folder by its base name ("llama", "ggml-base"), as llama-cpp-python names it."""
+    return folder / (f"{name}.dll" if sys.platform == "win32" else f"lib{name}.so")
+
+
 @lru_cache(maxsize=1)
 def _library() -> _Ggml | None:
     """The ggml of the llama.cpp build qeval runs (llama-cpp-python loads the same files), or None."""
     try:
-        folder = os.environ.get("LLAMA_CPP_LIB_PATH")
-        if not folder:
-            import llama_cpp  # noqa: PLC0415 - only a replay needs it
-
-            folder = str(Path(llama_cpp.__file__).parent / "lib")
-        return _Ggml(ctypes.CDLL(str(Path(folder) / "libggml-base.so")), ctypes.CDLL(str(Path(folder) / "libggml-cpu.so")))
-    except (ImportError, OSError, AttributeError):
+        folder = library_folder()
+        return _Ggml(ctypes.CDLL(str(library_file(folder, "ggml-base"))), ctypes.CDLL(str(library_file(folder, "ggml-cpu"))))
+    except (TypeError, OSError, AttributeError):
         return None
 
 
