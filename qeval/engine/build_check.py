@@ -224,3 +224,9 @@ def _report(library: str) -> BuildReport:
 def build_report() -> BuildReport:
     """The loaded build's report, checked (an incompatible build refused), once per process and library."""
     return _report(_library_text())
+
+
+def cache_type(name: str, flag: str = "-ctk/-ctv") -> cache_types.GgmlType:
+    """The loaded build's KV cache type of that name (qeval.engine.cache_types); an unknown one refused with the
+    build's cache types."""
+    return cache_types.cache_type(name, flag, build_report().types)

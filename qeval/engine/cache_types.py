@@ -120,17 +120,14 @@ def table_from_json(rows: list[dict]) -> list[GgmlType]:
     return [GgmlType(**row) for row in rows]
 
 
-def cache_types(table: list[GgmlType] | None = None) -> dict[str, GgmlType]:
-    """{name: type} of the types a KV cache can be, of `table` (default: the loaded build's)."""
-    if table is None:
-        from qeval.engine.build_check import build_report  # noqa: PLC0415 - the build is asked once per process
-
-        table = build_report().types
+def cache_types(table: list[GgmlType]) -> dict[str, GgmlType]:
+    """{name: type} of the types of `table` a KV cache can be."""
     return {t.name: t for t in table if t.kv}
 
 
-def cache_type(name: str, flag: str = "-ctk/-ctv", table: list[GgmlType] | None = None) -> GgmlType:
-    """The loaded build's cache type of that name; an unknown one refused with the build's cache types."""
+def cache_type(name: str, flag: str, table: list[GgmlType]) -> GgmlType:
+    """The cache type of that name of `table` (the loaded build's: qeval.engine.build_check.cache_type); an unknown
+    one refused with the table's cache types."""
     types = cache_types(table)
     if name not in types:
         raise QevalError(f"unknown KV cache type {name!r} for {flag}: this llama.cpp build's cache types are "
@@ -139,12 +136,13 @@ def cache_type(name: str, flag: str = "-ctk/-ctv", table: list[GgmlType] | None 
 
 
 def verified_cache(allocated: dict, type_k: str, type_v: str, flash_attn: str, has_cache: bool,
-                   described: str) -> dict:
+                   described: str, rotation: dict | None = None, rotation_mode: str = "auto") -> dict:
     """The cache llama.cpp made, as it says (qeval.engine.memory.allocated_cache), held against what was asked
     for: {"type_k", "type_v", "flash_attn": bool}. A type it did not allocate (a fallback, an ignored setting),
     flash attention asked on or off and run otherwise, or a log that does not say (for a model with an attention
     cache) is refused: a number is never reported under a name that did not run. `described`: the model, for the
-    message."""
+    message. `rotation`: the rotation llama.cpp reported ({"k", "v"}: qeval.engine.numerics.reported_rotation),
+    held against --kv-rotation `rotation_mode` (on: every quantized cache rotated; off: none)."""
     asked = f"-ctk {type_k} -ctv {type_v} -fa {flash_attn}"
     made = set(allocated["types"])
     if not made and has_cache:
@@ -159,4 +157,12 @@ def verified_cache(allocated: dict, type_k: str, type_v: str, flash_attn: str, h
     if flash_attn in ("on", "off") and ran is not None and ran != (flash_attn == "on"):
         raise QevalError(f"llama.cpp ran {described} with flash attention {'on' if ran else 'off'}, not the "
                          f"-fa {flash_attn} asked for")
+    if rotation is not None and rotation_mode in ("on", "off"):
+        quantized = {"k": type_k, "v": type_v}
+        off = [c.upper() for c in "kv" if rotation_mode == "on" and quantized[c] not in ("f32", "f16", "bf16")
+               and not rotation[c]]
+        on = [c.upper() for c in "kv" if rotation_mode == "off" and rotation[c]]
+        if off or on:
+            raise QevalError(f"llama.cpp {'did not rotate' if off else 'rotated'} the {'/'.join(off or on)} cache "
+                             f"of {described}, not the --kv-rotation {rotation_mode} asked for")
     return {"type_k": type_k, "type_v": type_v, "flash_attn": ran}

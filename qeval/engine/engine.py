@@ -30,7 +30,8 @@ import numpy as np
 
 from qeval.engine import numerics
 from qeval.engine.buildflags import cpu_model
-from qeval.engine.cache_types import cache_type, verified_cache
+from qeval.engine.build_check import cache_type
+from qeval.engine.cache_types import verified_cache
 from qeval.engine.memory import allocated_cache, failed_allocation
 from qeval.engine.modelinfo import model_facts, require_decoder_context
 from qeval.engine.probe import ensure_llama_runs
@@ -96,9 +97,14 @@ def quiet_llama() -> None:
         llama_cpp.llama_backend_init()
 
 
+_LOG_LEVEL_ERROR = 4  # GGML_LOG_LEVEL_ERROR
+
+
 def _record_log(level, text, user) -> None:
     if _LOG_RECORD is not None and text:
-        _LOG_RECORD.append(text.decode("utf-8", "replace"))
+        text = text.decode("utf-8", "replace")
+        # an error llama.cpp logs without saying so (`quantized V cache requires flash_attn`) reads as one
+        _LOG_RECORD.append(f"error: {text}" if level == _LOG_LEVEL_ERROR and "error" not in text.lower() else text)
 
 
 class ContextFailed(QevalError):
@@ -395,7 +401,8 @@ class LlamaModel:
             require_decoder_context(lc, self.model, self.ctx, self.model_path)
             # what llama.cpp allocated and ran, as it says: anything but what was asked for is refused
             self.allocated = verified_cache(allocated_cache(log), s.type_k, s.type_v, s.flash_attn,
-                                            bool(self.facts.get("kv_cache")), self.model_path.name)
+                                            bool(self.facts.get("kv_cache")), self.model_path.name,
+                                            numerics.reported_rotation("".join(log)), s.kv_rotation)
         except QevalError:
             self.free_context()
             raise

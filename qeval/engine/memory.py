@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from qeval.engine import cache_types
+from qeval.engine.build_check import cache_type
 from qeval.engine.modelinfo import cached_gguf_read, gguf_reader
 from qeval.storage.deployment import COMPONENTS
 
@@ -202,9 +202,9 @@ def _pad(n: int, to: int = CELL_PAD) -> int:
     return -(-n // to) * to
 
 
-def row_bytes(cache_type: str, values: int) -> int:
+def row_bytes(cache_type_name: str, values: int) -> int:
     """ggml_row_size: bytes of a row of `values` values of this cache type (its block sizes from the build's ggml)."""
-    return cache_types.cache_type(cache_type).row_bytes(values)
+    return cache_type(cache_type_name).row_bytes(values)
 
 
 def cache_cells(geometry: dict, n_ctx: int, n_ubatch: int) -> tuple[int, int]:

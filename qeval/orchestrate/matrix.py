@@ -38,7 +38,7 @@ from qeval.engine.engine import (
     available_cores,
     planned_fields,
 )
-from qeval.engine.cache_types import cache_type
+from qeval.engine.build_check import cache_type
 from qeval.engine.modelinfo import model_facts
 from qeval.errors import QevalError, WriteFailed
 from qeval.inputs.hub import hub_label, is_hub_spec, is_whole_repo, repo_models, resolve_model, uploader_labels
