@@ -59,7 +59,8 @@ class BuildReport:
     def differences(self) -> list[str]:
         out = []
         if self.missing:
-            shown = ", ".join(self.missing[:8]) + (f" and {len(self.missing) - 8} more" if len(self.missing) > 8 else "")
+            more = len(self.missing) - 8
+            shown = ", ".join(self.missing[:8]) + (f" and {more} more" if more > 0 else "")
             out.append(f"{len(self.missing)} function(s) the bindings call are not in its libllama: {shown}")
         out += [f"{name} is {built} bytes in the build, {bound} bytes in the bindings"
                 for name, (bound, built) in self.structs.items() if bound != built]

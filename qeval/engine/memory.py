@@ -8,13 +8,13 @@ size" (recurrent state), "compute buffer size", "output buffer size", in MiB wit
 exact to ±0.005 MiB). qeval's engine records the log while it does both (qeval.engine.engine.recorded_log).
 
 The formula. From the GGUF alone: every attention layer holds K and V rows of n_head_kv x head size values per cell,
-in the cache's type (the block sizes of the build's ggml: q8_0 is 34 bytes per 32 values, ...); a full-attention layer has one cell
-per token of the context (n_ctx padded to 256, as llama.cpp pads it), a sliding-window layer n_swa + n_ubatch cells
-padded to 256 and at most the context (llama.cpp's tools keep SWA caches so: swa_full off); a recurrent layer (Gated
-DeltaNet, Mamba) holds one conv row of (d_conv - 1) x (d_inner + 2 x n_group x d_state) and one state row of d_state x
-d_inner float32 values per sequence, whatever the context. Which layers slide or recur is the GGUF's word where it
-says (sliding_window_pattern, recurrent_layers, full_attention_interval), else llama.cpp's per-architecture default
-(src/models/<arch>.cpp). Architectures whose caches llama.cpp lays out otherwise (compressed MLA caches, layers that
+in the cache's type (the block sizes of the loaded build's ggml: q8_0 is 34 bytes per 32 values, ...); a
+full-attention layer has one cell per token of the context (n_ctx padded to 256, as llama.cpp pads it), a
+sliding-window layer n_swa + n_ubatch cells padded to 256 and at most the context (llama.cpp's tools keep SWA caches
+so: swa_full off); a recurrent layer (Gated DeltaNet, Mamba) holds one conv row of (d_conv - 1) x (d_inner + 2 x
+n_group x d_state) and one state row of d_state x d_inner float32 values per sequence, whatever the context. Which
+layers slide or recur is the GGUF's word where it says (sliding_window_pattern, recurrent_layers,
+full_attention_interval), else llama.cpp's per-architecture default (src/models/<arch>.cpp). Architectures whose caches llama.cpp lays out otherwise (compressed MLA caches, layers that
 share a cache, other recurrent states) get no formula: None, never a guess.
 """
 

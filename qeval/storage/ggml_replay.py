@@ -88,7 +88,8 @@ def _library() -> _Ggml | None:
     """The ggml of the llama.cpp build qeval runs (llama-cpp-python loads the same files), or None."""
     try:
         folder = library_folder()
-        return _Ggml(ctypes.CDLL(str(library_file(folder, "ggml-base"))), ctypes.CDLL(str(library_file(folder, "ggml-cpu"))))
+        return _Ggml(ctypes.CDLL(str(library_file(folder, "ggml-base"))),
+                     ctypes.CDLL(str(library_file(folder, "ggml-cpu"))))
     except (TypeError, OSError, AttributeError):
         return None
 
