@@ -14,8 +14,9 @@ sliding-window layer n_swa + n_ubatch cells padded to 256 and at most the contex
 so: swa_full off); a recurrent layer (Gated DeltaNet, Mamba) holds one conv row of (d_conv - 1) x (d_inner + 2 x
 n_group x d_state) and one state row of d_state x d_inner float32 values per sequence, whatever the context. Which
 layers slide or recur is the GGUF's word where it says (sliding_window_pattern, recurrent_layers,
-full_attention_interval), else llama.cpp's per-architecture default (src/models/<arch>.cpp). Architectures whose caches llama.cpp lays out otherwise (compressed MLA caches, layers that
-share a cache, other recurrent states) get no formula: None, never a guess.
+full_attention_interval), else llama.cpp's per-architecture default (src/models/<arch>.cpp). Architectures whose
+caches llama.cpp lays out otherwise (compressed MLA caches, layers that share a cache, other recurrent states) get no
+formula: None, never a guess.
 """
 
 from __future__ import annotations
