@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ast
 import ctypes
-import importlib.util
 import json
 import os
 import platform
@@ -89,10 +88,12 @@ class BuildReport:
 # -- the child's side ---------------------------------------------------------------------------------------------
 def bindings_file() -> Path:
     """llama-cpp-python's llama_cpp/llama_cpp.py, found without importing it (the import binds the build)."""
-    spec = importlib.util.find_spec("llama_cpp")
-    if spec is None or not spec.submodule_search_locations:
+    from qeval.storage.ggml_replay import package_folder  # noqa: PLC0415
+
+    package = package_folder()
+    if package is None:
         raise QevalError("llama-cpp-python is not installed; see README 'Install'")
-    return Path(next(iter(spec.submodule_search_locations))) / "llama_cpp.py"
+    return package / "llama_cpp.py"
 
 
 def bound_functions(source: str) -> list[str]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import importlib.util
 import os
 import signal
 import subprocess
@@ -26,6 +25,7 @@ from pathlib import Path
 from qeval.engine.buildflags import X86_OPTIONS, cpu_flags, is_x86_64, reinstall_command
 from qeval.engine.modelinfo import cache_dir
 from qeval.errors import QevalError
+from qeval.storage.ggml_replay import package_folder
 
 SYSTEM_INFO_PREFIX = "qeval-llama-system-info: "
 
@@ -34,10 +34,10 @@ def build_id() -> str:
     # found, not imported: importing llama_cpp binds the build, which the build check (qeval.engine.build_check),
     # keyed by this id, must do first. LLAMA_CPP_LIB_PATH makes llama-cpp-python load the libraries from
     # elsewhere: hash those too
-    spec = importlib.util.find_spec("llama_cpp")
-    if spec is None or not spec.submodule_search_locations:
+    package = package_folder()
+    if package is None:
         raise QevalError("llama-cpp-python is not installed; see README 'Install'")
-    roots = [Path(next(iter(spec.submodule_search_locations))), *filter(None, [os.environ.get("LLAMA_CPP_LIB_PATH")])]
+    roots = [package, *filter(None, [os.environ.get("LLAMA_CPP_LIB_PATH")])]
     h = hashlib.sha256(importlib.metadata.version("llama_cpp_python").encode())
     for root in map(Path, roots):
         for lib in sorted(root.rglob("*.so*")) + sorted(root.rglob("*.dylib")) + sorted(root.rglob("*.dll")):

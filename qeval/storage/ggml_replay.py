@@ -67,15 +67,20 @@ class _Ggml:
         fn(cpu, "ggml_cpu_init", None)()
 
 
+def package_folder() -> Path | None:
+    """llama-cpp-python's package folder, found without importing llama_cpp (which would load, and bind, the build
+    first); None without the package."""
+    spec = importlib.util.find_spec("llama_cpp")
+    return Path(next(iter(spec.submodule_search_locations))) if spec and spec.submodule_search_locations else None
+
+
 def library_folder() -> Path | None:
-    """The folder of the llama.cpp build llama-cpp-python loads: LLAMA_CPP_LIB_PATH, else the package's own lib/
-    (found without importing llama_cpp, which would load, and bind, the build first); None without the package."""
+    """The folder of the llama.cpp build llama-cpp-python loads: LLAMA_CPP_LIB_PATH, else the package's own lib/."""
     folder = os.environ.get("LLAMA_CPP_LIB_PATH")
     if folder:
         return Path(folder)
-    spec = importlib.util.find_spec("llama_cpp")
-    return Path(next(iter(spec.submodule_search_locations))) / "lib" if spec and spec.submodule_search_locations \
-        else None
+    package = package_folder()
+    return package / "lib" if package else None
 
 
 def library_file(folder: Path, name: str) -> Path:
