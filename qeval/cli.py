@@ -26,7 +26,7 @@ EarlyMinChunks = typer.Option(None, "--early-min-chunks", help="With --early: ch
 EarlySigmas = typer.Option(None, "--early-sigmas", help="With --early: neighbours this many SEs of their paired difference apart (and their interval clear of 0) are settled (default 3).")
 EarlyConfidence = typer.Option(None, "--early-confidence", help="With --early: the confidence of the intervals over every round a pair may stop in (default 0.95: half of the 5 % error spent at the minimum, the rest over the later rounds).")
 EarlySeed = typer.Option(None, "--early-seed", help="With --early: the seed of the chunk order (default 0); recorded in every result.")
-TypeK = typer.Option("f16", "-ctk", "--cache-type-k", help="KV cache type for K: f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, f32.")
+TypeK = typer.Option("f16", "-ctk", "--cache-type-k", help="KV cache type for K: any cache type of the loaded llama.cpp build (f16, q8_0, q4_0, ...; a fork's own too).")
 TypeV = typer.Option("f16", "-ctv", "--cache-type-v", help="KV cache type for V (a quantized V cache needs -fa on).")
 FlashAttn = typer.Option("auto", "-fa", "--flash-attn", help="Flash attention: on, off or auto.")
 KvRotation = typer.Option("auto", "--kv-rotation", help=(
@@ -234,8 +234,8 @@ def matrix(
     repo: Optional[list[str]] = typer.Option(None, "--repo", help="hf:USER/REPO: every GGUF model of the repository (split sets whole; mmproj/imatrix skipped), labelled UPLOADER.QUANT; repeat for several uploaders of one base model (they share the reference)."),
     include: Optional[list[str]] = typer.Option(None, "--include", help="With --repo: only files whose path matches this glob (e.g. '*Q4_K*'); repeat."),
     exclude: Optional[list[str]] = typer.Option(None, "--exclude", help="With --repo: skip files whose path matches this glob (e.g. '*F16*'); repeat."),
-    kv: str = typer.Option("f16", "--kv", help="Comma-separated KV cache types for every model, e.g. f16,q8_0,q4_0; a "
-                           "type with :rot or :norot sets llama.cpp's KV rotation for it (q4_0,q4_0:norot: both on one board)."),
+    kv: str = typer.Option("f16", "--kv", help="Comma-separated KV cache types for every model, e.g. f16,q8_0,q4_0, any of the loaded build's; "
+                           "K and V apart as K/V (q8_0/q4_0, labelled +kv-q8_0-q4_0); a type with :rot or :norot sets llama.cpp's KV rotation for it (q4_0,q4_0:norot: both on one board)."),
     kv_rotation: str = typer.Option("auto", "--kv-rotation", help="The KV rotation of types without :rot/:norot: auto (llama.cpp's rule), on or off."),
     decode: str = Decode,
     floor: str = typer.Option("auto", "--floor", help=(

@@ -46,7 +46,10 @@ _NAMES = {"kv": "KV", "tokens_sha256": "token ids sha256", "tokenizer_sha256": "
           "metrics_version": "metrics version", "numerics": "llama.cpp numerics", "rotation": "rotation",
           "system_info": "build (llama_print_system_info)", "env": "environment", "gpu_layers": "layers offloaded"}
 NOT_RECORDED = "not recorded"  # an identity field a store or result made by an older qeval cannot say
-RECORDED_SINCE = ("numerics", "rotation")  # fields older identities lack: such an identity reads NOT_RECORDED
+# Fields older identities lack: such an identity reads NOT_RECORDED. The build's own identity (llama_version, ggml
+# version and commit, type table: qeval.engine.build_check) is recorded since issue 43: a store or result made before
+# lacks it, so it is not reused (a request always has it), and the message says "not recorded".
+RECORDED_SINCE = ("numerics", "rotation", "llama_version", "ggml_version", "ggml_commit", "type_table")
 
 
 def tokens_sha256(tokens: np.ndarray) -> str:

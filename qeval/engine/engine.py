@@ -30,14 +30,14 @@ import numpy as np
 
 from qeval.engine import numerics
 from qeval.engine.buildflags import cpu_model
-from qeval.engine.memory import failed_allocation
+from qeval.engine.build_check import cache_type
+from qeval.engine.cache_types import verified_cache
+from qeval.engine.memory import allocated_cache, failed_allocation
 from qeval.engine.modelinfo import model_facts, require_decoder_context
 from qeval.engine.probe import ensure_llama_runs
 from qeval.errors import QevalError
 from qeval.storage.scoring import HALF, Scoring
 
-# GGML type ids accepted for the KV cache (llama.cpp ggml.h).
-KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20, "bf16": 30}
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
 ROPE_SCALING = {"linear": 1, "yarn": 2}  # llama_rope_scaling_type
 UNQUANTIZED_KV = ("f32", "f16", "bf16")
@@ -97,9 +97,14 @@ def quiet_llama() -> None:
         llama_cpp.llama_backend_init()
 
 
+_LOG_LEVEL_ERROR = 4  # GGML_LOG_LEVEL_ERROR
+
+
 def _record_log(level, text, user) -> None:
     if _LOG_RECORD is not None and text:
-        _LOG_RECORD.append(text.decode("utf-8", "replace"))
+        text = text.decode("utf-8", "replace")
+        # an error llama.cpp logs without saying so (`quantized V cache requires flash_attn`) reads as one
+        _LOG_RECORD.append(f"error: {text}" if level == _LOG_LEVEL_ERROR and "error" not in text.lower() else text)
 
 
 class ContextFailed(QevalError):
@@ -165,9 +170,7 @@ class EngineSettings:
         if self.rope_scale is not None and (self.rope_scaling is None or not self.rope_scale > 0):
             raise QevalError("--rope-scale needs --rope-scaling and a positive factor")
         for name, value in (("-ctk", self.type_k), ("-ctv", self.type_v)):
-            if value not in KV_TYPES:
-                raise QevalError(f"unknown KV cache type {value!r} for {name}; choose one of: "
-                                 f"{', '.join(KV_TYPES)}")
+            cache_type(value, name)  # the loaded build's cache types (qeval.engine.cache_types)
         if self.kv_rotation not in numerics.ROTATION_MODES:
             raise QevalError(f"--kv-rotation must be one of {', '.join(numerics.ROTATION_MODES)}, "
                              f"not {self.kv_rotation!r}")
@@ -391,11 +394,15 @@ class LlamaModel:
             asked, what = failed_allocation(log)
             cause = (f"llama.cpp asked for {asked / 2**20:,.2f} MiB ({asked:,} bytes)"
                      f"{f' ({what})' if what else ''} and could not allocate it" if asked is not None else
-                     "out of memory, or a setting this build does not support")
+                     _logged_errors(log) or "out of memory, or a setting this build does not support")
             raise ContextFailed(f"llama.cpp could not create a context for {self.model_path.name} {shape.described}: "
                                 f"{cause}", asked, what)
         try:  # an encoder decodes without complaint, returning meaningless logits
             require_decoder_context(lc, self.model, self.ctx, self.model_path)
+            # what llama.cpp allocated and ran, as it says: anything but what was asked for is refused
+            self.allocated = verified_cache(allocated_cache(log), s.type_k, s.type_v, s.flash_attn,
+                                            bool(self.facts.get("kv_cache")), self.model_path.name,
+                                            numerics.reported_rotation("".join(log)), s.kv_rotation)
         except QevalError:
             self.free_context()
             raise
@@ -417,8 +424,8 @@ class LlamaModel:
         cparams.n_ubatch = shape.n_ubatch
         cparams.n_seq_max = shape.n_seq
         cparams.kv_unified = shape.kv_unified
-        cparams.type_k = KV_TYPES[s.type_k]
-        cparams.type_v = KV_TYPES[s.type_v]
+        cparams.type_k = cache_type(s.type_k).id  # the loaded build's ids: a fork numbers its types its own way
+        cparams.type_v = cache_type(s.type_v).id
         cparams.flash_attn_type = FLASH_ATTN[s.flash_attn]
         # llama.cpp's tools (common_params) keep a sliding-window layer's cache at n_swa + n_ubatch cells;
         # llama_context_default_params() would hold all n_ctx. Beyond n_swa + n_ubatch tokens (Gemma-3 at 4K)
@@ -477,7 +484,9 @@ class LlamaModel:
         info = self._lc.llama_print_system_info()
         return {"n_gpu_layers": self.settings.n_gpu_layers, "llama_cpp_python": self._lc.__version__,
                 "cpu": cpu_model(), "llama_cpp_system_info": (info or b"").decode("utf-8", "replace").strip(" |"),
-                "gpu_offload_supported": bool(self._lc.llama_supports_gpu_offload())}
+                "gpu_offload_supported": bool(self._lc.llama_supports_gpu_offload()),
+                # the cache as llama.cpp allocated it and whether flash attention ran, verified (open_context)
+                **({"kv_allocated": self.allocated} if getattr(self, "allocated", None) else {})}
 
     # -- decoding --------------------------------------------------------------------------------
     def clear_memory(self) -> None:

@@ -8,14 +8,15 @@ size" (recurrent state), "compute buffer size", "output buffer size", in MiB wit
 exact to ±0.005 MiB). qeval's engine records the log while it does both (qeval.engine.engine.recorded_log).
 
 The formula. From the GGUF alone: every attention layer holds K and V rows of n_head_kv x head size values per cell,
-in the cache's type (ggml's block sizes: q8_0 is 34 bytes per 32 values, ...); a full-attention layer has one cell
-per token of the context (n_ctx padded to 256, as llama.cpp pads it), a sliding-window layer n_swa + n_ubatch cells
-padded to 256 and at most the context (llama.cpp's tools keep SWA caches so: swa_full off); a recurrent layer (Gated
-DeltaNet, Mamba) holds one conv row of (d_conv - 1) x (d_inner + 2 x n_group x d_state) and one state row of d_state x
-d_inner float32 values per sequence, whatever the context. Which layers slide or recur is the GGUF's word where it
-says (sliding_window_pattern, recurrent_layers, full_attention_interval), else llama.cpp's per-architecture default
-(src/models/<arch>.cpp). Architectures whose caches llama.cpp lays out otherwise (compressed MLA caches, layers that
-share a cache, other recurrent states) get no formula: None, never a guess.
+in the cache's type (the block sizes of the loaded build's ggml: q8_0 is 34 bytes per 32 values, ...); a
+full-attention layer has one cell per token of the context (n_ctx padded to 256, as llama.cpp pads it), a
+sliding-window layer n_swa + n_ubatch cells padded to 256 and at most the context (llama.cpp's tools keep SWA caches
+so: swa_full off); a recurrent layer (Gated DeltaNet, Mamba) holds one conv row of (d_conv - 1) x (d_inner + 2 x
+n_group x d_state) and one state row of d_state x d_inner float32 values per sequence, whatever the context. Which
+layers slide or recur is the GGUF's word where it says (sliding_window_pattern, recurrent_layers,
+full_attention_interval), else llama.cpp's per-architecture default (src/models/<arch>.cpp). Architectures whose
+caches llama.cpp lays out otherwise (compressed MLA caches, layers that share a cache, other recurrent states) get no
+formula: None, never a guess.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from qeval.engine.build_check import cache_type
 from qeval.engine.modelinfo import cached_gguf_read, gguf_reader
 from qeval.storage.deployment import COMPONENTS
-from qeval.storage.ggml_types import row_bytes
 
 GEOMETRY_VERSION = 1
 CELL_PAD = 256  # llama.cpp pads n_ctx, and every SWA cache, to a multiple of this many cells
@@ -45,6 +46,11 @@ _RS_CACHE = re.compile(r"llama_memory_recurrent: size =\s*[0-9.]+ MiB \(\s*(\d+)
 _CACHE_NAMES = {"SWA": "sliding-window", "non-SWA": "full-attention"}
 _EXPERT_OVERRIDE = re.compile(r"tensor (\S+) \(.*\) buffer type overridden to (\S+)")
 
+# What llama.cpp says of each KV cache it made (llama_kv_cache's size line: the types it allocated) and of flash
+# attention: the setting as it went in (`flash_attn = enabled|disabled|auto`), then, for auto, what it resolved to.
+_KV_TYPES = re.compile(r"llama_kv_cache: size =.*?\bK \(([^)]+)\):.*?\bV \(([^)]+)\):")
+_FA_SETTING = re.compile(r"flash_attn\s+= (enabled|disabled|auto|on|off|1|0)\b")
+_FA_RESOLVED = re.compile(r"Flash Attention (enabled|not supported, set to disabled)")
 RECURRENT_VALUE_BYTES = 4  # llama.cpp keeps recurrent states in f32
 
 # llama.cpp's default sliding-window pattern per architecture (load_swa_pattern(ml, n, dense_first) in
@@ -90,6 +96,20 @@ def failed_allocation(lines: list[str]) -> tuple[int | None, str | None]:
     asked += [round(float(mib) * MIB) for mib, _ in _FAILED_MIB.findall(text)]
     what = _FAILED_WHAT.findall(text)
     return (asked[-1] if asked else None), (what[-1].strip() if what else None)
+
+
+def allocated_cache(lines: list[str]) -> dict:
+    """What llama.cpp made of a context's cache, from its log: {"types": [(K type, V type) of each KV cache, as
+    allocated], "flash_attn": True/False, None where it did not say}."""
+    text = "".join(lines)
+    resolved = _FA_RESOLVED.findall(text)
+    setting = _FA_SETTING.findall(text)
+    if resolved:
+        flash = resolved[-1] == "enabled"
+    else:
+        flash = {"enabled": True, "on": True, "1": True, "disabled": False, "off": False, "0": False}.get(
+            setting[-1] if setting else "")
+    return {"types": _KV_TYPES.findall(text), "flash_attn": flash}
 
 
 def overridden_tensors(lines: list[str]) -> dict[str, str]:
@@ -181,6 +201,11 @@ def _recurrent_layers(arch: str, key, heads: list, n_layer: int) -> list[bool]:
 
 def _pad(n: int, to: int = CELL_PAD) -> int:
     return -(-n // to) * to
+
+
+def row_bytes(cache_type_name: str, values: int) -> int:
+    """ggml_row_size: bytes of a row of `values` values of this cache type (its block sizes from the build's ggml)."""
+    return cache_type(cache_type_name).row_bytes(values)
 
 
 def cache_cells(geometry: dict, n_ctx: int, n_ubatch: int) -> tuple[int, int]:

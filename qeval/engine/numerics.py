@@ -15,8 +15,9 @@ those known to change only logging, debugging, where files live or which devices
 left out, every other one set is recorded: a spurious recompute costs minutes, a stale number costs trust.
 LLAMA_ATTN_ROT_DISABLE is left out of the environment block because its effect is recorded as the rotation.
 
-Build. llama-cpp-python's version (it pins the llama.cpp commit) and llama.cpp's own report of what it was
-compiled with (llama_print_system_info: instruction sets, GPU backends): logits move between builds.
+Build. llama-cpp-python's version, llama.cpp's own report of what it was compiled with (llama_print_system_info:
+instruction sets, GPU backends), and the build's own version, ggml commit and type table (qeval.engine.build_check):
+logits move between builds, and LLAMA_CPP_LIB_PATH loads another build under the same llama-cpp-python.
 
 Offload. Layers on a GPU run other kernels: the number of layers offloaded, 0 on a CPU-only build.
 """
@@ -121,9 +122,14 @@ def reported_rotation(log_text: str) -> dict[str, bool] | None:
 
 
 def build_info(lc) -> dict:
-    """The llama.cpp build loaded through llama-cpp-python module `lc`."""
+    """The llama.cpp build loaded through llama-cpp-python module `lc`: the bindings' version, the build's report of
+    what it was compiled with, its own version and commit (llama_version, ggml_version, ggml_commit) and a digest of
+    its ggml type table (qeval.engine.build_check: a fork's, or another mainline's, is another build)."""
+    from qeval.engine.build_check import build_report  # noqa: PLC0415
+
     info = (lc.llama_print_system_info() or b"").decode("utf-8", "replace")
-    return {"llama_cpp_python": lc.__version__, "system_info": " ".join(info.split()).strip(" |")}
+    return {"llama_cpp_python": lc.__version__, "system_info": " ".join(info.split()).strip(" |"),
+            **build_report().identity()}
 
 
 def offloaded_layers(facts: dict, n_gpu_layers: int, offloaded: bool) -> int:

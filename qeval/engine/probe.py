@@ -15,6 +15,7 @@ before it does anything else, so the message can say which of them this CPU lack
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import os
 import signal
 import subprocess
@@ -30,11 +31,15 @@ SYSTEM_INFO_PREFIX = "qeval-llama-system-info: "
 
 
 def build_id() -> str:
-    import llama_cpp  # noqa: PLC0415
-
-    # LLAMA_CPP_LIB_PATH makes llama-cpp-python load the libraries from elsewhere: hash those too
-    h = hashlib.sha256(llama_cpp.__version__.encode())
-    for root in library_folders():
+    # found, not imported: importing llama_cpp binds the build, which the build check (qeval.engine.build_check),
+    # keyed by this id, must do first. LLAMA_CPP_LIB_PATH makes llama-cpp-python load the libraries from
+    # elsewhere: hash those too
+    try:
+        folders = library_folders()
+    except ImportError:
+        raise QevalError("llama-cpp-python is not installed; see README 'Install'") from None
+    h = hashlib.sha256(importlib.metadata.version("llama_cpp_python").encode())
+    for root in folders:
         for lib in shared_libraries(root):
             st = lib.stat()
             h.update(f"{lib}:{st.st_size}:{st.st_mtime_ns}".encode())

@@ -38,6 +38,7 @@ from qeval.engine.engine import (
     available_cores,
     planned_fields,
 )
+from qeval.engine.build_check import cache_type
 from qeval.engine.modelinfo import model_facts
 from qeval.errors import QevalError, WriteFailed
 from qeval.inputs.hub import hub_label, is_hub_spec, is_whole_repo, repo_models, resolve_model, uploader_labels
@@ -83,23 +84,34 @@ def expand_models(models: list[str], repos: list[str] = (), include: tuple[str, 
                                                           zip(uploader_labels(specs), specs)]
 
 
-# A KV spec of `--kv`: a cache type, with `:rot` or `:norot` for llama.cpp's KV rotation on or off (else the matrix's
+# A KV spec of `--kv`: a cache type of the loaded build (qeval.engine.cache_types), or K and V types apart as
+# `K/V` (q8_0/q4_0), with `:rot` or `:norot` for llama.cpp's KV rotation on or off (else the matrix's
 # --kv-rotation): `q4_0,q4_0:norot` puts both on one board.
 ROTATION_SUFFIXES = {"rot": "on", "norot": "off"}
 
 
 def parse_kv_spec(spec: str) -> tuple[str, str | None]:
-    """(cache type, rotation mode or None for the matrix's) of a --kv entry."""
+    """(cache types, rotation mode or None for the matrix's) of a --kv entry; a type the build lacks is refused."""
     kv, sep, suffix = spec.partition(":")
     if sep and suffix not in ROTATION_SUFFIXES:
         raise QevalError(f"--kv {spec}: the suffix after ':' must be one of {', '.join(ROTATION_SUFFIXES)} "
                          f"(llama.cpp's KV rotation on or off), not {suffix!r}")
+    for cache in cache_pair(kv):
+        cache_type(cache, "--kv")
     return kv, ROTATION_SUFFIXES.get(suffix)
 
 
+def cache_pair(kv: str) -> tuple[str, str]:
+    """(K type, V type) of a spec's cache types: `q8_0` is q8_0/q8_0."""
+    k, sep, v = kv.partition("/")
+    if sep and (not k or not v or "/" in v):
+        raise QevalError(f"--kv {kv}: K and V types apart are written K/V (q8_0/q4_0)")
+    return k, v if sep else k
+
+
 def pair_label(model_label: str, kv: str) -> str:
-    """`Q4_K_M`, `Q4_K_M+kv-q4_0`, `Q4_K_M+kv-q4_0-norot`."""
-    return model_label if kv == "f16" else f"{model_label}+kv-{kv.replace(':', '-')}"
+    """`Q4_K_M`, `Q4_K_M+kv-q4_0`, `Q4_K_M+kv-q4_0-norot`; K and V apart, both, K first: `Q4_K_M+kv-q8_0-q4_0`."""
+    return model_label if kv == "f16" else f"{model_label}+kv-{kv.replace(':', '-').replace('/', '-')}"
 
 
 def model_kv_pairs(models: list[str], kv_types: list[str], ref_path: str) -> list[tuple[str, str, str]]:
@@ -130,8 +142,8 @@ def early_settings(seed: int = 0, min_chunks: int = early_stop.MIN_CHUNKS,
     return EarlySettings(seed, early_stop.StopRule(min_chunks, precision, sigmas, confidence))
 
 
-def _fa_for(kv: str) -> str:
-    return "on" if kv not in UNQUANTIZED_KV else "auto"
+def _fa_for(k: str, v: str) -> str:
+    return "on" if k not in UNQUANTIZED_KV or v not in UNQUANTIZED_KV else "auto"
 
 
 CONTROL = "control"  # the control pair's label
@@ -163,9 +175,10 @@ def pair_settings(kv: str, base: EngineSettings = EngineSettings()) -> EngineSet
     """How a matrix runs a model with KV spec `kv` (parse_kv_spec; a quantized V cache needs flash attention); the
     rest (where it runs, batch sizes, RoPE scaling, decode mode, the rotation when the spec names none) from `base`."""
     cache, rotation = parse_kv_spec(kv)
+    k, v = cache_pair(cache)
     if rotation is None:  # the matrix's --kv-rotation is for its quantized caches; an f16 one has none to set
-        rotation = base.kv_rotation if cache not in UNQUANTIZED_KV else "auto"
-    return dataclasses.replace(base, type_k=cache, type_v=cache, flash_attn=_fa_for(cache), kv_rotation=rotation)
+        rotation = base.kv_rotation if _fa_for(k, v) == "on" else "auto"
+    return dataclasses.replace(base, type_k=k, type_v=v, flash_attn=_fa_for(k, v), kv_rotation=rotation)
 
 
 @dataclass(frozen=True)
@@ -249,7 +262,7 @@ class MatrixRequest:
         if self.floor not in FLOORS:
             raise QevalError(f"--floor must be one of {', '.join(FLOORS)}, not {self.floor!r}")
         if self.floor == "auto":
-            quantized = any(parse_kv_spec(kv)[0] not in UNQUANTIZED_KV for _, _, kv in self.pairs)
+            quantized = any(_fa_for(*cache_pair(parse_kv_spec(kv)[0])) == "on" for _, _, kv in self.pairs)
             return "decode" if quantized else None
         return None if self.floor == "none" else self.floor
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qeval.compare.gate_checks import FAIL, UNDECIDED, GateResult
+from qeval.compare.gate_checks import FAIL, GateResult
 from qeval.compare.verdict import ABOVE, UNDECIDED, WITHIN
 
 

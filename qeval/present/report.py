@@ -294,7 +294,7 @@ def info_text(d: dict) -> str:
     ]
     if "head" in d:
         head = d["head"]
-        lines += [f"pieces     : " + ", ".join(f"{n} {f}" for f, n in d["pieces_by_form"].items())
+        lines += ["pieces     : " + ", ".join(f"{n} {f}" for f, n in d["pieces_by_form"].items())
                   + f" (asked for: {head['form']}; the hidden form is replayed through the head below)",
                   f"head       : {head['tensor']} {head['type']} [{head['n_vocab']} x {head['n_embd']}], activations "
                   f"{head['activation']}, soft-cap {head['softcap'] or 'none'}, {head['bytes']:,} bytes embedded once, "

@@ -5,6 +5,7 @@ lib<name>.dll on Windows). Everything in qeval that locates those libraries asks
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -25,10 +26,12 @@ def library_file_names(name: str, platform: str | None = None) -> list[str]:
 
 
 def package_folder() -> Path:
-    """The llama_cpp package's folder (ImportError where llama-cpp-python is not installed)."""
-    import llama_cpp  # noqa: PLC0415 - only what runs llama.cpp needs it
-
-    return Path(llama_cpp.__file__).parent
+    """The llama_cpp package's folder, found without importing it (the import loads, and binds, the build, which
+    qeval.engine.build_check must check first); ImportError where llama-cpp-python is not installed."""
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("llama-cpp-python is not installed")
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def library_folders() -> list[Path]:
@@ -47,6 +50,11 @@ def library_path(name: str, folder: Path | None = None) -> Path | None:
     """The file of library `name` in `folder` (default: loaded_folder()) on this platform, None where it has none."""
     folder = loaded_folder() if folder is None else folder
     return next((folder / n for n in library_file_names(name) if (folder / n).is_file()), None)
+
+
+def library_file(folder: Path, name: str) -> Path:
+    """Library `name`'s file in `folder`: the one there, else the first name this platform gives it."""
+    return library_path(name, folder) or folder / library_file_names(name)[0]
 
 
 def shared_libraries(root: Path) -> list[Path]:
