@@ -244,3 +244,30 @@ def test_which_reference_of_a_repo_and_a_gguf_repo_is_no_reference(hub, tmp_path
     assert_cli_error(run_cli("kld", "--ref", "hf:org/release:Q8_0", "--cand", pair.cand.path, "--runs-dir", runs),
                      "is a GGUF model, not a store", "`qeval capture hf:org/release:Q8_0 --label Q8_0`")
     assert_cli_error(run_cli("info", "hf:org/release"), "holds no published qeval reference")
+
+
+@pytest.mark.slow
+def test_a_real_reference_published_then_pulled_scores_a_live_quant_as_the_local_store(hub, models, tmp_path,
+                                                                                        monkeypatch):
+    """Gemma-3-270M's Q8_0 captured here, published, then pulled onto a 'machine' with an empty cache and no Q8_0
+    model: the live Q4_K_M's figures against it are the local store's to every digit."""
+    runs = tmp_path / "runs"
+    res = run_cli("capture", models["Q8_0"], "--label", "Q8_0", "-c", "128", "--chunks", "3", "--runs-dir", runs)
+    assert res.returncode == 0, res.stderr
+    published = publish(runs / "Q8_0.qeval")
+    assert published["published"]["backend"] == "CPU"
+    fresh_cache(monkeypatch, tmp_path / "fresh-cache")
+    elsewhere = tmp_path / "elsewhere"  # a runs directory that holds nothing
+    texts = {}
+    for ref, directory in ((runs / "Q8_0.qeval", runs), (f"hf:{REPO}:Q8_0", elsewhere)):
+        res = run_cli("kld", "--ref", ref, "--cand", models["Q4_K_M"], "--runs-dir", directory)
+        assert res.returncode == 0, res.stderr
+        texts[str(ref)] = res.stdout
+    local, remote = texts.values()
+    remote_lines = remote.splitlines()
+    where = [i for i, line in enumerate(remote_lines) if line.startswith("ran where")]
+    assert len(where) == 1 and "reference CPU" in remote_lines[where[0]] and "the same build" in remote_lines[where[0] + 1]
+    # every line but the reference's path (the hub cache's, the runs directory's) the same, to every digit
+    assert remote_lines[0].startswith("reference : Q8_0") and "fresh-cache" in remote_lines[0]
+    assert remote_lines[1:where[0]] == local.splitlines()[1:] and any("Mean    KLD" in line for line in remote_lines)
+    assert not list((tmp_path / "fresh-cache").rglob("*.gguf"))  # the reference model was never fetched
