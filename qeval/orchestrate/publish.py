@@ -32,14 +32,13 @@ def publish_report(store: str, target: str, results_dir: Path | None = None, car
     """Publish the store `store` (a path or a label) to `target` (hf:USER/REPO, or hf:USER/REPO:LABEL with the
     store's own label); `results_dir`: a runs directory (or its results/) whose results against this store go
     with it; `card`: a markdown file, the repository's README.md; `private`: a repository created now is private."""
-    repo = _repo_of(target)
+    repo, named = _target(target)
     if is_hub_spec(store):
         raise QevalError(f"{store} is already published; publish a local store (a path or a label)")
     path = runs.resolve_path(store, runs.runs_dir(runs_dir))
     with StoreReader(path) as source:
         label, header = source.header.label, source.header
     runs.check_label(label)
-    named = split_spec(target, "repository", "LABEL", "hf:USER/gemma-3-270m-qeval")[1]
     if named and named != label:
         raise QevalError(f"{path} holds reference {label!r}: it is published under its own label, hf:{repo}:{label}")
     with tempfile.TemporaryDirectory(prefix="qeval-publish-") as staging:
@@ -66,10 +65,11 @@ def _backend(header) -> str:
     return build_backend(system_info) if system_info else NOT_RECORDED
 
 
-def _repo_of(target: str) -> str:
+def _target(target: str) -> tuple[str, str]:
+    """(USER/REPO, LABEL or "") of where to publish."""
     if not is_hub_spec(target):
         raise QevalError(f"publish to a Hub repository, hf:USER/REPO (not {target!r})")
-    return split_spec(target, "repository", "LABEL", "hf:USER/gemma-3-270m-qeval")[0]
+    return split_spec(target, "repository", "LABEL", "hf:USER/gemma-3-270m-qeval")
 
 
 def _results(store: Path, label: str, results_dir: Path, staging: Path) -> list[tuple[str, Path, str]]:

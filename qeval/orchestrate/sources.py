@@ -101,8 +101,8 @@ def _open_live_candidate(stack: contextlib.ExitStack, model: str, ref_src, chunk
 
 def refuse_model_reference(ref: str, cand: str, chunks: int | None, settings: EngineSettings) -> None:
     """A GGUF named as the reference (a path, or an hf: spec that is no published reference: the repository is
-    listed, nothing is downloaded) is refused with the commands that
-    capture it once and then compare against it, with the flags given here. Capturing it implicitly would hide an
+    listed, nothing is downloaded) is refused with the commands that capture it once and then compare against it,
+    with the flags given here. Capturing it implicitly would hide an
     hours-long run and a store of gigabytes behind a comparison, and choose its label, corpus and window size (what
     every later comparison against it means) without the user."""
     if not (is_hub_spec(ref) or (is_model_file(ref) and Path(ref).is_file())) or \
