@@ -19,7 +19,7 @@ from qeval.compare.gate_checks import GATE_VERDICTS  # noqa: F401 - re-exported 
 from qeval.compare.summary import Side, summarize
 from qeval.engine.engine import EngineSettings, fixed_mmap_threshold  # noqa: F401 - re-exported for the CLI
 from qeval.errors import QevalError
-from qeval.inputs.hub import resolve_model
+from qeval.inputs.hub import is_hub_spec, resolve_model
 from qeval.orchestrate import budget, matrix, sweep
 from qeval.orchestrate import deploy as deploy_run
 from qeval.orchestrate.matrix import (  # noqa: F401 - public
@@ -69,6 +69,9 @@ def kld_report(ref: str, cand: str, chunks: int | None = None, runs_dir=None, th
     if res.note:  # how the figures were obtained, when a saved result stood in (qeval.orchestrate.candidates)
         out["obtained"] = [res.note]
     text = "\n".join(filter(None, [res.note, report.comparison_text(summary)]))
+    if is_hub_spec(ref) and res.comparison is not None:  # a reference published from elsewhere: what ran where
+        out["ran_where"] = report.ran_where(res.comparison.ref.header, res.comparison.cand.header)
+        text += "\n" + report.ran_where_text(out["ran_where"])
     if not rows:
         return out, text
     measured = deploy_run.measure_rows(rows, deploy_spec(deploy), runs.runs_dir(runs_dir),
@@ -481,3 +484,12 @@ def template_report(reference: str, candidates: list[str], corpus: str = "conver
     reference, *candidates = (resolve_model(spec) for spec in (reference, *candidates))  # GGUFs as hf: specs too
     vocab = vocab and resolve_model(vocab)
     return templates.template_report(reference, candidates, corpus, parse_template_kwargs(template_kwargs), vocab)
+
+
+def publish_report(store: str, target: str, results_dir: Path | None = None, card: Path | None = None, runs_dir=None,
+                   private: bool = False) -> tuple[dict, str]:
+    """Upload a complete reference store, its manifest and optionally its results and card to a Hub repository
+    (qeval.orchestrate.publish); `--ref hf:USER/REPO:LABEL` then pulls it wherever a reference store is taken."""
+    from qeval.orchestrate import publish  # noqa: PLC0415 - only this command uploads
+
+    return publish.publish_report(store, target, results_dir, card, runs_dir, private)

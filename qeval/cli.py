@@ -705,6 +705,21 @@ def template_cmd(
     raise typer.Exit(0 if passed else 1)
 
 
+@app.command("publish")
+def publish_cmd(
+    store: str = typer.Argument(..., help="The reference store: path or label (complete)."),
+    repo: str = typer.Argument(..., metavar="hf:USER/REPO", help="The Hub repository (created if it is not there; HF_TOKEN must be allowed to write to it)."),
+    results_dir: Optional[Path] = typer.Option(None, "--results", help="Also publish the results measured against this store found in this runs directory (or its results/)."),
+    card: Optional[Path] = typer.Option(None, "--card", help="A markdown file published as the repository's README.md (e.g. qeval card's)."),
+    private: bool = typer.Option(False, "--private", help="Create the repository private (an existing one keeps its visibility)."),
+    as_json: bool = Json,
+    runs_dir: Optional[Path] = RunsDir,
+):
+    """Publish a reference to the Hugging Face Hub: the store, a manifest (identity, build, bounds, sizes, sha256 of every file), and optionally results and a card; `--ref hf:USER/REPO:LABEL` then scores models against it without the original model."""
+    result, text = api.publish_report(store, repo, results_dir, card, runs_dir, private)
+    _emit(result, text, as_json)
+
+
 def main(argv: list[str] | None = None) -> None:
     """The `qeval` command; `argv` (default sys.argv[1:]) lets tests run it in-process."""
     api.fixed_mmap_threshold()  # flat peak RSS over long runs (see qeval.engine.engine)

@@ -197,6 +197,8 @@ def test_kld_with_a_gguf_reference_names_the_capture_command(tmp_path):
 
 def test_a_hub_reference_is_refused_without_a_download(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # where huggingface_hub keeps it, once imported: its repository is listed (a published reference is pulled)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     res = run_cli("kld", "--ref", "hf:USER/MODEL-GGUF:Q8_0", "--cand", "x.gguf", "--runs-dir", tmp_path)
     assert_cli_error(res, "`qeval capture hf:USER/MODEL-GGUF:Q8_0 --label Q8_0`", "`qeval kld --ref Q8_0 --cand x.gguf`")
 

@@ -1,14 +1,11 @@
 """hf:USER/REPO[:QUANT] models (qeval.inputs.hub), against a local server that answers as the Hugging Face Hub
-does for the calls huggingface_hub makes: the repo listing (GET /api/models/REPO) and file downloads
-(HEAD then GET /REPO/resolve/main/FILE, with a Range request to resume a cut one). Nothing here reaches the
-internet; the real Hub is not tested."""
+does for the calls huggingface_hub makes (tests/fake_hub.py): the repo listing and file downloads, a cut one resumed.
+Nothing here reaches the internet; the real Hub is not tested."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -16,108 +13,11 @@ from pathlib import Path
 
 import pytest
 from conftest import assert_cli_error, make_pair, run_cli
-from werkzeug import Request, Response
+from fake_hub import CUT, RELEASE, endpoint, fake_hub, offline, repo_of  # noqa: F401 - fake_hub is a fixture
 
 from qeval.errors import QevalError
 from qeval.inputs import hub
 from qeval.orchestrate.matrix import parse_model_arg
-
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-CUT = 1024  # where a cut download ends: whole chunks of huggingface_hub's, as test_a_cut_download_resumes sets them
-
-
-def fake_gguf(name: str) -> bytes:
-    """Bytes that open like a GGUF (its magic) and differ per file; no model has to run from them."""
-    return b"GGUF" + hashlib.sha256(name.encode()).digest() * 64
-
-
-def repo_of(*names: str) -> dict[str, bytes]:
-    return {name: fake_gguf(name) for name in names}
-
-
-# a release as llama.cpp users meet them: quants, a split set in a folder of its own, a vision projector and
-# an importance matrix whose names also carry a tag (picking either would be an ambiguity error here)
-RELEASE = repo_of("README.md", "model-Q4_K_M.gguf", "model-Q4_K.gguf", "model-IQ4_XS.gguf", "model-F16.gguf",
-                  "Q8_0/model-Q8_0-00001-of-00002.gguf", "Q8_0/model-Q8_0-00002-of-00002.gguf",
-                  "mmproj-model-Q8_0.gguf", "model-Q8_0.imatrix.gguf", "model.imatrix")
-
-
-class FakeHub:
-    """Repos (path -> bytes) served as the Hub serves them; every GET of a file is logged with its Range."""
-
-    def __init__(self, server):
-        self.repos: dict[str, dict[str, bytes]] = {}
-        self.refused: dict[str, tuple[int, str | None]] = {}  # repo -> status and X-Error-Code of its downloads
-        self.cut: set[str] = set()  # files whose first GET ends after CUT bytes
-        self.gets: list[tuple[str, str | None]] = []
-        server.expect_request(re.compile(r"^/api/models/"), method="GET").respond_with_handler(self._listing)
-        server.expect_request(re.compile(r"^/.+/resolve/main/")).respond_with_handler(self._file)
-
-    def _listing(self, request: Request) -> Response:
-        repo = request.path.removeprefix("/api/models/")
-        if repo not in self.repos:
-            return hub_error(404, "RepoNotFound")
-        body = {"id": repo, "sha": COMMIT, "siblings": [{"rfilename": name} for name in self.repos[repo]]}
-        return Response(json.dumps(body), content_type="application/json")
-
-    def _file(self, request: Request) -> Response:
-        repo, _, name = request.path.removeprefix("/").partition("/resolve/main/")
-        if repo in self.refused:
-            return hub_error(*self.refused[repo])
-        if repo not in self.repos:
-            return hub_error(404, "RepoNotFound")
-        if name not in self.repos[repo]:
-            return hub_error(404, "EntryNotFound")
-        data = self.repos[repo][name]
-        headers = {"X-Repo-Commit": COMMIT, "ETag": f'"{hashlib.sha256(data).hexdigest()}"', "Accept-Ranges": "bytes"}
-        if request.method == "HEAD":
-            return Response(data, headers=headers)  # werkzeug sends the headers of `data` without the body
-        wanted = request.headers.get("Range")
-        self.gets.append((name, wanted))
-        if wanted:
-            start = int(re.fullmatch(r"bytes=(\d+)-", wanted)[1])
-            span = f"bytes {start}-{len(data) - 1}/{len(data)}"
-            return Response(data[start:], 206, {**headers, "Content-Range": span})
-        if name in self.cut:
-            self.cut.discard(name)
-            # the full length announced, CUT bytes sent, the connection closed: a connection cut mid-download
-            return Response([data[:CUT]], headers={**headers, "Content-Length": str(len(data)),
-                                                               "Connection": "close"})
-        return Response(data, headers=headers)
-
-
-def hub_error(status: int, code: str | None) -> Response:
-    headers = {"X-Error-Code": code, "X-Error-Message": code} if code else {}
-    return Response(json.dumps({"error": code or "refused"}), status, headers, content_type="application/json")
-
-
-@pytest.fixture
-def fake_hub(httpserver, tmp_path, monkeypatch):
-    """huggingface_hub pointed at the local server, its cache in tmp_path. It reads HF_ENDPOINT, HF_HUB_CACHE and
-    HF_HUB_OFFLINE when it is imported, so they are set where it keeps them."""
-    from huggingface_hub import constants
-
-    endpoint(monkeypatch, httpserver.url_for("").rstrip("/"))
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    fake = FakeHub(httpserver)
-    fake.repos["org/release"] = RELEASE
-    return fake
-
-
-def endpoint(monkeypatch, url: str) -> None:
-    from huggingface_hub import constants
-
-    monkeypatch.setattr(constants, "ENDPOINT", url)
-    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")
-
-
-def offline(monkeypatch):
-    from huggingface_hub import constants
-
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-
 
 # --- which file: the rule, without a server ------------------------------------------------------------------
 def pick(names, tag: str = "") -> list[str]:

@@ -19,7 +19,6 @@ qeval differs where a silent choice would make a measurement of an unknown file:
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import re
 import sys
@@ -27,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from qeval.errors import QevalError
+from qeval.storage.hub_files import PREFIX, download, is_hub_spec, repo_files, split_spec
 
-PREFIX = "hf:"
 _NOT_MODEL_MARKERS = ("mmproj", "imatrix", "mtp-", "eagle3-", "dflash-", "dspark-")
 DEFAULT_TAGS = ("Q4_K_M", "Q8_0")
 _SPLIT = re.compile(r"^(?P<prefix>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
@@ -45,22 +44,18 @@ class HubSpec:
         return f"{PREFIX}{self.repo}" + (f":{self.tag}" if self.tag else "")
 
 
-def is_hub_spec(spec: str | Path) -> bool:
-    return str(spec).startswith(PREFIX)
-
-
 def resolve_model(spec: str) -> str:
     """The local path of an `hf:` spec's model (its first shard if split), downloading what the cache lacks;
     any other spec unchanged. Says on stderr which file the spec picked."""
     if not is_hub_spec(spec):
         return spec
     hub = parse_hub_spec(spec)
-    files, where = _repo_files(hub.repo)
+    files, where = repo_files(hub.repo)
     shards = pick_model_files(files, hub, where)
     split = f", {len(shards)} shards" if len(shards) > 1 else ""
     default = "" if hub.tag else f" (no QUANT: {', else '.join(DEFAULT_TAGS)}, else the first model file, as llama.cpp)"
     print(f"qeval: {hub} is {hub.repo}/{shards[0]}{split}{default}", file=sys.stderr)
-    paths = [_download(hub.repo, name) for name in shards]
+    paths = [download(hub.repo, name) for name in shards]
     return paths[0]  # llama.cpp loads a split model from its first shard
 
 
@@ -71,7 +66,7 @@ def repo_models(spec: str, include: tuple[str, ...] = (), exclude: tuple[str, ..
     hub = parse_hub_spec(spec.removesuffix(":*"))
     if hub.tag:
         raise QevalError(f"{spec}: a whole repository is hf:USER/REPO (or hf:USER/REPO:*), without a QUANT")
-    files, where = _repo_files(hub.repo)
+    files, where = repo_files(hub.repo)
     models = _first_shards(sorted(f for f in files if _is_model_file(f)))
     kept = [m for m in models if (not include or any(fnmatch.fnmatch(m, p) for p in include))
             and not any(fnmatch.fnmatch(m, p) for p in exclude)]
@@ -105,12 +100,7 @@ def hub_label(spec: str, path: str) -> str:
 
 
 def parse_hub_spec(spec: str) -> HubSpec:
-    repo, _, tag = spec.removeprefix(PREFIX).partition(":")
-    owner, slash, name = repo.partition("/")
-    if not (owner and slash and name) or "/" in name:
-        raise QevalError(f"bad model {spec!r}: expected hf:USER/REPO or hf:USER/REPO:QUANT, "
-                         "e.g. hf:ggml-org/gemma-3-1b-it-GGUF:Q4_K_M")
-    return HubSpec(repo, tag)
+    return HubSpec(*split_spec(spec, "model", "QUANT", "hf:ggml-org/gemma-3-1b-it-GGUF:Q4_K_M"))
 
 
 def pick_model_files(files: list[str], hub: HubSpec, where: str) -> list[str]:
@@ -176,86 +166,3 @@ def _split_set(first: str, models: list[str], where: str) -> list[str]:
     if len(shards) != int(split["count"]):
         raise QevalError(f"{where} holds {len(shards)} of the {int(split['count'])} shards of {split['prefix']}")
     return shards
-
-
-def _repo_files(repo: str) -> tuple[list[str], str]:
-    """The repo's file paths, and where they were listed: the Hub, or with HF_HUB_OFFLINE set the files
-    of it already in the cache (as llama.cpp lists its cache offline)."""
-    from huggingface_hub import HfApi, is_offline_mode  # noqa: PLC0415 - slow import, only for hf: specs
-
-    if is_offline_mode():
-        return _cached_files(repo), f"the cached files of {repo} (HF_HUB_OFFLINE is set)"
-    with _hub_errors(repo):
-        return [sibling.rfilename for sibling in HfApi().model_info(repo).siblings or []], repo
-
-
-def _cached_files(repo: str) -> list[str]:
-    """The files of `repo`'s main revision in the hub cache (huggingface_hub's layout: refs/main names the
-    snapshot folder that holds them)."""
-    from huggingface_hub import constants  # noqa: PLC0415
-    from huggingface_hub.file_download import repo_folder_name  # noqa: PLC0415
-
-    folder = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo, repo_type="model")
-    try:
-        snapshot = folder / "snapshots" / (folder / "refs" / "main").read_text().strip()
-    except OSError:
-        raise QevalError(f"HF_HUB_OFFLINE is set and nothing of {repo} is in the cache {constants.HF_HUB_CACHE}: "
-                         "unset HF_HUB_OFFLINE to download it") from None
-    return [p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file()]
-
-
-def _download(repo: str, filename: str) -> str:
-    """huggingface_hub's hf_hub_download: into its cache, resuming a cut connection, with its progress bar;
-    a file already cached is not fetched again."""
-    from huggingface_hub import hf_hub_download  # noqa: PLC0415
-
-    with _hub_errors(repo, filename):
-        return hf_hub_download(repo, filename)
-
-
-@contextlib.contextmanager
-def _hub_errors(repo: str, filename: str | None = None):
-    """huggingface_hub's exceptions as one-line QevalErrors that say what to do."""
-    try:
-        yield
-    except Exception as exc:
-        message = _hub_error_message(exc, repo, filename)
-        if message is None:
-            raise
-        raise QevalError(message) from None
-
-
-def _hub_error_message(exc: Exception, repo: str, filename: str | None) -> str | None:
-    from httpx2 import TransportError  # noqa: PLC0415 - huggingface_hub's HTTP client
-    from huggingface_hub import constants, errors  # noqa: PLC0415
-
-    page = f"{constants.ENDPOINT}/{repo}"
-    if isinstance(exc, errors.GatedRepoError):
-        return f"{page} is gated: accept its terms there, and set HF_TOKEN to a token of that account"
-    if isinstance(exc, errors.RepositoryNotFoundError):
-        return f"no model repository {page} (a private one needs HF_TOKEN set to a token that can read it)"
-    if isinstance(exc, errors.RemoteEntryNotFoundError):
-        return f"{page} has no file {filename}"
-    if isinstance(exc, errors.HfHubHTTPError) and exc.response is not None:
-        status = exc.response.status_code
-        if status in (401, 403):
-            return f"{page} refused access (HTTP {status}): set HF_TOKEN to a token that can read it"
-        return f"the Hub answered HTTP {status} for {page}"
-    if isinstance(exc, errors.HFValidationError):
-        return f"bad repository name {repo!r}: {str(exc).splitlines()[0]}"
-    if isinstance(exc, errors.LocalEntryNotFoundError) and constants.is_offline_mode():
-        return (f"HF_HUB_OFFLINE is set and {filename} of {repo} is not in the cache {constants.HF_HUB_CACHE}: "
-                "unset HF_HUB_OFFLINE to download it")
-    if isinstance(exc, errors.LocalEntryNotFoundError) and isinstance(exc.__cause__, Exception):
-        # hf_hub_download wraps what stopped it (an HTTP error, a lost connection) when the cache lacks the file
-        return _hub_error_message(exc.__cause__, repo, filename) or _unreachable(exc.__cause__)
-    if isinstance(exc, TransportError):
-        return _unreachable(exc)
-    return None
-
-
-def _unreachable(exc: Exception) -> str:
-    from huggingface_hub import constants  # noqa: PLC0415
-
-    return (f"cannot reach the Hub at {constants.ENDPOINT} ({type(exc).__name__}): check the network, "
-            "or set HF_HUB_OFFLINE=1 to use only models already in the cache")

@@ -55,7 +55,7 @@ def _from_result(ref: str, path: Path, chunks: int | None, runs_dir, need_per_to
     if need_per_token and res.per_token is None:
         raise QevalError(f"{path} has no per-token file (save results with `qeval kld --save-result` or "
                          "`qeval matrix`)")
-    res = _check_reference(ref, res, runs_dir)
+    res = check_reference(ref, res, runs_dir)
     if chunks is not None:
         have = int(res.summary.chunks)
         if not 1 <= chunks <= have:
@@ -64,7 +64,7 @@ def _from_result(ref: str, path: Path, chunks: int | None, runs_dir, need_per_to
     return res
 
 
-def _check_reference(ref: str, res: results.Result, runs_dir) -> results.Result:
+def check_reference(ref: str, res: results.Result, runs_dir) -> results.Result:
     """A saved result answers only for the reference it was measured against: the same model, settings
     and tokens (not merely the same label), with this qeval's formulas. Returned with the reference's top-1
     probabilities where it was saved before qeval kept them (results.with_reference_top1)."""

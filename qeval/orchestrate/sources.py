@@ -19,7 +19,7 @@ from qeval.inputs.hub import hub_label, is_hub_spec, resolve_model
 from qeval.orchestrate import budget, candidates
 from qeval.present.progress import progress_bar
 from qeval.present.results import Result
-from qeval.storage import runs
+from qeval.storage import reference_pack, runs
 
 
 def open_source(spec: str, runs_dir: str | os.PathLike | None = None):
@@ -100,11 +100,13 @@ def _open_live_candidate(stack: contextlib.ExitStack, model: str, ref_src, chunk
 
 
 def refuse_model_reference(ref: str, cand: str, chunks: int | None, settings: EngineSettings) -> None:
-    """A GGUF named as the reference (a path, or an hf: spec: nothing is downloaded) is refused with the commands that
-    capture it once and then compare against it, with the flags given here. Capturing it implicitly would hide an
+    """A GGUF named as the reference (a path, or an hf: spec that is no published reference: the repository is
+    listed, nothing is downloaded) is refused with the commands that capture it once and then compare against it,
+    with the flags given here. Capturing it implicitly would hide an
     hours-long run and a store of gigabytes behind a comparison, and choose its label, corpus and window size (what
     every later comparison against it means) without the user."""
-    if not (is_hub_spec(ref) or (is_model_file(ref) and Path(ref).is_file())):
+    if not (is_hub_spec(ref) or (is_model_file(ref) and Path(ref).is_file())) or \
+            (is_hub_spec(ref) and reference_pack.is_published(ref)):  # a store published on the Hub: pulled
         return
     label = hub_label(ref, ref) if is_hub_spec(ref) else Path(ref).name.removesuffix(".gguf")
     if not runs.is_label(label):

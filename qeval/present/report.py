@@ -24,6 +24,7 @@ from qeval.compare.metric_registry import (
 )
 from qeval.compare.metrics import GROUP_FIELDS, PER_TOKEN_FIELDS
 from qeval.compare.summary import ComparisonSummary, Side, TokenGroup, kv_text
+from qeval.engine.machine import build_backend
 from qeval.identity import NOT_RECORDED, form
 from qeval.present.markdown import markdown_table
 from qeval.storage import error_record
@@ -47,6 +48,33 @@ def _pm(value: float, se: float) -> str:
 def _percent_pm(fraction: float, se: float, width: int) -> str:
     """A fraction ± its SE in percent, as llama-perplexity's `Same top p` line prints it (the SE one narrower)."""
     return plus_minus(100 * fraction, 100 * se, f"{width}.3f", f"{width - 1}.3f")
+
+
+def ran_where(ref_header: StoreHeader, cand_header: StoreHeader) -> dict:
+    """Where each side's logits were computed (a reference published from another machine is compared across
+    machines): llama.cpp's build and the backend it computed on beyond the CPU, the CPU, layers offloaded."""
+    return {"reference": _ran_on(ref_header), "candidate": _ran_on(cand_header)}
+
+
+def _ran_on(h: StoreHeader) -> dict:
+    numerics = h.capture.get("numerics")
+    if not isinstance(numerics, dict):
+        return {"backend": NOT_RECORDED}
+    build = numerics.get("build") or {}
+    return {"backend": build_backend(build.get("system_info") or ""), "llama_cpp_python": build.get("llama_cpp_python"),
+            "system_info": build.get("system_info"), "cpu": h.capture.get("cpu"), "gpu_layers": numerics.get("gpu_layers")}
+
+
+def ran_where_text(where: dict) -> str:
+    def side(d: dict) -> str:
+        if d["backend"] == NOT_RECORDED:
+            return f"build {NOT_RECORDED}"
+        return (f"{d['backend']} (llama-cpp-python {d['llama_cpp_python']}, {d['gpu_layers']} layers offloaded, "
+                f"CPU {d['cpu'] or 'unknown'})")
+    ref, cand = where["reference"], where["candidate"]
+    same = "the same build" if ref.get("system_info") == cand.get("system_info") else "another build"
+    return (f"ran where  : reference {side(ref)}\n"
+            f"             candidate {side(cand)}; {same}")
 
 
 def comparison_text(summary: ComparisonSummary) -> str:
@@ -228,8 +256,7 @@ def info(source) -> dict:
         "llamacpp_equivalent_bytes": llama_bytes,
         "ratio_vs_llamacpp": llama_bytes / size if size else math.nan,
         "form": form(h),
-        "error": {"recorded": True, "bands": h.error, **error_record.summarize(e for _, e in source.iter_errors())}
-        if h.error_bands is not None else {"recorded": False},
+        "error": error_record.recorded(source),
         **hidden_form_facts(source, size, scored),
     }
 
@@ -241,11 +268,7 @@ def hidden_form_facts(source, size: int, scored: int) -> dict:
     if not h.hidden:
         return {}
     forms = Counter(f for _, _, f in source.piece_forms()) if hasattr(source, "piece_forms") else Counter()
-    replays = {}
-    for _, replay in source.iter_replays() if h.replay_record else ():
-        replays.setdefault(replay.engine, []).append(replay.record)
-    replay = {engine: error_record.summarize(records) for engine, records in replays.items()}
-    return {"pieces_by_form": dict(sorted(forms.items())), "head": h.head, "replay": replay,
+    return {"pieces_by_form": dict(sorted(forms.items())), "head": h.head, "replay": error_record.replayed(source),
             "bytes_per_scored_token_without_head": (size - h.head["bytes"]) / scored if scored else math.nan}
 
 

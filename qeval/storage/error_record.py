@@ -137,6 +137,22 @@ def summarize(records) -> dict:
             "max_abs_dlogp_top_band": float(top.max()), "max_abs_dlogp": float(whole.max())}
 
 
+def recorded(source) -> dict:
+    """What a store (StoreReader) says of the error of its stored form (`qeval info`, a published reference's
+    manifest): its record's bands and summarize() over every token; {"recorded": False} for a store without one."""
+    if source.header.error_bands is None:
+        return {"recorded": False}
+    return {"recorded": True, "bands": source.header.error, **summarize(e for _, e in source.iter_errors())}
+
+
+def replayed(source) -> dict:
+    """The same of a hidden-form store's uncoded replays, by the engine that replayed them ({} for none)."""
+    by_engine: dict[str, list] = {}
+    for _, replay in source.iter_replays() if source.header.replay_record else ():
+        by_engine.setdefault(replay.engine, []).append(replay.record)
+    return {engine: summarize(records) for engine, records in by_engine.items()}
+
+
 def record_bytes(n: int, bands: int) -> int:
     """The ERRS payload of n rows with `bands` bands."""
     return ERRS_HEAD.size + 16 * n + 8 * n * bands

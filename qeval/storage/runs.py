@@ -9,6 +9,8 @@ import re
 from pathlib import Path
 
 from qeval.errors import QevalError
+from qeval.storage import reference_pack
+from qeval.storage.hub_files import is_hub_spec
 from qeval.storage.llamacpp import LlamaCppBaseFile, is_llamacpp_file
 from qeval.storage.store import MAGIC, StoreReader
 
@@ -68,7 +70,10 @@ def known_labels_text(directory: Path) -> str:
 
 
 def resolve_path(spec: str, directory: Path) -> Path:
-    """The file a store argument names: a path, or a label in the runs directory."""
+    """The file a store argument names: a path, a label in the runs directory, or a published reference
+    `hf:USER/REPO[:LABEL]`, downloaded into huggingface_hub's cache and verified (qeval.storage.reference_pack)."""
+    if is_hub_spec(spec):
+        return reference_pack.pull(spec)
     path = Path(spec)
     if path.is_file():
         return path

@@ -1,0 +1,129 @@
+"""`qeval publish`: a complete reference store, its manifest (qeval.storage.reference_pack) and, optionally, the
+results measured against it and a card, uploaded to a Hugging Face Hub repository in one commit, through
+huggingface_hub (HF_TOKEN, HF_ENDPOINT are its settings). Anyone may then score a quant against it without the
+original model: `qeval kld --ref hf:USER/REPO:LABEL --cand MODEL.gguf`.
+
+The commit is atomic: a pull never meets a manifest without its store. An interrupted publish is resumed by running
+it again: huggingface_hub uploads through Xet (hf_xet), whose already-uploaded chunks are not sent again; without
+hf_xet, a large file the Hub already holds (by sha256, git LFS) is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+from qeval.engine.machine import build_backend
+from qeval.errors import QevalError
+from qeval.identity import NOT_RECORDED
+from qeval.orchestrate.measured import check_reference
+from qeval.present import results
+from qeval.storage import reference_pack, runs
+from qeval.storage.hub_files import hub_errors, is_hub_spec, split_spec
+from qeval.storage.store import StoreReader
+
+RESULTS_FOLDER = "results"  # in the repository: results/<LABEL>/<cand>.vs.<LABEL>.json and their per-token files
+CARD = "README.md"  # the repository's card: what the Hub shows on its page
+
+
+def publish_report(store: str, target: str, results_dir: Path | None = None, card: Path | None = None,
+                   runs_dir=None, private: bool = False) -> tuple[dict, str]:
+    """Publish the store `store` (a path or a label) to `target` (hf:USER/REPO, or hf:USER/REPO:LABEL with the
+    store's own label); `results_dir`: a runs directory (or its results/) whose results against this store go
+    with it; `card`: a markdown file, the repository's README.md; `private`: a repository created now is private."""
+    repo, named = _target(target)
+    if is_hub_spec(store):
+        raise QevalError(f"{store} is already published; publish a local store (a path or a label)")
+    path = runs.resolve_path(store, runs.runs_dir(runs_dir))
+    with StoreReader(path) as source:
+        label, header = source.header.label, source.header
+    runs.check_label(label)
+    if named and named != label:
+        raise QevalError(f"{path} holds reference {label!r}: it is published under its own label, hf:{repo}:{label}")
+    with tempfile.TemporaryDirectory(prefix="qeval-publish-") as staging:
+        staging = Path(staging)
+        files = [(runs.store_path(label, Path()).as_posix(), path, "store")]
+        files += _results(path, label, results_dir, staging) if results_dir is not None else []
+        if card is not None:
+            if not Path(card).is_file():
+                raise QevalError(f"--card {card} is not a file")
+            files.append((CARD, Path(card), "card"))
+        manifest = reference_pack.build_manifest(path, _backend(header), files)
+        manifest_file = staging / reference_pack.manifest_name(label)
+        manifest_file.write_bytes(reference_pack.manifest_bytes(manifest))
+        files.append((manifest_file.name, manifest_file, "manifest"))
+        commit = _upload(repo, label, files, private)
+        return _report(repo, label, commit, _uploaded(files, manifest))
+
+
+def _backend(header) -> str:
+    """What the store's llama.cpp build computed on beyond the CPU (CUDA, Metal, ...; "CPU"), from the system info
+    its numerics record."""
+    numerics = header.capture.get("numerics")
+    system_info = numerics.get("build", {}).get("system_info") if isinstance(numerics, dict) else None
+    return build_backend(system_info) if system_info else NOT_RECORDED
+
+
+def _target(target: str) -> tuple[str, str]:
+    """(USER/REPO, LABEL or "") of where to publish."""
+    if not is_hub_spec(target):
+        raise QevalError(f"publish to a Hub repository, hf:USER/REPO (not {target!r})")
+    return split_spec(target, "repository", "LABEL", "hf:USER/gemma-3-270m-qeval")
+
+
+def _results(store: Path, label: str, results_dir: Path, staging: Path) -> list[tuple[str, Path, str]]:
+    """The results in `results_dir` measured against `store` (labelled .vs.LABEL; one measured against another
+    capture under this label is refused), each as a public copy of its JSON (no local paths) and its per-token
+    file, under results/LABEL/."""
+    found = [p for p in results.find_results([results_dir]) if p.name.endswith(f"{runs.RESULT_SEPARATOR}{label}.json")]
+    if not found:
+        raise QevalError(f"--results {results_dir} holds no result against {label} (*{runs.RESULT_SEPARATOR}{label}.json)")
+    folder = staging / RESULTS_FOLDER
+    folder.mkdir()
+    files = []
+    for result in found:
+        check_reference(str(store), results.load_result(result, with_per_token=False), None)
+        summary = json.loads(result.read_text())
+        copy = folder / result.name
+        copy.write_text(json.dumps(reference_pack.public(summary), indent=1) + "\n")
+        files.append((f"{RESULTS_FOLDER}/{label}/{result.name}", copy, "result"))
+        per_token = summary.get("per_token_file")
+        if per_token and (result.parent / per_token).is_file():
+            files.append((f"{RESULTS_FOLDER}/{label}/{per_token}", result.parent / per_token, "result"))
+    return files
+
+
+def _upload(repo: str, label: str, files: list[tuple[str, Path, str]], private: bool):
+    """One commit of every file (created or replaced), the repository created first if it is not there."""
+    from huggingface_hub import CommitOperationAdd, HfApi  # noqa: PLC0415 - slow import, only to publish
+
+    api = HfApi()
+    with hub_errors(repo, access="write"):
+        api.create_repo(repo, exist_ok=True, private=private)
+        # paths, never bytes: huggingface_hub uploads a file object over plain HTTP instead of Xet
+        operations = [CommitOperationAdd(path, str(local)) for path, local, _ in files]
+        try:
+            return api.create_commit(repo, operations, commit_message=f"qeval reference {label}")
+        except ValueError as exc:  # what huggingface_hub refuses before the commit: a card's metadata, say
+            raise QevalError(f"hf:{repo}: the upload was refused: {' '.join(str(exc).split())}") from None
+
+
+def _uploaded(files: list[tuple[str, Path, str]], manifest: dict) -> dict:
+    """What a publish sent: every file's size and role, the manifest's own size, and what the manifest says."""
+    listed = [{"path": path, "bytes": local.stat().st_size, "role": role} for path, local, role in files]
+    return {"files": listed, "manifest_bytes": next(f["bytes"] for f in listed if f["role"] == "manifest"), "bytes": sum(f["bytes"] for f in listed),
+            "published": {k: manifest[k] for k in ("backend", "build", "form", "bounds", "sizes")}}
+
+
+def _report(repo: str, label: str, commit, uploaded: dict) -> tuple[dict, str]:
+    spec = f"hf:{repo}:{label}"
+    out = {"repo": repo, "label": label, "reference": spec, "commit": commit.oid, "commit_url": commit.commit_url,
+           **uploaded}
+    width = max(len(f["path"]) for f in uploaded["files"])
+    lines = [f"published reference {label} to hf:{repo} (commit {commit.oid[:12]}): {len(uploaded['files'])} files, "
+             f"{uploaded['bytes']:,} bytes",
+             *(f"  {f['path']:<{width}}  {f['bytes']:>14,} bytes  {f['role']}" for f in uploaded["files"]),
+             f"score a model against it, without the original: qeval kld --ref {spec} --cand MODEL.gguf"]
+    return out, "\n".join(lines)
+

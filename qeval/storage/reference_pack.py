@@ -1,0 +1,267 @@
+"""A published reference (spec: docs/reference-pack.md): a complete store in a Hugging Face Hub repository, beside a
+manifest `<LABEL>.reference.json` that says what it is (the store's identity, where its logits were computed, the
+error its form records, its sizes) and the sha256 of every file published with it (the store, results measured
+against it, a card).
+
+`hf:USER/REPO[:LABEL]` names one wherever a reference store is taken (qeval.storage.runs.resolve_path): the manifest
+and the store are downloaded into huggingface_hub's cache (qeval.storage.hub_files), and the store is used only once
+its bytes hash to the manifest's sha256, it reads back whole with its own checksums, and its header is the capture
+the manifest names. The manifest is read trusting nothing: an unknown format or version, a missing or mistyped
+field, a path that leaves the repository, a malformed sha256: each is one QevalError.
+
+A manifest holds nothing private: no local path (a path-like value is cut to its file name) and not the user's
+name or home (public()); the store's own header is published as it is.
+"""
+
+from __future__ import annotations
+
+import getpass
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath, PureWindowsPath
+
+from qeval.errors import QevalError
+from qeval.identity import NOT_RECORDED, capture_identity, form
+from qeval.storage import error_record, hub_files
+from qeval.storage.store import StoreReader
+
+FORMAT = "qeval-reference"
+VERSION = 1
+READABLE_VERSIONS = (1,)
+MANIFEST_SUFFIX = ".reference.json"
+ROLES = ("store", "result", "card")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+# every field of a manifest and its JSON type; `files` entries are checked one by one (PackFile)
+_FIELDS = {"format": str, "version": int, "label": str, "qeval_version": str, "identity": dict, "model": dict,
+           "corpus": dict, "build": dict, "backend": str, "form": dict, "bounds": dict, "sizes": dict, "files": list}
+_HASH_BLOCK = 16 << 20
+
+
+@dataclass(frozen=True)
+class PackFile:
+    path: str  # in the repository, '/'-separated
+    sha256: str
+    bytes: int
+    role: str  # one of ROLES
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "sha256": self.sha256, "bytes": self.bytes, "role": self.role}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    label: str
+    identity: dict  # qeval.identity.capture_identity of the store, made public()
+    files: tuple[PackFile, ...]
+    fields: dict  # the whole manifest as read
+
+    @property
+    def store(self) -> PackFile:
+        return next(f for f in self.files if f.role == "store")
+
+
+def manifest_name(label: str) -> str:
+    return f"{label}{MANIFEST_SUFFIX}"
+
+
+# --- writing -------------------------------------------------------------------------------------------------------
+def build_manifest(store: Path, backend: str, files: list[tuple[str, Path, str]]) -> dict:
+    """The manifest of the complete store at `store` published with `files` ((path in the repository, local path,
+    role); the store itself among them, role "store"). `backend`: what the store's llama.cpp build computed on beyond
+    the CPU (qeval.engine.machine.build_backend of its system info)."""
+    with StoreReader(store, verify_chunks=True) as source:
+        if not source.complete:
+            raise QevalError(f"{store} is an incomplete capture: only a complete store can be published")
+        h = source.header
+        capture = h.capture
+        numerics = capture.get("numerics")
+        scored = sum(h.n_scored_of(c) for c in source.chunk_indices)
+        manifest = {
+            "format": FORMAT, "version": VERSION, "label": h.label, "qeval_version": h.qeval_version,
+            "identity": capture_identity(h), "model": h.model, "corpus": h.corpus,
+            "build": {**numerics["build"], "cpu": capture.get("cpu"), "gpu_layers": numerics.get("gpu_layers"),
+                      "env": numerics.get("env")} if isinstance(numerics, dict) else {"recorded": NOT_RECORDED},
+            "backend": backend, "form": form(h),
+            "bounds": {"error": error_record.recorded(source), **({"replay": error_record.replayed(source)}
+                                                                 if h.replay_record else {})},
+            "sizes": {"store_bytes": source.size_bytes, "chunks": len(source.chunk_indices), "scored_tokens": scored,
+                      "bytes_per_scored_token": round(source.size_bytes / scored, 1) if scored else None,
+                      **({"head_bytes": h.head["bytes"]} if h.head else {})},
+            "files": [PackFile(path, file_sha256(local), local.stat().st_size, role).to_json()
+                      for path, local, role in files],
+        }
+    return public(manifest)
+
+
+def manifest_bytes(manifest: dict) -> bytes:
+    return (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode()
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(_HASH_BLOCK):
+            h.update(block)
+    return h.hexdigest()
+
+
+def public(value, private: tuple[str, ...] | None = None):
+    """`value` (JSON) with nothing that names this machine's user: a local path (absolute, or under ~) cut to its
+    file name, and the home folder or the user's name anywhere else replaced."""
+    private = _private_words() if private is None else private
+    if isinstance(value, dict):
+        return {key: public(item, private) for key, item in value.items()}
+    if isinstance(value, list):
+        return [public(item, private) for item in value]
+    if not isinstance(value, str):
+        return value
+    if value.startswith(("/", "~")) or PureWindowsPath(value).drive:
+        value = PurePosixPath(value.replace("\\", "/")).name
+    for word in private:
+        value = re.sub(rf"(?<![A-Za-z0-9]){re.escape(word)}(?![A-Za-z0-9])", "<user>", value)
+    return value
+
+
+def _private_words() -> tuple[str, ...]:
+    """The home folder and the user's name (a name under 3 characters would hide ordinary words: left out)."""
+    words = [str(Path.home())]
+    try:
+        words.append(getpass.getuser())
+    except (KeyError, OSError):
+        pass
+    words += [os.environ.get(name, "") for name in ("USER", "USERNAME", "LOGNAME")]
+    return tuple(sorted({w for w in words if len(w) >= 3 and w != "/"}, key=len, reverse=True))
+
+
+# --- reading -------------------------------------------------------------------------------------------------------
+def read_manifest(data: bytes, where: str) -> Manifest:
+    """A manifest from its bytes, every field checked (`where` names it in messages)."""
+    try:
+        d = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise QevalError(f"{where} is not a JSON manifest ({exc})") from None
+    if not isinstance(d, dict) or d.get("format") != FORMAT:
+        raise QevalError(f"{where} is not a qeval reference manifest (no \"format\": \"{FORMAT}\")")
+    version = d.get("version")
+    if type(version) is not int or version not in READABLE_VERSIONS:
+        raise QevalError(f"{where}: manifest version {version!r} is not one this qeval reads "
+                         f"({', '.join(map(str, READABLE_VERSIONS))}): a newer qeval published it, upgrade qeval")
+    for name, kind in _FIELDS.items():
+        if name not in d:
+            raise QevalError(f"{where}: the manifest lacks its field {name!r}")
+        if type(d[name]) is not kind:
+            raise QevalError(f"{where}: the manifest's field {name!r} is not a JSON {kind.__name__}")
+    label = d["label"]
+    if not label or PurePosixPath(label).name != label or label in (".", ".."):
+        raise QevalError(f"{where}: bad label {label!r}")
+    files = tuple(_pack_file(entry, where) for entry in d["files"])
+    paths = [f.path for f in files]
+    if len(set(paths)) != len(paths):
+        raise QevalError(f"{where}: a file is listed twice")
+    if [f.role for f in files].count("store") != 1:
+        raise QevalError(f"{where}: the manifest must list exactly one file of role \"store\"")
+    return Manifest(label, d["identity"], files, d)
+
+
+def _pack_file(entry: object, where: str) -> PackFile:
+    if not isinstance(entry, dict):
+        raise QevalError(f"{where}: an entry of 'files' is not a JSON object")
+    path, sha, size, role = (entry.get(k) for k in ("path", "sha256", "bytes", "role"))
+    if not isinstance(path, str) or not _inside_repo(path):
+        raise QevalError(f"{where}: file path {path!r} is not a relative path inside the repository")
+    if not isinstance(sha, str) or not _SHA256.match(sha):
+        raise QevalError(f"{where}: {path}: sha256 {sha!r} is not 64 lowercase hex digits")
+    if type(size) is not int or size < 0:
+        raise QevalError(f"{where}: {path}: bytes {size!r} is not a size")
+    if role not in ROLES:
+        raise QevalError(f"{where}: {path}: role {role!r} is none of {', '.join(ROLES)}")
+    return PackFile(path, sha, size, role)
+
+
+def _inside_repo(path: str) -> bool:
+    parts = PurePosixPath(path).parts
+    return bool(parts) and "\\" not in path and not path.startswith("/") and not any(p in ("..", ".") for p in parts) \
+        and ":" not in path
+
+
+# --- pulling -------------------------------------------------------------------------------------------------------
+def parse_spec(spec: str) -> tuple[str, str]:
+    """(USER/REPO, LABEL or "") of a published reference's `hf:USER/REPO[:LABEL]`."""
+    return hub_files.split_spec(spec, "reference", "LABEL", "hf:USER/gemma-3-270m-qeval:Q8_0")
+
+
+def is_published(spec: str) -> bool:
+    """Whether `hf:USER/REPO[:LABEL]` names a published reference: its repository lists a manifest (LABEL's, when
+    given). Listed only, nothing downloaded; with HF_HUB_OFFLINE, a repository nothing of which is cached is not."""
+    from huggingface_hub import is_offline_mode  # noqa: PLC0415 - slow import, only for hf: specs
+
+    repo, label = parse_spec(spec)
+    try:
+        files, _ = hub_files.repo_files(repo)
+    except QevalError:
+        if is_offline_mode():
+            return False
+        raise
+    manifests = _manifests(files)
+    return label in manifests if label else bool(manifests)
+
+
+def pull(spec: str) -> Path:
+    """The local store of the published reference `hf:USER/REPO[:LABEL]` (LABEL omitted: the repository's only one),
+    downloaded into huggingface_hub's cache (a cached file is not fetched again) and verified (verify())."""
+    repo, label = parse_spec(spec)
+    files, where = hub_files.repo_files(repo)
+    manifests = _manifests(files)
+    if not manifests:
+        raise QevalError(f"{where} holds no published qeval reference (no LABEL{MANIFEST_SUFFIX}): `qeval publish "
+                         f"STORE hf:{repo}` publishes one")
+    if not label and len(manifests) > 1:
+        raise QevalError(f"{where} holds {len(manifests)} references ({', '.join(manifests)}): name one, "
+                         f"hf:{repo}:LABEL")
+    if label and label not in manifests:
+        raise QevalError(f"{where} holds no reference {label!r}; its references: {', '.join(manifests)}")
+    name = manifest_name(label or manifests[0])
+    manifest = read_manifest(Path(hub_files.download(repo, name)).read_bytes(), f"{spec} ({name})")
+    if manifest_name(manifest.label) != name:
+        raise QevalError(f"{spec}: {name} is the manifest of reference {manifest.label!r}")
+    store = Path(hub_files.download(repo, manifest.store.path))
+    verify(store, manifest, f"{spec} ({manifest.store.path})")
+    return store
+
+
+def _manifests(files: list[str]) -> list[str]:
+    """The labels of the manifests at the top of a repository's listing."""
+    return sorted(f[:-len(MANIFEST_SUFFIX)] for f in files if f.endswith(MANIFEST_SUFFIX) and "/" not in f)
+
+
+_verified: dict[tuple[str, int, int], Manifest] = {}  # (path, size, mtime) of a store verified in this process
+
+
+def verify(store: Path, manifest: Manifest, where: str) -> None:
+    """Refuse the downloaded `store` unless its size and sha256 are the manifest's, it reads back whole with its own
+    checksums (header, tokens, every chunk, index), and it is the capture the manifest names (its identity and label).
+    Done once per process for an unchanged file."""
+    st = store.stat()
+    key = (str(store), st.st_size, st.st_mtime_ns)
+    if _verified.get(key) == manifest:
+        return
+    listed = manifest.store
+    if st.st_size != listed.bytes or (sha := file_sha256(store)) != listed.sha256:
+        got = f"{st.st_size:,} bytes" if st.st_size != listed.bytes else f"sha256 {sha}"
+        raise QevalError(f"{where}: the downloaded file has {got}, its manifest says {listed.bytes:,} bytes, sha256 "
+                         f"{listed.sha256}: it is damaged or not the file published with the manifest; remove "
+                         f"{store.resolve()} from huggingface_hub's cache to download it again")
+    try:
+        with StoreReader(store, verify_chunks=True) as source:
+            complete, header = source.complete, source.header
+    except QevalError as exc:
+        raise QevalError(f"{where}: the store does not read back: {exc}") from None
+    if not complete:
+        raise QevalError(f"{where}: the store is an incomplete capture")
+    if header.label != manifest.label or public(capture_identity(header)) != manifest.identity:
+        raise QevalError(f"{where}: the store is not the capture its manifest names (label {header.label!r}, "
+                         f"manifest {manifest.label!r}; identities differ)")
+    _verified[key] = manifest
