@@ -348,8 +348,9 @@ def main(argv=None) -> None:
     results = []
     for n in lengths:
         for interval in args.rules:
-            rule = StopRule(args.min_chunks, args.rel_precision, args.neighbour_sigmas, args.confidence,
-                            args.precision_alone, args.step, interval)
+            rule = StopRule(min_chunks=args.min_chunks, rel_precision=args.rel_precision,
+                            neighbour_sigmas=args.neighbour_sigmas, confidence=args.confidence,
+                            precision_alone=args.precision_alone, step=args.step, interval=interval)
             t = time.perf_counter()
             sim = simulate(board.first(n), args.seeds, rule)
             s = summarize(board.first(n), sim, rule, max(lengths), time.perf_counter() - t)
