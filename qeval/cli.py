@@ -132,6 +132,8 @@ def grouped(command):
 
     run.__signature__ = inspect.Signature([q for p in declared
                                            for q in (groups[p.name].parameters() if p.name in groups else [p])])
+    # typer reads annotations too: those of the signature (a group's name may be one of its options' names)
+    run.__annotations__ = {p.name: p.annotation for p in run.__signature__.parameters.values()}
     return run
 
 

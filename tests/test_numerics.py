@@ -140,9 +140,10 @@ def test_llama_cpp_reports_the_rotation_planning_predicts(models, types, mode):
         assert engine.numerics == planned["numerics"]
 
 
-def _matrix(models, runs, kv="q4_0", **kw) -> tuple[dict, str]:
+def _matrix(models, runs, kv="q4_0", kv_rotation="auto", **kw) -> tuple[dict, str]:
     return api.matrix_report(f"R={models['Q8_0']}", [f"Q8={models['Q8_0']}"], kv.split(","), chunks=2, n_ctx=64,
-                             runs_dir=runs, threads=2, progress=False, **kw)
+                             runs_dir=runs, engine=EngineSettings(n_threads=2, kv_rotation=kv_rotation),
+                             progress=False, **kw)
 
 
 def test_a_matrix_under_another_rotation_recomputes_never_reuses(models, tmp_path, monkeypatch):

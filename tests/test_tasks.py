@@ -897,11 +897,12 @@ def test_matrix_refuses_bad_task_options_before_running(tmp_path):
 
 def test_matrix_scores_tasks_for_every_pair_and_shows_flips(models, tmp_path):
     from qeval import api
+    from qeval.engine.engine import EngineSettings
     from qeval.orchestrate.matrix import TaskRequest
 
     def run():
         return api.matrix_report(f"Q8_0={models['Q8_0']}", [f"Q2_K={models['Q2_K']}"], ["f16", "q4_0"], chunks=1,
-                                 n_ctx=128, runs_dir=tmp_path, threads=2, progress=False,
+                                 n_ctx=128, runs_dir=tmp_path, engine=EngineSettings(n_threads=2), progress=False,
                                  tasks=[TaskRequest(task=str(HELLASWAG), limit=24)])
 
     result, text = run()
