@@ -43,7 +43,8 @@ def settings_grid(modes=MODES):
                     continue
                 fa = "on" if kv != "f16" else "auto"
                 yield (f"{kv} {'' if kv == 'f16' else 'rot ' + rotation + ' '}{mode}",
-                       EngineSettings(kv, kv, fa, n_threads=2, kv_rotation=rotation, decode=mode))
+                       EngineSettings(type_k=kv, type_v=kv, flash_attn=fa, n_threads=2, kv_rotation=rotation,
+                                      decode=mode))
 
 
 # Other switches of llama.cpp, each alone against the same reference (f16 KV): (name, extra flags, environment).

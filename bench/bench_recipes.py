@@ -89,8 +89,8 @@ def main() -> None:
         return held_out(args, source)
 
     def request(*recipes):
-        return api.recipe_request("Q8_0", source, recipes, args.chunks, args.runs_dir,
-                                  early=api.early_settings() if args.early else None)
+        return api.recipe_request(ref="Q8_0", source=source, recipes=recipes, chunks=args.chunks,
+                                  runs_dir=args.runs_dir, early=api.early_settings() if args.early else None)
 
     start = time.monotonic()
     with PeakDisk(args.runs_dir / "recipes") as disk:
@@ -116,7 +116,8 @@ def main() -> None:
 
 def held_out(args, source: str) -> None:
     """The held-out run: a fit on the tuning chunks, refined, every choice reported on the held-out chunks too."""
-    request = api.recipe_request("Q8_0", source, ["Q4_K_M"], args.chunks, args.runs_dir)
+    request = api.recipe_request(ref="Q8_0", source=source, recipes=["Q4_K_M"], chunks=args.chunks,
+                                 runs_dir=args.runs_dir)
     search = api.recipe_search(holdout=args.holdout, split_seed=0, refine_builds=args.refine_builds)
     start = time.monotonic()
     fit, fit_text = api.recipe_fit_report(request, HOLDOUT_TARGETS, max_mb=HOLDOUT_MB, max_kld=HOLDOUT_KLD,

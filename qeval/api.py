@@ -22,7 +22,9 @@ from qeval.errors import QevalError
 from qeval.inputs.hub import is_hub_spec, resolve_model
 from qeval.orchestrate import budget, matrix, sweep
 from qeval.orchestrate import deploy as deploy_run
+from qeval.orchestrate.deploy import DeploySpec
 from qeval.orchestrate.matrix import (  # noqa: F401 - public
+    EarlySettings,
     TaskRequest,
     early_settings,
     pair_label,
@@ -38,7 +40,7 @@ from qeval.storage.scoring import Scoring
 from qeval.storage.store import StoreReader
 
 
-def kld_report(ref: str, cand: str, chunks: int | None = None, runs_dir=None, threads: int | None = None,
+def kld_report(ref: str, cand: str, *, chunks: int | None = None, runs_dir=None, threads: int | None = None,
                per_token: Path | None = None, progress: bool = False,
                settings: EngineSettings = EngineSettings(), save: str | None = None,
                save_result: bool = False, on_chunk=None, force: bool = False,
@@ -79,7 +81,7 @@ def kld_report(ref: str, cand: str, chunks: int | None = None, runs_dir=None, th
     return {**out, "deployment": measured.to_json()}, text + "\n\n" + measured.text()
 
 
-def deploy_spec(spec) -> "deploy_run.DeploySpec":
+def deploy_spec(spec) -> DeploySpec:
     """A DeploySpec from its text (qeval.orchestrate.deploy.parse_deploy_spec), or as it is."""
     return deploy_run.parse_deploy_spec(spec) if isinstance(spec, str) else spec
 
@@ -98,18 +100,17 @@ def _kld_deploy_rows(cand: str, save: str | None, settings: EngineSettings, depl
     return rows
 
 
-def deploy_report(models: list[str], kv_types: list[str] = ("f16",), spec=None, runs_dir=None,
-                  threads: int | None = None, n_gpu_layers: int = 0, kv_rotation: str = "auto",
-                  rope_scaling: str | None = None, rope_scale: float | None = None, force: bool = False,
+def deploy_report(models: list[str], kv_types: list[str] = ("f16",), *, spec=None, runs_dir=None,
+                  engine: EngineSettings = EngineSettings(), force: bool = False,
                   progress: bool = False) -> tuple[dict, str]:
     """Speed and memory alone (`qeval deploy`): every model (MODEL or LABEL=MODEL, a path or an hf: spec) under
-    every KV spec of `kv_types` (as matrix's --kv), labelled as a matrix labels its pairs, measured as `spec` (a
-    DeploySpec or its text; default: llama-bench's pp512 and tg128 at depth 0, memory at 4096) says, on this
-    machine, one row after another; saved as deployment records in RUNS_DIR/deployment, reused where they answer.
+    every KV spec of `kv_types` (as matrix's --kv), labelled as a matrix labels its pairs, run with `engine` (its KV
+    cache set by each spec), measured as `spec` (a DeploySpec or its text; default: llama-bench's pp512 and tg128 at
+    depth 0, memory at 4096) says, on this machine, one row after another; saved as deployment records in
+    RUNS_DIR/deployment, reused where they answer.
     result["errors"]: every figure that could not be measured (the CLI exits non-zero after printing)."""
-    spec = deploy_run.parse_deploy_spec(spec, "--spec") if isinstance(spec, str) else spec or deploy_run.DeploySpec()
-    engine = EngineSettings(n_gpu_layers=n_gpu_layers, n_threads=threads, rope_scaling=rope_scaling,
-                            rope_scale=rope_scale, kv_rotation=kv_rotation).validate()
+    spec = deploy_run.parse_deploy_spec(spec, "--spec") if isinstance(spec, str) else spec or DeploySpec()
+    engine.validate()
     for kv in kv_types:
         matrix.parse_kv_spec(kv)
     rows = []
@@ -171,7 +172,7 @@ def import_llamacpp_report(file: Path, out: Path, force: bool = False) -> str:
             f"{Path(file).stat().st_size / d['size_bytes']:.1f}x larger)")
 
 
-def capture_store(model: str, label: str, runs_dir=None, out: str | None = None, corpus: str | None = None,
+def capture_store(model: str, label: str, *, runs_dir=None, out: str | None = None, corpus: str | None = None,
                   n_ctx: int = 512, chunks: int | None = None, settings: EngineSettings = EngineSettings(),
                   chunk_range: tuple[int, int] | None = None,
                   progress: bool = False, on_chunk=None, force: bool = False, scoring: str = "half",
@@ -198,30 +199,28 @@ def capture_store(model: str, label: str, runs_dir=None, out: str | None = None,
             "chunks_written": result.chunks_written, "seconds": result.seconds}, result.summary_line()
 
 
-def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int | None = None, n_ctx: int = 512,
-                  corpus: str | None = None, runs_dir=None, threads: int | None = None, n_gpu_layers: int = 0,
-                  progress: bool = True, executor=None, n_batch: int | None = None,
-                  n_ubatch: int | None = None, force: bool = False, scoring: str = "half",
-                  concat: bool = False, samplers=(), tasks=(), rope_scaling: str | None = None,
-                  rope_scale: float | None = None, repos=(), include=(), exclude=(),
+def matrix_report(ref: str, models: list[str], kv_types: list[str], *, chunks: int | None = None, n_ctx: int = 512,
+                  corpus: str | None = None, runs_dir=None, engine: EngineSettings = EngineSettings(),
+                  progress: bool = True, executor=None, force: bool = False, scoring: str = "half",
+                  concat: bool = False, samplers=(), tasks=(), repos=(), include=(), exclude=(),
                   control: bool = False, chat_template: str | None = None,
-                  chat_template_kwargs: str | None = None, kv_rotation: str = "auto", decode: str = "prompt",
-                  floor: str = "none", keep_logits: bool = False,
-                  early: matrix.EarlySettings | None = None, deploy=None) -> tuple[dict, str]:
+                  chat_template_kwargs: str | None = None, floor: str = "none", keep_logits: bool = False,
+                  early: EarlySettings | None = None, deploy=None) -> tuple[dict, str]:
     """Capture `ref` once, then every model x KV pair (live, or reusing finished stores and results).
     models: GGUF paths or hf: specs (LABEL=… to name one); hf:USER/REPO:* and each of `repos` (hf:USER/REPO) stand
     for every model of the repository, filtered by `include`/`exclude` globs on its file paths and labelled
     USER.TAG (qeval.orchestrate.matrix.expand_models).
     samplers: presets or settings strings (qeval.compare.sampler) every pair is measured with too; a TVD
     column each in the matrix's leaderboard. tasks: task files (or matrix.TaskRequest) the reference and every
-    pair are scored on too, as llama-perplexity scores tasks; a flips column each. rope_scaling, rope_scale:
-    as llama.cpp's --rope-scaling/--rope-scale, needed for n_ctx beyond the models' trained context.
+    pair are scored on too, as llama-perplexity scores tasks; a flips column each. engine: how the reference and
+    every pair run (EngineSettings: threads, -ngl, batch sizes, RoPE scaling as llama.cpp's --rope-scaling/--rope-scale
+    for n_ctx beyond the models' trained context, ...), but each pair's KV cache, which its KV spec sets: its
+    kv_rotation holds for KV specs without a `:rot`/`:norot` suffix, its decode (prompt: batches, as
+    llama-perplexity; generate: one token per call after the prompt, as llama-server generates) for the reference
+    and every pair.
     control: run the reference model once more under another batch layout, as the pair `control`: the noise
     floor every other row is read against (qeval.orchestrate.matrix.control_settings); `qeval matrix` asks for it
-    unless --no-control. chat_template, chat_template_kwargs: a conversation corpus's (see capture_store).
-    kv_rotation: llama.cpp's KV rotation (auto, on, off) for KV specs without a `:rot`/`:norot` suffix. decode: prompt
-    (batches, as llama-perplexity) or generate (one token per call after the prompt, as llama-server generates), for
-    the reference and every pair. floor: a row for the reference model on another of llama.cpp's kernel paths, each
+    unless --no-control. chat_template, chat_template_kwargs: a conversation corpus's (see capture_store). floor: a row for the reference model on another of llama.cpp's kernel paths, each
     KV row's cost read against it (qeval.orchestrate.matrix.FLOORS; `qeval matrix` asks for `auto`).
 
     A pair run live keeps no candidate logits: each chunk's per-token results go to its checkpoint
@@ -246,9 +245,7 @@ def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int 
     reference and every pair as deployed, here, one at a time (under Ray too), saved as this machine's records."""
     ref_label, ref_path = parse_model_arg(ref)
     models = matrix.expand_models(models, repos, tuple(include), tuple(exclude))
-    engine = EngineSettings(n_gpu_layers=n_gpu_layers, n_threads=threads, n_batch=n_batch, n_ubatch=n_ubatch,
-                            rope_scaling=rope_scaling, rope_scale=rope_scale, kv_rotation=kv_rotation, decode=decode)
-    requests = tuple(t if isinstance(t, matrix.TaskRequest) else matrix.TaskRequest(str(t)) for t in tasks)
+    requests = tuple(t if isinstance(t, matrix.TaskRequest) else matrix.TaskRequest(task=str(t)) for t in tasks)
     request = matrix.MatrixRequest(
         ref_label=ref_label, ref_path=ref_path, pairs=tuple(matrix.model_kv_pairs(models, kv_types, ref_path)),
         directory=runs.runs_dir(runs_dir), chunks=chunks, n_ctx=n_ctx, corpus=corpus, engine=engine, force=force,
@@ -258,9 +255,9 @@ def matrix_report(ref: str, models: list[str], kv_types: list[str], chunks: int 
     return sweep.run_matrix(request, progress, executor)
 
 
-def demo_report(chunks: int | None = 80, runs_dir=None, models_dir=None, n_ctx: int = 512, progress: bool = True,
+def demo_report(*, chunks: int | None = 80, runs_dir=None, models_dir=None, n_ctx: int = 512, progress: bool = True,
                 threads: int | None = None, conversations: bool = False,
-                early: matrix.EarlySettings | None = None) -> tuple[dict, str]:
+                early: EarlySettings | None = None) -> tuple[dict, str]:
     """Gemma-3-270M end to end: derive quants, capture the Q8_0 reference, compare every candidate and the control
     (the reference recomputed under another batch layout: the board's noise floor). conversations:
     over the shipped conversation suite instead, the assistant's tokens by segment and category (in
@@ -288,7 +285,7 @@ def demo_report(chunks: int | None = 80, runs_dir=None, models_dir=None, n_ctx: 
 
 
 # --- task accuracy and answer flips (qeval.orchestrate.tasks) -------------------------------------------------
-def task_capture_report(model: str, task: str, kind: str | None = None, limit: int | None = None,
+def task_capture_report(model: str, task: str, *, kind: str | None = None, limit: int | None = None,
                         label: str | None = None, runs_dir=None, out: str | None = None, settings=None,
                         force: bool = False, progress: bool = False, hf_loader=None) -> tuple[dict, str]:
     """Score every choice of a task set (HellaSwag, Winogrande, multiple-choice file or hf: dataset) with a GGUF
@@ -320,8 +317,8 @@ def flips_report(ref: str, cand: str, runs_dir=None, task: str | None = None, bi
 
 
 # --- recipes: variants built by llama.cpp's quantizer, their sensitivity, the best under a budget --------------
-def recipe_request(ref: str, source: str, recipes=(), chunks: int | None = None, runs_dir=None,
-                   threads: int | None = None, keep: bool = False, early: matrix.EarlySettings | None = None,
+def recipe_request(*, ref: str, source: str, recipes=(), chunks: int | None = None, runs_dir=None,
+                   threads: int | None = None, keep: bool = False, early: EarlySettings | None = None,
                    deploy=None):
     """The RecipeRequest of these arguments: `recipes` as texts (qeval.engine.recipe.parse) or Recipe values. A bad
     recipe (unknown type, bad regex, missing imatrix) is refused here, before anything is built. early
@@ -348,7 +345,7 @@ def recipe_measure_report(request, progress: bool = False) -> tuple[dict, str]:
     return sensitivity.measure_report(request, progress)
 
 
-def recipe_search(holdout: int | None = None, split_seed: int | None = None, refine_builds: int | None = None,
+def recipe_search(*, holdout: int | None = None, split_seed: int | None = None, refine_builds: int | None = None,
                   split_edges: int | None = None):
     """How `recipe sweep` and `recipe fit` choose (qeval.orchestrate.sensitivity.SearchSettings): chunks held out of
     every decision, the seed that draws them, the refinement's build budget, tensor groups split by layer range."""
@@ -415,7 +412,7 @@ def choose_report(runs: list[Path], memory: str | float | None = None, context: 
     return boards.choose(runs, boards.read_question(memory, context, min_tg, depth, by), machine=machine)
 
 
-def paired_report(ref: str, cand_a: str, cand_b: str, chunks: int | None = None, runs_dir=None, method: str = "t",
+def paired_report(ref: str, cand_a: str, cand_b: str, *, chunks: int | None = None, runs_dir=None, method: str = "t",
                   progress: bool = False, depth: str | None = None, samplers=(), segment: str | None = None,
                   category: str | None = None, control: str | None = None) -> tuple[dict, str]:
     """Is A really better than B? Paired differences on the same reference tokens (qeval.orchestrate.paired);
@@ -427,7 +424,7 @@ def paired_report(ref: str, cand_a: str, cand_b: str, chunks: int | None = None,
                                 category=category, control=control)
 
 
-def check_report(ref: str, cand: str, chunks: int | None = None, runs_dir=None, baseline: str | None = None,
+def check_report(ref: str, cand: str, *, chunks: int | None = None, runs_dir=None, baseline: str | None = None,
                  baseline_entry: str | None = None, baseline_metrics=None, progress: bool = False,
                  depth: str | None = None, samplers=(), control: str | None = None, segment: str | None = None,
                  category: str | None = None, confidence_buckets: str | None = None,
@@ -464,7 +461,7 @@ def baseline_from_result(result: Path, out: Path, title: str | None = None, entr
     return baselines.result_to_baseline_file(result, out, title, entry)
 
 
-def ray_executor(address: str | None = None, gpus_per_task: float = 0, cpus_per_task: float = 1,
+def ray_executor(*, address: str | None = None, gpus_per_task: float = 0, cpus_per_task: float = 1,
                  shard_chunks: int = 1):
     """The Ray executor `matrix_report(executor=...)` takes (Ray is optional: imported only here)."""
     from qeval.orchestrate.distributed import RayExecutor  # noqa: PLC0415
@@ -486,10 +483,10 @@ def template_report(reference: str, candidates: list[str], corpus: str = "conver
     return templates.template_report(reference, candidates, corpus, parse_template_kwargs(template_kwargs), vocab)
 
 
-def publish_report(store: str, target: str, results_dir: Path | None = None, card: Path | None = None, runs_dir=None,
+def publish_report(store: str, target: str, *, results_dir: Path | None = None, card: Path | None = None, runs_dir=None,
                    private: bool = False) -> tuple[dict, str]:
     """Upload a complete reference store, its manifest and optionally its results and card to a Hub repository
     (qeval.orchestrate.publish); `--ref hf:USER/REPO:LABEL` then pulls it wherever a reference store is taken."""
     from qeval.orchestrate import publish  # noqa: PLC0415 - only this command uploads
 
-    return publish.publish_report(store, target, results_dir, card, runs_dir, private)
+    return publish.publish_report(store, target, results_dir=results_dir, card=card, runs_dir=runs_dir, private=private)

@@ -1,31 +1,33 @@
-"""`qeval` command line: thin shells over the Python API (qeval.api)."""
+"""`qeval` command line: thin shells over the Python API (qeval.api).
+
+Options that several commands take are defined once, in option groups (OptionGroup: engine, corpus windows, early
+decisions, deployment, output, ...): a command takes a group as one parameter and is called with the one value the
+group builds of its options (EngineSettings, EarlySettings, ...); help lists each group's options in its own panel."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
 import inspect
 import json
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import typer
+from rich.markup import escape
 
 from qeval import __version__, api
-from qeval.api import EngineSettings, TaskRequest, TaskSettings
+from qeval.api import EarlySettings, EngineSettings, TaskRequest, TaskSettings
 from qeval.errors import QevalError
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Measure how much quantization hurts a GGUF model: PPL, KL divergence, same-top-1.")
 
 RunsDir = typer.Option(None, "--runs-dir", help="Directory of labelled stores (default $QEVAL_RUNS_DIR or ./qeval-runs).")
 Chunks = typer.Option(None, "--chunks", help="Use only the first N chunks.")
 Json = typer.Option(False, "--json", help="Print JSON instead of text.")
-Early = typer.Option(False, "--early", help="Decide the board early: every pair visits the chunks in a seeded random order and stops once its mean KLD is known to --early-precision, or its order against its neighbours and its Pareto status are settled (paired, chunks as the unit); each row says how many tokens it holds and why it stopped. A later run without --early extends each pair to every chunk.")
-EarlyPrecision = typer.Option(None, "--early-precision", help="With --early: stop a pair once its interval's half-width is this share of its mean KLD (default 0.05: ±5 %), and every comparison still open is a tie at it.")
-EarlyMinChunks = typer.Option(None, "--early-min-chunks", help="With --early: chunks every pair runs before any stops (default 8).")
-EarlySigmas = typer.Option(None, "--early-sigmas", help="With --early: neighbours this many SEs of their paired difference apart (and their interval clear of 0) are settled (default 3).")
-EarlyConfidence = typer.Option(None, "--early-confidence", help="With --early: the confidence of the intervals over every round a pair may stop in (default 0.95: half of the 5 % error spent at the minimum, the rest over the later rounds).")
-EarlySeed = typer.Option(None, "--early-seed", help="With --early: the seed of the chunk order (default 0); recorded in every result.")
 TypeK = typer.Option("f16", "-ctk", "--cache-type-k", help="KV cache type for K: any cache type of the loaded llama.cpp build (f16, q8_0, q4_0, ...; a fork's own too).")
 TypeV = typer.Option("f16", "-ctv", "--cache-type-v", help="KV cache type for V (a quantized V cache needs -fa on).")
 FlashAttn = typer.Option("auto", "-fa", "--flash-attn", help="Flash attention: on, off or auto.")
@@ -80,6 +82,123 @@ Deploy = typer.Option(None, "--deploy", help=(
     + SPEC_HELP))
 
 
+
+
+@dataclasses.dataclass(frozen=True)
+class OptionGroup:
+    """Options that several commands take, defined once: `options` maps each keyword `build` takes to its (type,
+    typer.Option). A command that names the group as a parameter's default takes, in that parameter's place, the
+    group's options (help lists them under `panel`) and is called with the one value `build` makes of them
+    (see `grouped`)."""
+
+    panel: str
+    build: Callable[..., Any]
+    options: dict[str, tuple[Any, Any]]
+
+    @classmethod
+    def of(cls, panel: str, build: Callable[..., Any]) -> OptionGroup:
+        """The group of a function whose parameters are written as a command's (their defaults typer.Options)."""
+        declared = inspect.signature(build, eval_str=True).parameters.values()
+        return cls(panel, build, {p.name: (p.annotation, p.default) for p in declared})
+
+    def only(self, *names: str, **own: tuple[Any, Any]) -> OptionGroup:
+        """A narrower group: these of its options, in this order, those of `own` with a type and option of their own
+        (a help text that says what the option does in those commands)."""
+        return dataclasses.replace(self, options={**{n: own.get(n) or self.options[n] for n in names}, **own})
+
+    def parameters(self) -> list[inspect.Parameter]:
+        return [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=kind,
+                                  default=_in_panel(option, self.panel))
+                for name, (kind, option) in self.options.items()]
+
+
+def _in_panel(option, panel: str):
+    option = copy.copy(option)
+    option.rich_help_panel = panel
+    return option
+
+
+def grouped(command):
+    """`command` with the options of every OptionGroup it names as a parameter's default in that parameter's place;
+    it is called with the value the group builds of them under the parameter's name."""
+    declared = inspect.signature(command, eval_str=True).parameters.values()
+    groups = {p.name: p.default for p in declared if isinstance(p.default, OptionGroup)}
+
+    @functools.wraps(command)
+    def run(**values):
+        for name, group in groups.items():
+            values[name] = group.build(**{key: values.pop(key) for key in group.options})
+        return command(**values)
+
+    run.__signature__ = inspect.Signature([q for p in declared
+                                           for q in (groups[p.name].parameters() if p.name in groups else [p])])
+    # typer reads annotations too: those of the signature (a group's name may be one of its options' names)
+    run.__annotations__ = {p.name: p.annotation for p in run.__signature__.parameters.values()}
+    return run
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """Where a command keeps and finds stores and results (--runs-dir), and how it prints (--json)."""
+
+    runs_dir: Optional[Path] = None
+    as_json: bool = False
+
+    def emit(self, result: dict, text: str) -> None:
+        _emit(result, text, self.as_json)
+
+
+OUTPUT = OptionGroup("Output", Output, {"runs_dir": (Optional[Path], RunsDir), "as_json": (bool, Json)})
+RUNS_DIR = OUTPUT.only("runs_dir")  # commands that print text only
+JSON = OUTPUT.only("as_json")  # commands that keep nothing in a runs directory
+
+ENGINE = OptionGroup("Engine", EngineSettings, {
+    "type_k": (str, TypeK), "type_v": (str, TypeV), "flash_attn": (str, FlashAttn), "kv_rotation": (str, KvRotation),
+    "decode": (str, Decode), "n_gpu_layers": (int, GpuLayers), "n_batch": (Optional[int], Batch),
+    "n_ubatch": (Optional[int], UBatch), "decode_ahead": (Optional[bool], DecodeAhead),
+    "n_threads": (Optional[int], Threads), "rope_scaling": (Optional[str], RopeScaling),
+    "rope_scale": (Optional[float], RopeScale)})
+# a matrix sets each pair's KV cache (and so flash attention) from --kv, and decodes ahead as the engine's default
+MATRIX_ENGINE = ENGINE.only(
+    "kv_rotation", "decode", "n_gpu_layers", "n_batch", "n_ubatch", "n_threads", "rope_scaling", "rope_scale",
+    kv_rotation=(str, typer.Option("auto", "--kv-rotation", help=(
+        "The KV rotation of types without :rot/:norot: auto (llama.cpp's rule), on or off."))))
+# speed and memory alone: KV types from --kv, batch sizes from --spec, nothing decoded for scores
+DEPLOY_ENGINE = ENGINE.only(
+    "n_gpu_layers", "n_threads", "kv_rotation", "rope_scaling", "rope_scale",
+    n_threads=(Optional[int], typer.Option(None, "-t", "--threads", help="CPU threads (default: all cores).")))
+# task scoring: its batch sizes are llama-perplexity's task settings (TaskSettings)
+TASK_ENGINE = ENGINE.only("type_k", "type_v", "flash_attn", "n_gpu_layers", "n_threads")
+
+WINDOWS = OptionGroup("Corpus and windows", dict, {  # api.capture_store's and api.matrix_report's keywords
+    "n_ctx": (int, typer.Option(512, "-c", "--ctx", "--ctx-size", help="Tokens per window (n_ctx).")),
+    "corpus": (Optional[str], typer.Option(None, "--corpus", "-f", help="Text file, folder of *.txt documents, shipped corpus name (or 'shipped': all), wikitext-2, or hf:DATASET[/CONFIG][:SPLIT][#COLUMN]; with --score assistant, conversations: a JSONL file, a folder of them, or 'conversations' (the shipped suite).")),
+    "scoring": (str, Score), "concat": (bool, Concat), "chat_template": (Optional[str], ChatTemplateOption),
+    "chat_template_kwargs": (Optional[str], ChatTemplateKwargs)})
+
+
+def _early(
+    early: bool = typer.Option(False, "--early", help="Decide the board early: every pair visits the chunks in a seeded random order and stops once its mean KLD is known to --early-precision, or its order against its neighbours and its Pareto status are settled (paired, chunks as the unit); each row says how many tokens it holds and why it stopped. A later run without --early extends each pair to every chunk."),
+    early_precision: Optional[float] = typer.Option(None, "--early-precision", help="With --early: stop a pair once its interval's half-width is this share of its mean KLD (default 0.05: ±5 %), and every comparison still open is a tie at it."),
+    early_min_chunks: Optional[int] = typer.Option(None, "--early-min-chunks", help="With --early: chunks every pair runs before any stops (default 8)."),
+    early_sigmas: Optional[float] = typer.Option(None, "--early-sigmas", help="With --early: neighbours this many SEs of their paired difference apart (and their interval clear of 0) are settled (default 3)."),
+    early_confidence: Optional[float] = typer.Option(None, "--early-confidence", help="With --early: the confidence of the intervals over every round a pair may stop in (default 0.95: half of the 5 % error spent at the minimum, the rest over the later rounds)."),
+    early_seed: Optional[int] = typer.Option(None, "--early-seed", help="With --early: the seed of the chunk order (default 0); recorded in every result."),
+):
+    """The settings of --early and its options (None without it); an option without --early is refused."""
+    given = {k: v for k, v in (("precision", early_precision), ("min_chunks", early_min_chunks),
+                               ("sigmas", early_sigmas), ("confidence", early_confidence), ("seed", early_seed))
+             if v is not None}
+    if given and not early:
+        raise QevalError("--early-precision, --early-min-chunks, --early-sigmas, --early-confidence and --early-seed "
+                         "need --early")
+    return api.early_settings(**given) if early else None
+
+
+EARLY = OptionGroup.of("Early decisions", _early)
+DEPLOY = OptionGroup("Deployment", api.deploy_spec, {"spec": (Optional[str], Deploy)})
+
+
 def _emit(result: dict, text: str, as_json: bool) -> None:
     typer.echo(json.dumps(result, indent=2, sort_keys=False) if as_json else text)
     failed = api.deployment_errors(result)
@@ -89,11 +208,11 @@ def _emit(result: dict, text: str, as_json: bool) -> None:
 
 
 @app.command()
+@grouped
 def kld(
     ref: str = typer.Option(..., "--ref", help="Reference: store path, label, or llama.cpp --kl-divergence-base file."),
     cand: str = typer.Option(..., "--cand", help="Candidate: store path, label, llama.cpp base file, or a GGUF run live (path or hf:USER/REPO[:QUANT])."),
     chunks: Optional[int] = Chunks,
-    as_json: bool = Json,
     per_token: Optional[Path] = typer.Option(None, "--per-token", help="Write per-token values (.csv, or .npz)."),
     bands: Optional[str] = typer.Option(None, "--bands", help="Inner edges of the by-depth bands, in logit positions, e.g. 512,2048,8192 (default: powers of 4 from 512 up to n_ctx)."),
     confidence_buckets: Optional[str] = ConfidenceBuckets,
@@ -105,71 +224,38 @@ def kld(
     save: Optional[str] = typer.Option(None, "--save", help="With a live GGUF candidate: also keep its store under this label."),
     save_result: bool = typer.Option(False, "--save-result", help="Keep the result (JSON + per-token npz) in RUNS_DIR/results for leaderboards, compare and check."),
     force: bool = typer.Option(False, "--force", help="With --save: replace a store under that label that holds another capture (the old one is kept until the new one is complete)."),
-    type_k: str = TypeK,
-    type_v: str = TypeV,
-    flash_attn: str = FlashAttn,
-    kv_rotation: str = KvRotation,
-    decode: str = Decode,
-    n_gpu_layers: int = GpuLayers,
-    batch: Optional[int] = Batch,
-    ubatch: Optional[int] = UBatch,
-    decode_ahead: Optional[bool] = DecodeAhead,
-    threads: Optional[int] = Threads,
-    rope_scaling: Optional[str] = RopeScaling,
-    rope_scale: Optional[float] = RopeScale,
-    runs_dir: Optional[Path] = RunsDir,
-    deploy: Optional[str] = Deploy,
+    settings: EngineSettings = ENGINE,
+    deploy: Optional[api.DeploySpec] = DEPLOY,
+    output: Output = OUTPUT,
 ):
     """KL divergence, PPL ratio, Δp and same-top-1 of a candidate against a reference.
 
     The candidate may be a GGUF model: it then runs live over exactly the reference's tokens.
     """
-    settings = EngineSettings(type_k, type_v, flash_attn, n_gpu_layers, threads, batch, ubatch, decode_ahead,
-                              rope_scaling, rope_scale, kv_rotation=kv_rotation, decode=decode)
-    result, text = api.kld_report(ref, cand, chunks=chunks, runs_dir=runs_dir, per_token=per_token,
-                                  progress=True, settings=settings, save=save, save_result=save_result, force=force,
-                                  bands=bands, samplers=sampler or (), deploy=deploy,
-                                  confidence_buckets=confidence_buckets)
-    _emit(result, text, as_json)
+    output.emit(*api.kld_report(ref, cand, chunks=chunks, runs_dir=output.runs_dir, per_token=per_token,
+                                progress=True, settings=settings, save=save, save_result=save_result, force=force,
+                                bands=bands, samplers=sampler or (), deploy=deploy,
+                                confidence_buckets=confidence_buckets))
 
 
 @app.command()
+@grouped
 def capture(
     model: str = typer.Argument(..., help="GGUF model file, or hf:USER/REPO[:QUANT] (as llama.cpp's -hf)."),
     label: str = typer.Option(..., "--label", "-l", help="Name of the store in the runs directory, e.g. Q8_0."),
-    ctx: int = typer.Option(512, "-c", "--ctx", "--ctx-size", help="Tokens per window (n_ctx)."),
     chunks: Optional[int] = Chunks,
-    corpus: Optional[str] = typer.Option(None, "--corpus", "-f", help="Text file, folder of *.txt documents, shipped corpus name (or 'shipped': all), wikitext-2, or hf:DATASET[/CONFIG][:SPLIT][#COLUMN]; with --score assistant, conversations: a JSONL file, a folder of them, or 'conversations' (the shipped suite)."),
     chunk_range: Optional[str] = typer.Option(None, "--chunk-range", help="Capture only windows A:B (a shard)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Store path (default RUNS_DIR/LABEL.qeval)."),
-    score: str = Score,
-    concat: bool = Concat,
-    chat_template: Optional[str] = ChatTemplateOption,
-    chat_template_kwargs: Optional[str] = ChatTemplateKwargs,
-    type_k: str = TypeK,
-    type_v: str = TypeV,
-    flash_attn: str = FlashAttn,
-    kv_rotation: str = KvRotation,
-    decode: str = Decode,
-    n_gpu_layers: int = GpuLayers,
-    batch: Optional[int] = Batch,
-    ubatch: Optional[int] = UBatch,
-    decode_ahead: Optional[bool] = DecodeAhead,
-    threads: Optional[int] = Threads,
     force: bool = typer.Option(False, "--force", help="Replace a store at the output that holds another capture (the old one is kept until the new one is complete)."),
-    rope_scaling: Optional[str] = RopeScaling,
-    rope_scale: Optional[float] = RopeScale,
     reference_form: str = typer.Option("logits", "--reference-form", help="What the store keeps per scored token: 'logits' (the default: coded logits, ~130 KB per token at a 262K vocab, any model and backend), 'hidden' (the output head's input as ggml's CPU kernel consumes it, ~1 KB per token, plus the head once; replayed when compared, by llama.cpp's own kernel where this CPU sums as the capturing one did (then exactly llama.cpp's logits), else by qeval's portable replay, with its measured error in the bound; Q8_0/F16/BF16/F32 heads on CPU only) or 'auto' (hidden where its replay is measured within 1e-9 nats KL, logits elsewhere). A logits store cannot be converted: the hidden state is gone."),
-    runs_dir: Optional[Path] = RunsDir,
+    windows: dict = WINDOWS,
+    settings: EngineSettings = ENGINE,
+    output: Output = RUNS_DIR,
 ):
     """Run a model over the corpus and store its scored logits (resumes an interrupted capture)."""
-    settings = EngineSettings(type_k, type_v, flash_attn, n_gpu_layers, threads, batch, ubatch, decode_ahead,
-                              rope_scaling, rope_scale, kv_rotation=kv_rotation, decode=decode)
-    _, text = api.capture_store(model, label, runs_dir=runs_dir, out=str(out) if out else None, corpus=corpus,
-                                n_ctx=ctx, chunks=chunks, settings=settings, scoring=score, concat=concat,
-                                chunk_range=_parse_range(chunk_range), progress=True, force=force,
-                                chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
-                                reference_form=reference_form)
+    _, text = api.capture_store(model, label, runs_dir=output.runs_dir, out=str(out) if out else None, chunks=chunks,
+                                settings=settings, chunk_range=_parse_range(chunk_range), progress=True, force=force,
+                                reference_form=reference_form, **windows)
     typer.echo(text)
 
 
@@ -184,26 +270,24 @@ def _parse_range(text: Optional[str]):
 
 
 @app.command()
+@grouped
 def ppl(
     store: str = typer.Argument(..., help="Store path, label, or llama.cpp base file."),
     chunks: Optional[int] = Chunks,
-    as_json: bool = Json,
-    runs_dir: Optional[Path] = RunsDir,
+    output: Output = OUTPUT,
 ):
     """Perplexity of one store (from its exact per-token log-probs)."""
-    result, text = api.ppl_report(store, chunks=chunks, runs_dir=runs_dir)
-    _emit(result, text, as_json)
+    output.emit(*api.ppl_report(store, chunks=chunks, runs_dir=output.runs_dir))
 
 
 @app.command()
+@grouped
 def info(
     store: str = typer.Argument(..., help="Store path, label, or llama.cpp base file."),
-    as_json: bool = Json,
-    runs_dir: Optional[Path] = RunsDir,
+    output: Output = OUTPUT,
 ):
     """Header, size, bytes per scored token and completeness of a store."""
-    result, text = api.info_report(store, runs_dir=runs_dir)
-    _emit(result, text, as_json)
+    output.emit(*api.info_report(store, runs_dir=output.runs_dir))
 
 
 @app.command("import-llamacpp")
@@ -216,18 +300,42 @@ def import_llamacpp(
     typer.echo(api.import_llamacpp_report(file, out, force=force))
 
 
-def _early(early: bool, precision: float | None, min_chunks: int | None, sigmas: float | None,
-           confidence: float | None, seed: int | None):
-    """The settings of --early and its options (None without it); an option without --early is refused."""
-    given = {k: v for k, v in (("precision", precision), ("min_chunks", min_chunks), ("sigmas", sigmas),
-                               ("confidence", confidence), ("seed", seed)) if v is not None}
-    if given and not early:
-        raise QevalError("--early-precision, --early-min-chunks, --early-sigmas, --early-confidence and --early-seed "
-                         "need --early")
-    return api.early_settings(**given) if early else None
+def _executor(
+    executor: str = typer.Option("local", "--executor", help="local (this machine, one run after another) or ray (every capture and pair a Ray task; --runs-dir must be on a shared filesystem)."),
+    address: Optional[str] = typer.Option(None, "--address", help="With --executor ray: the Ray cluster (auto, or HEAD:6379; default $RAY_ADDRESS, else a new local instance)."),
+    gpus_per_task: float = typer.Option(0, "--gpus-per-task", help="With --executor ray: GPUs per task (1 with -ngl 99)."),
+    cpus_per_task: float = typer.Option(1, "--cpus-per-task", help="With --executor ray: CPUs per task (also the task's model and encoder threads unless -t)."),
+    shard_chunks: int = typer.Option(1, "--shard-chunks", help="With --executor ray: split the reference capture into K tasks over chunk ranges, then merge."),
+):
+    """Where a matrix runs: None (here, one run after another) or the Ray executor of its options; a Ray option
+    without --executor ray is refused."""
+    if executor == "ray":
+        return api.ray_executor(address=address, gpus_per_task=gpus_per_task, cpus_per_task=cpus_per_task,
+                                shard_chunks=shard_chunks)
+    if executor != "local":
+        raise QevalError(f"--executor must be local or ray, not {executor!r}")
+    if address is not None or gpus_per_task or cpus_per_task != 1 or shard_chunks != 1:
+        raise QevalError("--address, --gpus-per-task, --cpus-per-task and --shard-chunks need --executor ray")
+    return None
+
+
+def _tasks(
+    task: Optional[list[str]] = typer.Option(None, "--task", help="Also score the reference and every pair on this task set (HellaSwag text, Winogrande CSV, multiple-choice binary, hf:DATASET) as llama-perplexity scores tasks, into RUNS_DIR/tasks: a column of answer flips vs the reference each; repeat for several."),
+    task_format: Optional[str] = typer.Option(None, "--task-format", help="With --task: hellaswag, winogrande or mc (default: guessed from each file)."),
+    task_limit: Optional[int] = typer.Option(None, "--task-limit", help="With --task: score N tasks, the ones llama-perplexity's --*-tasks N picks (default: all)."),
+) -> list[TaskRequest]:
+    """The task sets of --task, each with --task-format and --task-limit (which need it)."""
+    if (task_format is not None or task_limit is not None) and not task:
+        raise QevalError("--task-format and --task-limit need --task")
+    return [TaskRequest(task=t, kind=task_format, limit=task_limit) for t in task or ()]
+
+
+RAY = OptionGroup.of("Ray", _executor)
+TASKS = OptionGroup.of("Task accuracy", _tasks)
 
 
 @app.command()
+@grouped
 def matrix(
     ref: str = typer.Option(..., "--ref", help="Reference GGUF (MODEL or LABEL=MODEL, MODEL a path or hf:USER/REPO[:QUANT]); captured once."),
     model: Optional[list[str]] = typer.Option(None, "--model", "-m", help="Candidate GGUF (MODEL or LABEL=MODEL, as --ref); repeat. hf:USER/REPO:* is every model of a repository (as --repo)."),
@@ -236,130 +344,78 @@ def matrix(
     exclude: Optional[list[str]] = typer.Option(None, "--exclude", help="With --repo: skip files whose path matches this glob (e.g. '*F16*'); repeat."),
     kv: str = typer.Option("f16", "--kv", help="Comma-separated KV cache types for every model, e.g. f16,q8_0,q4_0, any of the loaded build's; "
                            "K and V apart as K/V (q8_0/q4_0, labelled +kv-q8_0-q4_0); a type with :rot or :norot sets llama.cpp's KV rotation for it (q4_0,q4_0:norot: both on one board)."),
-    kv_rotation: str = typer.Option("auto", "--kv-rotation", help="The KV rotation of types without :rot/:norot: auto (llama.cpp's rule), on or off."),
-    decode: str = Decode,
     floor: str = typer.Option("auto", "--floor", help=(
         "A row for the reference model on another of llama.cpp's kernel paths, every KV row's cost read against it "
         "(paired, same tokens): decode (the other --decode mode: the one-token path quantized caches always take), "
         "flash-attn (flash attention flipped), none; auto: decode when a quantized KV cache is on the board.")),
     chunks: Optional[int] = Chunks,
-    ctx: int = typer.Option(512, "-c", "--ctx", help="Tokens per window (n_ctx)."),
-    corpus: Optional[str] = typer.Option(None, "--corpus", "-f", help="Corpus for the reference capture."),
-    score: str = Score,
-    concat: bool = Concat,
-    chat_template: Optional[str] = ChatTemplateOption,
-    chat_template_kwargs: Optional[str] = ChatTemplateKwargs,
-    n_gpu_layers: int = GpuLayers,
-    batch: Optional[int] = Batch,
-    ubatch: Optional[int] = UBatch,
-    threads: Optional[int] = Threads,
-    runs_dir: Optional[Path] = RunsDir,
-    as_json: bool = Json,
-    executor: str = typer.Option("local", "--executor", help="local (this machine, one run after another) or ray (every capture and pair a Ray task; --runs-dir must be on a shared filesystem)."),
-    address: Optional[str] = typer.Option(None, "--address", help="With --executor ray: the Ray cluster (auto, or HEAD:6379; default $RAY_ADDRESS, else a new local instance)."),
-    gpus_per_task: float = typer.Option(0, "--gpus-per-task", help="With --executor ray: GPUs per task (1 with -ngl 99)."),
-    cpus_per_task: float = typer.Option(1, "--cpus-per-task", help="With --executor ray: CPUs per task (also the task's model and encoder threads unless -t)."),
-    shard_chunks: int = typer.Option(1, "--shard-chunks", help="With --executor ray: split the reference capture into K tasks over chunk ranges, then merge."),
     force: bool = typer.Option(False, "--force", help="Replace a reference store that holds another capture (pairs whose saved result or store answers another request are always recomputed)."),
     sampler: Optional[list[str]] = typer.Option(None, "--sampler", help="Also measure every pair after this sampler (preset or settings, as qeval kld --sampler): a mean TVD column each; repeat for several. A saved result without them is recomputed."),
-    task: Optional[list[str]] = typer.Option(None, "--task", help="Also score the reference and every pair on this task set (HellaSwag text, Winogrande CSV, multiple-choice binary, hf:DATASET) as llama-perplexity scores tasks, into RUNS_DIR/tasks: a column of answer flips vs the reference each; repeat for several."),
-    task_format: Optional[str] = typer.Option(None, "--task-format", help="With --task: hellaswag, winogrande or mc (default: guessed from each file)."),
-    task_limit: Optional[int] = typer.Option(None, "--task-limit", help="With --task: score N tasks, the ones llama-perplexity's --*-tasks N picks (default: all)."),
-    rope_scaling: Optional[str] = RopeScaling,
-    rope_scale: Optional[float] = RopeScale,
     control: bool = typer.Option(True, "--control/--no-control", help="Also run the reference model live once more under another batch layout (pieces twice as long, or half windows when whole windows go per call), as the pair 'control': the noise floor every row is read against."),
     keep_logits: bool = typer.Option(False, "--keep-logits", help="Keep every candidate's logits in a store RUNS_DIR/LABEL.qeval (~110 kB per scored token at a 262K vocab) for later store-vs-store analysis (qeval kld --ref REF --cand LABEL). By default a pair keeps only its result (~60 bytes per scored token), resuming from a per-chunk checkpoint."),
-    early: bool = Early,
-    early_precision: Optional[float] = EarlyPrecision,
-    early_min_chunks: Optional[int] = EarlyMinChunks,
-    early_sigmas: Optional[float] = EarlySigmas,
-    early_confidence: Optional[float] = EarlyConfidence,
-    early_seed: Optional[int] = EarlySeed,
-    deploy: Optional[str] = Deploy,
+    windows: dict = WINDOWS,
+    engine: EngineSettings = MATRIX_ENGINE,
+    executor: Any = RAY,
+    tasks: list = TASKS,
+    early: Optional[EarlySettings] = EARLY,
+    deploy: Optional[api.DeploySpec] = DEPLOY,
+    output: Output = OUTPUT,
 ):
     """Every model x KV type against one reference: resumable, skips finished pairs."""
-    kv_types = [k.strip() for k in kv.split(",") if k.strip()]
-    run_on = None
-    if executor == "ray":
-        run_on = api.ray_executor(address, gpus_per_task, cpus_per_task, shard_chunks)
-    elif executor != "local":
-        raise QevalError(f"--executor must be local or ray, not {executor!r}")
-    elif address is not None or gpus_per_task or cpus_per_task != 1 or shard_chunks != 1:
-        raise QevalError("--address, --gpus-per-task, --cpus-per-task and --shard-chunks need --executor ray")
-    if (task_format is not None or task_limit is not None) and not task:
-        raise QevalError("--task-format and --task-limit need --task")
-    decided_early = _early(early, early_precision, early_min_chunks, early_sigmas, early_confidence, early_seed)
-    tasks = [TaskRequest(t, task_format, task_limit) for t in task or ()]
     if not model and not repo:
         raise QevalError("give the candidates: -m MODEL (repeat) or --repo hf:USER/REPO")
-    result, text = api.matrix_report(ref, model or [], kv_types, chunks=chunks, n_ctx=ctx, corpus=corpus, runs_dir=runs_dir,
-                                     threads=threads, n_gpu_layers=n_gpu_layers, executor=run_on, n_batch=batch,
-                                     n_ubatch=ubatch, force=force, scoring=score, concat=concat,
-                                     samplers=sampler or (), tasks=tasks, rope_scaling=rope_scaling,
-                                     rope_scale=rope_scale, repos=repo or (), include=include or (),
-                                     exclude=exclude or (), control=control, chat_template=chat_template,
-                                     chat_template_kwargs=chat_template_kwargs, kv_rotation=kv_rotation,
-                                     decode=decode, floor=floor, keep_logits=keep_logits, early=decided_early,
-                                     deploy=deploy)
-    _emit(result, text, as_json)
+    kv_types = [k.strip() for k in kv.split(",") if k.strip()]
+    output.emit(*api.matrix_report(ref, model or [], kv_types, chunks=chunks, runs_dir=output.runs_dir, engine=engine,
+                                   executor=executor, force=force, samplers=sampler or (), tasks=tasks,
+                                   repos=repo or (), include=include or (), exclude=exclude or (), control=control,
+                                   floor=floor, keep_logits=keep_logits, early=early, deploy=deploy, **windows))
 
 
 @app.command("deploy")
+@grouped
 def deploy_cmd(
     model: list[str] = typer.Argument(..., help="GGUF models (MODEL or LABEL=MODEL, MODEL a path or hf:USER/REPO[:QUANT]), labelled as matrix labels them."),
     kv: str = typer.Option("f16", "--kv", help="Comma-separated KV cache types for every model, as matrix's --kv (f16,q8_0,q4_0; :rot/:norot); rows are labelled as matrix's pairs (Q4_K_M+kv-q8_0)."),
     spec: Optional[str] = typer.Option(None, "--spec", help="What to measure (default: pp512 and tg128 at depth 0, memory at 4096, 5 repetitions): " + SPEC_HELP),
-    n_gpu_layers: int = GpuLayers,
-    threads: Optional[int] = typer.Option(None, "-t", "--threads", help="CPU threads (default: all cores)."),
-    kv_rotation: str = KvRotation,
-    rope_scaling: Optional[str] = RopeScaling,
-    rope_scale: Optional[float] = RopeScale,
     force: bool = typer.Option(False, "--force", help="Measure again what this machine's records already hold."),
-    as_json: bool = Json,
-    runs_dir: Optional[Path] = RunsDir,
+    engine: EngineSettings = DEPLOY_ENGINE,
+    output: Output = OUTPUT,
 ):
     """Speed and memory alone, as deployed on this machine: pp/tg tokens per second as llama-bench measures them, and
     what llama.cpp allocates by component at deployment contexts, cross-checked; saved per machine, reused only there."""
     kv_types = [k.strip() for k in kv.split(",") if k.strip()]
-    _emit(*api.deploy_report(model, kv_types, spec, runs_dir, threads, n_gpu_layers, kv_rotation, rope_scaling,
-                             rope_scale, force, progress=True), as_json)
+    output.emit(*api.deploy_report(model, kv_types, spec=spec, runs_dir=output.runs_dir, engine=engine, force=force,
+                                   progress=True))
 
 
 @app.command("merge")
+@grouped
 def merge_cmd(
     paths: list[Path] = typer.Argument(..., help="PART... OUT: partial stores (each complete for its --chunk-range), then the store to write."),
     label: Optional[str] = typer.Option(None, "--label", "-l", help="Label of the merged store (default: the parts' label)."),
-    as_json: bool = Json,
+    output: Output = JSON,
 ):
     """Assemble one complete store from shards of a capture (chunks copied as they are, never re-encoded)."""
     if len(paths) < 2:
         raise QevalError("give the parts and then the output: qeval merge PART... OUT")
-    result, text = api.merge_report(paths[:-1], paths[-1], label=label, progress=True)
-    _emit(result, text, as_json)
+    output.emit(*api.merge_report(paths[:-1], paths[-1], label=label, progress=True))
 
 
 @app.command()
+@grouped
 def demo(
     chunks: Optional[int] = typer.Option(None, "--chunks", help="Chunks of 512 tokens per run (default 80 = 20,400 scored tokens); with --conversations, conversations (default: all 55)."),
     conversations: bool = typer.Option(False, "--conversations", help="Over the shipped conversation suite instead (-c 2048, --score assistant, the shipped Gemma-3 template): the assistant's tokens by segment and category, in RUNS_DIR/conversations."),
-    runs_dir: Optional[Path] = RunsDir,
     models_dir: Optional[Path] = typer.Option(None, "--models-dir", help="Where the Gemma-3-270M GGUFs go (default ~/.cache/qeval/models)."),
     threads: Optional[int] = Threads,
-    as_json: bool = Json,
-    early: bool = Early,
-    early_precision: Optional[float] = EarlyPrecision,
-    early_min_chunks: Optional[int] = EarlyMinChunks,
-    early_sigmas: Optional[float] = EarlySigmas,
-    early_confidence: Optional[float] = EarlyConfidence,
-    early_seed: Optional[int] = EarlySeed,
+    early: Optional[EarlySettings] = EARLY,
+    output: Output = OUTPUT,
 ):
     """Gemma-3-270M from PyPI: derive Q8_0/Q4_0/Q3_K_M/Q2_K, capture Q8_0, compare quants and KV types."""
-    decided_early = _early(early, early_precision, early_min_chunks, early_sigmas, early_confidence, early_seed)
     if chunks is None and not conversations:
         chunks = 80
-    result, text = api.demo_report(chunks=chunks, runs_dir=runs_dir, models_dir=models_dir, threads=threads,
-                                   conversations=conversations, early=decided_early)
-    _emit(result, text, as_json)
+    output.emit(*api.demo_report(chunks=chunks, runs_dir=output.runs_dir, models_dir=models_dir, threads=threads,
+                                 conversations=conversations, early=early))
 
 
 Machine = typer.Option(None, "--machine", help="Whose speed and memory to show: a machine id or its first digits, as in the records' file names (default: this machine's; another machine's figures are always listed apart).")
@@ -380,17 +436,17 @@ def leaderboard_cmd(
 
 
 @app.command("card")
+@grouped
 def card_cmd(
     run: list[Path] = typer.Argument(..., metavar="RUN", help="Result JSON files, or directories of them (a runs dir or its results/)."),
     out: Path = typer.Option(Path("card"), "--out", "-o", help="Output directory: card.md, card.json, kld_vs_size.png."),
     merge: Optional[Path] = typer.Option(None, "--merge", help="Markdown file (a model card's README.md) to put the block into, between its qeval-card markers (appended when it has none); nothing else in it changes."),
     title: Optional[str] = typer.Option(None, "--title", help="The block's heading."),
     machine: Optional[str] = Machine,
-    as_json: bool = Json,
+    output: Output = JSON,
 ):
     """Model-card block: a table per quant, the KLD-vs-size Pareto plot, provenance, and a JSON sidecar."""
-    result, text = api.card_report(run, out=out, merge=merge, title=title, machine=machine)
-    _emit(result, text, as_json)
+    output.emit(*api.card_report(run, out=out, merge=merge, title=title, machine=machine))
 
 
 @app.command("choose")
@@ -419,6 +475,7 @@ def version():
 
 # --- paired comparison, release gate, baselines (qeval.orchestrate.paired, qeval.orchestrate.gate, qeval.orchestrate.baselines) ----------
 @app.command("compare")
+@grouped
 def compare_cmd(
     ref: str = typer.Option(..., "--ref", help="Reference: store path or label."),
     cand: list[str] = typer.Option(..., "--cand", help="Candidate A, then candidate B: store path, label, or saved result .json."),
@@ -429,36 +486,27 @@ def compare_cmd(
     category: Optional[str] = Category,
     control: Optional[str] = typer.Option(None, "--control", help="A control against the same reference (the 'control' result or store qeval matrix makes): also report each candidate's mean KLD over it and its verdict: within numerical noise, above it, or undecided."),
     sampler: Optional[list[str]] = typer.Option(None, "--sampler", help="Also pair the TVD after this sampler (preset or settings, as qeval kld --sampler); repeat for several (default with saved results: every sampler both hold)."),
-    as_json: bool = Json,
-    runs_dir: Optional[Path] = RunsDir,
+    output: Output = OUTPUT,
 ):
     """Is A really better than B? Paired KLD/NLL/top-1 differences on the same reference tokens, with CIs."""
     if len(cand) != 2:
         raise QevalError(f"give exactly two candidates: --cand A --cand B (got {len(cand)})")
-    result, text = api.paired_report(ref, cand[0], cand[1], chunks=chunks, runs_dir=runs_dir, method=method,
-                                     progress=True, depth=depth, samplers=sampler or (), segment=segment,
-                                     category=category, control=control)
-    _emit(result, text, as_json)
+    output.emit(*api.paired_report(ref, cand[0], cand[1], chunks=chunks, runs_dir=output.runs_dir, method=method,
+                                   progress=True, depth=depth, samplers=sampler or (), segment=segment,
+                                   category=category, control=control))
 
 
-def _with_thresholds(command):
-    """Give `command` a --max-…/--min-… option per metric `qeval check` can threshold (qeval.compare.metric_registry),
-    after --cand; their values reach it as keyword arguments (**limits)."""
-    declared = inspect.signature(command, eval_str=True).parameters.values()
-    params = [p for p in declared if p.kind != p.VAR_KEYWORD]
-    thresholds = [inspect.Parameter(keyword, inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                    default=typer.Option(None, option, help=help_text), annotation=Optional[float])
-                  for keyword, option, help_text in api.threshold_options()]
-    after_cand = [p.name for p in params].index("cand") + 1
-    command.__signature__ = inspect.Signature(params[:after_cand] + thresholds + params[after_cand:])
-    return command
+THRESHOLDS = OptionGroup("Thresholds", dict, {  # one per metric `qeval check` can gate (qeval.compare.metric_registry)
+    keyword: (Optional[float], typer.Option(None, option, help=help_text))
+    for keyword, option, help_text in api.threshold_options()})
 
 
 @app.command("check")
-@_with_thresholds
+@grouped
 def check_cmd(
     ref: str = typer.Option(..., "--ref", help="Reference: store path or label."),
     cand: str = typer.Option(..., "--cand", help="Candidate: store path, label, or saved result .json."),
+    limits: dict = THRESHOLDS,
     baseline: Optional[str] = typer.Option(None, "--baseline", help="Baseline file or name: fail where the candidate is worse beyond the combined error bars."),
     baseline_entry: Optional[str] = typer.Option(None, "--baseline-entry", help="Which entry of the baseline (default: the one matching the candidate)."),
     baseline_metric: Optional[list[str]] = typer.Option(None, "--baseline-metric", help="Judge only these baseline metrics (repeat)."),
@@ -469,34 +517,32 @@ def check_cmd(
     sampler: Optional[list[str]] = typer.Option(None, "--sampler", help="A sampler (preset or settings, as qeval kld --sampler) whose figures --max-tvd judges; repeat for several (default with a saved result: every sampler it holds)."),
     control: Optional[str] = typer.Option(None, "--control", help="A control against the same reference (the 'control' result or store qeval matrix makes): also report the candidate's mean KLD over it and its verdict: within numerical noise, above it, or undecided."),
     confidence_buckets: Optional[str] = ConfidenceBuckets,
-    as_json: bool = Json,
-    runs_dir: Optional[Path] = RunsDir,
-    **limits: Optional[float],
+    output: Output = OUTPUT,
 ):
     """Release gate: exit 0 if every check passes (its whole 95 % interval within the limit), 1 if one fails (its whole interval past it), 3 if none fails but one is undecided (its interval straddles the limit: measure more chunks), 2 on bad input."""
-    result, text, _ = api.check_report(ref, cand, chunks=chunks, runs_dir=runs_dir, baseline=baseline,
-                                            baseline_entry=baseline_entry, baseline_metrics=baseline_metric,
-                                            progress=True, depth=depth, samplers=sampler or (), control=control,
-                                            segment=segment, category=category,
-                                            confidence_buckets=confidence_buckets, **limits)
-    _emit(result, text, as_json)
+    result, text, _ = api.check_report(ref, cand, chunks=chunks, runs_dir=output.runs_dir, baseline=baseline,
+                                       baseline_entry=baseline_entry, baseline_metrics=baseline_metric,
+                                       progress=True, depth=depth, samplers=sampler or (), control=control,
+                                       segment=segment, category=category,
+                                       confidence_buckets=confidence_buckets, **limits)
+    output.emit(result, text)
     raise typer.Exit(api.GATE_VERDICTS[result["verdict"]])
 
 
-baseline_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Published and saved baselines (baselines/*.json).")
+baseline_app = typer.Typer(no_args_is_help=True, help="Published and saved baselines (baselines/*.json).")
 app.add_typer(baseline_app, name="baseline")
 
 
 @baseline_app.command("show")
+@grouped
 def baseline_show(
     name: Optional[str] = typer.Argument(None, help="Baseline file or name (omit to list them)."),
     run: Optional[Path] = typer.Option(None, "--run", help="A saved qeval result (.json) to put beside the baseline."),
     entry: Optional[str] = typer.Option(None, "--entry", help="Put the run beside this entry (default: entries matching its quant/KV)."),
-    as_json: bool = Json,
+    output: Output = JSON,
 ):
     """Print a baseline's table (or list the baselines), optionally with a qeval result beside it."""
-    result, text = api.baseline_show_report(name, str(run) if run else None, entry)
-    _emit(result, text, as_json)
+    output.emit(*api.baseline_show_report(name, str(run) if run else None, entry))
 
 
 @baseline_app.command("from-result")
@@ -511,117 +557,96 @@ def baseline_from_result_cmd(
 
 
 # --- recipes (qeval.orchestrate.recipes, qeval.orchestrate.sensitivity) ---------------------------------------------
-recipe_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help=(
+recipe_app = typer.Typer(no_args_is_help=True, help=(
     "Quant variants from recipes, built by llama.cpp's own quantizer from a high-precision GGUF and measured against "
     "a reference store: a recipe is `BASE [PATTERN=TYPE ...] [imatrix=FILE]`, e.g. 'Q3_K_M token_embd=q5_0 "
     "ffn_.*=q5_0' (PATTERN a regex searched in tensor names, the first that matches wins, as llama-quantize's "
     "--tensor-type). A variant already measured under the same recipe, source and numerics is not built again."))
 app.add_typer(recipe_app, name="recipe")
-RecipeRef = typer.Option(..., "--ref", help="Reference store (path or label), captured from the model the variants approximate.")
-RecipeSource = typer.Option(..., "--source", help="The high-precision GGUF every variant is built from (a path or hf:USER/REPO[:QUANT]).")
-RecipeKeep = typer.Option(False, "--keep", help="Keep each variant's GGUF in RUNS_DIR/recipes (by default it is deleted once measured: one variant on disk at a time).")
-RecipeTargets = typer.Option(..., "--to", help="Type each tensor group is moved to, alone (repeat for several: q2_K, q4_0, q8_0, ...).")
-RecipeGroups = typer.Option(None, "--group", help="Sweep only this tensor group (repeatable; default: every group the GGUF holds).")
-RecipeOut = typer.Option(None, "--out", help="Also write the tables, JSON and plot in this directory.")
-RecipeHoldout = typer.Option(None, "--holdout", help="Hold this many of the chunks compared out of every decision (at least 8, leaving at least 8 to tune on): choices are made on the rest and each is reported on both, as paired differences against the stock type.")
-RecipeSplitSeed = typer.Option(None, "--split-seed", help="The seed that draws the held-out chunks (default 0; recorded with the figures).")
-RecipeSplitEdges = typer.Option(None, "--split-edges", help="Split each per-layer tensor group into its first K blocks, the middle ones and its last K (K from 1 to below half the model's blocks).")
+
+
+def _variants(
+    ref: str = typer.Option(..., "--ref", help="Reference store (path or label), captured from the model the variants approximate."),
+    source: str = typer.Option(..., "--source", help="The high-precision GGUF every variant is built from (a path or hf:USER/REPO[:QUANT])."),
+    chunks: Optional[int] = Chunks,
+    keep: bool = typer.Option(False, "--keep", help="Keep each variant's GGUF in RUNS_DIR/recipes (by default it is deleted once measured: one variant on disk at a time)."),
+    threads: Optional[int] = Threads,
+) -> dict:
+    """api.recipe_request's keywords from the options every recipe command takes."""
+    return {"ref": ref, "source": source, "chunks": chunks, "keep": keep, "threads": threads}
+
+
+def _sweep(
+    to: list[str] = typer.Option(..., "--to", help="Type each tensor group is moved to, alone (repeat for several: q2_K, q4_0, q8_0, ...)."),
+    group: Optional[list[str]] = typer.Option(None, "--group", help="Sweep only this tensor group (repeatable; default: every group the GGUF holds)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Also write the tables, JSON and plot in this directory."),
+) -> dict:
+    """api.recipe_sweep_report's and api.recipe_fit_report's keywords: the types tried, the groups, where to write."""
+    return {"targets": to, "only": group or (), "out": out}
+
+
+VARIANTS = OptionGroup.of("Variants", _variants)
+SWEEP = OptionGroup.of("Sweep", _sweep)
+SEARCH = OptionGroup("Search", api.recipe_search, {
+    "holdout": (Optional[int], typer.Option(None, "--holdout", help="Hold this many of the chunks compared out of every decision (at least 8, leaving at least 8 to tune on): choices are made on the rest and each is reported on both, as paired differences against the stock type.")),
+    "split_seed": (Optional[int], typer.Option(None, "--split-seed", help="The seed that draws the held-out chunks (default 0; recorded with the figures).")),
+    "split_edges": (Optional[int], typer.Option(None, "--split-edges", help="Split each per-layer tensor group into its first K blocks, the middle ones and its last K (K from 1 to below half the model's blocks)."))})
+FIT_SEARCH = SEARCH.only("holdout", "split_seed", "split_edges", refine_builds=(Optional[int], typer.Option(None, "--refine-builds", help="After the additive choice, refine each budget's recipe by measuring the recipes next to it (one move added, dropped or retargeted, or two swapped), building at most this many variants per budget (at least 1; left out: no refinement).")))
 
 
 @recipe_app.command("measure")
+@grouped
 def recipe_measure(
     recipe: list[str] = typer.Argument(..., help="Recipes, each one argument: 'Q4_K_M token_embd=q5_1'."),
-    ref: str = RecipeRef,
-    source: str = RecipeSource,
-    chunks: Optional[int] = Chunks,
-    keep: bool = RecipeKeep,
-    early: bool = Early,
-    early_precision: Optional[float] = EarlyPrecision,
-    early_min_chunks: Optional[int] = EarlyMinChunks,
-    early_sigmas: Optional[float] = EarlySigmas,
-    early_confidence: Optional[float] = EarlyConfidence,
-    early_seed: Optional[int] = EarlySeed,
-    threads: Optional[int] = Threads,
-    as_json: bool = Json,
-    runs_dir: Optional[Path] = RunsDir,
-    deploy: Optional[str] = Deploy,
+    variants: dict = VARIANTS,
+    early: Optional[EarlySettings] = EARLY,
+    deploy: Optional[api.DeploySpec] = DEPLOY,
+    output: Output = OUTPUT,
 ):
     """Build each recipe's variant, measure it against the reference, and show the board (stock types beside recipes)."""
-    decided_early = _early(early, early_precision, early_min_chunks, early_sigmas, early_confidence, early_seed)
-    request = api.recipe_request(ref, source, recipe, chunks, runs_dir, threads, keep, decided_early, deploy)
-    _emit(*api.recipe_measure_report(request, progress=True), as_json)
+    request = api.recipe_request(recipes=recipe, runs_dir=output.runs_dir, early=early, deploy=deploy, **variants)
+    output.emit(*api.recipe_measure_report(request, progress=True))
 
 
 @recipe_app.command("sweep")
+@grouped
 def recipe_sweep(
     base: str = typer.Argument(..., help="The base recipe, e.g. Q4_K_M."),
-    to: list[str] = RecipeTargets,
-    group: Optional[list[str]] = RecipeGroups,
-    ref: str = RecipeRef,
-    source: str = RecipeSource,
-    chunks: Optional[int] = Chunks,
-    out: Optional[Path] = RecipeOut,
-    keep: bool = RecipeKeep,
-    early: bool = Early,
-    early_precision: Optional[float] = EarlyPrecision,
-    early_min_chunks: Optional[int] = EarlyMinChunks,
-    early_sigmas: Optional[float] = EarlySigmas,
-    early_confidence: Optional[float] = EarlyConfidence,
-    early_seed: Optional[int] = EarlySeed,
-    holdout: Optional[int] = RecipeHoldout,
-    split_seed: Optional[int] = RecipeSplitSeed,
-    split_edges: Optional[int] = RecipeSplitEdges,
-    threads: Optional[int] = Threads,
-    as_json: bool = Json,
-    runs_dir: Optional[Path] = RunsDir,
+    sweep: dict = SWEEP,
+    variants: dict = VARIANTS,
+    early: Optional[EarlySettings] = EARLY,
+    search: Any = SEARCH,
+    output: Output = OUTPUT,
 ):
     """Tensor sensitivity: each tensor group alone moved to each --to type, everything else kept; KLD cost ± SE, MB saved."""
-    decided_early = _early(early, early_precision, early_min_chunks, early_sigmas, early_confidence, early_seed)
-    search = api.recipe_search(holdout, split_seed, None, split_edges)
-    request = api.recipe_request(ref, source, [base], chunks, runs_dir, threads, keep, decided_early)
-    _emit(*api.recipe_sweep_report(request, to, group or (), out, progress=True, search=search), as_json)
+    request = api.recipe_request(recipes=[base], runs_dir=output.runs_dir, early=early, **variants)
+    output.emit(*api.recipe_sweep_report(request, progress=True, search=search, **sweep))
 
 
 @recipe_app.command("fit")
+@grouped
 def recipe_fit(
     base: str = typer.Argument(..., help="The base recipe the sweep starts from, e.g. Q4_K_M."),
-    to: list[str] = RecipeTargets,
     max_mb: Optional[list[float]] = typer.Option(None, "--max-mb", help="Size budget in MB (10^6 bytes); repeatable."),
     max_kld: Optional[list[float]] = typer.Option(None, "--max-kld", help="Mean KLD budget; repeatable."),
     stock: Optional[list[str]] = typer.Option(None, "--stock", help="Stock type measured beside (Q4_K_M, Q3_K_M, ...); repeatable."),
     recipe: Optional[list[str]] = typer.Option(None, "--recipe", help="Another recipe measured beside (a hand-made one); repeatable."),
-    group: Optional[list[str]] = RecipeGroups,
-    ref: str = RecipeRef,
-    source: str = RecipeSource,
-    chunks: Optional[int] = Chunks,
-    out: Optional[Path] = RecipeOut,
-    keep: bool = RecipeKeep,
-    early: bool = Early,
-    early_precision: Optional[float] = EarlyPrecision,
-    early_min_chunks: Optional[int] = EarlyMinChunks,
-    early_sigmas: Optional[float] = EarlySigmas,
-    early_confidence: Optional[float] = EarlyConfidence,
-    early_seed: Optional[int] = EarlySeed,
-    holdout: Optional[int] = RecipeHoldout,
-    split_seed: Optional[int] = RecipeSplitSeed,
-    split_edges: Optional[int] = RecipeSplitEdges,
-    refine_builds: Optional[int] = typer.Option(None, "--refine-builds", help="After the additive choice, refine each budget's recipe by measuring the recipes next to it (one move added, dropped or retargeted, or two swapped), building at most this many variants per budget (at least 1; left out: no refinement)."),
-    threads: Optional[int] = Threads,
-    as_json: bool = Json,
-    runs_dir: Optional[Path] = RunsDir,
-    deploy: Optional[str] = Deploy,
+    sweep: dict = SWEEP,
+    variants: dict = VARIANTS,
+    early: Optional[EarlySettings] = EARLY,
+    search: Any = FIT_SEARCH,
+    deploy: Optional[api.DeploySpec] = DEPLOY,
+    output: Output = OUTPUT,
 ):
     """The best recipe under each budget: chosen from the sweep's sensitivities (greedy by KLD per byte), built and measured."""
-    decided_early = _early(early, early_precision, early_min_chunks, early_sigmas, early_confidence, early_seed)
-    search = api.recipe_search(holdout, split_seed, refine_builds, split_edges)
-    request = api.recipe_request(ref, source, [base, *(recipe or ())], chunks, runs_dir, threads, keep, decided_early,
-                                 deploy)
-    _emit(*api.recipe_fit_report(request, to, max_mb or (), max_kld or (), stock or (), group or (), out,
-                                 progress=True, search=search), as_json)
+    request = api.recipe_request(recipes=[base, *(recipe or ())], runs_dir=output.runs_dir, early=early,
+                                 deploy=deploy, **variants)
+    output.emit(*api.recipe_fit_report(request, max_mb=max_mb or (), max_kld=max_kld or (), stock=stock or (),
+                                       progress=True, search=search, **sweep))
 
 
 # --- task accuracy and answer flips (qeval.orchestrate.tasks) ---------------------------------------------------
-tasks_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help=(
+tasks_app = typer.Typer(no_args_is_help=True, help=(
     "Task accuracy as llama-perplexity computes it (--hellaswag, --winogrande, --multiple-choice), stored per "
     "choice so that `qeval flips` compares models without running them again."))
 app.add_typer(tasks_app, name="tasks")
@@ -629,6 +654,7 @@ TaskName = typer.Option(None, "--task", help="Task set name (its folder in RUNS_
 
 
 @tasks_app.command("capture")
+@grouped
 def tasks_capture(
     model: str = typer.Option(..., "--model", "-m", help="GGUF model file, or hf:USER/REPO[:QUANT]."),
     task: str = typer.Option(..., "--task", "-f", help="Task file (HellaSwag text, Winogrande CSV, llama.cpp multiple-choice binary) or hf:DATASET[/CONFIG][:SPLIT]."),
@@ -641,52 +667,45 @@ def tasks_capture(
     batch: int = typer.Option(2048, "-b", "--batch-size", help="Tokens per llama_decode call (llama-perplexity's default 2048)."),
     ubatch: int = typer.Option(512, "-ub", "--ubatch-size", help="Tokens per physical batch."),
     layout: str = typer.Option("llama", "--layout", help="llama: llama-perplexity's batches (shared prefix, unified KV cache), its numbers bit for bit; separate: every choice decoded alone, the log-likelihoods of a single-sequence decode (in a shared batch llama.cpp moves a choice by up to ~0.1 nats/token; ~3.5x slower)."),
-    type_k: str = TypeK,
-    type_v: str = TypeV,
-    flash_attn: str = FlashAttn,
-    n_gpu_layers: int = GpuLayers,
-    threads: Optional[int] = Threads,
     force: bool = typer.Option(False, "--force", help="Replace a store there that holds another capture (the old one is kept until the new one is complete)."),
-    as_json: bool = Json,
-    runs_dir: Optional[Path] = RunsDir,
+    engine: EngineSettings = TASK_ENGINE,
+    output: Output = OUTPUT,
 ):
     """Score every choice of a task set with a model, as llama-perplexity does; resumable."""
-    settings = TaskSettings(EngineSettings(type_k, type_v, flash_attn, n_gpu_layers, threads), ctx, parallel, batch,
-                            ubatch, layout)
-    result, text = api.task_capture_report(model, task, kind=kind, limit=limit, label=label, runs_dir=runs_dir,
-                                           out=str(out) if out else None, settings=settings, force=force,
-                                           progress=True)
-    _emit(result, text, as_json)
+    settings = TaskSettings(engine=engine, n_ctx=ctx, n_parallel=parallel, n_batch=batch, n_ubatch=ubatch,
+                            layout=layout)
+    output.emit(*api.task_capture_report(model, task, kind=kind, limit=limit, label=label, runs_dir=output.runs_dir,
+                                         out=str(out) if out else None, settings=settings, force=force,
+                                         progress=True))
 
 
 @tasks_app.command("show")
+@grouped
 def tasks_show(
     store: str = typer.Argument(..., help="Task store: path or label."),
     task: Optional[str] = TaskName,
-    as_json: bool = Json,
-    runs_dir: Optional[Path] = RunsDir,
+    output: Output = OUTPUT,
 ):
     """Accuracy of one task store."""
-    result, text = api.task_show_report(store, runs_dir=runs_dir, task=task)
-    _emit(result, text, as_json)
+    output.emit(*api.task_show_report(store, runs_dir=output.runs_dir, task=task))
 
 
 @app.command("flips")
+@grouped
 def flips_cmd(
     ref: str = typer.Option(..., "--ref", help="Reference task store: path or label."),
     cand: str = typer.Option(..., "--cand", help="Candidate task store: path or label."),
     task: Optional[str] = TaskName,
     bins: int = typer.Option(4, "--bins", help="Equal-count bins of the reference's answer margin."),
     max_listed: int = typer.Option(20, "--list", help="Flipped tasks to list in the text (--json lists all)."),
-    as_json: bool = Json,
-    runs_dir: Optional[Path] = RunsDir,
+    output: Output = OUTPUT,
 ):
     """Answer flips between two task stores: accuracies, correct→wrong / wrong→correct, exact McNemar p, flips by margin."""
-    result, text = api.flips_report(ref, cand, runs_dir=runs_dir, task=task, bins=bins, max_listed=max_listed)
-    _emit(result, text, as_json)
+    output.emit(*api.flips_report(ref, cand, runs_dir=output.runs_dir, task=task, bins=bins, max_listed=max_listed))
 
 
 @app.command("template")
+@grouped
 def template_cmd(
     templates: list[str] = typer.Argument(..., metavar="REFERENCE [CANDIDATE...]", help=(
         "Chat templates: the reference first (the original model's tokenizer_config.json, a .jinja file or a GGUF), "
@@ -696,35 +715,46 @@ def template_cmd(
     corpus: str = typer.Option("conversations", "--corpus", "-f", help="Sample conversations: a JSONL file, a folder of them, or the shipped suite 'conversations'."),
     template_kwargs: Optional[str] = typer.Option(None, "--chat-template-kwargs", help="Extra template variables as JSON, on top of enable_thinking true and false, e.g. '{\"reasoning_effort\": \"low\"}'."),
     vocab: Optional[str] = typer.Option(None, "--vocab", help="GGUF whose tokenizer compares the renderings (default: the first GGUF given; text if none)."),
-    as_json: bool = Json,
+    output: Output = JSON,
 ):
     """Chat template check: exit 0 if every candidate renders the sample conversations as the reference does, 1 if one differs (first difference shown), 2 on bad input."""
     result, text, passed = api.template_report(templates[0], templates[1:] + (model or []), corpus, template_kwargs,
                                                vocab)
-    _emit(result, text, as_json)
+    output.emit(result, text)
     raise typer.Exit(0 if passed else 1)
 
 
 @app.command("publish")
+@grouped
 def publish_cmd(
     store: str = typer.Argument(..., help="The reference store: path or label (complete)."),
     repo: str = typer.Argument(..., metavar="hf:USER/REPO", help="The Hub repository (created if it is not there; HF_TOKEN must be allowed to write to it)."),
     results_dir: Optional[Path] = typer.Option(None, "--results", help="Also publish the results measured against this store found in this runs directory (or its results/)."),
     card: Optional[Path] = typer.Option(None, "--card", help="A markdown file published as the repository's README.md (e.g. qeval card's)."),
     private: bool = typer.Option(False, "--private", help="Create the repository private (an existing one keeps its visibility)."),
-    as_json: bool = Json,
-    runs_dir: Optional[Path] = RunsDir,
+    output: Output = OUTPUT,
 ):
     """Publish a reference to the Hugging Face Hub: the store, a manifest (identity, build, bounds, sizes, sha256 of every file), and optionally results and a card; `--ref hf:USER/REPO:LABEL` then scores models against it without the original model."""
-    result, text = api.publish_report(store, repo, results_dir, card, runs_dir, private)
-    _emit(result, text, as_json)
+    output.emit(*api.publish_report(store, repo, results_dir=results_dir, card=card, runs_dir=output.runs_dir,
+                                    private=private))
+
+
+def plain_help(command):
+    """`command` (and every command below it) with its help texts taken as written: typer renders help with rich
+    markup, in which a bracket of a help text ([/CONFIG]) would be a tag; escaped, it prints as it stands."""
+    for item in (command, *command.params):
+        if getattr(item, "help", None):
+            item.help = escape(item.help)
+    for sub in getattr(command, "commands", {}).values():
+        plain_help(sub)
+    return command
 
 
 def main(argv: list[str] | None = None) -> None:
     """The `qeval` command; `argv` (default sys.argv[1:]) lets tests run it in-process."""
     api.fixed_mmap_threshold()  # flat peak RSS over long runs (see qeval.engine.engine)
     try:
-        app(args=argv)
+        plain_help(typer.main.get_command(app))(args=argv)
     except QevalError as exc:
         typer.echo(f"qeval: error: {exc}", err=True)
         sys.exit(exc.exit_code)

@@ -228,7 +228,7 @@ def reference_identity(source, n_chunks: int) -> dict:
             "tokens_sha256": tokens_sha256(source.tokens[:n_chunks]), **window_labels_identity(h, n_chunks)}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ComparisonRequest:
     """One candidate measured against one reference, as one value; `key` is its hash."""
 
@@ -266,8 +266,9 @@ class ComparisonRequest:
         """The request a comparison summary answers; None when it records none (an older qeval)."""
         d = summary.get("request")
         try:
-            return cls(d["reference"], d["candidate"], int(d["chunks"]), int(d["metrics_version"]),
-                       tuple(d.get("samplers") or ()), d.get("early"))
+            return cls(reference=d["reference"], candidate=d["candidate"], chunks=int(d["chunks"]),
+                       metrics_version=int(d["metrics_version"]), samplers=tuple(d.get("samplers") or ()),
+                       early=d.get("early"))
         except (KeyError, TypeError, ValueError):
             return None
 
@@ -317,5 +318,5 @@ def comparison_request(ref, cand, n_chunks: int, samplers=(), early: dict | None
     """What comparing `cand` with `ref` over their first n_chunks chunks measures (sources read like stores),
     with the samplers of canonical settings strings `samplers` computed too; `early`: over the sample of them a
     board decided early visited (ComparisonRequest.early)."""
-    return ComparisonRequest(reference_identity(ref, n_chunks), producer(cand.header), n_chunks,
-                             samplers=tuple(samplers), early=early)
+    return ComparisonRequest(reference=reference_identity(ref, n_chunks), candidate=producer(cand.header),
+                             chunks=n_chunks, samplers=tuple(samplers), early=early)

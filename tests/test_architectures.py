@@ -159,7 +159,7 @@ def test_kv_cache_quants_reach_attention_layers_only(tiny, references, tmp_path,
     kld = {}
     for kv in ("f16", "q8_0", "q4_0"):
         result, _ = api.kld_report(str(references[arch]), str(tiny[arch]["Q8_0"]), runs_dir=tmp_path,
-                                   settings=EngineSettings(kv, kv, "on"))
+                                   settings=EngineSettings(type_k=kv, type_v=kv, flash_attn="on"))
         kld[kv] = result["kld"]["mean"]
         assert result["candidate"]["kv"]["type_v"] == kv
     if arch == "mamba":  # no attention, no KV cache: the cache type cannot move a single logit

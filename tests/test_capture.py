@@ -133,7 +133,7 @@ def test_live_candidate_uncoded_equals_coded_within_the_code_floor(models, runs)
 def test_kv_cache_types_and_flash_attention_rule(models, runs):
     api.capture_store(str(models["Q8_0"]), "ref", runs_dir=runs, n_ctx=N_CTX, chunks=2)
     result, _ = api.kld_report("ref", str(models["Q8_0"]), runs_dir=runs,
-                               settings=EngineSettings("q8_0", "q8_0", "on"))
+                               settings=EngineSettings(type_k="q8_0", type_v="q8_0", flash_attn="on"))
     assert 0 < result["kld"]["mean"] < 0.05
     assert result["candidate"]["kv"] == {"type_k": "q8_0", "type_v": "q8_0", "flash_attn": "on",
                                           "rotation": {"k": True, "v": True}}  # Gemma-3: 256-wide heads

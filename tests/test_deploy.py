@@ -509,7 +509,7 @@ def test_matrix_and_kld_deploy_their_rows(hybrid, tmp_path):
     runs = tmp_path / "runs"
     spec = "ctx=1024;pp=8;tg=2;reps=1"
     result, text = api.matrix_report(f"REF={f16}", [f"C={f16}"], ["q8_0"], chunks=1, n_ctx=64, runs_dir=runs,
-                                     threads=2, progress=False, deploy=spec)
+                                     engine=EngineSettings(n_threads=2), progress=False, deploy=spec)
     records = result["deployment"]["records"]
     assert [r["label"] for r in records] == ["REF", "C+kv-q8_0"]
     assert records[1]["kv"]["type_k"] == "q8_0" and records[1]["memory"][0]["devices"]["CPU"]["recurrent"] > 0
@@ -526,7 +526,8 @@ def test_recipe_deploys_each_variant_while_its_gguf_is_on_disk(hybrid, tmp_path)
     runs = tmp_path / "runs"
     api.capture_store(str(hybrid), "REF", runs_dir=runs, n_ctx=64, chunks=1,
                       settings=EngineSettings(flash_attn="off", n_threads=2))
-    request = api.recipe_request("REF", str(hybrid), ["Q8_0"], 1, runs, threads=2, deploy="ctx=1024;pp=0;tg=2;reps=1")
+    request = api.recipe_request(ref="REF", source=str(hybrid), recipes=["Q8_0"], chunks=1, runs_dir=runs, threads=2,
+                                 deploy="ctx=1024;pp=0;tg=2;reps=1")
     result, text = api.recipe_measure_report(request)
     [record] = result["deployment"]["records"]
     assert record["label"] == "Q8_0" and record["speed"][0]["tokens_per_s"]["median"] > 0

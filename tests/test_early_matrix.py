@@ -204,7 +204,7 @@ def test_a_full_result_stands_on_an_early_board(replayed, full, tmp_path, decode
 ])
 def test_bad_early_options_get_one_clear_message(replayed, tmp_path, monkeypatch, args, message):
     models, _ = replayed
-    monkeypatch.setattr("qeval.api.ray_executor", lambda *a: "ray")  # no Ray started: the refusal comes first
+    monkeypatch.setattr("qeval.api.ray_executor", lambda **kw: "ray")  # no Ray started: the refusal comes first
     res = run_cli("matrix", "--ref", f"R={models['R']}", "-m", f"A={models['A']}", "--runs-dir", tmp_path / "runs",
                   "-c", N_CTX, *args)
     assert_cli_error(res, message)

@@ -53,15 +53,18 @@ def assert_one_line_error(code: int, err: str, *fragments: str) -> None:
 def test_request_key_changes_with_every_field_and_only_with_them():
     ref = {"model": {"fingerprint": "ab" * 32}, "kv": {"type_k": "f16"}, "n_ctx": 512, "tokens_sha256": "cd" * 32}
     cand = {"model": {"fingerprint": "ef" * 32}, "kv": {"type_k": "f16", "type_v": "f16"}, "n_batch": 128}
-    base = identity.ComparisonRequest(ref, cand, 80)
+    base = identity.ComparisonRequest(reference=ref, candidate=cand, chunks=80)
     assert base.metrics_version == identity.METRICS_VERSION
-    reordered = identity.ComparisonRequest(dict(reversed(ref.items())), dict(reversed(cand.items())), 80)
+    reordered = identity.ComparisonRequest(reference=dict(reversed(ref.items())),
+                                           candidate=dict(reversed(cand.items())), chunks=80)
     assert reordered.key == base.key
-    variants = [identity.ComparisonRequest({**ref, "n_ctx": 256}, cand, 80),
-                identity.ComparisonRequest(ref, {**cand, "kv": {"type_k": "q8_0", "type_v": "f16"}}, 80),
-                identity.ComparisonRequest(ref, {**cand, "n_batch": 2048}, 80),
-                identity.ComparisonRequest(ref, cand, 20),
-                identity.ComparisonRequest(ref, cand, 80, identity.METRICS_VERSION + 1)]
+    variants = [identity.ComparisonRequest(reference={**ref, "n_ctx": 256}, candidate=cand, chunks=80),
+                identity.ComparisonRequest(reference=ref, candidate={**cand, "kv": {"type_k": "q8_0", "type_v": "f16"}},
+                                           chunks=80),
+                identity.ComparisonRequest(reference=ref, candidate={**cand, "n_batch": 2048}, chunks=80),
+                identity.ComparisonRequest(reference=ref, candidate=cand, chunks=20),
+                identity.ComparisonRequest(reference=ref, candidate=cand, chunks=80,
+                                           metrics_version=identity.METRICS_VERSION + 1)]
     assert len({base.key, *(v.key for v in variants)}) == 1 + len(variants)
     assert variants[1].changes_from(base) == ["candidate KV type_k: f16 vs q8_0"]
     assert identity.ComparisonRequest.from_summary({"request": base.to_json()}) == base
@@ -70,17 +73,18 @@ def test_request_key_changes_with_every_field_and_only_with_them():
 
 def test_samplers_are_part_of_the_request_as_a_set_of_settings():
     ref, cand = {"model": {"fingerprint": "ab" * 32}, "n_ctx": 512}, {"model": {"fingerprint": "ef" * 32}}
-    base = identity.ComparisonRequest(ref, cand, 80)
+    base = identity.ComparisonRequest(reference=ref, candidate=cand, chunks=80)
     # asking for no sampler is the request of a result saved before samplers were part of requests
     assert base.key == identity.digest({"reference": ref, "candidate": cand, "chunks": 80,
                                         "metrics_version": identity.METRICS_VERSION})
     assert "samplers" not in base.to_json()
-    both = identity.ComparisonRequest(ref, cand, 80, samplers=tuple(sampler.settings_names(
+    both = identity.ComparisonRequest(reference=ref, candidate=cand, chunks=80, samplers=tuple(sampler.settings_names(
         ["qwen3.5-thinking", "greedy"])))
     # the same samplers in another order, named by their settings: the same request
-    same = identity.ComparisonRequest(ref, cand, 80, samplers=tuple(sampler.settings_names(
+    same = identity.ComparisonRequest(reference=ref, candidate=cand, chunks=80, samplers=tuple(sampler.settings_names(
         ["temp=0", "top_p=0.95,top_k=20,temp=0.6"])))
-    one = identity.ComparisonRequest(ref, cand, 80, samplers=tuple(sampler.settings_names(["greedy"])))
+    one = identity.ComparisonRequest(reference=ref, candidate=cand, chunks=80,
+                                     samplers=tuple(sampler.settings_names(["greedy"])))
     assert both.key == same.key and len({base.key, both.key, one.key}) == 3
     assert identity.ComparisonRequest.from_summary({"request": both.to_json()}) == both
     assert both.changes_from(base) == ["samplers: none vs {temp=0,top_k=0,top_p=1,min_p=0; "

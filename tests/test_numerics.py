@@ -76,7 +76,7 @@ def test_a_store_from_before_numerics_were_recorded_reads_not_recorded(tmp_path)
 def test_the_floor_is_the_reference_on_another_kernel_path():
     ref = {"model": {"fingerprint": "m"}, "kv": {"type_k": "f16", "type_v": "f16", "flash_attn": "auto"}, "n_batch": 128,
            "numerics": {"env": {}}}
-    request = lambda cand: identity.ComparisonRequest(ref, cand, 2)  # noqa: E731
+    request = lambda cand: identity.ComparisonRequest(reference=ref, candidate=cand, chunks=2)  # noqa: E731
     generate = {**ref, "kv": {**ref["kv"], "decode": "generate"}, "n_batch": 64}
     no_fa = {**ref, "kv": {**ref["kv"], "flash_attn": "off"}}
     control = {**ref, "n_batch": 256}
@@ -132,16 +132,18 @@ def test_generate_decodes_the_prompt_then_one_token_per_call(models):
 @pytest.mark.parametrize(("types", "mode"), [(("q4_0", "q4_0"), "auto"), (("q4_0", "q4_0"), "off"),
                                              (("q8_0", "f16"), "on"), (("f16", "f16"), "auto")])
 def test_llama_cpp_reports_the_rotation_planning_predicts(models, types, mode):
-    settings = EngineSettings(*types, flash_attn="on", n_threads=2, kv_rotation=mode)
+    type_k, type_v = types
+    settings = EngineSettings(type_k=type_k, type_v=type_v, flash_attn="on", n_threads=2, kv_rotation=mode)
     planned = planned_fields(model_facts(models["Q8_0"]), settings, 64)
     with Engine(models["Q8_0"], 64, settings) as engine:
         assert engine.settings.kv_block(engine.kv_rotation) == planned["kv"]
         assert engine.numerics == planned["numerics"]
 
 
-def _matrix(models, runs, kv="q4_0", **kw) -> tuple[dict, str]:
+def _matrix(models, runs, kv="q4_0", kv_rotation="auto", **kw) -> tuple[dict, str]:
     return api.matrix_report(f"R={models['Q8_0']}", [f"Q8={models['Q8_0']}"], kv.split(","), chunks=2, n_ctx=64,
-                             runs_dir=runs, threads=2, progress=False, **kw)
+                             runs_dir=runs, engine=EngineSettings(n_threads=2, kv_rotation=kv_rotation),
+                             progress=False, **kw)
 
 
 def test_a_matrix_under_another_rotation_recomputes_never_reuses(models, tmp_path, monkeypatch):

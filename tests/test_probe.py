@@ -156,3 +156,17 @@ def test_every_command_has_working_help():
     for command in commands:
         proc = run_cli(*command.split(), "--help")
         assert proc.returncode == 0 and "Usage" in proc.stdout and "Traceback" not in proc.stderr, command
+
+
+def test_help_shows_the_option_groups_as_panels():
+    # each option group (qeval.cli.OptionGroup) is listed in a panel of its own, its brackets printed as written
+    proc = run_cli("kld", "--help")
+    assert proc.returncode == 0, proc.stderr
+    for panel in ("Engine", "Deployment", "Output"):
+        assert f"─ {panel} ─" in proc.stdout, panel
+    assert "--cache-type-k" in proc.stdout and "--deploy" in proc.stdout and "--runs-dir" in proc.stdout
+    proc = run_cli("capture", "--help")
+    assert "─ Corpus and windows ─" in proc.stdout and "hf:DATASET[/CONFIG][:SPLIT][#COLUMN]" in proc.stdout
+    proc = run_cli("recipe", "fit", "--help")
+    for panel in ("Variants", "Sweep", "Search", "Early decisions", "Deployment", "Output"):
+        assert f"─ {panel} ─" in proc.stdout, panel

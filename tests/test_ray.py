@@ -425,5 +425,5 @@ def test_shard_planning_counts_windows_like_a_capture(models, local_run):
     from qeval.orchestrate.distributed import count_windows_task
 
     with StoreReader(local_run[0] / "Q8_0.qeval") as r:
-        spec = CaptureSpec(str(models["Q8_0"]), "", "", n_ctx=N_CTX)
+        spec = CaptureSpec(model=str(models["Q8_0"]), out="", label="", n_ctx=N_CTX)
         assert count_windows_task(spec) == r.header.corpus["chunks_available"]

@@ -302,7 +302,8 @@ def test_groups_of_gemma3_and_its_planned_sizes(models):
 
 def test_sweep_figures_and_reuse(qwen, monkeypatch):
     def request(chunks=N_CHUNKS):
-        return api.recipe_request("REF", str(qwen["source"]), ["Q4_0"], chunks, qwen["runs"], threads=2)
+        return api.recipe_request(ref="REF", source=str(qwen["source"]), recipes=["Q4_0"], chunks=chunks,
+                                  runs_dir=qwen["runs"], threads=2)
 
     groups = ("ssm_out", "ffn_down_exps", "ffn_up_shexp", "token_embd")
     swept = sensitivity.sweep(request(), ("q8_0", "q4_0"), groups)
@@ -336,7 +337,8 @@ def test_sweep_figures_and_reuse(qwen, monkeypatch):
 
 
 def test_fit_builds_what_the_sweep_predicts(qwen):
-    request = api.recipe_request("REF", str(qwen["source"]), ["Q4_0"], N_CHUNKS, qwen["runs"], threads=2)
+    request = api.recipe_request(ref="REF", source=str(qwen["source"]), recipes=["Q4_0"], chunks=N_CHUNKS,
+                                 runs_dir=qwen["runs"], threads=2)
     groups = ("ssm_out", "ffn_down_exps")
     swept = sensitivity.sweep(request, ("q8_0",), groups)
     budget = swept.base.bytes + min(-r.bytes_saved for r in swept.rows)  # room for the cheaper move only
@@ -416,8 +418,8 @@ def qwen_early(qwen, tmp_path_factory) -> dict:
 
 def early_request(setup: dict, runs: Path | None = None, early=True, recipes_=EARLY_RECIPES):
     settings = api.early_settings(min_chunks=3) if early else None
-    return api.recipe_request(str(setup["runs"] / "REF.qeval"), str(setup["source"]), recipes_, None,
-                              runs or setup["runs"], threads=2, early=settings)
+    return api.recipe_request(ref=str(setup["runs"] / "REF.qeval"), source=str(setup["source"]), recipes=recipes_,
+                              runs_dir=runs or setup["runs"], threads=2, early=settings)
 
 
 def per_chunk_kld(per_token: dict) -> dict[int, np.ndarray]:

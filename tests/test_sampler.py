@@ -553,7 +553,7 @@ def test_a_matrix_pair_is_measured_with_its_samplers_and_reused_only_for_them(tm
                          "{temp=0,top_k=0,top_p=1,min_p=0; temp=0.6,top_k=20,top_p=0.95,min_p=0}, saved vs now)")
     # the Ray executor runs the same plan, samplers kept, and its task the same pair plan (in its CompareSpec)
     assert distributed.on_cluster(chosen, 1).samplers == ("qwen3.5-thinking", "greedy")
-    distributed.run_compare(distributed.CompareSpec("REF", todo, str(runs), 2, threads=1))
+    distributed.run_compare(distributed.CompareSpec(ref="REF", pair=todo, runs_dir=str(runs), chunks=2, threads=1))
     summary = json.loads(saved.read_text())
     direct, _ = api.kld_report("REF", "CAND", runs_dir=runs, threads=1, samplers=["qwen3.5-thinking", "greedy"])
     assert summary["samplers"] == json.loads(json.dumps(direct["samplers"]))

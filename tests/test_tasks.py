@@ -744,7 +744,7 @@ def _capture(models, quant, task, tmp_path, settings=None, **kw):
     from qeval.capture.taskscore import TaskSettings
 
     result, _ = api.task_capture_report(str(models[quant]), str(task), label=quant, runs_dir=tmp_path,
-                                        settings=settings or TaskSettings(EngineSettings(n_threads=2)), **kw)
+                                        settings=settings or TaskSettings(engine=EngineSettings(n_threads=2)), **kw)
     return result, TaskStore.open(result["store"]["path"])
 
 
@@ -782,7 +782,7 @@ def test_scores_equal_float64_from_llama_cpp_python_logits(models, tmp_path):
     from qeval.capture.taskscore import TaskModel, TaskSettings
 
     def settings(layout):
-        return TaskSettings(EngineSettings(flash_attn="off", n_threads=2), layout=layout)
+        return TaskSettings(engine=EngineSettings(flash_attn="off", n_threads=2), layout=layout)
 
     llm = llama_cpp.Llama(str(models["Q4_K_M"]), vocab_only=True, verbose=False)  # tokenizes the oracle's text
     oracle = TaskModel(str(models["Q4_K_M"]), settings("separate"))  # a context as --layout separate makes it
@@ -855,7 +855,7 @@ def test_task_capture_resumes_to_the_same_values(models, tmp_path):
     from qeval.capture.taskscore import TaskSettings
     from qeval.orchestrate import tasks
 
-    settings = TaskSettings(EngineSettings(n_threads=2))
+    settings = TaskSettings(engine=EngineSettings(n_threads=2))
     whole, _ = tasks.capture_tasks(str(models["Q8_0"]), str(WINOGRANDE), limit=8, label="W",
                                    runs_dir=tmp_path / "a", settings=settings)
 
@@ -881,7 +881,7 @@ def test_task_capture_resumes_to_the_same_values(models, tmp_path):
     assert again["status"] == "already complete" and "already holds" in text
     with pytest.raises(QevalError, match=r"holds another capture: .*settings KV type_k: f16 vs q8_0.*--force"):
         tasks.capture_tasks(str(models["Q8_0"]), str(WINOGRANDE), limit=8, label="W", runs_dir=tmp_path / "b",
-                            settings=TaskSettings(EngineSettings(type_k="q8_0", n_threads=2)))
+                            settings=TaskSettings(engine=EngineSettings(type_k="q8_0", n_threads=2)))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -902,12 +902,13 @@ def test_matrix_refuses_bad_task_options_before_running(tmp_path):
 
 def test_matrix_scores_tasks_for_every_pair_and_shows_flips(models, tmp_path):
     from qeval import api
+    from qeval.engine.engine import EngineSettings
     from qeval.orchestrate.matrix import TaskRequest
 
     def run():
         return api.matrix_report(f"Q8_0={models['Q8_0']}", [f"Q2_K={models['Q2_K']}"], ["f16", "q4_0"], chunks=1,
-                                 n_ctx=128, runs_dir=tmp_path, threads=2, progress=False,
-                                 tasks=[TaskRequest(str(HELLASWAG), limit=24)])
+                                 n_ctx=128, runs_dir=tmp_path, engine=EngineSettings(n_threads=2), progress=False,
+                                 tasks=[TaskRequest(task=str(HELLASWAG), limit=24)])
 
     result, text = run()
     rows = {r["label"]: r for r in result["rows"]}

@@ -122,7 +122,7 @@ class PieceBuilder:
         return self.builders[HIDDEN if hidden else LOGITS].finish()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CaptureSpec:
     model: str
     out: str

@@ -71,7 +71,7 @@ LAYOUTS = ("llama", "separate")
 # --------------------------------------------------------------------------------------------------
 # settings
 # --------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TaskSettings:
     """llama-perplexity's task settings: -c (per sequence), -np, -b, -ub, and the KV cache/attention."""
 

@@ -189,7 +189,7 @@ def precise(est: Estimate, rel_precision: float) -> bool:
 # --------------------------------------------------------------------------------------------------
 # the rule
 # --------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StopRule:
     """When a pair of a decided-early board stops, and the intervals it reads at each look (module docstring)."""
 

@@ -143,7 +143,7 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineSettings:
     """How a model runs; everything that can change its logits is recorded in the store."""
 

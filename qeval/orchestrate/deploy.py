@@ -39,7 +39,7 @@ SPEC_KEYS = {"ctx": "deployment contexts of the memory figures", "depth": "depth
              "rss": "1: also fill each context in a child and measure its RSS growth"}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DeploySpec:
     """What to measure of every row (the module's docstring; defaults: llama-bench's and llama.cpp's)."""
 

@@ -56,7 +56,7 @@ def import_ray():
 # ------------------------------------------------------------------------------------------------
 # task specs and task bodies (plain functions: they run the same in a Ray worker or in-process)
 # ------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CompareSpec:
     """One model x KV pair of a matrix plan (not skipped) against a reference store, saved as a result."""
 

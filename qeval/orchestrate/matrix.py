@@ -139,7 +139,8 @@ def early_settings(seed: int = 0, min_chunks: int = early_stop.MIN_CHUNKS,
     for ok, message in checks:
         if not ok:
             raise QevalError(message)
-    return EarlySettings(seed, early_stop.StopRule(min_chunks, precision, sigmas, confidence))
+    return EarlySettings(seed, early_stop.StopRule(min_chunks=min_chunks, rel_precision=precision,
+                                                   neighbour_sigmas=sigmas, confidence=confidence))
 
 
 def _fa_for(k: str, v: str) -> str:
@@ -386,8 +387,8 @@ def planned_request(ref_store, n_chunks: int, facts: dict, settings: EngineSetti
     n_ctx = ref_store.header.n_ctx
     planned = identity.planned_producer(facts, planned_fields(facts, settings, n_ctx), n_ctx, SqrtLogCode().form(),
                                         ref_store.header.scoring)
-    return identity.ComparisonRequest(identity.reference_identity(ref_store, n_chunks), planned, n_chunks,
-                                      samplers=tuple(sampler.settings_names(samplers)))
+    return identity.ComparisonRequest(reference=identity.reference_identity(ref_store, n_chunks), candidate=planned,
+                                      chunks=n_chunks, samplers=tuple(sampler.settings_names(samplers)))
 
 
 def _reusable(result_path: Path, ref, request: identity.ComparisonRequest, n_chunks: int) -> int:

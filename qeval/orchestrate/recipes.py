@@ -51,7 +51,7 @@ RECIPES_SUBDIR = "recipes"
 MEASURED, REUSED = "built and measured", "reused"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RecipeRequest:
     """Recipes to measure: built from `source`, each compared with the reference store `ref` over its first
     `chunks` chunks (all when None), in the runs directory `directory`."""
