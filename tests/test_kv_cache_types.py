@@ -74,7 +74,7 @@ def test_a_forks_types_by_its_own_ids_and_an_unknown_name_listed():
         cache_types.cache_type("q8_0", "-ctv", fork)
     with pytest.raises(QevalError, match="unknown KV cache type 'turbo3' for -ctk: this llama.cpp build's cache "
                                          "types are f32, f16, q4_0"):
-        EngineSettings("turbo3", "f16").validate()
+        EngineSettings(type_k="turbo3", type_v="f16").validate()
 
 
 def test_asymmetric_kv_is_a_matrix_axis_labelled_with_both_types(tmp_path):
@@ -162,7 +162,7 @@ def test_an_incompatible_build_is_refused_naming_what_differs(tmp_path, monkeypa
         with pytest.raises(QevalError, match=rf"the llama.cpp build in {tmp_path} \(LLAMA_CPP_LIB_PATH\) does not "
                                              r"match llama-cpp-python's bindings: \d+ function\(s\) the bindings call "
                                              r"are not in its libllama: llama_\w+, .* and \d+ more. Use a build"):
-            EngineSettings("q8_0", "q8_0", flash_attn="on").validate()
+            EngineSettings(type_k="q8_0", type_v="q8_0", flash_attn="on").validate()
     finally:
         build_check._report.cache_clear()
 

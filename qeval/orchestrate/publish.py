@@ -19,6 +19,7 @@ from qeval.errors import QevalError
 from qeval.identity import NOT_RECORDED
 from qeval.orchestrate.measured import check_reference
 from qeval.present import results
+from qeval.storage.results import find_results
 from qeval.storage import reference_pack, runs
 from qeval.storage.hub_files import hub_errors, is_hub_spec, split_spec
 from qeval.storage.store import StoreReader
@@ -76,7 +77,7 @@ def _results(store: Path, label: str, results_dir: Path, staging: Path) -> list[
     """The results in `results_dir` measured against `store` (labelled .vs.LABEL; one measured against another
     capture under this label is refused), each as a public copy of its JSON (no local paths) and its per-token
     file, under results/LABEL/."""
-    found = [p for p in results.find_results([results_dir]) if p.name.endswith(f"{runs.RESULT_SEPARATOR}{label}.json")]
+    found = [p for p in find_results([results_dir]) if p.name.endswith(f"{runs.RESULT_SEPARATOR}{label}.json")]
     if not found:
         raise QevalError(f"--results {results_dir} holds no result against {label} (*{runs.RESULT_SEPARATOR}{label}.json)")
     folder = staging / RESULTS_FOLDER
