@@ -21,7 +21,7 @@ import numpy as np
 from qeval.errors import StoreFormatError
 from qeval.storage.codec import SqrtLogCode
 from qeval.storage.scoring import half_span
-from qeval.storage.store import ChunkBuilder, ChunkData, StoreHeader, tokens_sha256
+from qeval.storage.store import ChunkBuilder, ChunkData, OpenFile, StoreHeader, tokens_sha256
 
 MAGIC = b"_logits_"
 _HEAD = np.dtype([("magic", "S8"), ("n_ctx", "<i4"), ("n_vocab", "<i4"), ("n_chunk", "<i4")])
@@ -41,7 +41,7 @@ def record_values(n_vocab: int) -> int:
     return 2 * ((n_vocab + 1) // 2) + 4
 
 
-class LlamaCppBaseFile:
+class LlamaCppBaseFile(OpenFile):
     """A `--kl-divergence-base` file, read chunk by chunk as if it were a qeval store."""
 
     complete = True
@@ -138,15 +138,6 @@ class LlamaCppBaseFile:
             builder.add(block.planes, target_logp.astype(np.float64),
                         logp[rows, block.top_ids[:, 0]].astype(np.float64), block.top_ids)
         return builder.finish()
-
-    def close(self) -> None:
-        self._fh.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def import_llamacpp(src: str | os.PathLike, out: str | os.PathLike, label: str = "", on_chunk=None,

@@ -509,7 +509,20 @@ def _hidden_fields(chunk: HiddenChunk, header: StoreHeader) -> bytes:
     return b"".join(parts)
 
 
-class StoreWriter:
+class OpenFile:
+    """A reader or writer over one open file `_fh`: closed by close() or at the end of a `with` block."""
+
+    def close(self) -> None:
+        self._fh.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class StoreWriter(OpenFile):
     """Appends chunks to a store; `open()` creates a new file or resumes an interrupted one."""
 
     def __init__(self, path: Path, header: StoreHeader, fh, pieces: dict[int, list[tuple[int, int]]],
@@ -694,15 +707,6 @@ class StoreWriter:
         if self.created and not self._pieces:
             self.path.unlink(missing_ok=True)
 
-    def close(self) -> None:
-        self._fh.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
 
 class StoreComplete(Exception):
     """Raised by StoreWriter.open when the store is already complete (resume is a no-op). older_form: it holds the
@@ -807,7 +811,7 @@ def sync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-class StoreReader:
+class StoreReader(OpenFile):
     """Reads a store, checking everything it reads; chunks are read (and checksummed) on demand."""
 
     def __init__(self, path: str | os.PathLike, verify_chunks: bool = False, tolerate_torn_tail: bool = False):
@@ -1184,15 +1188,6 @@ class StoreReader:
         for index in self.chunk_indices:
             for first_row, offset in self._pieces_of(index):
                 yield index, first_row, "hidden" if self._read_at(offset, 4) == b"HIDN" else "logits"
-
-    def close(self) -> None:
-        self._fh.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 class PiecedChunk(ChunkData):
