@@ -11,8 +11,8 @@ from qeval.errors import QevalError
 
 GPU_TOOLS = Path(__file__).resolve().parents[1] / "tools" / "gpu"
 sys.path.insert(0, str(GPU_TOOLS))
-import kit  # noqa: E402
-import missing_wheels  # noqa: E402
+import kit
+import missing_wheels
 
 V = kit.VENDOR
 MiB = kit.MiB

@@ -26,9 +26,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path[:0] = [str(HERE), str(REPO)]  # kit, models; this checkout's qeval
-import kit  # noqa: E402
+import kit
 
-from qeval.errors import QevalError  # noqa: E402
+from qeval.errors import QevalError
 
 SDIST = f"llama_cpp_python-{kit.LLAMA_CPP_PYTHON_VERSION}.tar.gz"
 # The wheels qeval needs that the device image lacks (KINDS.md's package list), each with the requirement that
@@ -59,7 +59,7 @@ def build_src(kit_dir: Path, cache: Path) -> Path:
     rewritten = set()
     with tarfile.open(original) as src, tarfile.open(partial, "w:gz", compresslevel=9) as dst:
         for member in src:
-            top, _, rel = member.name.partition("/")
+            _, _, rel = member.name.partition("/")
             if not rel or not kit.kept(rel):
                 continue
             if not member.isfile():
@@ -98,7 +98,7 @@ def wheel_name(folder: Path, dist: str) -> str:
 
 
 def build_models(kit_dir: Path) -> list[Path]:
-    import models  # noqa: PLC0415 - needs llama-cpp-python and the demo model; src and wheels do not
+    import models
 
     return [models.build_pair(spec, kit_dir / f"models-{spec.name}", kit_dir.parent / "cache" / "models")
             for spec in models.SPECS]

@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -27,19 +28,20 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
-from bench_vs_llamacpp import alternate  # noqa: E402
-from common import cpu_name, llama_numbers, timed  # noqa: E402
+from bench_vs_llamacpp import alternate
+from common import cpu_name, llama_numbers, timed
 
-from qeval.inputs.corpus import load_corpus  # noqa: E402
-from qeval.storage.store import StoreReader  # noqa: E402
+from qeval.inputs.corpus import load_corpus
+from qeval.storage.store import StoreReader
 
 QEVAL = [sys.executable, "-m", "qeval"]
 N_CTX = 512
 BIG_BATCH = 2048
+CHECKS = ("parity", "speed", "hidden", "big_batches")
 
 
 def qeval_json(*args: str) -> dict:
-    proc = subprocess.run([*QEVAL, *args, "--json"], capture_output=True, text=True)
+    proc = subprocess.run([*QEVAL, *args, "--json"], capture_output=True, text=True, check=False)
     if proc.returncode not in (0, 2) or "{" not in proc.stdout:
         raise RuntimeError(f"qeval {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout[proc.stdout.index("{"):proc.stdout.rindex("}") + 1])
@@ -99,16 +101,14 @@ class Pair:
         spec = f"pp=512;tg=128;reps={self.args.reps};ctx=4096"
 
         def qeval_run() -> dict:
-            started = time.perf_counter()
-            res = qeval_json("deploy", str(self.ref), "--spec", spec, *self.ngl, "--force", "--runs-dir",
-                             str(self.runs))
-            return {"wall_s": time.perf_counter() - started, "result": res}
+            wall, rss, text = timed([*QEVAL, "deploy", str(self.ref), "--spec", spec, *self.ngl, "--force",
+                                     "--runs-dir", str(self.runs), "--json"])
+            return {"wall_s": wall, "peak_rss_bytes": rss, "result": first_json(text, "{")}
 
         def bench_run() -> dict:
-            started = time.perf_counter()
-            proc = subprocess.run([self.lb, "-m", str(self.ref), "-p", "512", "-n", "128", "-r", str(self.args.reps),
-                                   *self.ngl, "-o", "json"], capture_output=True, text=True, check=True)
-            return {"wall_s": time.perf_counter() - started, "result": json.loads(proc.stdout)}
+            wall, rss, text = timed([self.lb, "-m", str(self.ref), "-p", "512", "-n", "128", "-r", str(self.args.reps),
+                                     *self.ngl, "-o", "json"])
+            return {"wall_s": wall, "peak_rss_bytes": rss, "result": first_json(text, "[")}
 
         q, lb = alternate(self.args.rounds, qeval_run, bench_run)
         (self.work / "deploy.json").write_text(json.dumps(q["result"], indent=1))
@@ -131,7 +131,8 @@ class Pair:
                 for replay in getattr(chunk, "replays", ()):
                     per_token.setdefault(replay.engine, []).extend(float(v) for v in replay.record.kl)
         (self.work / "hidden-replay-kl-per-token.json").write_text(json.dumps(per_token))
-        return {"capture": timing, "decision": info.get("capture", {}).get("reference_form"),
+        asked = next((d["reference_form"] for d in walk(info) if isinstance(d.get("reference_form"), dict)), {})
+        return {"capture": timing, "decision": {**asked, "pieces_by_form": info.get("pieces_by_form")},
                 "pieces": {k: kinds.count(k) for k in sorted(set(kinds))},
                 "replay_kl_per_token": {engine: {"tokens": len(v), "max": max(v), "mean": sum(v) / len(v)}
                                         for engine, v in per_token.items() if v}}
@@ -141,6 +142,11 @@ class Pair:
         ll, q = alternate(self.args.rounds, lambda: self.llamacpp_base(base, BIG_BATCH),
                           lambda: self.qeval_capture("reference-b2048", BIG_BATCH))
         return {"batch": BIG_BATCH, "llamacpp": ll, "qeval": q, "time_ratio": q["wall_s"] / ll["wall_s"]}
+
+
+def first_json(text: str, opener: str):
+    """The JSON value that starts at the first `opener` of a tool's output (its stdout; the log follows)."""
+    return json.JSONDecoder().raw_decode(text[text.index(opener):])[0]
 
 
 def rel_diff(a: float | None, b: float | None) -> float | None:
@@ -167,15 +173,17 @@ def walk(node):
 
 
 def machine() -> dict:
-    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                         capture_output=True, text=True).stdout.strip() if shutil_which("nvidia-smi") else None
-    return {"cpu": cpu_name(), "cores": os.cpu_count(), "gpu": gpu or None, "python": platform.python_version()}
+    gpu = None
+    if shutil.which("nvidia-smi"):
+        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, check=False).stdout.strip() or None
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "gpu": gpu, "python": platform.python_version()}
 
 
-def shutil_which(name: str) -> str | None:
-    import shutil  # noqa: PLC0415
-
-    return shutil.which(name)
+def write_summary(summary: dict, args: argparse.Namespace) -> None:
+    if args.started:
+        summary["total_seconds"] = round(time.time() - args.started, 1)
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunks", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2, help="alternated rounds of each timed comparison")
     ap.add_argument("--reps", type=int, default=3, help="llama-bench's -r (and deploy's reps)")
+    ap.add_argument("--only", default=",".join(CHECKS), help="comma-separated subset of " + ",".join(CHECKS))
     ap.add_argument("--build-json", type=Path)
     ap.add_argument("--started", type=float, help="when run.sh started (epoch seconds): the total time")
     args = ap.parse_args(argv)
@@ -195,12 +204,13 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict = {"machine": machine(), "ngl": args.ngl, "chunks": args.chunks, "n_ctx": N_CTX,
                      "build": json.loads(args.build_json.read_text()) if args.build_json else None, "pairs": {},
                      "failed": []}
+    write_summary(summary, args)
     for folder in sorted(args.kit.glob("models-*")):
         if not (folder / "reference.gguf").is_file():
             continue
         pair = Pair(folder, args, corpus)
         result = summary["pairs"].setdefault(pair.name, {})
-        for check in ("parity", "speed", "hidden", "big_batches"):
+        for check in args.only.split(","):
             started = time.perf_counter()
             try:
                 result[check] = getattr(pair, check)()
@@ -209,9 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                 summary["failed"].append(f"{pair.name}/{check}")
             result[check]["seconds"] = round(time.perf_counter() - started, 1)
             print(f"checks: {pair.name} {check}: {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
-    if args.started:
-        summary["total_seconds"] = round(time.time() - args.started, 1)
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+            write_summary(summary, args)  # after every check: a run stopped at the call's limit keeps what it did
     print(json.dumps({k: summary[k] for k in ("failed", "total_seconds") if k in summary}))
     return 1 if summary["failed"] else 0
 

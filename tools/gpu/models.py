@@ -12,19 +12,19 @@ replays) and a candidate (Q4_0), both quantized by llama.cpp's own quantizer fro
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import gguf
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "bench"))
-import tinymodels  # noqa: E402
-from fullwidth_model import QWEN35_VOCAB  # noqa: E402
+import tinymodels
+from fullwidth_model import QWEN35_VOCAB
 
-from qeval.orchestrate import demo  # noqa: E402
+from qeval.orchestrate import demo
 
 T = gguf.MODEL_TENSOR
 GEMMA_VOCAB = 262_144
