@@ -170,7 +170,7 @@ def test_an_incompatible_build_is_refused_naming_what_differs(tmp_path, monkeypa
 def test_a_run_records_the_cache_llama_cpp_allocated(models):
     """-ctk q8_0 -ctv q4_0 -fa on on Gemma-3-270M: what llama.cpp allocated, read from its log, verified and
     recorded in the engine's provenance (a store's capture block) and its KV block."""
-    settings = EngineSettings("q8_0", "q4_0", flash_attn="on", n_threads=2)
+    settings = EngineSettings(type_k="q8_0", type_v="q4_0", flash_attn="on", n_threads=2)
     with Engine(models["Q8_0"], 64, settings) as engine:
         assert engine.allocated == {"type_k": "q8_0", "type_v": "q4_0", "flash_attn": True}
         assert engine.provenance["kv_allocated"] == engine.allocated
