@@ -146,6 +146,11 @@ def test_publish_refuses_what_it_cannot_publish(hub, tmp_path):
     assert_cli_error(run_cli("publish", pair.ref.path, f"hf:{REPO}", "--results", tmp_path), "no result")
     partial = write_store(tmp_path / "P.qeval", pair.ref.tokens, pair.ref.logits, 2000, label="P", finish=False)
     assert_cli_error(run_cli("publish", partial.path, f"hf:{REPO}"), "incomplete capture")
+    # the store goes up byte for byte: a header naming a local file would make the path public
+    local = write_store(tmp_path / "L.qeval", pair.ref.tokens, pair.ref.logits, 2000, label="L",
+                        corpus={"name": "wiki", "source": str(Path.home() / "data" / "wiki.txt")})
+    assert_cli_error(run_cli("publish", local.path, f"hf:{REPO}"), "header.corpus.source", "would make public",
+                     "relative")
     assert hub.calls == []  # refused before any request
 
 

@@ -10,6 +10,7 @@ hf_xet, a large file the Hub already holds (by sha256, git LFS) is skipped.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 from pathlib import Path
@@ -40,6 +41,7 @@ def publish_report(store: str, target: str, results_dir: Path | None = None, car
     with StoreReader(path) as source:
         label, header = source.header.label, source.header
     runs.check_label(label)
+    _refuse_private(path, header)
     if named and named != label:
         raise QevalError(f"{path} holds reference {label!r}: it is published under its own label, hf:{repo}:{label}")
     with tempfile.TemporaryDirectory(prefix="qeval-publish-") as staging:
@@ -56,6 +58,26 @@ def publish_report(store: str, target: str, results_dir: Path | None = None, car
         files.append((manifest_file.name, manifest_file, "manifest"))
         commit = _upload(repo, label, files, private)
         return _report(repo, label, commit, _uploaded(files, manifest))
+
+
+def _refuse_private(path: Path, header) -> None:
+    """The store goes up byte for byte (its checksums and identity are its bytes): refused when its header names
+    this machine's user or a local path (a corpus captured from /home/NAME/...), which the upload would make public."""
+    exposed = _private_fields(dataclasses.asdict(header))
+    if exposed:
+        where, value = exposed[0]
+        raise QevalError(f"{path}: its header holds {where} = {value!r}, a local path or this user's name, which "
+                         "publishing would make public; capture the reference with --corpus as a path relative to the "
+                         "folder you run in, a shipped corpus or an hf: dataset, then publish that store")
+
+
+def _private_fields(value, where: str = "header") -> list[tuple[str, str]]:
+    """(field, value) of every string in `value` that reference_pack.public would change."""
+    if isinstance(value, dict):
+        return [f for key, item in value.items() for f in _private_fields(item, f"{where}.{key}")]
+    if isinstance(value, list):
+        return [f for i, item in enumerate(value) for f in _private_fields(item, f"{where}[{i}]")]
+    return [(where, value)] if isinstance(value, str) and reference_pack.public(value) != value else []
 
 
 def _backend(header) -> str:
