@@ -95,7 +95,7 @@ def stored_form(asked: str, model: str, settings: EngineSettings) -> StoredForm:
         if asked == HIDDEN:
             raise QevalError(f"--reference-form hidden: {exc} (--reference-form auto stores logits there)") from None
         return StoredForm(asked=asked, why_logits=str(exc))
-    return StoredForm(asked, head, asked, ggml=GgmlHead.of(head, settings.n_threads))
+    return StoredForm(name=asked, head=head, asked=asked, ggml=GgmlHead.of(head, settings.n_threads))
 
 
 class PieceBuilder:
@@ -299,13 +299,15 @@ def capture(spec: CaptureSpec, on_chunk: Callable[[int], None] | None = None,
         try:
             writer = StoreWriter.open(out, header, windows, spec.code.lut(), replace=spec.replace, head=form.head)
         except StoreComplete as done:
-            return CaptureResult(out, OLDER_FORM if done.older_form else "already complete",
-                                 chunk_range[1] - chunk_range[0], 0, time.perf_counter() - t0, header)
+            return CaptureResult(path=out, status=OLDER_FORM if done.older_form else "already complete",
+                                 chunks_total=chunk_range[1] - chunk_range[0], chunks_written=0,
+                                 seconds=time.perf_counter() - t0, header=header)
         with writer:
             todo = [i for i in range(*chunk_range) if i not in writer.done_chunks]
             if on_start:
                 try:
-                    on_start(CaptureStart(header, todo, writer.path, spec.model, settings))
+                    on_start(CaptureStart(header=header, todo=todo, path=writer.path, model=spec.model,
+                                          settings=settings))
                 except BaseException:
                     writer.discard()
                     raise
@@ -322,8 +324,9 @@ def capture(spec: CaptureSpec, on_chunk: Callable[[int], None] | None = None,
                     if on_chunk:  # progress inside a long window: a piece is its share of the window
                         on_chunk(piece.n_tokens / header.n_scored_of(piece.index))
             writer.finish()
-    return CaptureResult(out, "complete", chunk_range[1] - chunk_range[0], len(todo), time.perf_counter() - t0,
-                         header)
+    return CaptureResult(path=out, status="complete", chunks_total=chunk_range[1] - chunk_range[0],
+                         chunks_written=len(todo), seconds=time.perf_counter() - t0,
+                         header=header)
 
 
 def check_corpus_kind(corpus: str | None, scoring: Scoring) -> None:
@@ -399,7 +402,8 @@ class LiveChunk:
                 if builder is not None and ends_piece(row, self.n_tokens):
                     src.writer.write_chunk(builder.finish())
                     builder = None
-                blocks.append(EncodedBlock(None, block.logprob_target, block.logprob_max, block.top_ids, block.error))
+                blocks.append(EncodedBlock(planes=None, logprob_target=block.logprob_target,
+                                           logprob_max=block.logprob_max, top_ids=block.top_ids, error=block.error))
                 yield block.planes
 
         yield from reblock(planes(), block_tokens)

@@ -238,12 +238,12 @@ def plan_item(kind: str, item: TaskItem, tokenize: Callable[[str], np.ndarray], 
     terms = [[(row(s, j), int(seqs[s][j + 1])) for j in span] for s, span in enumerate(spans)]
     if separate:
         outputs = [list(span) for span in spans]
-        return ItemPlan(item, seqs, 0, outputs, terms)
+        return ItemPlan(item=item, seqs=seqs, prefix=0, outputs=outputs, terms=terms)
     if kind != "winogrande":  # logits of every choice token but the last (and of the prefix's last)
         outputs = [list(range(cp, len(seq) - 1)) for seq in seqs]
     else:  # winogrande asks for every token after the prefix
         outputs = [list(range(cp, len(seq))) for seq in seqs]
-    return ItemPlan(item, seqs, cp, outputs, terms)
+    return ItemPlan(item=item, seqs=seqs, prefix=cp, outputs=outputs, terms=terms)
 
 
 def pack(kind: str, plans: list[ItemPlan], n_ctx: int, n_seq_max: int, where: str = "") -> list[list[int]]:
@@ -328,7 +328,8 @@ def score_items(kind: str, plans: list[ItemPlan], group: list[int], row_logprobs
             sums.append(float(np.sum(np.asarray([v[0] for v in values], dtype=np.float64))))
             counts.append(len(values))
             llama.append(llama_score(kind, values))
-        out.append(ChoiceScores(p.item.index, tuple(sums), tuple(counts), tuple(llama), p.item.labels))
+        out.append(ChoiceScores(index=p.item.index, sums=tuple(sums), counts=tuple(counts), llama=tuple(llama),
+                                labels=p.item.labels))
     return out
 
 
@@ -433,7 +434,7 @@ class TaskModel(LlamaModel):
         self.task_settings = s
         self._scorers: ThreadPoolExecutor | None = None
         super().__init__(model_path, e, ContextShape(
-            s.n_ctx, s.parallel, s.batch, s.ubatch, kv_unified=s.layout == "llama",
+            n_ctx_seq=s.n_ctx, n_seq=s.parallel, n_batch=s.batch, n_ubatch=s.ubatch, kv_unified=s.layout == "llama",
             described=f"(n_ctx {s.context}, -np {s.parallel}, KV {e.type_k}/{e.type_v}, flash attention "
                       f"{e.flash_attn})"))
         self.n_ctx = int(self._lc.llama_n_ctx(self.ctx))  # what llama-perplexity packs into
@@ -453,11 +454,12 @@ class TaskModel(LlamaModel):
             n = len(p.seqs)
             ids = tuple(range(s0, s0 + n))
             for j in range(p.prefix):
-                toks.append(_Token(int(p.seqs[0][j]), j, ids, j == p.prefix - 1, (local, -1, j)))
+                toks.append(_Token(token=int(p.seqs[0][j]), pos=j, seqs=ids, output=j == p.prefix - 1, key=(local, -1,
+                                                                                                            j)))
             for s, seq in enumerate(p.seqs):
                 wanted = set(p.outputs[s])
                 for j in range(p.prefix, len(seq)):
-                    toks.append(_Token(int(seq[j]), j, (s0 + s,), j in wanted, (local, s, j)))
+                    toks.append(_Token(token=int(seq[j]), pos=j, seqs=(s0 + s,), output=j in wanted, key=(local, s, j)))
             s0 += n
         return toks
 
@@ -472,7 +474,8 @@ class TaskModel(LlamaModel):
         if self.task_settings.layout == "separate":  # each choice alone in its decode calls, as sequence 0
             runs: dict[tuple[int, int], list[_Token]] = {}
             for t in toks:
-                runs.setdefault(t.key[:2], []).append(_Token(t.token, t.pos, (0,), t.output, t.key))
+                runs.setdefault(t.key[:2], []).append(_Token(token=t.token, pos=t.pos, seqs=(0,), output=t.output,
+                                                             key=t.key))
             batches = list(runs.values())
         else:
             batches = [toks]

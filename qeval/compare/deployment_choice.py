@@ -126,20 +126,21 @@ def _figure_reasons(figures: Mapping[int, float | str], axis: str, at: int, miss
     """Not measured at `at`, measured there and failed, or measured and `missed` (a test of the figure): `kind`."""
     figure = figures.get(at)
     if figure is None:
-        return [Reason("not measured", axis, at, measured=tuple(sorted(figures)))]
+        return [Reason(kind="not measured", axis=axis, at=at, measured=tuple(sorted(figures)))]
     if isinstance(figure, str):
-        return [Reason("could not be measured", axis, at, figure)]
-    return [Reason(kind, axis, at, figure)] if missed(figure) else []
+        return [Reason(kind="could not be measured", axis=axis, at=at, figure=figure)]
+    return [Reason(kind=kind, axis=axis, at=at, figure=figure)] if missed(figure) else []
 
 
 def reasons(c: Candidate, q: Question) -> tuple[Reason, ...]:
     """Why `c` does not answer `q`; empty when it passes."""
     if c.excluded:
-        return (Reason("not a candidate", note=c.excluded),)
+        return (Reason(kind="not a candidate", note=c.excluded),)
     if not c.measured:
-        return (Reason("measured on another machine", note=c.elsewhere) if c.elsewhere else Reason("not measured"),)
+        return (Reason(kind="measured on another machine",
+                       note=c.elsewhere) if c.elsewhere else Reason(kind="not measured"),)
     has_quality = c.reference or (c.quality is not None and math.isfinite(c.quality))
-    out = [] if has_quality else [Reason("no quality figure")]
+    out = [] if has_quality else [Reason(kind="no quality figure")]
     if q.n_ctx is not None:
         out += _figure_reasons(c.memory, "context", q.n_ctx, lambda total: total > q.memory_gib * GIB, "does not fit")
     if q.depth is not None:

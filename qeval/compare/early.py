@@ -153,13 +153,16 @@ def ratio_estimate(sums: Sequence[float], tokens: Sequence[int], n_total: int,
     n_tokens = float(tokens.sum())
     nan = float("nan")
     if n == 0 or n_tokens <= 0:
-        return Estimate(nan, nan, nan, nan, n, n_total, int(n_tokens), confidence)
+        return Estimate(mean=nan, se=nan, low=nan, high=nan, n_chunks=n, n_total=n_total, n_tokens=int(n_tokens),
+                        confidence=confidence)
     mean = float(sums.sum()) / n_tokens
     if n < 2:
-        return Estimate(mean, nan, nan, nan, n, n_total, int(n_tokens), confidence)
+        return Estimate(mean=mean, se=nan, low=nan, high=nan, n_chunks=n, n_total=n_total, n_tokens=int(n_tokens),
+                        confidence=confidence)
     se = cluster_se_of_sums(sums, tokens) * math.sqrt(max(1.0 - n / n_total, 0.0))
     low, high = interval(mean, se, t_quantile(confidence, n - 1), log_scale)
-    return Estimate(mean, se, low, high, n, n_total, int(n_tokens), confidence)
+    return Estimate(mean=mean, se=se, low=low, high=high, n_chunks=n, n_total=n_total, n_tokens=int(n_tokens),
+                    confidence=confidence)
 
 
 def interval(mean: float, se: float, q: float, log_scale: bool) -> tuple[float, float]:
@@ -261,8 +264,9 @@ class PairChunks:
 
     def prefix(self, n: int) -> "PairChunks":
         """The same pair after only its first n chunks."""
-        return PairChunks(self.label, self.chunks[:n], self.sums[:n], self.tokens[:n], self.size_gib,
-                          self.memory_gib, self.kv_quant, self.control)
+        return PairChunks(label=self.label, chunks=self.chunks[:n], sums=self.sums[:n], tokens=self.tokens[:n],
+                          size_gib=self.size_gib,
+                          memory_gib=self.memory_gib, kv_quant=self.kv_quant, control=self.control)
 
 
 @dataclass(frozen=True)
@@ -395,7 +399,8 @@ def decide(pairs: Sequence[PairChunks], n_total: int, rule: StopRule = StopRule(
         e = est[i]
         near = tuple(labels[j] for j in neighbours.get(i, ()))
         front_settled = fronts[i][0] if i in fronts else True
-        d = Decision(p.label, False, OPEN, e, near, on_front=now[i], front_settled=front_settled)
+        d = Decision(label=p.label, stop=False, reason=OPEN, estimate=e, neighbours=near, on_front=now[i],
+                     front_settled=front_settled)
         if p.n_chunks >= n_total:
             d.stop, d.reason = True, ALL_CHUNKS
         elif p.n_chunks < rule.min_chunks:

@@ -126,12 +126,12 @@ def _num(x: float) -> str:
 
 
 PRESETS: dict[str, Sampler] = {s.name: s for s in (
-    Sampler("greedy", 0.0),
+    Sampler(name="greedy", temperature=0.0),
     # Qwen3.5's recommended settings (model card): thinking and non-thinking (instruct) mode
-    Sampler("qwen3.5-thinking", 0.6, top_k=20, top_p=0.95, min_p=0.0),
-    Sampler("qwen3.5-instruct", 0.7, top_k=20, top_p=0.8, min_p=0.0),
+    Sampler(name="qwen3.5-thinking", temperature=0.6, top_k=20, top_p=0.95, min_p=0.0),
+    Sampler(name="qwen3.5-instruct", temperature=0.7, top_k=20, top_p=0.8, min_p=0.0),
     # llama.cpp's own defaults, common/common.h common_params_sampling: temp 0.80, top_k 40, top_p 0.95, min_p 0.05
-    Sampler("llama.cpp-default", 0.8, top_k=40, top_p=0.95, min_p=0.05),
+    Sampler(name="llama.cpp-default", temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),
 )}
 
 _KEYS = {"temp": "temp", "temperature": "temp", "top_k": "top_k", "top-k": "top_k", "top_p": "top_p",
@@ -183,7 +183,8 @@ def parse(text: str) -> Sampler:
             raise _usage(text, f"{key} must be between 0 and 1, not {s[key]:g}")
     top_k = int(s["top_k"])
     name = settings_text(s["temp"], top_k, s["top_p"], s["min_p"])
-    return Sampler(name, float(s["temp"]), top_k, float(s["top_p"]), float(s["min_p"]))
+    return Sampler(name=name, temperature=float(s["temp"]), top_k=top_k, top_p=float(s["top_p"]),
+                   min_p=float(s["min_p"]))
 
 
 def settings_text(temp: float, top_k: int, top_p: float, min_p: float) -> str:
@@ -288,7 +289,8 @@ def prepare(samplers, lut_ref: np.ndarray, lut_cand: np.ndarray, n_vocab: int) -
     opened = any(x.top_k == 0 and x.truncates for x in chosen)
     n_start = max(ks + ([OPEN_START] if opened else []) + [1])
     tables = np.stack([np.exp(luts[0]), luts[0], np.exp(luts[1]), luts[1]])
-    return Prepared(samplers, kernel, params, tables, tempered, min(n_start, n_vocab))
+    return Prepared(samplers=samplers, kernel=kernel, params=params, tables=tables, tempered=tempered,
+                    n_start=min(n_start, n_vocab))
 
 
 def run_block(prep: Prepared, planes_ref: np.ndarray, planes_cand: np.ndarray, sums: np.ndarray,

@@ -125,7 +125,7 @@ class Figures:
         """The figures of `d`; its keys in `skip` belong to whatever holds them."""
         blocks = {k: v for k, v in d.items() if k not in cls._TYPED and k not in skip}
         held = d.get("metrics")
-        metrics = {k: MetricValue(v["value"], v.get("se"), bound=v.get("bound")) for k, v in held.items()} \
+        metrics = {k: MetricValue(value=v["value"], se=v.get("se"), bound=v.get("bound")) for k, v in held.items()} \
             if isinstance(held, dict) else None
         return cls(d.get("scored_tokens"), blocks, metrics, d.get("samplers"))
 

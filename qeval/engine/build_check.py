@@ -159,8 +159,9 @@ def check_here() -> BuildReport:
         structs = _struct_sizes(lib)
     else:
         unchecked = f"struct sizes (checked on x86-64 only, this is {platform.machine()})"
-    return BuildReport(str(folder), _text(lib, "llama_version"), _text(base, "ggml_version"),
-                       _text(base, "ggml_commit"), types, missing, structs, unchecked)
+    return BuildReport(library=str(folder), llama_version=_text(lib, "llama_version"),
+                       ggml_version=_text(base, "ggml_version"), ggml_commit=_text(base, "ggml_commit"), types=types,
+                       missing=missing, structs=structs, unchecked=unchecked)
 
 
 def print_report() -> None:

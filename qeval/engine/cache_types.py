@@ -107,8 +107,9 @@ def read_type_table(base: ctypes.CDLL, cpu: ctypes.CDLL) -> list[GgmlType]:
     for type_id in range(type_count(base)):
         if size(type_id) and block(type_id):
             traits = cpu_traits(type_id).contents
-            table.append(GgmlType(type_id, name(type_id).decode(), int(block(type_id)), int(size(type_id)),
-                                  bool(quantized(type_id)), bool(traits.from_float and traits.vec_dot)))
+            table.append(GgmlType(id=type_id, name=name(type_id).decode(), block_size=int(block(type_id)),
+                                  type_size=int(size(type_id)),
+                                  quantized=bool(quantized(type_id)), kv=bool(traits.from_float and traits.vec_dot)))
     return table
 
 

@@ -109,7 +109,7 @@ class DeployModel(LlamaModel):
         """One sequence of n_ctx tokens, as llama.cpp's tools make a context by default (kv_unified off, swa_full
         off: qeval.engine.engine.LlamaModel._context_params)."""
         s = self.settings
-        return ContextShape(n_ctx, 1, self.n_batch, self.n_ubatch, kv_unified=False,
+        return ContextShape(n_ctx_seq=n_ctx, n_seq=1, n_batch=self.n_batch, n_ubatch=self.n_ubatch, kv_unified=False,
                             described=f"of {n_ctx} tokens with KV {s.type_k}/{s.type_v}, flash attention "
                                       f"{s.flash_attn} (-b {self.n_batch}, -ub {self.n_ubatch})")
 

@@ -597,7 +597,8 @@ class Engine(LlamaModel):
         self.hidden = False  # also return the output head's input of every scored row (output_hidden)
         # As llama-perplexity sets the context up: one sequence (and n_ctx KV cells) per window of a call.
         super().__init__(model_path, settings, ContextShape(
-            n_ctx, self.windows_per_call, self.n_batch, self.n_ubatch, kv_unified=False,
+            n_ctx_seq=n_ctx, n_seq=self.windows_per_call, n_batch=self.n_batch, n_ubatch=self.n_ubatch,
+            kv_unified=False,
             described=f"with KV {settings.type_k}/{settings.type_v}, flash attention {settings.flash_attn} "
                       f"(n_ctx {n_ctx}, -b {self.n_batch}, -ub {self.n_ubatch})"))
         self._bind_batch()
@@ -673,8 +674,9 @@ class Engine(LlamaModel):
         out, at = [], 0
         for k, lo, hi in parts:
             if hi > lo:
-                out.append(ScoredRows(k, int(lo), scored[k][lo:hi], logits[at:at + hi - lo],
-                                      None if hidden is None else hidden[at:at + hi - lo]))
+                out.append(ScoredRows(window=k, first_row=int(lo), positions=scored[k][lo:hi],
+                                      logits=logits[at:at + hi - lo],
+                                      hidden=None if hidden is None else hidden[at:at + hi - lo]))
                 at += hi - lo
         return out
 

@@ -173,7 +173,7 @@ class ChatTemplate:
         """A bare Jinja file names no BOS/EOS text: it takes those of `other` (the model's, or the reference's)."""
         if self.bos_token or self.eos_token:
             return self
-        return ChatTemplate(self.text, self.source, other.bos_token, other.eos_token)
+        return ChatTemplate(text=self.text, source=self.source, bos_token=other.bos_token, eos_token=other.eos_token)
 
     def render(self, conversation: Conversation, add_generation_prompt: bool = False, upto: int | None = None,
                **kwargs) -> str:
@@ -252,7 +252,7 @@ def template_from_text_file(path: Path) -> ChatTemplate:
     except (OSError, UnicodeDecodeError) as exc:
         raise QevalError(f"cannot read chat template {path}: {exc}") from None
     if path.suffix.lower() != ".json":
-        return ChatTemplate(text, str(path))
+        return ChatTemplate(text=text, source=str(path))
     try:
         config = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -264,7 +264,8 @@ def template_from_text_file(path: Path) -> ChatTemplate:
                         None)
     if not isinstance(template, str) or not template:
         raise QevalError(f"{path} holds no chat_template")
-    return ChatTemplate(template, str(path), _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
+    return ChatTemplate(text=template, source=str(path), bos_token=_token_text(config.get("bos_token")),
+                        eos_token=_token_text(config.get("eos_token")))
 
 
 def _token_text(token: object) -> str:

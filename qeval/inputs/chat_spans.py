@@ -228,4 +228,4 @@ def plain_template(bos_token: str, eos_token: str) -> ChatTemplate:
     except OSError as exc:
         raise QevalError(f"cannot read the plain-text template {path}: {exc.strerror} (a broken install?)") \
             from None
-    return ChatTemplate(text, PLAIN, bos_token, eos_token)
+    return ChatTemplate(text=text, source=PLAIN, bos_token=bos_token, eos_token=eos_token)

@@ -58,7 +58,8 @@ def chat_template_for(model, chat_template: str | None) -> ChatTemplate:
     if chat_template == PLAIN:
         return plain_template(bos, eos)
     if chat_template:
-        return load_template(chat_template).with_special_tokens_of(ChatTemplate("", "", bos, eos))
+        return load_template(chat_template).with_special_tokens_of(ChatTemplate(text="", source="", bos_token=bos,
+                                                                                eos_token=eos))
     return template_of_model(model)
 
 
@@ -92,7 +93,8 @@ def conversation_windows(spec: str, model, n_ctx: int, max_chunks: int | None, c
     windows = np.stack(rows).astype(np.int32)
     window_labels = WindowLabels.from_arrays(np.stack(labels), SEGMENTS, categories, category_of)
     used = sorted({categories[c] for c in category_of}, key=categories.index)
-    identity = {"name": spec if spec in (SHIPPED,) or spec.startswith("hf:") else Path(spec).stem, "source": spec, "kind": "conversations",
+    identity = {"name": spec if spec in (SHIPPED,) or spec.startswith("hf:") else Path(spec).stem, "source": spec,
+                "kind": "conversations",
                 "conversations": len(conversations), "sha256": conversations_sha256(conversations),
                 "categories": used, "chat_template": {"source": template.source, "sha256": template.sha256,
                                                       "kwargs": template_kwargs},

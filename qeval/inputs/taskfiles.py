@@ -116,7 +116,8 @@ def load_tasks(spec: str, kind: str | None = None, hf_loader: Callable | None = 
     kind = kind or guess_format(path, data)
     reader = {"hellaswag": parse_hellaswag, "winogrande": parse_winogrande, "mc": parse_mc}[kind]
     items = reader(data, str(path))
-    return TaskSet(_name(path.stem), str(path), kind, hashlib.sha256(data).hexdigest(), tuple(items))
+    return TaskSet(name=_name(path.stem), source=str(path), kind=kind, sha256=hashlib.sha256(data).hexdigest(),
+                   items=tuple(items))
 
 
 def guess_format(path: Path, data: bytes) -> str:
@@ -176,7 +177,7 @@ def parse_hellaswag(data: bytes, path: str = "<hellaswag>") -> list[TaskItem]:
             if not ending.strip():
                 raise TaskFileError(f"{path} line {at + 3 + j}: ending {j} of task {k} is empty")
         labels = tuple(int(j == int(g)) for j in range(HELLASWAG_ENDINGS))
-        items.append(TaskItem(k, context, tuple(endings), labels, where=f"line {at + 1}"))
+        items.append(TaskItem(index=k, context=context, choices=tuple(endings), labels=labels, where=f"line {at + 1}"))
     return items
 
 
@@ -227,7 +228,8 @@ def parse_winogrande(data: bytes, path: str = "<winogrande>") -> list[TaskItem]:
             if not choice.strip():
                 raise TaskFileError(f"{path} line {n}: option{j + 1} is empty")
         labels = (1, 0) if int(m.group(1)) == 1 else (0, 1)
-        items.append(TaskItem(len(items), sentence[:where], choices, labels, suffix=sentence[where + 1:],
+        items.append(TaskItem(index=len(items), context=sentence[:where], choices=choices, labels=labels,
+                              suffix=sentence[where + 1:],
                               where=f"line {n}"))
     if not items:
         raise TaskFileError(f"{path}: no tasks (a Winogrande CSV has rows index,sentence,option1,option2,answer)")
@@ -305,7 +307,8 @@ def parse_mc(data: bytes, path: str = "<mc>") -> list[TaskItem]:
                 raise cur.fail(f"answer {j} of task {i} is empty (llama-perplexity refuses it)", start)
         if any(v not in (0, 1) for v in labels) or 1 not in labels:
             raise cur.fail(f"task {i}'s mc1 labels must be 0 or 1 with at least one 1, not {labels}", start)
-        items.append(TaskItem(i, question, tuple(answers), tuple(labels), where=f"byte {start}"))
+        items.append(TaskItem(index=i, context=question, choices=tuple(answers), labels=tuple(labels),
+                              where=f"byte {start}"))
     if cur.at != len(data):
         raise cur.fail(f"{len(data) - cur.at} bytes follow the last of the {n_task} tasks")
     return items
@@ -374,12 +377,13 @@ def load_hf_tasks(spec: str, kind: str | None = None, loader: Callable | None = 
                                 f"its columns: {', '.join(sorted(row)) if isinstance(row, dict) else type(row)}") from None
         if not choices or any(not str(c).strip() for c in choices) or 1 not in labels:
             raise TaskFileError(f"{spec} row {i}: a {kind} task needs non-empty choices and a correct one")
-        items.append(TaskItem(i, context, tuple(choices), tuple(labels), suffix, where=f"row {i}"))
+        items.append(TaskItem(index=i, context=context, choices=tuple(choices), labels=tuple(labels), suffix=suffix,
+                              where=f"row {i}"))
     if not items:
         raise TaskFileError(f"{spec}: no rows")
     canonical = json.dumps([it.to_json() for it in items], sort_keys=True, ensure_ascii=False).encode()
     name = _name(dataset.split("/")[-1] + (f"-{config}" if config else "") + f"-{split}")
-    return TaskSet(name, spec, kind, hashlib.sha256(canonical).hexdigest(), tuple(items))
+    return TaskSet(name=name, source=spec, kind=kind, sha256=hashlib.sha256(canonical).hexdigest(), items=tuple(items))
 
 
 def _lm_eval_preprocess(text: str) -> str:

@@ -62,9 +62,9 @@ def read_question(memory: str | float | None = None, context: str | int | None =
         except ValueError:
             raise QevalError(f"--min-tg {min_tg!r} is not a speed in tokens/s") from None
         depth = DEFAULT_DEPTH if depth is None else depth
-    return Question(None if memory is None else parse_size(memory),
-                    None if context is None else parse_count(context, "--context"), min_tg,
-                    None if depth is None else parse_count(depth, "--depth"), by)
+    return Question(memory_gib=None if memory is None else parse_size(memory),
+                    n_ctx=None if context is None else parse_count(context, "--context"), min_tg=min_tg,
+                    depth=None if depth is None else parse_count(depth, "--depth"), by=by)
 
 
 def records_in(runs_dir: Path) -> list:

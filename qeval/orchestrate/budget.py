@@ -226,8 +226,9 @@ def require_space(directory: Path, needed: int, what: str, hint: str, elsewhere:
 # --- the runs of each long command --------------------------------------------------------------------------------
 def capture_run(start: CaptureStart) -> Run:
     """A capture about to start (qeval.capture.capture's on_start): the chunks it still has to write."""
-    return Run(start.header.label, model_bytes(start.model), len(start.todo) * start.header.n_ctx, start.rows,
-               start.header.n_vocab, live=False, keeps_store=True, settings=start.settings,
+    return Run(label=start.header.label, model_bytes=model_bytes(start.model),
+               tokens=len(start.todo) * start.header.n_ctx, rows=start.rows,
+               n_vocab=start.header.n_vocab, live=False, keeps_store=True, settings=start.settings,
                head=start.header.head or None)
 
 
@@ -243,7 +244,8 @@ def live_runs(header: StoreHeader, n_chunks: int, candidates, keeps_stores: bool
     path, EngineSettings) each. keeps_stores: their rows are coded into stores (`kld --save`; a matrix keeps them
     today); keeps_results: their results are saved."""
     rows = sum(header.n_scored_of(c) for c in range(n_chunks))
-    return tuple(Run(label, model_bytes(model), n_chunks * header.n_ctx, rows, header.n_vocab, live=True,
+    return tuple(Run(label=label, model_bytes=model_bytes(model), tokens=n_chunks * header.n_ctx, rows=rows,
+                     n_vocab=header.n_vocab, live=True,
                      keeps_store=keeps_stores, keeps_result=keeps_results, samplers=samplers, settings=settings)
                  for label, model, settings in candidates)
 

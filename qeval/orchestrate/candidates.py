@@ -174,4 +174,4 @@ def _run_rest(saved: SavedCandidate, res: results.Result, ref, gguf: str, settin
                 f"{len(todo)} run live from {gguf}")
     else:
         note = f"{saved.label}: its saved result {saved.path} does not answer ({why_not}): every chunk run live from {gguf}"
-    return results.Result(summarize(cmp), cmp.per_token, None, note=note, comparison=cmp)
+    return results.Result(summary=summarize(cmp), per_token=cmp.per_token, path=None, note=note, comparison=cmp)

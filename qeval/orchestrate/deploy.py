@@ -160,9 +160,9 @@ def model_block(facts: dict) -> dict:
 
 def speed_figure(test: SpeedTest, reps: int, rates: list[float]) -> SpeedFigure:
     median = statistics.median(rates)
-    return SpeedFigure(test.test, test.tokens, test.depth, reps,
-                       {"median": median, "min": min(rates), "max": max(rates), "values": rates},
-                       (max(rates) - min(rates)) / median if median else None)
+    return SpeedFigure(test=test.test, tokens=test.tokens, depth=test.depth, reps=reps,
+                       tokens_per_s={"median": median, "min": min(rates), "max": max(rates), "values": rates},
+                       spread=(max(rates) - min(rates)) / median if median else None)
 
 
 @dataclass
@@ -185,8 +185,8 @@ def _plan(row: DeployRow, spec: DeploySpec, machine: dict, runs_dir: Path, force
     facts = facts or model_facts(row.model)
     check_spec(spec, facts, settings)
     rotation = numerics.rotation_rule(facts, settings.type_k, settings.type_v, settings.kv_rotation)
-    base = DeploymentRecord(row.label, model_block(facts), kv_block(settings, rotation), machine,
-                            settings_block(settings, spec))
+    base = DeploymentRecord(label=row.label, model=model_block(facts), kv=kv_block(settings, rotation), machine=machine,
+                            settings=settings_block(settings, spec))
     saved = None if force else find_record(runs_dir, row.label, machine["id"])
     note = ""
     if saved is not None and saved.measured_as(base.model["fingerprint"], base.kv, machine["id"], base.settings):
@@ -200,7 +200,8 @@ def _plan(row: DeployRow, spec: DeploySpec, machine: dict, runs_dir: Path, force
         note = f"deploy {row.label}: its record on this machine holds another {' and '.join(differs)}: measured again"
     contexts = [n for n in spec.contexts if not _memory_done(base.memory_at(n), spec.rss)]
     tests = [t for t in spec.tests if base.speed_of(t.test, t.tokens, t.depth, spec.reps) is None]
-    return _Plan(row, settings, base, contexts, tests, bool(base.memory or base.speed), note)
+    return _Plan(row=row, settings=settings, base=base, contexts=contexts, tests=tests,
+                 reused=bool(base.memory or base.speed), note=note)
 
 
 def answered(row: DeployRow, spec: DeploySpec, runs_dir: str | os.PathLike, facts: dict) -> bool:
@@ -216,7 +217,7 @@ def saved_run(labels: list[str], runs_dir: str | os.PathLike) -> DeployRun:
     records = [r for label in dict.fromkeys(labels) if (r := find_record(Path(runs_dir), label, machine["id"]))]
     errors = [f"deploy {r.label}: {f.error}" for r in records for f in (*r.memory, *r.speed) if f.error]
     load = next((r.load_average for r in records if r.load_average), None)
-    return DeployRun(records, [], errors, machine, load)
+    return DeployRun(records=records, lines=[], errors=errors, machine=machine, load_average=load)
 
 
 def _memory_done(figure: MemoryFigure | None, rss: bool) -> bool:
@@ -290,7 +291,7 @@ def measure_rows(rows: list[DeployRow], spec: DeploySpec, runs_dir: str | os.Pat
         save_record(runs_dir, record)
         errors += [f"deploy {row.label}: {f.error}" for f in (*record.memory, *record.speed) if f.error]
         records.append(record)
-    return DeployRun(records, lines, errors, machine, load)
+    return DeployRun(records=records, lines=lines, errors=errors, machine=machine, load_average=load)
 
 
 def _measure(plan: _Plan, spec: DeploySpec, load: list[float]) -> DeploymentRecord:
@@ -307,16 +308,19 @@ def _measure(plan: _Plan, spec: DeploySpec, load: list[float]) -> DeploymentReco
                 devices, layout = model.measure_memory(n_ctx)
                 rotation = model.kv_rotation
             except ContextFailed as exc:
-                measured_memory.append(MemoryFigure(n_ctx, formula=formula, error=_context_error(n_ctx, exc)))
+                measured_memory.append(MemoryFigure(n_ctx=n_ctx, formula=formula, error=_context_error(n_ctx, exc)))
                 continue
-            measured_memory.append(MemoryFigure(n_ctx, layout, devices, memory.total_bytes(devices), formula,
-                                                growth, rss_error and f"RSS not measured: {rss_error}"))
+            measured_memory.append(MemoryFigure(n_ctx=n_ctx, layout=layout, devices=devices,
+                                                total_bytes=memory.total_bytes(devices), formula=formula,
+                                                rss_growth_bytes=growth,
+                                                error=rss_error and f"RSS not measured: {rss_error}"))
         for test in plan.tests:
             try:
                 rates = model.measure_speed(test, spec.reps)
                 rotation = model.kv_rotation
             except QevalError as exc:
-                measured_speed.append(SpeedFigure(test.test, test.tokens, test.depth, spec.reps, error=str(exc)))
+                measured_speed.append(SpeedFigure(test=test.test, tokens=test.tokens, depth=test.depth, reps=spec.reps,
+                                                  error=str(exc)))
                 continue
             measured_speed.append(speed_figure(test, spec.reps, rates))
     base = plan.base

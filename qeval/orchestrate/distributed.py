@@ -407,7 +407,7 @@ class _Fleet:
         chunks = (spec.chunk_range[1] - spec.chunk_range[0]) if spec.chunk_range else spec.chunks
         fn = self.ex._remote(self.ray, capture_task, name)
         ref = fn.remote(spec, name, self.tracker)
-        self.tasks.append(_Task(name, "capture", store, chunks, ref))
+        self.tasks.append(_Task(name=name, kind="capture", store=store, chunks=chunks, ref=ref))
 
     def submit_compare(self, name: str, spec: CompareSpec, store: Path, chunks: int) -> None:
         self._future_tasks -= 1
@@ -415,7 +415,7 @@ class _Fleet:
             self._future_chunks -= chunks
         fn = self.ex._remote(self.ray, compare_task, name)
         ref = fn.remote(spec, name, self.tracker)
-        self.tasks.append(_Task(name, "compare", store, chunks, ref))
+        self.tasks.append(_Task(name=name, kind="compare", store=store, chunks=chunks, ref=ref))
 
     def failed(self) -> list[_Task]:
         return [t for t in self.tasks if t.state == "failed"]

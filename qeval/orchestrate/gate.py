@@ -90,7 +90,8 @@ def limit_check(m: Metric, measured: MetricValue, limit: float, chunks: int) -> 
         worse = value > limit if better == "lower" else value < limit
         reason = (f"{shown} {cmp_bad if worse else cmp_ok} limit {lim} "
                   f"(a percentile or a bound has no standard error: compared directly)")
-        return Check(m.gate, m.key, FAIL if worse else PASS, value, None, limit, None, reason)
+        return Check(name=m.gate, metric=m.key, verdict=FAIL if worse else PASS, value=value, se=None, limit=limit,
+                     bound=None, reason=reason)
     sign = 1.0 if better == "lower" else -1.0  # past the limit is above it for lower-is-better figures
     v = judge(sign * (value - limit), se, chunks)
     bound, worst = limit + sign * v.low, limit + sign * v.high
@@ -107,7 +108,8 @@ def limit_check(m: Metric, measured: MetricValue, limit: float, chunks: int) -> 
         reason = (f"{shown}: its 95 % interval {_fmt(m, min(bound, worst))} to {_fmt(m, max(bound, worst))} "
                   f"straddles limit {lim}: {v.words()}, measure more chunks to decide")
     verdict = {ABOVE: FAIL, WITHIN: PASS}.get(v.state, UNDECIDED)
-    return Check(m.gate, m.key, verdict, value, se, limit, bound, reason, worst=worst)
+    return Check(name=m.gate, metric=m.key, verdict=verdict, value=value, se=se, limit=limit, bound=bound,
+                 reason=reason, worst=worst)
 
 
 def _has_se(se: float | None) -> bool:
@@ -132,7 +134,8 @@ def baseline_check(key: str, run: MetricValue, base: Published, entry_id: str, c
     if direct and not judge_direct:
         reason = (f"{shown}: {'worse' if worse_by > 0 else 'not worse'} (no standard error on either side: shown, "
                   f"not judged; judge it with --baseline-metric {key})")
-        return Check(f"baseline:{key}", key, PASS, run.value, None, base.value, None, reason, judged=False)
+        return Check(name=f"baseline:{key}", metric=key, verdict=PASS, value=run.value, se=None, limit=base.value,
+                     bound=None, reason=reason, judged=False)
     if direct:
         reason = f"{shown}: {'worse' if fails else 'not worse'} (no standard errors: compared directly)"
     elif fails:
@@ -145,7 +148,8 @@ def baseline_check(key: str, run: MetricValue, base: Published, entry_id: str, c
     if se_base is None and not direct:
         reason += " (the baseline gives no SE)"
     bound = None if direct or not math.isfinite(half) else worse_by - half  # none under 2 chunks
-    return Check(f"baseline:{key}", key, FAIL if fails else PASS, run.value, se_run, base.value, bound, reason)
+    return Check(name=f"baseline:{key}", metric=key, verdict=FAIL if fails else PASS, value=run.value, se=se_run,
+                 limit=base.value, bound=bound, reason=reason)
 
 
 def validate_limits(limits: dict[str, float | None]) -> dict[str, float]:
@@ -224,8 +228,9 @@ def run_checks(summary: ComparisonSummary, baseline: Baseline | None = None, bas
         raise QevalError("nothing to judge: the baseline's metrics have no standard error on either side; name "
                          "them with --baseline-metric to compare them directly, or give a threshold")
     z = multiplier(chunks)
-    return GateResult(summary.candidate.label, summary.reference.label, chunks, int(summary.scored_tokens),
-                      z if math.isfinite(z) else None, checks, notes, base_info)
+    return GateResult(candidate=summary.candidate.label, reference=summary.reference.label, chunks=chunks,
+                      scored_tokens=int(summary.scored_tokens),
+                      z=z if math.isfinite(z) else None, checks=checks, notes=notes, baseline=base_info)
 
 
 def confident_check(summary: ComparisonSummary, limit: float, chunks: int) -> Check:
@@ -243,7 +248,7 @@ def confident_check(summary: ComparisonSummary, limit: float, chunks: int) -> Ch
                          f"reference's top-1 probability never reaches {top.hi:g}): lower the last edge of "
                          "--confidence-buckets")
     m = dataclasses.replace(CONFIDENT_GATE, title=f"mean KLD at reference top-1 p ≥ {top.lo:g} ({top.n} tokens)")
-    return limit_check(m, MetricValue(top.kld["mean"], top.kld["se"]), limit, chunks)
+    return limit_check(m, MetricValue(value=top.kld["mean"], se=top.kld["se"]), limit, chunks)
 
 
 def _held(measured: dict[str, MetricValue], key: str, summary: ComparisonSummary) -> MetricValue:

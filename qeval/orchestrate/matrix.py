@@ -293,7 +293,8 @@ def plan_matrix(request: MatrixRequest) -> MatrixPlan:
     planned = tuple(Pair(label, path, kv, pair_settings(kv, engine).validate()) for label, path, kv in r.pairs)
     ref_settings = pair_settings("f16", engine).validate()
     if r.control:
-        planned += (Pair(CONTROL, r.ref_path, "f16", pair_settings("f16", control_settings(engine, r.n_ctx)).validate()),)
+        planned += (Pair(CONTROL, r.ref_path, "f16", pair_settings("f16", control_settings(engine,
+                                                                                           r.n_ctx)).validate()),)
     floor = r.floor_kind()
     if floor:
         planned += (Pair(FLOOR, r.ref_path, "f16", floor_settings(ref_settings, floor).validate()),)
@@ -306,7 +307,8 @@ def plan_matrix(request: MatrixRequest) -> MatrixPlan:
                             settings=ref_settings, replace=r.force, scoring=Scoring.parse(r.scoring).rule,
                             concat=r.concat, chat_template=r.chat_template,
                             chat_template_kwargs=r.chat_template_kwargs)
-    return MatrixPlan(reference, planned, r.directory, chosen, tuple(named), r.keep_logits, r.early)
+    return MatrixPlan(reference=reference, pairs=planned, directory=r.directory, samplers=chosen, tasks=tuple(named),
+                      keep_logits=r.keep_logits, early=r.early)
 
 
 @dataclass(frozen=True)
@@ -346,7 +348,8 @@ def plan_pair(ref_store, n_chunks: int, label: str, model: str, settings: Engine
     try:
         request = planned_request(ref_store, n_chunks, model_facts(model), settings, samplers)
     except (QevalError, OSError):  # running it says what is wrong
-        return PairPlan(label, model, settings, RUN_LIVE, samplers=samplers, keep_logits=keep_logits)
+        return PairPlan(label=label, model=model, settings=settings, action=RUN_LIVE, samplers=samplers,
+                        keep_logits=keep_logits)
     planned = request.candidate
     saved_at = result_path(directory / runs.RESULTS_SUBDIR, label, ref_store.header.label)
     saved = saved_request(saved_at)
@@ -354,17 +357,21 @@ def plan_pair(ref_store, n_chunks: int, label: str, model: str, settings: Engine
     usable, store_changes = _stored_candidate(store, planned, ref_store, n_chunks)
     if saved is not None and saved.key == request.key:
         if keep_logits and not usable:
-            return PairPlan(label, model, settings, RUN_LIVE, f"{label}: run again to keep its logits "
-                            "(--keep-logits): its result was saved without its store", samplers, True)
-        return PairPlan(label, model, settings, SKIP, f"{label}: done earlier, skipped", samplers)
+            return PairPlan(label=label, model=model, settings=settings, action=RUN_LIVE,
+                            note=f"{label}: run again to keep its logits "
+                            "(--keep-logits): its result was saved without its store", samplers=samplers,
+                            keep_logits=True)
+        return PairPlan(label=label, model=model, settings=settings, action=SKIP,
+                        note=f"{label}: done earlier, skipped", samplers=samplers)
     action = COMPARE_STORED if usable else RUN_LIVE
     if saved is not None and saved.early and dataclasses.replace(saved, early=None).key == request.key:
         note = "" if early else (f"{label}: decided early on {saved.early.get('visited')} of {n_chunks} chunks: runs "
                                  "on over every chunk, from its checkpoint")
     elif saved is not None and action == RUN_LIVE and not keep_logits and (held := _reusable(saved_at, ref_store,
                                                                                                   request, n_chunks)):
-        return PairPlan(label, model, settings, action, f"{label}: {held} of {n_chunks} chunks reused from its saved "
-                        f"result, the rest run live", samplers, extends=saved_at)
+        return PairPlan(label=label, model=model, settings=settings, action=action,
+                        note=f"{label}: {held} of {n_chunks} chunks reused from its saved "
+                        f"result, the rest run live", samplers=samplers, extends=saved_at)
     elif saved is not None:
         note = f"{label}: recomputed: its saved result answers another request ({_listed(request.changes_from(saved))})"
     elif saved_at.is_file():
@@ -376,7 +383,8 @@ def plan_pair(ref_store, n_chunks: int, label: str, model: str, settings: Engine
         note = f"{label}: its store {store} {why}: left as it is, not used (--keep-logits replaces or resumes it)"
     else:
         note = ""
-    return PairPlan(label, model, settings, action, note, samplers, keep_logits and action == RUN_LIVE)
+    return PairPlan(label=label, model=model, settings=settings, action=action, note=note, samplers=samplers,
+                    keep_logits=keep_logits and action == RUN_LIVE)
 
 
 def planned_request(ref_store, n_chunks: int, facts: dict, settings: EngineSettings,
@@ -514,19 +522,19 @@ def run_pair(pair: PairPlan, ref, n_chunks: int, directory: Path, threads: int,
             note = f"{pair.label}: {ckpt.note}" if ckpt.note else ""
             if any(c not in ckpt.parts for c in order):
                 if early is None:
-                    return PairRun(None, len(ckpt.parts), resumed, note=note)
+                    return PairRun(result=None, chunks=len(ckpt.parts), resumed_chunks=resumed, note=note)
                 sample = held_prefix(order, ckpt.parts)
                 cmp = metrics.comparison_of(ref, cand, sample, [ckpt.parts[c] for c in sample],
                                             {**early, "visited": len(sample)})
                 result = results.save_result(cmp, directory / runs.RESULTS_SUBDIR)
-                return PairRun(result, len(sample), resumed, note=note)
+                return PairRun(result=result, chunks=len(sample), resumed_chunks=resumed, note=note)
             done = sorted(order)  # by chunk: the same result, bit for bit, whatever order the chunks came in
             cmp = metrics.comparison_of(ref, cand, done, [ckpt.parts[c] for c in done])
             result = results.save_result(cmp, directory / runs.RESULTS_SUBDIR)
         except WriteFailed as exc:
             raise _write_failed(pair.label, exc, ref, order, ckpt) from None
         ckpt.remove()
-    return PairRun(result, len(order), resumed, note=note)
+    return PairRun(result=result, chunks=len(order), resumed_chunks=resumed, note=note)
 
 
 def _run_into_store(pair: PairPlan, ref, n_chunks: int, directory: Path, threads: int,
@@ -544,7 +552,7 @@ def _run_into_store(pair: PairPlan, ref, n_chunks: int, directory: Path, threads
         except WriteFailed as exc:
             raise _write_failed(pair.label, exc, ref, list(range(n_chunks)), writer=cand.writer) from None
     # the old store is removed only when its replacement is complete (StoreWriter.finish)
-    return PairRun(path, len(cmp.chunks), resumed, "store")
+    return PairRun(result=path, chunks=len(cmp.chunks), resumed_chunks=resumed, resumed_from="store")
 
 
 class PairWriteFailed(WriteFailed):
@@ -768,8 +776,9 @@ def decisions_of(saved: list[tuple[str, Path]], n_chunks: int, settings: EarlySe
         result = results.load_result(path)
         row = board.board_row(result.summary)
         chunks, sums, tokens = early_stop.chunk_sums(result.per_token, "kld", order)
-        board_pairs.append(early_stop.PairChunks(label, chunks, sums, tokens, row.size_gib, row.memory_estimate_gib,
-                                                 row.kv_quant, board.is_baseline(row)))
+        board_pairs.append(early_stop.PairChunks(label=label, chunks=chunks, sums=sums, tokens=tokens,
+                                                 size_gib=row.size_gib, memory_gib=row.memory_estimate_gib,
+                                                 kv_quant=row.kv_quant, control=board.is_baseline(row)))
     return early_stop.decide(board_pairs, n_chunks, settings.rule)
 
 

@@ -210,7 +210,8 @@ def _measure_early(request: RecipeRequest, ref, n: int, keyed: list[Keyed], ledg
         if i not in on_disk:
             on_disk[i] = _build(request, k, ledger, threads)
             built.add(i)
-        pair = matrix.PairPlan(k.result_label, str(on_disk[i]), request.engine, matrix.RUN_LIVE)
+        pair = matrix.PairPlan(label=k.result_label, model=str(on_disk[i]), settings=request.engine,
+                               action=matrix.RUN_LIVE)
         matrix.run_pair(pair, ref, n, request.recipes_dir, threads, order=order, early=record,
                         stop=lambda parts: len(held_prefix(order, parts)) >= target)
 
@@ -288,7 +289,8 @@ def _built(request: RecipeRequest, ref, n: int, keyed: Keyed, ledger: Ledger, on
     threads = request.engine.n_threads or available_cores()
     gguf = _build(request, keyed, ledger, threads)
     try:
-        pair = matrix.PairPlan(keyed.result_label, str(gguf), request.engine, matrix.RUN_LIVE)
+        pair = matrix.PairPlan(label=keyed.result_label, model=str(gguf), settings=request.engine,
+                               action=matrix.RUN_LIVE)
         run = matrix.run_pair(pair, ref, n, request.recipes_dir, threads, on_chunk)
         _deploy(request, keyed, gguf)
     finally:
@@ -312,7 +314,8 @@ def _build(request: RecipeRequest, keyed: Keyed, ledger: Ledger, threads: int) -
 
 def _variant(recipe: recipes.Recipe, facts: dict, path: Path, status: str) -> Variant:
     res = results.load_result(path, with_per_token=True)
-    return Variant(recipe, recipe.label(), int(facts["file_size"]), res.summary, res.per_token, path, status)
+    return Variant(recipe=recipe, label=recipe.label(), bytes=int(facts["file_size"]), summary=res.summary,
+                   per_token=res.per_token, result=path, status=status)
 
 
 @dataclass(frozen=True)

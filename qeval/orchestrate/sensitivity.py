@@ -166,7 +166,8 @@ def plan_moves(source: str | Path, base: recipes.Recipe, targets: tuple[str, ...
                 skipped.append(f"{group.name} → {target}: the same types as → {seen[key]}")
             else:
                 seen[key] = target
-                moves.append(Move(group, target, moved, changed, recipes.planned_bytes(planned, size)))
+                moves.append(Move(group=group, target=target, recipe=moved, changed=changed,
+                                  bytes=recipes.planned_bytes(planned, size)))
     return moves, skipped
 
 
@@ -186,7 +187,7 @@ def sweep(request: RecipeRequest, targets: tuple[str, ...], only: tuple[str, ...
     base_seen = seen_on(base, tuning)
     rows = tuple(Sensitivity(m, v, kld_cost(seen_on(v, tuning), base_seen), base.bytes - v.bytes)
                  for m, v in zip(moves, variants))
-    return Sweep(base, rows, tuple(skipped), base_seen.kld_mean, split)
+    return Sweep(base=base, rows=rows, skipped=tuple(skipped), base_kld=base_seen.kld_mean, split=split)
 
 
 def fitted_recipe(swept: Sweep, max_bytes: int | None = None, max_kld: float | None = None):
@@ -312,14 +313,14 @@ def _fit(swept: Sweep, name: str, budget: recipe_choice.Budget, builds: int | No
     """The chooser's recipe under one budget, and its refinement within `builds` (none when None)."""
     recipe, choice = fitted_recipe(swept, budget.max_bytes, budget.max_kld)
     if builds is None:
-        return Fit(name, budget, recipe, choice)
+        return Fit(name=name, budget=budget, recipe=recipe, choice=choice)
 
     def measure(r: recipes.Recipe) -> Variant:
         return measure_recipes(dataclasses.replace(request, recipes=(r,)), _announce(progress))[0]
 
     tuning = swept.split.tuning if swept.split else None
     refined = refine.refine(choice.options, swept.options(), budget, builds, swept.recipe_of, measure, tuning)
-    return Fit(name, budget, recipe, choice, refined)
+    return Fit(name=name, budget=budget, recipe=recipe, choice=choice, refined=refined)
 
 
 def _budget_row(fit: Fit, variants: list[Variant], split: ChunkSplit | None) -> dict:

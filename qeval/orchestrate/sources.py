@@ -44,7 +44,7 @@ def measure(ref: str, cand: str, chunks: int | None = None, runs_dir=None, threa
                                  f"{saved.path}: name its GGUF as --cand to keep its logits")
             return candidates.measure_saved(saved, ref_src, chunks, settings, samplers, threads, progress, on_chunk)
     cmp = compare(ref, cand, chunks, runs_dir, threads, settings, save, progress, on_chunk, force, samplers, save_result)
-    return Result(summarize(cmp), cmp.per_token, None, comparison=cmp)
+    return Result(summary=summarize(cmp), per_token=cmp.per_token, path=None, comparison=cmp)
 
 
 def compare(ref: str, cand: str, chunks: int | None = None, runs_dir=None, threads: int | None = None,

@@ -228,7 +228,7 @@ def reference_row(summary: ComparisonSummary) -> BoardRow:
     return BoardRow(label=ref.label, quant=model.get("quant", "?"), kv=ref.kv_text(),
                     model_file=model.get("file_name"), type_k=kv.get("type_k"), type_v=kv.get("type_v"),
                     size_gib=model.get("size_gib"), bpw=model.get("bits_per_weight"),
-                    metrics={"ppl": MetricValue(p["ppl_ref"], p["ppl_ref_se"])},
+                    metrics={"ppl": MetricValue(value=p["ppl_ref"], se=p["ppl_ref_se"])},
                     fingerprint=model.get("fingerprint"), reference=True)
 
 

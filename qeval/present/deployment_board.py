@@ -330,7 +330,7 @@ class DeploymentBoard:
             excluded = CONTROL_WHY if row.control else FLOOR_WHY if row.floor else None
             memory = {} if m is None else {n: m.memory_at(n) for n in m.memory}
             tg = {} if m is None else {s.depth: m.tg_at(s.depth) for s in m.record.speed if s.test == "tg"}
-            out.append(Candidate(row.label, row.value(by), memory, tg, reference=row.reference,
+            out.append(Candidate(label=row.label, quality=row.value(by), memory=memory, tg=tg, reference=row.reference,
                                  elsewhere=None if m is not None else elsewhere or None, excluded=excluded,
                                  recorded=m is not None))
         return out
@@ -391,7 +391,7 @@ def match(rows: Sequence, records: Iterable, current: str, machine: str | None =
     if not measured and not stale:
         return None
     shown = _shown_machine(machines, current, machine)
-    return DeploymentBoard(shown, machines, measured, tuple(stale))
+    return DeploymentBoard(machine=shown, machines=machines, measured=measured, stale=tuple(stale))
 
 
 def _shown_machine(machines: dict[str, Machine], current: str, asked: str | None) -> Machine:

@@ -173,7 +173,8 @@ def settings_of(loaded: list[results.Result]) -> dict:
 def mark_pareto_fronts(rows: list[BoardRow]) -> None:
     """Like with like: weight quants on file size, KV-cache quants on memory at the context (board.PARETO_NOTE). A
     control and a floor are on neither: they are the reference itself, and beat every quant at the reference's size."""
-    flags = ranking.on_fronts([r.kv_quant for r in rows], [boardrows.is_baseline(r) for r in rows], [r.size_gib for r in rows],
+    flags = ranking.on_fronts([r.kv_quant for r in rows], [boardrows.is_baseline(r) for r in rows],
+                              [r.size_gib for r in rows],
                               [r.memory_estimate_gib for r in rows], [r.kld_mean for r in rows])
     for row, on_front in zip(rows, flags):
         row.pareto = on_front
@@ -204,7 +205,8 @@ def build(runs: list[str | os.PathLike] | None = None, title: str | None = None,
     if title is None:
         ref = settings["reference"]
         title = f"Quantization leaderboard: KL divergence vs {ref['model_file'] or ref['label']}"
-    board = Leaderboard(rows, [res for _, res in pairs], settings, title, samplers, boardrows.common_tasks(rows))
+    board = Leaderboard(rows=rows, results=[res for _, res in pairs], settings=settings, title=title,
+                        samplers=samplers, tasks=boardrows.common_tasks(rows))
     return with_deployment(board, deployment) if deployment is not None else board
 
 

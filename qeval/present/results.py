@@ -58,7 +58,7 @@ class Result:
             raise QevalError(f"{self.origin} has no per-token values: it cannot be cut to fewer chunks")
         keep = np.isin(self.per_token["chunk"], np.asarray(chunk_ids))
         per_token = {k: v[keep] for k, v in self.per_token.items()}
-        return Result(recomputed(self.summary, per_token), per_token, self.path, self.note)
+        return Result(summary=recomputed(self.summary, per_token), per_token=per_token, path=self.path, note=self.note)
 
     def selected(self, selection: depth.Selection) -> "Result":
         """The same measurement over only the scored tokens `selection` picks (a depth band, a segment, a
@@ -72,7 +72,7 @@ class Result:
         if selection.depth is not None:
             summary.depth = {"lo": selection.depth[0], "hi": selection.depth[1]}
         summary.selection = selection.labels() or None
-        return Result(summary, per_token, self.path, self.note)
+        return Result(summary=summary, per_token=per_token, path=self.path, note=self.note)
 
 
 def recomputed(head: ComparisonSummary, per_token: dict[str, np.ndarray],
@@ -110,7 +110,8 @@ def with_reference_top1(res: Result, ref) -> Result:
     summary = dataclasses.replace(res.summary, by_confidence=[TokenGroup.from_json(g, "by_confidence") for g in groups])
     note = f"{res.label}: its figures by the reference's confidence computed from the reference's stored top-1 " \
            "probabilities (its result was saved before qeval kept them)"
-    return Result(summary, per_token, res.path, "\n".join(filter(None, [res.note, note])), res.comparison)
+    return Result(summary=summary, per_token=per_token, path=res.path, note="\n".join(filter(None, [res.note, note])),
+                  comparison=res.comparison)
 
 
 def require_current(res: Result) -> ComparisonRequest:
@@ -180,7 +181,7 @@ def save_result(cmp: Comparison, directory: str | os.PathLike) -> Path:
 def load_result(path: str | os.PathLike, with_per_token: bool = True) -> Result:
     path = Path(path)
     summary, per_token = read_result(path, with_per_token, _columns)
-    return Result(ComparisonSummary.from_json(summary), per_token, path)
+    return Result(summary=ComparisonSummary.from_json(summary), per_token=per_token, path=path)
 
 
 def _columns(files: list[str]) -> tuple[str, ...]:

@@ -191,9 +191,11 @@ def validate(doc: object, catalogue: MetricCatalogue, where: str = "baseline", n
             quote = [quote]
         if not isinstance(quote, list) or not all(isinstance(q, str) for q in quote):
             raise bad(f"{loc}: 'quote'", "must be a string or a list of strings")
-        entries.append(Entry(eid, emodel, cand, ref, merged, metrics, quote, _str(e, "where", loc, bad),
-                             _str(e, "note", loc, bad)))
-    return Baseline(name, path, title, source, settings, entries, description)
+        entries.append(Entry(id=eid, model=emodel, candidate=cand, reference=ref, settings=merged, metrics=metrics,
+                             quote=quote, where=_str(e, "where", loc, bad),
+                             note=_str(e, "note", loc, bad)))
+    return Baseline(name=name, path=path, title=title, source=source, settings=settings, entries=entries,
+                    description=description)
 
 
 def _no_unknown(d: dict, allowed: set, loc: str, bad) -> None:

@@ -136,7 +136,8 @@ def encode_block(logits: np.ndarray, targets: np.ndarray, code: SqrtLogCode) -> 
                                                                      lambda t: (codes[t], lut, lut_exp, band))
     rows = np.arange(b)
     logprob_target = (logits[rows, targets].astype(np.float64) - row_max[:, 0]) - log_norm
-    return EncodedBlock(planes, logprob_target, -log_norm, top_ids, error)
+    return EncodedBlock(planes=planes, logprob_target=logprob_target, logprob_max=-log_norm, top_ids=top_ids,
+                        error=error)
 
 
 def _codes(logits: np.ndarray, row_max: np.ndarray, code: SqrtLogCode) -> tuple[np.ndarray, np.ndarray]:
@@ -225,7 +226,8 @@ def encode_hidden_block(logits: np.ndarray, hidden: np.ndarray, targets: np.ndar
         logits, top_vals[:, 0], lambda t, r=replayed[engine]: float_row_tables(r[t], REPLAY_BANDS))[0])
         for engine in REPLAY_ENGINES if engine in replayed)
     logprob_target = (logits[np.arange(b), targets].astype(np.float64) - top_vals[:, 0]) - log_norm
-    return EncodedBlock(codes_to_planes(codes), logprob_target, -log_norm, top_ids, error, stored, uncoded)
+    return EncodedBlock(planes=codes_to_planes(codes), logprob_target=logprob_target, logprob_max=-log_norm,
+                        top_ids=top_ids, error=error, hidden=stored, uncoded=uncoded)
 
 
 def float_row_tables(row: np.ndarray, bands: ErrorBands) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

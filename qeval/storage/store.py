@@ -470,7 +470,8 @@ class ChunkBuilder:
                             for engine, (digest, records) in self._uncoded.items())
             return HiddenChunk(self.index, lt, lm, top, b"".join(self._parts), self.first_row, error,
                                self._digest.intdigest(), replays=replays)
-        return ChunkData(self.index, lt, lm, top, b"".join(self._parts), self.first_row, error)
+        return ChunkData(index=self.index, logprob_target=lt, logprob_max=lm, top_ids=top,
+                         codes_zst=b"".join(self._parts), first_row=self.first_row, error=error)
 
     @property
     def n_rows(self) -> int:
@@ -871,7 +872,8 @@ class StoreReader(OpenFile):
         if end > self.size_bytes or (max_len is not None and n > max_len):
             raise StoreFormatError(f"{self._where(offset)}: truncated file ({want_tag.decode()} record of "
                                    f"{n} bytes does not fit in {self.size_bytes} bytes)")
-        payload = self._read_at(offset + _RECORD.size, n) if into is None else self._read_into(into, offset + _RECORD.size, n)
+        payload = self._read_at(offset + _RECORD.size, n) if into is None else self._read_into(into,
+                                                                                               offset + _RECORD.size, n)
         (stored,) = _CHECKSUM.unpack(self._read_at(offset + _RECORD.size + n, _CHECKSUM.size))
         if checksum(payload) != stored:
             raise StoreFormatError(f"{self._where(offset)}: checksum mismatch in {want_tag.decode()} "
@@ -1115,7 +1117,8 @@ class StoreReader(OpenFile):
         error = self._error_at(end, index, n, first_row)[0] if h.error_bands is not None else None
         if hidden:
             return self._hidden_piece(payload, pos, index, first_row, n, (*cols[:2], top_ids, error))
-        return ChunkData(index, cols[0], cols[1], top_ids, memoryview(payload)[pos:], first_row, error)  # no 35 MB copy
+        return ChunkData(index=index, logprob_target=cols[0], logprob_max=cols[1], top_ids=top_ids,
+                         codes_zst=memoryview(payload)[pos:], first_row=first_row, error=error)  # no 35 MB copy
 
     def _hidden_piece(self, payload, pos: int, index: int, first_row: int, n: int, scalars: tuple) -> HiddenChunk:
         """The HiddenChunk of a HIDN payload whose fields (_hidden_fields) start at `pos`, the scalars (and error
