@@ -25,6 +25,7 @@ from qeval.errors import QevalError
 from qeval.orchestrate import demo
 from qeval.orchestrate import recipes as measured
 from qeval.orchestrate import sensitivity
+from qeval.storage.gguf_file import read_gguf
 from qeval.storage.imatrix import read_imatrix
 from qeval.storage.variants import LEDGER, Ledger
 
@@ -245,7 +246,7 @@ def qwen(tmp_path_factory, gemma_tokenizer) -> dict:
 
 
 def tensor_types_of(path: Path) -> dict[str, str]:
-    return {t.name: t.tensor_type.name.lower() for t in gguf.GGUFReader(path).tensors}
+    return {t.name: t.type_name.lower() for t in read_gguf(path).tensors}
 
 
 def test_overrides_reach_the_quantizer_and_the_dry_run_predicts_the_file(qwen, tmp_path):
@@ -266,8 +267,7 @@ def test_overrides_reach_the_quantizer_and_the_dry_run_predicts_the_file(qwen, t
     assert sum(".ffn_down_exps." in n for n in got) == 4 and sum(".ssm_out." in n for n in got) == 3
     planned = recipes.plan(source, r)
     assert {n: p.type for n, p in planned.items()} == got
-    reader = gguf.GGUFReader(built)
-    data = sum(-(-int(t.n_bytes) // 32) * 32 for t in reader.tensors)
+    data = sum(-(-t.n_bytes // 32) * 32 for t in read_gguf(built).tensors)
     assert recipes.planned_data_bytes(planned) == data
     # the metadata is the source's but for what llama.cpp adds (gguf-py wrote this source): within a few bytes
     assert 0 <= built.stat().st_size - recipes.planned_bytes(planned, source.stat().st_size) <= 256
@@ -371,8 +371,7 @@ def test_an_imatrix_reaches_the_quantizer(qwen, tmp_path):
     plain = recipes.build(qwen["source"], recipes.parse("Q4_0"), tmp_path / "plain.gguf", nthread=2)
     weighted = recipes.build(qwen["source"], recipes.parse(f"Q4_0 imatrix={path}"), tmp_path / "weighted.gguf",
                              nthread=2)
-    a = {t.name: bytes(t.data.tobytes()) for t in gguf.GGUFReader(plain).tensors}
-    b = {t.name: bytes(t.data.tobytes()) for t in gguf.GGUFReader(weighted).tensors}
+    a, b = ({t.name: f.tensor_bytes(t).tobytes() for t in f.tensors} for f in (read_gguf(plain), read_gguf(weighted)))
     assert a[name] != b[name]
     assert [n for n in a if a[n] != b[n]] == [name]
 

@@ -25,8 +25,9 @@ import re
 from pathlib import Path
 
 from qeval.engine.build_check import cache_type
-from qeval.engine.modelinfo import cached_gguf_read, gguf_reader
+from qeval.engine.modelinfo import cached_gguf_read
 from qeval.storage.deployment import COMPONENTS
+from qeval.storage.gguf_file import read_gguf
 
 GEOMETRY_VERSION = 1
 CELL_PAD = 256  # llama.cpp pads n_ctx, and every SWA cache, to a multiple of this many cells
@@ -138,7 +139,7 @@ def _pattern_layers(n_layer: int, n: int, dense_first: bool) -> list[bool]:
 
 
 def _read_geometry(path: Path) -> dict:
-    _, field = gguf_reader(path)
+    field = read_gguf(path).field
     arch = field("general.architecture") or "unknown"
 
     def key(name: str):

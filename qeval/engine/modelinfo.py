@@ -19,6 +19,7 @@ from pathlib import Path
 
 from qeval.errors import QevalError
 from qeval.storage import ggml_types
+from qeval.storage.gguf_file import read_gguf
 from qeval.storage.runs import is_gguf
 
 FINGERPRINT_BLOCKS = 64
@@ -143,35 +144,20 @@ def require_decoder_context(lc, model, ctx, path: Path) -> None:
     _refuse(reason, Path(path).name, arch.value.decode(errors="replace"))
 
 
-def gguf_reader(path: Path):
-    """(the gguf package's reader of `path`, field(name) -> its value or None)."""
-    import gguf  # noqa: PLC0415 - slow import, only when a model is used
-
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as exc:  # the reader raises ValueError/struct errors on bad files
-        raise QevalError(f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc})") from None
-
-    def field(name: str):
-        f = reader.get_field(name)
-        return f.contents() if f is not None else None
-
-    return reader, field
-
-
 def _read_facts(path: Path) -> dict:
     import gguf  # noqa: PLC0415 - slow import, only when a model is used
 
-    reader, field = gguf_reader(path)
+    gguf_file = read_gguf(path)
+    field, tensors = gguf_file.field, gguf_file.tensors
     arch = field("general.architecture") or "unknown"
     file_type = field("general.file_type")
     try:
         quant = gguf.LlamaFileType(file_type).name.removeprefix("MOSTLY_") if file_type is not None else "unknown"
     except ValueError:
         quant = f"file_type {file_type}"
-    n_elements = sum(int(t.n_elements) for t in reader.tensors)
-    n_bytes = sum(int(t.n_bytes) for t in reader.tensors)
-    tokens = reader.get_field("tokenizer.ggml.tokens")
+    n_elements = sum(t.n_elements for t in tensors)
+    n_bytes = sum(t.n_bytes for t in tensors)
+    tokens = field("tokenizer.ggml.tokens")
     size = path.stat().st_size
     return {
         "file_name": path.name,
@@ -183,8 +169,8 @@ def _read_facts(path: Path) -> dict:
         "quant": quant,
         "n_params": n_elements,
         "bits_per_weight": round(8.0 * n_bytes / n_elements, 4) if n_elements else None,
-        "tensor_types": dict(sorted(Counter(t.tensor_type.name for t in reader.tensors).items())),
-        "vocab_size": len(tokens.data) if tokens is not None else None,
+        "tensor_types": dict(sorted(Counter(t.type_name for t in tensors).items())),
+        "vocab_size": len(tokens) if tokens is not None else None,
         "context_length": field(f"{arch}.context_length"),
         "block_count": field(f"{arch}.block_count"),
         "gguf_type": field("general.type") or "model",

@@ -29,6 +29,14 @@ def type_id(name: str) -> int:
     return _table()[name.lower()][0]
 
 
+def type_name(type_id: int) -> str:
+    """The name (lower case) of ggml type id `type_id`; ValueError for an id gguf's tables do not hold."""
+    for name, (tid, _, _) in _table().items():
+        if tid == type_id:
+            return name
+    raise ValueError(f"ggml type id {type_id} is not in gguf's tables")
+
+
 def bytes_per_value(name: str) -> float:
     """Bytes a value of type `name` takes on average (q8_0: 34 bytes per block of 32)."""
     _, block, size = _table()[name.lower()]

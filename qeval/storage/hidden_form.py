@@ -35,6 +35,7 @@ import numpy as np
 
 from qeval.errors import QevalError, StoreFormatError
 from qeval.storage import ggml_types
+from qeval.storage.gguf_file import read_gguf
 
 QK8_0 = 32
 FORMS = ("logits", "hidden", "auto")  # --reference-form: what a capture stores (auto: hidden where it replays)
@@ -275,31 +276,22 @@ def head_of_description(d: object, data, where: str) -> OutputHead:
 def read_head(model_path: str | Path) -> OutputHead:
     """The output head of a GGUF as llama.cpp uses it: `output.weight`, else the tied `token_embd.weight`; its
     soft-cap. NotReplayable for a head type or post-head op qeval does not replay exactly."""
-    import gguf  # noqa: PLC0415 - only a hidden capture needs it
-
-    reader = gguf.GGUFReader(str(model_path))
-    tensors = {t.name: t for t in reader.tensors}
+    gguf_file = read_gguf(model_path)
+    tensors = {t.name: t for t in gguf_file.tensors}
     tensor = tensors.get("output.weight") or tensors.get("token_embd.weight")
-    arch = _field(reader, "general.architecture") or "?"
+    arch = gguf_file.field("general.architecture") or "?"
     if tensor is None:
         raise NotReplayable(f"{Path(model_path).name} has no output head tensor (output.weight or token_embd.weight)")
-    ggml_type = tensor.tensor_type.name
+    ggml_type = tensor.type_name
     if ggml_type not in ACTIVATIONS:
         raise NotReplayable(f"{Path(model_path).name}'s output head is {ggml_type}: qeval replays "
                             f"{', '.join(ACTIVATIONS)} heads exactly, not k-quants or others")
-    if "output.bias" in tensors or any(_field(reader, f"{arch}.{k}") is not None for k in UNREPLAYABLE_KEYS):
+    if "output.bias" in tensors or any(gguf_file.field(f"{arch}.{k}") is not None for k in UNREPLAYABLE_KEYS):
         raise NotReplayable(f"{Path(model_path).name} applies an op after its output head that qeval does not replay")
-    n_embd, n_vocab = (int(x) for x in tensor.shape[:2])  # ggml order: ne0 = the row length
-    softcap = float(_field(reader, f"{arch}.{SOFTCAP_KEY}") or 0.0)
-    return OutputHead(tensor.name, ggml_type, n_vocab, n_embd, softcap, memoryview(np.ascontiguousarray(
-        tensor.data).view(np.uint8).reshape(-1)))
-
-
-def _field(reader, key: str):
-    field = reader.fields.get(key)
-    if field is None:
-        return None
-    return field.contents()
+    n_embd, n_vocab = tensor.shape[:2]  # ggml order: ne0 = the row length
+    softcap = float(gguf_file.field(f"{arch}.{SOFTCAP_KEY}") or 0.0)
+    return OutputHead(tensor.name, ggml_type, n_vocab, n_embd, softcap,
+                      memoryview(gguf_file.tensor_bytes(tensor)))
 
 
 # --- replay kernels (deterministic: no BLAS, a fixed summation order, whatever thread runs a tile) ---------------

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from qeval.errors import QevalError
+from qeval.storage.gguf_file import read_gguf
 
 
 def read_imatrix(path: str | Path) -> dict[str, np.ndarray]:
@@ -26,12 +27,8 @@ def read_imatrix(path: str | Path) -> dict[str, np.ndarray]:
 
 
 def _read_gguf_imatrix(path: Path) -> dict:
-    import gguf  # noqa: PLC0415
-
-    try:
-        tensors = {t.name: np.asarray(t.data, dtype=np.float32).reshape(-1) for t in gguf.GGUFReader(path).tensors}
-    except Exception as exc:  # the reader raises ValueError/struct errors on bad files
-        raise QevalError(f"imatrix {path} is not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+    imatrix = read_gguf(path)
+    tensors = {t.name: imatrix.float_values(t) for t in imatrix.tensors}
     out = {}
     for name, sums in tensors.items():
         if not name.endswith(".in_sum2"):
