@@ -63,9 +63,12 @@ def test_windows_tokens_and_bos_follow_llama_perplexity(models, runs):
     np.testing.assert_array_equal(chunk.top_ids[:, 0], np.argmax(logits, axis=1))
 
 
+RESUME_CHUNKS = 12  # the kill comes at 3 chunks, polled every 50 ms: ~9 chunks (seconds) of room
+
+
 def test_rerun_is_a_noop_and_resume_after_kill(models, runs):
     proc = subprocess.Popen([sys.executable, "-m", "qeval", "capture", str(models["Q8_0"]), "--label", "ref",
-                             "-c", "128", "--chunks", "40", "--runs-dir", str(runs)],
+                             "-c", "128", "--chunks", str(RESUME_CHUNKS), "--runs-dir", str(runs)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     path = runs / "ref.qeval"
     deadline = time.time() + 120
@@ -83,17 +86,17 @@ def test_rerun_is_a_noop_and_resume_after_kill(models, runs):
     with StoreReader(path, tolerate_torn_tail=True) as partial:
         assert not partial.complete
         kept = {i: partial.read_chunk(i) for i in partial.chunk_indices}
-    assert 3 <= len(kept) < 40
-    out = run_cli("capture", str(models["Q8_0"]), "--label", "ref", "-c", "128", "--chunks", "40",
+    assert 3 <= len(kept) < RESUME_CHUNKS
+    out = run_cli("capture", str(models["Q8_0"]), "--label", "ref", "-c", "128", "--chunks", str(RESUME_CHUNKS),
                   "--runs-dir", str(runs))
-    assert f"({40 - len(kept)} captured now)" in out.stdout
+    assert f"({RESUME_CHUNKS - len(kept)} captured now)" in out.stdout
     with StoreReader(path, verify_chunks=True) as store:
-        assert store.complete and store.chunk_indices == list(range(40))
+        assert store.complete and store.chunk_indices == list(range(RESUME_CHUNKS))
         for i, old in kept.items():  # earlier chunks untouched
             new = store.read_chunk(i)
             np.testing.assert_array_equal(new.codes(store.header.n_vocab), old.codes(store.header.n_vocab))
             np.testing.assert_array_equal(new.logprob_target, old.logprob_target)
-    again = run_cli("capture", str(models["Q8_0"]), "--label", "ref", "-c", "128", "--chunks", "40",
+    again = run_cli("capture", str(models["Q8_0"]), "--label", "ref", "-c", "128", "--chunks", str(RESUME_CHUNKS),
                     "--runs-dir", str(runs))
     assert "already complete" in again.stdout
 
