@@ -68,8 +68,8 @@ def test_an_early_board_says_its_range_from_the_minimum_to_every_chunk(tmp_path)
     capture = budget.Run("R", 291_543_744, 80 * 512, 80 * 255, 262_144, live=False, keeps_store=True, settings=TWO)
     pair = budget.Run("P", 237_077_184, 80 * 512, 80 * 255, 262_144, live=True, keeps_store=False,
                       keeps_result=True, settings=TWO)
-    full = budget.Budget("matrix: reference R + 3 pairs", (capture, pair, pair, pair), tmp_path, 80)
-    early = budget.Budget(full.what, full.runs, tmp_path, 80, early_min_chunks=8)
+    full = budget.Budget(what="matrix: reference R + 3 pairs", runs=(capture, pair, pair, pair), directory=tmp_path, chunks=80)
+    early = budget.Budget(what=full.what, runs=full.runs, directory=tmp_path, chunks=80, early_min_chunks=8)
     whole, least = capture.seconds + 3 * pair.seconds, capture.seconds + 3 * pair.seconds * 8 / 80
     assert budget.time_text(least) != budget.time_text(whole)
     text = early.text(10**12)
@@ -80,7 +80,7 @@ def test_an_early_board_says_its_range_from_the_minimum_to_every_chunk(tmp_path)
     plain = full.text(10**12)
     assert f"; roughly {budget.time_text(whole)} on 2 CPU threads" in plain and "decided early" not in plain
     # a corpus shorter than the minimum: every pair runs it all
-    short = budget.Budget(full.what, full.runs, tmp_path, 80, early_min_chunks=100).text(10**12)
+    short = budget.Budget(what=full.what, runs=full.runs, directory=tmp_path, chunks=80, early_min_chunks=100).text(10**12)
     assert "each pair 80 to 80 chunks" in short and f"roughly {budget.time_text(whole)} (every pair" in short
 
 

@@ -204,7 +204,7 @@ QWEN_LIKE = """
 def qwen_like() -> chat.ChatTemplate:
     """Qwen3's habits: reasoning before the last user message is dropped, object arguments are re-serialised
     (here compactly)."""
-    return chat.ChatTemplate(QWEN_LIKE, "qwen-like")
+    return chat.ChatTemplate(text=QWEN_LIKE, source="qwen-like")
 
 
 def tool_conversation(arguments, follow_up: bool = False) -> chat.Conversation:
@@ -247,7 +247,7 @@ DEFAULT_SEPARATORS = QWEN_LIKE.replace("tojson(separators=(',', ':'))", "tojson"
     (QWEN_LIKE, {"city": "Zürich"}, '{"city":"Zürich"}'),  # an object, compact
 ])
 def test_tool_arguments_are_found_as_given_or_as_tojson_writes_them(template, arguments, written):
-    template = chat.ChatTemplate(template, "test") if template else chat.load_template(GEMMA)
+    template = chat.ChatTemplate(text=template, source="test") if template else chat.load_template(GEMMA)
     conv = tool_conversation(arguments)
     text = template.render(conv)
     assert written in text

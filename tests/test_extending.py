@@ -15,7 +15,7 @@ from qeval.compare import metric_registry
 from qeval.compare.metric_registry import Metric, Percentile
 from qeval.present import leaderboard
 
-KLD_P95 = Metric("kld_p95", "95% KLD", "nats", "lower", Percentile("kld", 0.95), "95th percentile of per-token KLD",
+KLD_P95 = Metric(key="kld_p95", title="95% KLD", unit="nats", better="lower", aggregate=Percentile("kld", 0.95), description="95th percentile of per-token KLD",
                  board=True, gate="max-kld-p95")
 
 

@@ -51,7 +51,7 @@ def tiny_head(rng: np.random.Generator, ggml_type: str = "Q8_0", softcap: float 
         data = bf16_bits(w)
     else:
         data = w
-    return OutputHead("output.weight", ggml_type, N_VOCAB, N_EMBD, softcap, np.ascontiguousarray(data).tobytes())
+    return OutputHead(tensor="output.weight", ggml_type=ggml_type, n_vocab=N_VOCAB, n_embd=N_EMBD, softcap=softcap, data=np.ascontiguousarray(data).tobytes())
 
 
 def dequantized(head: OutputHead) -> np.ndarray:
@@ -192,9 +192,9 @@ def test_q8_0_activations_as_ggml_stores_them():
     x = np.zeros((2, 64), np.float32)
     x[0, :32] = np.linspace(-1, 1, 32)
     x[1, 32] = 127 * 2.5 / 127  # amax 2.5: q = 127 there
-    stored = activation_bytes(x, OutputHead("o", "Q8_0", 1, 64, 0.0, b"").activation)
+    stored = activation_bytes(x, OutputHead(tensor="o", ggml_type="Q8_0", n_vocab=1, n_embd=64, softcap=0.0, data=b"").activation)
     assert len(stored) == 2 * 68
-    rows = StoredActivations.parse(stored, 2, 64, OutputHead("o", "Q8_0", 1, 64, 0.0, b"").activation, "t")
+    rows = StoredActivations.parse(stored, 2, 64, OutputHead(tensor="o", ggml_type="Q8_0", n_vocab=1, n_embd=64, softcap=0.0, data=b"").activation, "t")
     assert rows.values[0, 0, 0] == -127 and rows.values[0, 0, -1] == 127 and rows.scales[0, 1] == 0
     assert rows.values[1, 1, 0] == 127 and np.all(rows.values[1, 1, 1:] == 0)
 

@@ -113,7 +113,7 @@ RULE_OUTS = ("not a candidate", "measured on another machine", "not measured", "
              "could not be measured", "does not fit", "too slow")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Choice:
     question: Question
     best: Candidate | None
@@ -190,5 +190,6 @@ def choose(candidates: Sequence[Candidate], question: Question) -> Choice:
                 c.label)
 
     passing.sort(key=order)
-    return Choice(question, passing[0] if passing else None, tuple(passing), tuple(ruled),
-                  front(candidates, better, question.n_ctx, question.depth))
+    return Choice(question=question, best=passing[0] if passing else None, passing=tuple(passing),
+                  ruled_out=tuple(ruled),
+                  front=front(candidates, better, question.n_ctx, question.depth))

@@ -269,7 +269,7 @@ class PairChunks:
                           memory_gib=self.memory_gib, kv_quant=self.kv_quant, control=self.control)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Comparison:
     """Two pairs on the chunks both have visited (the common prefix)."""
 
@@ -297,7 +297,7 @@ def compare(a: PairChunks, b: PairChunks, n_total: int, rule: StopRule) -> Compa
     if sign and a.n_chunks != b.n_chunks and np.sign(_own_mean(a) - _own_mean(b)) != sign:
         sign = None  # the board shows each mean over its own chunks: until they agree, the shorter one runs on
     tie = bool(abs(diff.mean) + diff.half_width <= rule.rel_precision * min(abs(mean_a), abs(mean_b)))
-    return Comparison(diff, mean_a, mean_b, sign, tie)
+    return Comparison(diff=diff, mean_a=mean_a, mean_b=mean_b, sign=sign, tie=tie)
 
 
 def _own_mean(p: PairChunks) -> float:
@@ -346,7 +346,8 @@ class _Board:
         if (i, j) not in self.cache:
             c = compare(self.pairs[i], self.pairs[j], self.n_total, self.rule)
             self.cache[(i, j)] = c
-            self.cache[(j, i)] = Comparison(c.diff, c.mean_b, c.mean_a, None if c.sign is None else -c.sign, c.tie)
+            self.cache[(j, i)] = Comparison(diff=c.diff, mean_a=c.mean_b, mean_b=c.mean_a,
+                                            sign=None if c.sign is None else -c.sign, tie=c.tie)
         return self.cache[(i, j)]
 
     def front_of(self, i: int, placed: dict[int, float]) -> bool:

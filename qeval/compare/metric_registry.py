@@ -205,7 +205,7 @@ Aggregate = Union[Mean, Proportion, Rms, Percentile, Perplexity, BoundOf]
 # --------------------------------------------------------------------------------------------------
 # the table
 # --------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Metric:
     key: str  # the one name, in every output
     title: str  # how tables and lines name it ("mean KLD")
@@ -294,50 +294,53 @@ def plus_minus(value: float | None, se: float | None, fmt: str, se_fmt: str | No
 
 
 _METRICS = (
-    Metric("ppl", "PPL", "PPL", "lower", Perplexity("ppl_cand"), "perplexity of the candidate", relative=False,
-           board=True),
-    Metric("ppl_ref", "reference PPL", "PPL", None, Perplexity("ppl_ref"), "perplexity of the reference",
-           relative=False),
-    Metric("ppl_ratio", "PPL ratio", "ratio", "lower", Perplexity("ratio"), "PPL(candidate) / PPL(reference)",
-           gate="max-ppl-ratio"),
-    Metric("delta_ppl_pct", "ΔPPL", "%", "lower", Perplexity("ratio", shift=-1.0),
-           "PPL change against the reference on the same tokens, 100·(PPL ratio − 1)", fmt="+.2f", board=True,
-           restates="ppl_ratio"),
-    Metric("kld_mean", "mean KLD", "nats", "lower", Mean("kld"),
-           "mean KL divergence KL(reference ‖ candidate) per scored token, over the full vocabulary", fmt=".6f",
-           board=True, gate="max-kld", paired=True),
-    Metric("kld_mean_bound", "mean KLD bound", "nats", "lower", BoundOf(Mean("kld")),
-           "certified bound on |mean KLD − mean KLD of the exact logits|, from the error the stores measured at "
+    Metric(key="ppl", title="PPL", unit="PPL", better="lower", aggregate=Perplexity("ppl_cand"),
+           description="perplexity of the candidate", relative=False, board=True),
+    Metric(key="ppl_ref", title="reference PPL", unit="PPL", better=None, aggregate=Perplexity("ppl_ref"),
+           description="perplexity of the reference", relative=False),
+    Metric(key="ppl_ratio", title="PPL ratio", unit="ratio", better="lower", aggregate=Perplexity("ratio"),
+           description="PPL(candidate) / PPL(reference)", gate="max-ppl-ratio"),
+    Metric(key="delta_ppl_pct", title="ΔPPL", unit="%", better="lower", aggregate=Perplexity("ratio", shift=-1.0),
+           description="PPL change against the reference on the same tokens, 100·(PPL ratio − 1)", fmt="+.2f",
+           board=True, restates="ppl_ratio"),
+    Metric(key="kld_mean", title="mean KLD", unit="nats", better="lower", aggregate=Mean("kld"),
+           description="mean KL divergence KL(reference ‖ candidate) per scored token, over the full vocabulary",
+           fmt=".6f", board=True, gate="max-kld", paired=True),
+    Metric(key="kld_mean_bound", title="mean KLD bound", unit="nats", better="lower", aggregate=BoundOf(Mean("kld")),
+           description="certified bound on |mean KLD − mean KLD of the exact logits|, from the error the stores measured at "
            "capture (docs/error-bound.md); not recorded (NaN) for a store made before qeval measured it", fmt=".2g",
            gate="max-kld-bound"),
-    Metric("kld_median", "median KLD", "nats", "lower", Percentile("kld", 0.5), "median per-token KLD", fmt=".6f"),
-    Metric("kld_99", "99.0% KLD", "nats", "lower", Percentile("kld", 0.99), "99.0 % percentile of per-token KLD"),
-    Metric("kld_999", "99.9% KLD", "nats", "lower", Percentile("kld", 0.999), "99.9 % percentile of per-token KLD",
-           board=True, gate="max-kld-999"),
-    Metric("kld_max", "max KLD", "nats", "lower", Percentile("kld", 1.0), "maximum per-token KLD", board=True),
-    Metric("kld_reverse_mean", "mean reverse KLD", "nats", "lower", Mean("kld_reverse"),
-           "mean KL(candidate ‖ reference) per scored token", fmt=".6f",
+    Metric(key="kld_median", title="median KLD", unit="nats", better="lower", aggregate=Percentile("kld", 0.5),
+           description="median per-token KLD", fmt=".6f"),
+    Metric(key="kld_99", title="99.0% KLD", unit="nats", better="lower", aggregate=Percentile("kld", 0.99),
+           description="99.0 % percentile of per-token KLD"),
+    Metric(key="kld_999", title="99.9% KLD", unit="nats", better="lower", aggregate=Percentile("kld", 0.999),
+           description="99.9 % percentile of per-token KLD", board=True, gate="max-kld-999"),
+    Metric(key="kld_max", title="max KLD", unit="nats", better="lower", aggregate=Percentile("kld", 1.0),
+           description="maximum per-token KLD", board=True),
+    Metric(key="kld_reverse_mean", title="mean reverse KLD", unit="nats", better="lower", aggregate=Mean("kld_reverse"),
+           description="mean KL(candidate ‖ reference) per scored token", fmt=".6f",
            report=(KLD_BLOCK, "Mean reverse KLD(Q||base)")),
     # after the KLD metrics: `qeval compare` states its verdicts in this order, mean KLD's first
-    Metric("nll_mean", "mean NLL", "nats/token", "lower", Mean("nll_cand"),
-           "mean negative log-likelihood of the correct token under the candidate (ln PPL)", relative=False,
+    Metric(key="nll_mean", title="mean NLL", unit="nats/token", better="lower", aggregate=Mean("nll_cand"),
+           description="mean negative log-likelihood of the correct token under the candidate (ln PPL)", relative=False,
            paired=True, restates="ppl"),
-    Metric("same_top1_pct", "same top-1", "%", "higher", Proportion("same_top1"),
-           "share of tokens where both models' most likely token is the same (not about the correct token)",
+    Metric(key="same_top1_pct", title="same top-1", unit="%", better="higher", aggregate=Proportion("same_top1"),
+           description="share of tokens where both models' most likely token is the same (not about the correct token)",
            fmt=".2f", board=True, gate="min-top1", paired=True),
-    Metric("top5_agreement_pct", "top-5 agreement", "%", "higher", Mean("top5_agreement"),
-           "mean overlap of the two models' 5 most likely tokens", fmt=".2f",
-           report=(TOKEN_BLOCK, "Top-5  agreement")),
-    Metric("top10_agreement_pct", "top-10 agreement", "%", "higher", Mean("top10_agreement"),
-           "mean overlap of the two models' 10 most likely tokens", fmt=".2f",
-           report=(TOKEN_BLOCK, "Top-10 agreement")),
-    Metric("dp_mean_pct", "mean Δp", "%", None, Mean(delta_p),
-           "mean change in the correct token's probability, p(candidate) − p(reference)", fmt=".3f"),
-    Metric("rms_dp_pct", "RMS Δp", "%", "lower", Rms(delta_p),
-           "RMS of the change in the correct token's probability", fmt=".3f", board=True),
-    Metric("abs_dp_p95_pct", "95% |Δp|", "%", "lower", Percentile(abs_delta_p, 0.95),
-           "95th percentile of the absolute change in the correct token's probability", fmt=".3f", board=True,
-           report=(TOKEN_BLOCK, "95.0% |Δp|"), gate="max-abs-dp-p95"),
+    Metric(key="top5_agreement_pct", title="top-5 agreement", unit="%", better="higher",
+           aggregate=Mean("top5_agreement"), description="mean overlap of the two models' 5 most likely tokens",
+           fmt=".2f", report=(TOKEN_BLOCK, "Top-5  agreement")),
+    Metric(key="top10_agreement_pct", title="top-10 agreement", unit="%", better="higher",
+           aggregate=Mean("top10_agreement"), description="mean overlap of the two models' 10 most likely tokens",
+           fmt=".2f", report=(TOKEN_BLOCK, "Top-10 agreement")),
+    Metric(key="dp_mean_pct", title="mean Δp", unit="%", better=None, aggregate=Mean(delta_p),
+           description="mean change in the correct token's probability, p(candidate) − p(reference)", fmt=".3f"),
+    Metric(key="rms_dp_pct", title="RMS Δp", unit="%", better="lower", aggregate=Rms(delta_p),
+           description="RMS of the change in the correct token's probability", fmt=".3f", board=True),
+    Metric(key="abs_dp_p95_pct", title="95% |Δp|", unit="%", better="lower", aggregate=Percentile(abs_delta_p, 0.95),
+           description="95th percentile of the absolute change in the correct token's probability", fmt=".3f",
+           board=True, report=(TOKEN_BLOCK, "95.0% |Δp|"), gate="max-abs-dp-p95"),
 )
 METRICS: dict[str, Metric] = {m.key: m for m in _METRICS}
 
@@ -360,23 +363,27 @@ def sampler_metrics(name: str) -> tuple[Metric, ...]:
     tvd_pct@NAME, agreement_pct@NAME, support_differs_pct@NAME."""
     tvd, differs = sampler.column("tvd", name), sampler.column("support_differs", name)
     return (
-        Metric(f"tvd_pct@{name}", f"mean TVD @{name}", "%", "lower", Mean(tvd),
-               f"mean total variation distance between the two distributions after the sampler {name} "
+        Metric(key=f"tvd_pct@{name}", title=f"mean TVD @{name}", unit="%", better="lower", aggregate=Mean(tvd),
+               description=f"mean total variation distance between the two distributions after the sampler {name} "
                "(llama.cpp's chain: top-k, top-p, min-p, temperature): the probability mass that moves", fmt=".3f",
                board=True, paired=True),
-        Metric(f"agreement_pct@{name}", f"agreement @{name}", "%", "higher", Mean(_OneMinus(tvd)),
-               f"mean 1 − TVD after the sampler {name}: the chance a maximal coupling draws the same token from both "
+        Metric(key=f"agreement_pct@{name}", title=f"agreement @{name}", unit="%", better="higher",
+               aggregate=Mean(_OneMinus(tvd)),
+               description=f"mean 1 − TVD after the sampler {name}: the chance a maximal coupling draws the same token from both "
                "(speculative-decoding acceptance with the candidate as draft)", fmt=".3f", restates=f"tvd_pct@{name}"),
-        Metric(f"support_differs_pct@{name}", f"support differs @{name}", "%", "lower", Proportion(differs),
-               f"share of tokens whose candidate sets after the sampler {name}'s truncation differ", fmt=".2f"),
+        Metric(key=f"support_differs_pct@{name}", title=f"support differs @{name}", unit="%", better="lower",
+               aggregate=Proportion(differs),
+               description=f"share of tokens whose candidate sets after the sampler {name}'s truncation differ",
+               fmt=".2f"),
     )
 
 
 # `qeval check` thresholds that apply to every sampler of a comparison: the template's key holds "*" where a
 # sampler's name goes, its gate is the option (--max-tvd 5: mean TVD at most 5 % under each --sampler).
 SAMPLER_GATES = (
-    Metric("tvd_pct@*", "mean TVD (each sampler)", "%", "lower", Mean("tvd@*"),
-           "mean TVD after each sampler of the comparison (qeval kld/check --sampler)", fmt=".3f", gate="max-tvd"),
+    Metric(key="tvd_pct@*", title="mean TVD (each sampler)", unit="%", better="lower", aggregate=Mean("tvd@*"),
+           description="mean TVD after each sampler of the comparison (qeval kld/check --sampler)", fmt=".3f",
+           gate="max-tvd"),
 )
 
 

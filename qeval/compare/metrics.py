@@ -67,7 +67,7 @@ PER_TOKEN_FIELDS = ("chunk", "position", "token", "kld", "kld_reverse", "nll_ref
 GROUP_FIELDS = ("segment", "category")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Comparison:
     ref: LogitSource
     cand: LogitSource
@@ -450,4 +450,5 @@ def comparison_of(ref: LogitSource, cand: LogitSource, chunks: list[int], parts:
     parts = [with_top1(ref, c, p) for c, p in zip(chunks, parts)]
     per_token = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
     labels = ref.header.window_labels
-    return Comparison(ref, cand, list(chunks), per_token, labels.names() if labels is not None else None, early)
+    return Comparison(ref=ref, cand=cand, chunks=list(chunks), per_token=per_token,
+                      label_names=labels.names() if labels is not None else None, early=early)

@@ -29,7 +29,7 @@ class Option:
     kld: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Choice:
     """One option per group, and the size and mean KLD they predict."""
 
@@ -90,8 +90,9 @@ def choose(options: list[Option], base_bytes: int, base_kld: float, max_bytes: i
             continue
         size, kld = size + added, kld + step.kld - current[g].kld
         current[g] = step
-    greedy = Choice(tuple(current[g] for g in groups), size, kld)
-    base = Choice(tuple(next(o for o in opts if not o.type) for opts in groups.values()), base_bytes, base_kld)
+    greedy = Choice(options=tuple(current[g] for g in groups), bytes=size, kld=kld)
+    base = Choice(options=tuple(next(o for o in opts if not o.type) for opts in groups.values()), bytes=base_bytes,
+                  kld=base_kld)
     return base if _better(base, greedy, max_bytes, max_kld) else greedy
 
 
@@ -106,7 +107,7 @@ def _better(a: Choice, b: Choice, max_bytes: int | None, max_kld: float | None) 
 # --------------------------------------------------------------------------------------------------
 # refinement: the neighbours of a choice and what a search minimises (qeval.orchestrate.refine)
 # --------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Budget:
     """One budget: a size (max_bytes) or a mean KLD (max_kld)."""
 

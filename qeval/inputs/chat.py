@@ -157,7 +157,7 @@ def _check_message(message: object, where: str, open_calls: set[str]) -> None:
 # --------------------------------------------------------------------------------------------------
 # templates
 # --------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ChatTemplate:
     text: str
     source: str  # where it came from: a GGUF, a .jinja file, a tokenizer_config.json
@@ -235,7 +235,8 @@ def template_of_model(model: LlamaModel) -> ChatTemplate:
     if not text:
         raise QevalError(f"{model.model_path} carries no chat template (tokenizer.chat_template): pass one with "
                          "--chat-template FILE (the original model's tokenizer_config.json, or a .jinja file)")
-    return ChatTemplate(text, str(model.model_path), *special_token_texts(model))
+    bos, eos = special_token_texts(model)
+    return ChatTemplate(text=text, source=str(model.model_path), bos_token=bos, eos_token=eos)
 
 
 def special_token_texts(model: LlamaModel) -> tuple[str, str]:

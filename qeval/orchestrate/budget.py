@@ -145,7 +145,7 @@ def time_text(seconds: float) -> str:
     return f"{max(seconds, 1):.0f} s"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Budget:
     """The runs of one command, what they write and where; `chunks`: the windows they go through, which the
     refusal scales to say how many would fit."""
@@ -234,7 +234,8 @@ def capture_run(start: CaptureStart) -> Run:
 
 def check_capture(start: CaptureStart, announce: bool) -> None:
     """`qeval capture`'s budget, checked before its first window is decoded."""
-    Budget(f"capture {start.header.label}", (capture_run(start),), start.path.parent, len(start.todo)).check(
+    Budget(what=f"capture {start.header.label}", runs=(capture_run(start),), directory=start.path.parent,
+           chunks=len(start.todo)).check(
         announce, elsewhere="--out or --runs-dir")
 
 
@@ -254,7 +255,7 @@ def check_live(header: StoreHeader, n_chunks: int, label: str, model: str, setti
                save_result: bool, samplers: int, directory: Path, announce: bool) -> None:
     """`qeval kld` with a live candidate, checked before its model is loaded: it writes a store only with --save."""
     runs = live_runs(header, n_chunks, [(label, model, settings)], save, save_result, samplers)
-    Budget(f"kld {label} live against {header.label}", runs, directory, n_chunks).check(
+    Budget(what=f"kld {label} live against {header.label}", runs=runs, directory=directory, chunks=n_chunks).check(
         announce, less="--chunks" if save else "leave out --save-result, or use --chunks")
 
 
@@ -267,4 +268,4 @@ def matrix_budget(what: str, directory: Path, header: StoreHeader, n_chunks: int
     a board decided early, whose pairs each run between that many chunks and all of them."""
     runs = (capture_run(reference),) if reference is not None else ()
     runs += live_runs(header, n_chunks, candidates, keeps_candidate_stores, True, samplers)
-    return Budget(what, runs, directory, n_chunks, early_min_chunks)
+    return Budget(what=what, runs=runs, directory=directory, chunks=n_chunks, early_min_chunks=early_min_chunks)

@@ -280,7 +280,7 @@ def measure_rows(rows: list[DeployRow], spec: DeploySpec, runs_dir: str | os.Pat
             lines.append(f"deploy {row.label}: {len(plan.base.memory) + len(plan.base.speed)} figures reused, "
                          f"{len(plan.contexts) + len(plan.tests)} measured now")
         say(f"qeval: deploy {row.label}: memory at {', '.join(map(str, plan.contexts)) or 'no new context'}; "
-            f"{', '.join(SpeedFigure(t.test, t.tokens, t.depth, spec.reps).name for t in plan.tests) or 'no new test'}"
+            f"{', '.join(SpeedFigure(test=t.test, tokens=t.tokens, depth=t.depth, reps=spec.reps).name for t in plan.tests) or 'no new test'}"
             f" ({spec.reps} timed repetitions each)")
         try:
             record = _measure(plan, spec, load)

@@ -72,8 +72,9 @@ def check_templates(reference: str, candidates: list[str], corpus: str = "conver
         tokenizer = stack.enter_context(LlamaModel(vocab)) if vocab else None
         ref_template = load_template(reference)
         if tokenizer is not None:
+            bos, eos = special_token_texts(tokenizer)
             ref_template = ref_template.with_special_tokens_of(
-                ChatTemplate("", vocab, *special_token_texts(tokenizer)))
+                ChatTemplate(text="", source=vocab, bos_token=bos, eos_token=eos))
         ref_renderings = [s.render(ref_template) for s in asked]
         checked = [_check_one(spec, ref_template, ref_renderings, asked, tokenizer) for spec in candidates]
     return {"reference": {"source": reference, "template_sha256": ref_template.sha256},

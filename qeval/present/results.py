@@ -83,7 +83,8 @@ def recomputed(head: ComparisonSummary, per_token: dict[str, np.ndarray],
     depth.DEFAULT_CONFIDENCE_EDGES)."""
     chunks = [int(c) for c in np.unique(per_token["chunk"])]
     bands = bands or depth.parse_bands(None, head.reference.n_ctx)
-    body = Comparison(None, None, chunks, per_token, head.labels).summary(bands, buckets)  # reads per_token, chunks
+    body = Comparison(ref=None, cand=None, chunks=chunks, per_token=per_token, label_names=head.labels).summary(bands,
+                                                                                                                buckets)  # reads per_token, chunks
     return of_figures(head.reference, head.candidate, body)
 
 

@@ -26,7 +26,7 @@ STRING, ARRAY = 8, 9
 SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GgufTensor:
     name: str
     shape: tuple[int, ...]  # ggml order: shape[0] (ne0) is the row length
@@ -142,5 +142,6 @@ def _parse(path: Path, buf: mmap.mmap) -> GgufFile:
         n_bytes = ggml_types.row_bytes(type_name, n_elements)
         if data_start + offset + n_bytes > len(buf):
             raise ValueError(f"tensor {name} runs past the end of the file")
-        tensors.append(GgufTensor(name, shape, type_name, n_elements, n_bytes, data_start + offset))
+        tensors.append(GgufTensor(name=name, shape=shape, type_name=type_name, n_elements=n_elements, n_bytes=n_bytes,
+                                  offset=data_start + offset))
     return GgufFile(path, fields, tensors)

@@ -144,7 +144,7 @@ class StoredActivations:
 _HEAD_PREFIX = struct.Struct("<II")  # u32 length of the JSON description, u32 0; then JSON, then the weight bytes
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class OutputHead:
     """The output layer of a model as llama.cpp computes it: its weight tensor (raw GGUF bytes of `ggml_type`,
     n_vocab rows of n_embd values) and the post-head soft-cap (0: none)."""
@@ -270,7 +270,8 @@ def head_of_description(d: object, data, where: str) -> OutputHead:
     expected = n_vocab * ggml_types.row_bytes(ggml_type, n_embd)
     if len(data) != expected:
         raise StoreFormatError(f"{where}: output head has {len(data)} bytes of weights, expected {expected}")
-    return OutputHead(tensor, ggml_type, n_vocab, n_embd, float(softcap), data)
+    return OutputHead(tensor=tensor, ggml_type=ggml_type, n_vocab=n_vocab, n_embd=n_embd, softcap=float(softcap),
+                      data=data)
 
 
 def read_head(model_path: str | Path) -> OutputHead:
@@ -290,8 +291,8 @@ def read_head(model_path: str | Path) -> OutputHead:
         raise NotReplayable(f"{Path(model_path).name} applies an op after its output head that qeval does not replay")
     n_embd, n_vocab = tensor.shape[:2]  # ggml order: ne0 = the row length
     softcap = float(gguf_file.field(f"{arch}.{SOFTCAP_KEY}") or 0.0)
-    return OutputHead(tensor.name, ggml_type, n_vocab, n_embd, softcap,
-                      memoryview(gguf_file.tensor_bytes(tensor)))
+    return OutputHead(tensor=tensor.name, ggml_type=ggml_type, n_vocab=n_vocab, n_embd=n_embd, softcap=softcap,
+                      data=memoryview(gguf_file.tensor_bytes(tensor)))
 
 
 # --- replay kernels (deterministic: no BLAS, a fixed summation order, whatever thread runs a tile) ---------------
