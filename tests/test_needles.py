@@ -128,3 +128,49 @@ def test_wilson_interval_values():
     assert wilson_interval(0, 20) == pytest.approx((0.0, 1.959963984540054 ** 2 / (20 + 1.959963984540054 ** 2)), abs=1e-6)
     assert wilson_interval(20, 20)[1] == 1.0
     assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
+@pytest.fixture()
+def shipped_here(monkeypatch):
+    """The worktree's corpora/ as the shipped folder (an editable install may point qeval.corpora elsewhere)."""
+    monkeypatch.setattr(nd, "shipped_dir", lambda: REPO / "corpora")
+
+
+def test_a_prefix_decoded_once_gives_a_fresh_pass_logits(models, shipped_here):
+    from qeval.engine.engine import EngineSettings
+    from qeval.engine.prefix import PrefixModel
+    from qeval.inputs.corpus import load_corpus
+
+    with PrefixModel(models["Q8_0"], EngineSettings(flash_attn="off"), 768) as model:
+        hay = model.tokenize(load_corpus(None).text[:40000], add_special=False)
+        _, needles = nd.load_needles(None)
+        trial, = nd.plant_trials(hay, lambda t: model.tokenize(t, False), model.bos, needles,
+                                 depths=(10.0, 90.0), n_ctx=768, trials=1)
+        state = model.decode_prefix(trial.prefix)
+        kept = [model.continue_from(state, len(trial.prefix), p.continuation, p.first_scored) for p in trial.planted]
+        for p, kept in zip(trial.planted, kept):
+            fresh = model.fresh(np.concatenate([trial.prefix, p.continuation]), len(trial.prefix) + p.first_scored)
+            # the tail cut leaves the prefix's cells as decoded: bit-identical here (-fa off, pieces of 128)
+            assert kept.shape == (len(p.answer), model.n_vocab) and np.array_equal(kept, fresh)
+        assert model.decoded == (len(trial.prefix) + sum(len(p.continuation) for p in trial.planted)
+                                 + sum(len(trial.prefix) + len(p.continuation) for p in trial.planted))
+
+
+def test_needles_f16_against_itself_and_a_q4_0_cache(models, shipped_here):
+    from qeval.engine.engine import EngineSettings
+    from qeval.orchestrate.matrix import pair_settings
+    from qeval.orchestrate.needles import NeedleRequest, Run, run_needles
+
+    path = str(models["Q8_0"])
+    request = NeedleRequest(reference=Run(label="ref", model=path, settings=EngineSettings()),
+                            candidates=(Run(label="f16", model=path, settings=EngineSettings()),
+                                        Run(label="q4_0", model=path, settings=pair_settings("q4_0"))),
+                            contexts=(512,), depths=(5.0, 95.0), trials=2)
+    block, = run_needles(request)["contexts"]
+    same, q4 = block["candidates"]
+    assert same["all"]["kld"]["mean"] == 0 and same["all"]["agreement"]["p"] == 1
+    assert same["all"]["same_top1"]["p"] == 1
+    assert q4["kv_allocated"]["type_k"] == "q4_0" and q4["kv_allocated"]["type_v"] == "q4_0"
+    assert q4["all"]["kld"]["mean"] > 0 and q4["all"]["answers"] == 4
+    cost = block["forward_tokens_per_trial"]
+    assert cost["naive"] > cost["prefix_once"] > block["prefix_tokens"]

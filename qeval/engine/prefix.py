@@ -49,7 +49,8 @@ class PrefixModel(LlamaModel):
 
     def continue_from(self, state: ctypes.Array, at: int, tokens: np.ndarray, first_scored: int) -> np.ndarray:
         """float32 [len(tokens) - first_scored, n_vocab] (a copy): the logits of positions first_scored.. of
-        `tokens` decoded after the prefix of `at` tokens whose `state` decode_prefix saved. Afterwards the
+        `tokens` decoded after the prefix of `at` tokens whose `state` decode_prefix saved (the cache holding that
+        prefix alone: decode_prefix, then continue_from, never fresh, in between). Afterwards the
         continuation is removed from the cache (llama_memory_seq_rm), which leaves the prefix's cells as they were
         decoded; where the memory cannot cut its tail (a recurrent state) the saved state is put back instead.
         The tail cut is preferred: a restored Gemma-3 cache (sliding-window layers) gave logits up to 0.63 apart
