@@ -20,9 +20,11 @@ from qeval.compare.summary import Side, summarize
 from qeval.engine.engine import EngineSettings, fixed_mmap_threshold  # noqa: F401 - re-exported for the CLI
 from qeval.errors import QevalError
 from qeval.inputs.hub import is_hub_spec, resolve_model
+from qeval.inputs.needles import parse_depths
 from qeval.orchestrate import budget, matrix, sweep
 from qeval.orchestrate import deploy as deploy_run
 from qeval.orchestrate.deploy import DeploySpec
+from qeval.orchestrate.needles import NeedleRequest, Run, run_needles
 from qeval.orchestrate.matrix import (  # noqa: F401 - public
     EarlySettings,
     TaskRequest,
@@ -33,6 +35,7 @@ from qeval.orchestrate.matrix import (  # noqa: F401 - public
 )
 from qeval.orchestrate.sources import compare, is_model_file, measure, open_source  # noqa: F401 - public here as before
 from qeval.present import report, results
+from qeval.present.needles_text import needles_text
 from qeval.present.progress import PlannedProgress, progress_bar, say
 from qeval.storage import runs
 from qeval.storage.llamacpp import import_llamacpp
@@ -490,3 +493,21 @@ def publish_report(store: str, target: str, *, results_dir: Path | None = None, 
     from qeval.orchestrate import publish  # noqa: PLC0415 - only this command uploads
 
     return publish.publish_report(store, target, results_dir=results_dir, card=card, runs_dir=runs_dir, private=private)
+
+
+def needle_report(ref: str, *, models=(), kv_types=("f16",), contexts=(4096,), depths: str | None = None,
+                  trials: int = 10, needles: str | None = None, corpus: str | None = None, seed: int = 0,
+                  engine: EngineSettings = EngineSettings(), progress: bool = False) -> tuple[dict, str]:
+    """Needles at depth (docs/needles.md): `ref` (MODEL or LABEL=MODEL) with an f16 cache is the reference; every
+    model of `models` (default: the reference's) under every KV spec of `kv_types` (as matrix's --kv) a candidate,
+    labelled as matrix's pairs; `needles` a JSONL needle file (None: the shipped suite)."""
+    depth_list = parse_depths(depths)
+    ref_label, ref_path = parse_model_arg(ref)
+    pairs = matrix.model_kv_pairs(list(models) or [ref], list(kv_types), ref_path)
+    request = NeedleRequest(
+        reference=Run(label=ref_label, model=str(ref_path), settings=pair_settings("f16", engine).validate()),
+        candidates=tuple(Run(label=label, model=str(path), settings=pair_settings(kv, engine).validate())
+                         for label, path, kv in pairs),
+        contexts=tuple(contexts), depths=depth_list, trials=trials, needles=needles, corpus=corpus, seed=seed)
+    result = run_needles(request, say=lambda line: say(line, progress))
+    return result, needles_text(result)

@@ -371,6 +371,32 @@ def matrix(
                                    floor=floor, keep_logits=keep_logits, early=early, deploy=deploy, **windows))
 
 
+@app.command("needle")
+@grouped
+def needle(
+    ref: str = typer.Argument(..., help="Reference GGUF (MODEL or LABEL=MODEL), run with an f16 KV cache."),
+    model: Optional[list[str]] = typer.Option(None, "--model", "-m", help="Candidate GGUF (as REF); repeat. Default: the reference model."),
+    kv: str = typer.Option("f16", "--kv", help="Comma-separated KV cache types for every candidate model, as matrix's --kv (q8_0,q4_0,q8_0/q4_0)."),
+    ctx: str = typer.Option("4096", "-c", "--ctx", help="Comma-separated window sizes (n_ctx), each its own table."),
+    depths: Optional[str] = typer.Option(None, "--depths", help="Where the facts go, in percent of the window (default 5,25,50,75,95)."),
+    trials: int = typer.Option(10, "--trials", help="Trials per n_ctx: other needles, haystacks and positions each (seeded)."),
+    needles: Optional[str] = typer.Option(None, "--needles", help="A JSONL needle file ({\"fact\", \"question\", \"answer\"} per line; docs/needles.md); default: the shipped suite."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the trials."),
+    windows: dict = WINDOWS.only("corpus"),
+    engine: EngineSettings = MATRIX_ENGINE,
+    output: Output = JSON,
+):
+    """Retrieval at depth: facts planted in a long window, a question each after it; each candidate's answers
+    against the reference's (agreement, answer KLD), beside the reference's own accuracy."""
+    try:
+        contexts = [int(c) for c in ctx.split(",") if c.strip()]
+    except ValueError:
+        raise QevalError(f"-c {ctx}: expected window sizes separated by commas") from None
+    output.emit(*api.needle_report(ref, models=model or (), kv_types=[k.strip() for k in kv.split(",") if k.strip()],
+                                   contexts=contexts, depths=depths, trials=trials, needles=needles, seed=seed,
+                                   engine=engine, progress=not output.as_json, **windows))
+
+
 @app.command("deploy")
 @grouped
 def deploy_cmd(

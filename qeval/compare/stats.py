@@ -79,3 +79,16 @@ def rms_se(x: np.ndarray) -> tuple[float, float]:
     m2, se2 = mean_se(np.asarray(x, np.float64) ** 2)
     rms = math.sqrt(m2)
     return rms, (0.5 / rms * se2) if rms > 0 else float("nan")
+
+
+WILSON_Z = 1.959963984540054  # the normal quantile of a two-sided 95 % interval
+
+
+def wilson_interval(hits: int, n: int, z: float = WILSON_Z) -> tuple[float, float]:
+    """Wilson's score interval of a proportion hits/n (95 % by default); (0, 1) for n = 0."""
+    if n == 0:
+        return 0.0, 1.0
+    p = hits / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)

@@ -1,0 +1,38 @@
+"""`qeval needle`'s text: per n_ctx, the cost, then each candidate's table by depth beside the reference's
+accuracy."""
+
+from __future__ import annotations
+
+from qeval.present.markdown import markdown_table
+
+
+def _share(p: dict) -> str:
+    return f"{100 * p['p']:.0f} % [{100 * p['lo']:.0f}, {100 * p['hi']:.0f}] ({p['hits']}/{p['n']})"
+
+
+def _cells(depth: str, d: dict, ref_accuracy: dict) -> list[str]:
+    return [depth, _share(d["agreement"]), f"{100 * d['same_top1']['p']:.1f} %",
+            f"{d['kld']['mean']:.6f} ± {d['kld']['se']:.6f}",
+            f"{d['logprob_delta']['mean']:+.4f} ± {d['logprob_delta']['se']:.4f}", _share(ref_accuracy),
+            _share(d["cand_accuracy"])]
+
+
+def needles_text(result: dict) -> str:
+    lines = [f"needles: {result['needles']['source']} ({result['needles']['count']}), corpus {result['corpus']}, "
+             f"{result['trials']} trials, seed {result['seed']}; reference {result['reference']}"]
+    for block in result["contexts"]:
+        cost, ref = block["forward_tokens_per_trial"], block["reference"]
+        lines += ["", f"n_ctx {block['n_ctx']}: prefix {block['prefix_tokens']:.0f} tokens; forward tokens per trial "
+                      f"{cost['prefix_once']:.0f} (prefix once) vs {cost['naive']:.0f} (a window per question): "
+                      f"{cost['ratio']:.2f}x; reference {ref['seconds']:.1f} s, KV {ref['kv_allocated']}"]
+        accuracy = {d["depth"]: d["ref_accuracy"] for d in ref["depths"]}
+        for cand in block["candidates"]:
+            rows = [_cells(f"{d['depth']:g} %", d, accuracy[d["depth"]]) for d in cand["depths"]]
+            rows.append(_cells("all", cand["all"], ref["all"]["ref_accuracy"]))
+            lines += ["", f"{cand['label']} (KV {cand['kv_allocated']}, {cand['seconds']:.1f} s)",
+                      markdown_table(["depth", "agreement [95 % Wilson]", "same top-1", "answer KLD",
+                                      "Δ log p(answer)", "reference accuracy", "candidate accuracy"], rows)]
+        if not block["candidates"]:
+            lines.append(markdown_table(["depth", "reference accuracy"], [[f"{d['depth']:g} %", _share(a)]
+                                                                          for d, a in zip(ref["depths"], accuracy.values())]))
+    return "\n".join(lines)

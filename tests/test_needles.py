@@ -1,0 +1,176 @@
+"""Needles at depth (docs/needles.md): planting, needle files, the answers' scores against plain float64 numpy,
+Wilson intervals; with Gemma-3-270M (slow), the prefix decoded once against a fresh pass per question."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import REPO, kld64, log_softmax64
+
+from qeval.compare.needle_scores import score_answer, summarize_answers
+from qeval.compare.stats import wilson_interval
+from qeval.errors import QevalError
+from qeval.inputs import needles as nd
+
+
+def fake_tokenize(text: str) -> np.ndarray:
+    """One token per character (ids 1000+), so lengths are known."""
+    return np.array([1000 + ord(c) for c in text], np.int32)
+
+
+NEEDLES = [nd.Needle(fact=f"Fact {i} is {i}.", question=f"Fact {i}?", answer=str(i)) for i in range(10, 17)]
+HAY = np.arange(5000, dtype=np.int32) % 900
+
+
+def test_facts_are_planted_at_their_depths_and_questions_fit_the_window():
+    trials = nd.plant_trials(HAY, fake_tokenize, 2, NEEDLES, depths=nd.DEFAULT_DEPTHS, n_ctx=1024, trials=3,
+                             seed=7, jitter=0)
+    for trial in trials:
+        assert trial.prefix[0] == 2
+        for p in trial.planted:
+            fact = fake_tokenize(nd.FACT.format(fact=p.needle.fact))
+            assert np.array_equal(trial.prefix[p.position:p.position + len(fact)], fact)
+            assert abs(p.position - p.depth / 100 * (len(trial.prefix) - len(fact))) <= 1
+            assert np.array_equal(p.answer, fake_tokenize(" " + p.needle.answer))
+            assert len(trial.prefix) + len(p.continuation) <= 1024
+            assert p.first_scored == len(p.question) - 1
+        assert max(len(trial.prefix) + len(p.continuation) for p in trial.planted) == 1024
+        facts = sum(len(fake_tokenize(nd.FACT.format(fact=p.needle.fact))) for p in trial.planted)
+        hay = np.concatenate([np.delete(trial.prefix, np.r_[0:1, *[np.arange(p.position, p.position + len(
+            fake_tokenize(nd.FACT.format(fact=p.needle.fact)))) for p in trial.planted]])])
+        assert np.array_equal(hay, HAY[trial.offset:trial.offset + len(trial.prefix) - 1 - facts])
+        tails = sum(len(p.continuation) for p in trial.planted)
+        assert trial.forward_tokens() == (len(trial.prefix) + tails, 5 * len(trial.prefix) + tails)
+    again = nd.plant_trials(HAY, fake_tokenize, 2, NEEDLES, depths=nd.DEFAULT_DEPTHS, n_ctx=1024, trials=3,
+                            seed=7, jitter=0)
+    assert all(np.array_equal(a.prefix, b.prefix) for a, b in zip(trials, again))  # seeded
+    assert len({t.offset for t in trials}) == 3
+
+
+def test_jitter_moves_facts_within_its_spread():
+    trial, = nd.plant_trials(HAY, fake_tokenize, None, NEEDLES, depths=(50.0,), n_ctx=2048, trials=1, jitter=2)
+    p = trial.planted[0]
+    assert abs(p.position - 0.5 * len(trial.prefix)) <= 0.02 * len(trial.prefix) + 20
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"n_ctx": 150}, "too small"), ({"trials": 0}, "--trials"), ({"depths": tuple(range(8))}, "needles"),
+])
+def test_bad_requests_are_refused(kwargs, message):
+    args = {"depths": nd.DEFAULT_DEPTHS, "n_ctx": 1024, "trials": 1, **kwargs}
+    with pytest.raises(QevalError, match=message):
+        nd.plant_trials(HAY, fake_tokenize, 2, NEEDLES, **args)
+
+
+@pytest.mark.parametrize("text, message", [("5,101", "0 to 100"), ("-1", "0 to 100"), ("a", "percentages"),
+                                           (",", "0 to 100")])
+def test_bad_depths_are_refused(text, message):
+    with pytest.raises(QevalError, match=message):
+        nd.parse_depths(text)
+
+
+def test_depths_parse_sorted():
+    assert nd.parse_depths("50,5,50") == (5.0, 50.0)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{bad", "line 1: not JSON"), ('\n["a"]', "line 2: expected an object"),
+    ('{"fact": "x", "question": "y"}', "line 1: answer must be"), ("", "holds no needle"),
+])
+def test_bad_needle_files_are_refused(tmp_path, text, message):
+    path = tmp_path / "n.jsonl"
+    path.write_text(text)
+    with pytest.raises(QevalError, match=message):
+        nd.load_needles(str(path))
+
+
+def test_a_missing_needle_file_is_refused(tmp_path):
+    with pytest.raises(QevalError, match="does not exist"):
+        nd.load_needles(str(tmp_path / "none.jsonl"))
+
+
+def test_the_shipped_suite_parses():
+    needles = nd.parse_needles((REPO / "corpora" / "needles.jsonl").read_text(), "shipped")
+    assert len(needles) >= 20 and len({n.answer for n in needles}) == len(needles)
+    assert all(n.answer in n.fact for n in needles)
+    user = json.dumps({"fact": "A is 1.", "question": "A?", "answer": "1", "id": 3})
+    assert nd.parse_needles(user, "u") == [nd.Needle(fact="A is 1.", question="A?", answer="1")]
+
+
+def test_answer_scores_match_plain_float64():
+    rng = np.random.default_rng(0)
+    ref = rng.normal(0, 3, (4, 50)).astype(np.float32)
+    cand = (ref + rng.normal(0, 0.5, ref.shape)).astype(np.float32)
+    answer = ref.argmax(axis=1)
+    answer[3] = (answer[3] + 1) % 50
+    s = score_answer(ref, cand, answer)
+    p, q = log_softmax64(ref), log_softmax64(cand)
+    assert s.kld == pytest.approx(kld64(p, q).mean(), rel=1e-12)
+    assert s.ref_logprob == pytest.approx(p[np.arange(4), answer].sum(), rel=1e-12)
+    assert s.cand_logprob == pytest.approx(q[np.arange(4), answer].sum(), rel=1e-12)
+    same = ref.argmax(1) == cand.argmax(1)
+    assert s.same_top1 == same.sum() and s.flip == (not same.all())
+    assert not s.ref_correct
+    same_run = score_answer(ref, ref, ref.argmax(axis=1))
+    assert same_run.kld == 0 and not same_run.flip and same_run.ref_correct and same_run.cand_correct
+    flipped = score_answer(ref, -ref, answer)
+    assert flipped.flip and flipped.same_top1 == 0
+    summary = summarize_answers([same_run, flipped])
+    assert summary["agreement"]["hits"] == 1 and summary["same_top1"]["n"] == 8
+    assert summary["kld"]["mean"] == pytest.approx(flipped.kld / 2)
+
+
+def test_wilson_interval_values():
+    # 95 % Wilson intervals, from the formula by hand: 8/10 -> (0.4902, 0.9433); 0/20 -> (0, z²/(n + z²) = 0.161125)
+    assert wilson_interval(8, 10) == pytest.approx((0.490162, 0.943318), abs=1e-6)
+    assert wilson_interval(0, 20) == pytest.approx((0.0, 1.959963984540054 ** 2 / (20 + 1.959963984540054 ** 2)), abs=1e-6)
+    assert wilson_interval(20, 20)[1] == 1.0
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
+@pytest.fixture()
+def shipped_here(monkeypatch):
+    """The worktree's corpora/ as the shipped folder (an editable install may point qeval.corpora elsewhere)."""
+    monkeypatch.setattr(nd, "shipped_dir", lambda: REPO / "corpora")
+
+
+def test_a_prefix_decoded_once_gives_a_fresh_pass_logits(models, shipped_here):
+    from qeval.engine.engine import EngineSettings
+    from qeval.engine.prefix import PrefixModel
+    from qeval.inputs.corpus import load_corpus
+
+    with PrefixModel(models["Q8_0"], EngineSettings(flash_attn="off"), 768) as model:
+        hay = model.tokenize(load_corpus(None).text[:40000], add_special=False)
+        _, needles = nd.load_needles(None)
+        trial, = nd.plant_trials(hay, lambda t: model.tokenize(t, False), model.bos, needles,
+                                 depths=(10.0, 90.0), n_ctx=768, trials=1)
+        state = model.decode_prefix(trial.prefix)
+        kept = [model.continue_from(state, len(trial.prefix), p.continuation, p.first_scored) for p in trial.planted]
+        for p, kept in zip(trial.planted, kept):
+            fresh = model.fresh(np.concatenate([trial.prefix, p.continuation]), len(trial.prefix) + p.first_scored)
+            # the tail cut leaves the prefix's cells as decoded: bit-identical here (-fa off, pieces of 128)
+            assert kept.shape == (len(p.answer), model.n_vocab) and np.array_equal(kept, fresh)
+        assert model.decoded == (len(trial.prefix) + sum(len(p.continuation) for p in trial.planted)
+                                 + sum(len(trial.prefix) + len(p.continuation) for p in trial.planted))
+
+
+def test_needles_f16_against_itself_and_a_q4_0_cache(models, shipped_here):
+    from qeval.engine.engine import EngineSettings
+    from qeval.orchestrate.matrix import pair_settings
+    from qeval.orchestrate.needles import NeedleRequest, Run, run_needles
+
+    path = str(models["Q8_0"])
+    request = NeedleRequest(reference=Run(label="ref", model=path, settings=EngineSettings()),
+                            candidates=(Run(label="f16", model=path, settings=EngineSettings()),
+                                        Run(label="q4_0", model=path, settings=pair_settings("q4_0"))),
+                            contexts=(512,), depths=(5.0, 95.0), trials=2)
+    block, = run_needles(request)["contexts"]
+    same, q4 = block["candidates"]
+    assert same["all"]["kld"]["mean"] == 0 and same["all"]["agreement"]["p"] == 1
+    assert same["all"]["same_top1"]["p"] == 1
+    assert q4["kv_allocated"]["type_k"] == "q4_0" and q4["kv_allocated"]["type_v"] == "q4_0"
+    assert q4["all"]["kld"]["mean"] > 0 and q4["all"]["answers"] == 4
+    cost = block["forward_tokens_per_trial"]
+    assert cost["naive"] > cost["prefix_once"] > block["prefix_tokens"]
