@@ -490,3 +490,21 @@ def publish_report(store: str, target: str, *, results_dir: Path | None = None, 
     from qeval.orchestrate import publish  # noqa: PLC0415 - only this command uploads
 
     return publish.publish_report(store, target, results_dir=results_dir, card=card, runs_dir=runs_dir, private=private)
+
+
+def publish_results_report(runs: list[Path], target: str, *, private: bool = False) -> tuple[dict, str]:
+    """Contribute saved results (files or directories of them) and their rows' speed and memory records to a Hub
+    dataset, at paths their identities give, with a manifest of their sha256 (qeval.orchestrate.contributions)."""
+    from qeval.orchestrate import contributions  # noqa: PLC0415 - only this command uploads results
+
+    return contributions.publish_results(runs, target, private=private)
+
+
+def board_report(datasets: list[str], *, ref: str | None = None, out: Path = Path("board"), title: str | None = None,
+                 machine: str | None = None):
+    """The leaderboard of every result in Hub datasets measured against one reference (its label or identity's
+    first digits), written under `out`; rows measured on another machine or backend marked, results of other
+    references listed apart, files that are not what their manifest lists refused (qeval.orchestrate.contributions)."""
+    from qeval.orchestrate import contributions  # noqa: PLC0415 - matplotlib loads only for boards
+
+    return contributions.board(datasets, ref=ref, out=out, title=title, machine=machine)
