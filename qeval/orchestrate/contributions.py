@@ -75,7 +75,8 @@ def publish_results(runs: list, target: str, *, private: bool = False) -> tuple[
         for _, entry in staged:
             entries.setdefault(entry["result"], entry)  # one measurement saved twice goes up once
         records = _stage_records(staged, staging, files)
-        listed = [PackFile(path, file_sha256(local), local.stat().st_size, role) for path, (local, role) in files.items()]
+        listed = [PackFile(path, file_sha256(local), local.stat().st_size, role)
+                  for path, (local, role) in files.items()]
         name, data = results_dataset.contribution_manifest(__version__, machine, listed, list(entries.values()),
                                                            records)
         manifest = staging / "contribution.json"
@@ -165,6 +166,9 @@ def board(datasets: list[str], *, ref: str | None = None, out=DEFAULT_OUT, title
             loaded.append((repo, *_result(repo, listed)))
         except QevalError as exc:
             refused.append((_where(repo, path), str(exc)))
+    if not loaded:
+        raise QevalError(f"no result measured against {chosen.reference_label} ({chosen.reference[:12]}) reads: "
+                         + "; ".join(f"{name}: {why}" for name, why in refused))
     kept = _comparable(loaded, apart)
     labels = _row_labels(kept)
     current = this_machine()
@@ -213,7 +217,8 @@ def _chosen_reference(entries: list, ref: str | None, datasets: list[str]) -> re
     by_id = {}
     for e in entries:
         by_id.setdefault(e.reference, (e, []))[1].append(e)
-    known = "; ".join(f"{e.reference_label} ({ref_id[:12]}, {len(held)} results)" for ref_id, (e, held) in by_id.items())
+    known = "; ".join(f"{e.reference_label} ({ref_id[:12]}, {len(held)} results)"
+                      for ref_id, (e, held) in by_id.items())
     if not by_id:
         raise QevalError(f"{', '.join(datasets)}: no result that reads")
     matching = [e for ref_id, (e, _) in by_id.items()

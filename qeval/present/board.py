@@ -352,7 +352,8 @@ def leaderboard_cells(r: BoardRow, tasks=(), control: bool = False, segments=(),
     floor, early, deployment)."""
     deepest = "" if r.deepest is None else f"{kld_cell(r.deepest)} ({r.deepest.name})"
     held = "" if r.scored_tokens is None else f"{r.scored_tokens:,} ({r.chunks})"
-    return [f"{r.label} {r.mark}" if r.mark else r.label, r.quant, r.kv, _num(r.size_gib, ".3f"), _num(r.bpw, ".2f"),
+    return [f"{r.label} {r.mark}" if r.mark else r.label, r.quant, r.kv, _num(r.size_gib, ".3f"),
+            _num(r.bpw, ".2f"),
             *(metric_cell(r, m, mv) for m, mv in r.board_values()),
             "" if r.kld_bound is None else r.kld_bound.bound_text(),
             *((control_cell(r),) if control else ()), *((floor_cell(r),) if floor else ()), deepest, *(kld_cell(r.segments.get(name)) for name in segments),

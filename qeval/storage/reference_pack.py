@@ -157,23 +157,37 @@ def _private_words() -> tuple[str, ...]:
 
 
 # --- reading -------------------------------------------------------------------------------------------------------
-def read_manifest(data: bytes, where: str) -> Manifest:
-    """A manifest from its bytes, every field checked (`where` names it in messages)."""
+def manifest_json(data: bytes, where: str, kind: str, fmt: str, versions: tuple[int, ...], fields: dict) -> dict:
+    """The JSON object of a manifest's bytes (a `kind` manifest: "reference", "results"), its format `fmt`, its
+    version (one of `versions`) and every field of `fields` (name -> JSON type) checked."""
     try:
         d = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
-        raise QevalError(f"{where} is not a JSON manifest ({exc})") from None
-    if not isinstance(d, dict) or d.get("format") != FORMAT:
-        raise QevalError(f"{where} is not a qeval reference manifest (no \"format\": \"{FORMAT}\")")
+        raise QevalError(f"{where} is not a JSON manifest ({exc}): a partial or damaged file") from None
+    if not isinstance(d, dict) or d.get("format") != fmt:
+        raise QevalError(f"{where} is not a qeval {kind} manifest (no \"format\": \"{fmt}\")")
     version = d.get("version")
-    if type(version) is not int or version not in READABLE_VERSIONS:
+    if type(version) is not int or version not in versions:
         raise QevalError(f"{where}: manifest version {version!r} is not one this qeval reads "
-                         f"({', '.join(map(str, READABLE_VERSIONS))}): a newer qeval published it, upgrade qeval")
-    for name, kind in _FIELDS.items():
+                         f"({', '.join(map(str, versions))}): a newer qeval published it, upgrade qeval")
+    check_fields(d, fields, where)
+    return d
+
+
+def check_fields(d: object, fields: dict, where: str, what: str = "the manifest") -> None:
+    """Refuse `d` unless it is a JSON object holding every field of `fields` (name -> JSON type)."""
+    if not isinstance(d, dict):
+        raise QevalError(f"{where}: {what} is not a JSON object")
+    for name, kind in fields.items():
         if name not in d:
-            raise QevalError(f"{where}: the manifest lacks its field {name!r}")
+            raise QevalError(f"{where}: {what} lacks its field {name!r}")
         if type(d[name]) is not kind:
-            raise QevalError(f"{where}: the manifest's field {name!r} is not a JSON {kind.__name__}")
+            raise QevalError(f"{where}: {what}'s field {name!r} is not a JSON {kind.__name__}")
+
+
+def read_manifest(data: bytes, where: str) -> Manifest:
+    """A manifest from its bytes, every field checked (`where` names it in messages)."""
+    d = manifest_json(data, where, "reference", FORMAT, READABLE_VERSIONS, _FIELDS)
     label = d["label"]
     if not label or PurePosixPath(label).name != label or label in (".", ".."):
         raise QevalError(f"{where}: bad label {label!r}")

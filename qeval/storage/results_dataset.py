@@ -17,7 +17,6 @@ backend its candidate ran on. It is read trusting nothing (read_contribution): e
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import PurePosixPath
@@ -25,7 +24,7 @@ from pathlib import PurePosixPath
 from qeval.errors import QevalError
 from qeval.identity import ComparisonRequest, digest
 from qeval.storage.deployment import MACHINE_ID_DIGITS, machine_id
-from qeval.storage.reference_pack import PackFile, manifest_bytes, pack_file
+from qeval.storage.reference_pack import PackFile, check_fields, manifest_bytes, manifest_json, pack_file
 
 FORMAT = "qeval-results"
 VERSION = 1
@@ -119,16 +118,7 @@ def contribution_paths(files: list[str]) -> list[str]:
 
 def read_contribution(data: bytes, path: str, where: str) -> Contribution:
     """A contribution's manifest from its bytes, every field checked (`where` names it in messages)."""
-    try:
-        d = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise QevalError(f"{where} is not a JSON manifest ({exc}): a partial or damaged file") from None
-    if not isinstance(d, dict) or d.get("format") != FORMAT:
-        raise QevalError(f"{where} is not a qeval results manifest (no \"format\": \"{FORMAT}\")")
-    version = d.get("version")
-    if type(version) is not int or version not in READABLE_VERSIONS:
-        raise QevalError(f"{where}: manifest version {version!r} is not one this qeval reads: upgrade qeval")
-    _check_fields(d, _FIELDS, where)
+    d = manifest_json(data, where, "results", FORMAT, READABLE_VERSIONS, _FIELDS)
     if d["machine"].get("id") != machine_id(d["machine"]):
         raise QevalError(f"{where}: its machine id does not match its machine's fields")
     files = {f.path: f for f in (pack_file(entry, where, ROLES) for entry in d["files"])}
@@ -140,14 +130,6 @@ def read_contribution(data: bytes, path: str, where: str) -> Contribution:
                         records=records)
 
 
-def _check_fields(d: object, fields: dict, where: str) -> None:
-    if not isinstance(d, dict):
-        raise QevalError(f"{where}: an entry is not a JSON object")
-    for name, kind in fields.items():
-        if type(d.get(name)) is not kind:
-            raise QevalError(f"{where}: the field {name!r} is missing or not a JSON {kind.__name__}")
-
-
 def _listed(files: dict[str, PackFile], path: object, role: str, where: str) -> PackFile:
     found = files.get(path) if isinstance(path, str) else None
     if found is None or found.role != role:
@@ -156,7 +138,7 @@ def _listed(files: dict[str, PackFile], path: object, role: str, where: str) -> 
 
 
 def _result(entry: object, files: dict[str, PackFile], where: str) -> ContributedResult:
-    _check_fields(entry, _RESULT_FIELDS, where)
+    check_fields(entry, _RESULT_FIELDS, where, "a result's entry")
     for name in ("reference", "result"):
         if not _HEX.match(entry[name]):
             raise QevalError(f"{where}: {entry['file']}: {name} {entry[name]!r} is not 64 lowercase hex digits")
@@ -172,6 +154,6 @@ def _result(entry: object, files: dict[str, PackFile], where: str) -> Contribute
 
 
 def _record(entry: object, files: dict[str, PackFile], where: str) -> ContributedRecord:
-    _check_fields(entry, {"file": str, "label": str, "machine": str}, where)
+    check_fields(entry, {"file": str, "label": str, "machine": str}, where, "a deployment entry")
     return ContributedRecord(file=_listed(files, entry["file"], "deployment", where), label=entry["label"],
                              machine=entry["machine"])
