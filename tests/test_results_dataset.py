@@ -127,18 +127,35 @@ def test_two_contributors_results_make_one_board_the_other_machines_row_marked(h
     assert data["sources"]["apart"] == [] and data["sources"]["refused"] == []
 
 
+def test_the_board_machine_is_asked_for_and_its_figures_fill_the_columns(hub, contributors, monkeypatch, tmp_path):
+    contribute(monkeypatch, contributors["A"])
+    contribute(monkeypatch, contributors["B"], on=GPU)
+    data, text = board(tmp_path, "--machine", GPU["id"][:6])
+    assert {label: o["mark"] for label, o in data["sources"]["rows"].items()} == {"Q8_0": "[1]", "Q4_0": "[1]",
+                                                                                  "Q2_K": ""}
+    assert data["deployment"]["machine"] == GPU["id"][:12] and "| Q2_K | Q2_K |" in text
+    assert "[1] measured on another machine or backend: AMD EPYC 9B14 (2 cores)" in text
+
+
 def test_results_of_two_references_are_never_merged(hub, contributors, monkeypatch, tmp_path):
     contribute(monkeypatch, contributors["A"])
     contribute(monkeypatch, contributors["C"])
+    # a result against a reference of another tokenizer (its request says so)
+    other = saved(contributors["A"], "Q8_0")
+    other["request"]["reference"]["tokenizer_sha256"] = "cd" * 32
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "Q8_0.vs.REF.json").write_text(json.dumps({**other, "per_token_file": None}))
+    contribute(monkeypatch, tmp_path / "d")
     res = run_cli("board", f"hf:{DATASET}", "--out", tmp_path / "board", "--ref", "REF")
-    assert_cli_error(res, "results of 2 references labelled REF", "--ref")
+    assert_cli_error(res, "results of 3 references labelled REF", "--ref")
     reference = results_dataset.reference_id(saved(contributors["A"], "Q8_0"))
     data, text = board(tmp_path, "--ref", reference[:10])
     assert sorted(r["label"] for r in data["rows"]) == ["Q4_0", "Q8_0"]
-    (apart,) = data["sources"]["apart"]
-    assert apart["result"].startswith(f"hf:{DATASET}/results/") and "another reference" in apart["why"]
-    assert "token ids sha256" in apart["why"]
-    assert "**Not on this board (1):**" in text
+    apart = sorted(data["sources"]["apart"], key=lambda a: "tokenizer" in a["why"])
+    assert [a["result"].startswith(f"hf:{DATASET}/results/") and "another reference" in a["why"] for a in apart] \
+        == [True, True]
+    assert "token ids sha256" in apart[0]["why"] and f"tokenizer:  vs {'cd' * 6}" in apart[1]["why"]
+    assert "**Not on this board (2):**" in text
 
 
 def test_a_tampered_or_partial_file_is_refused_by_name_and_the_board_built_from_the_rest(hub, contributors,

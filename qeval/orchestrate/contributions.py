@@ -236,7 +236,8 @@ def _chosen_reference(entries: list, ref: str | None, datasets: list[str]) -> re
 def _other_reference(chosen: results_dataset.ContributedResult, other: results_dataset.ContributedResult) -> str:
     """Why a result of another reference identity is not on the board: what differs."""
     differences = changes(chosen.reference_identity, other.reference_identity)
-    return "measured against another reference (" + "; ".join(differences or ["its identity"]) + ", board vs it)"
+    what = "; ".join(differences or ["its identity"])
+    return f"measured against another reference ({what}: this board's vs its)"
 
 
 def _result(repo: str, listed: list) -> tuple[results.Result, results_dataset.Contribution,
