@@ -125,6 +125,8 @@ def test_two_contributors_results_make_one_board_the_other_machines_row_marked(h
     assert f"**Measured on another machine, {GPU['id'][:12]}:**" in text
     assert data["deployment"]["records"]["Q2_K"].keys() == {GPU["id"][:12]}
     assert data["sources"]["apart"] == [] and data["sources"]["refused"] == []
+    page = (tmp_path / "board" / "leaderboard.html").read_text()
+    assert ">Q2_K [1]<" in page and '<pre id="sources">' in page and "[1] measured on another machine" in page
 
 
 def test_the_board_machine_is_asked_for_and_its_figures_fill_the_columns(hub, contributors, monkeypatch, tmp_path):

@@ -156,11 +156,35 @@ def board(datasets: list[str], *, ref: str | None = None, out=DEFAULT_OUT, title
     chosen = _chosen_reference([r for _, _, r in entries], ref, datasets)
     apart = [(_where(repo, r.file.path), f"{r.reference_label} ({r.reference[:12]})",
               _other_reference(chosen, r)) for repo, _, r in entries if r.reference != chosen.reference]
-    loaded = []  # (result, its contribution, its entry)
+    kept = _comparable(_downloaded(entries, chosen, refused), apart)
+    labels = _row_labels(kept)
+    current = this_machine()
+    records = _records(kept, labels, chosen.reference, refused)
+    machines = {facts["id"]: Machine(facts["id"][:12], facts, facts["id"] == current)
+                for facts in [*(rec.machine for rec in records), *(c.machine for _, _, c, _ in kept)]}
+    built = leaderboard.build(loaded=[_relabelled(res, labels[id(res)]) for _, res, _, _ in kept], title=title,
+                              deployment=_deployment(records, current, machine))
+    sources = contributed_board.Sources(
+        datasets=tuple(datasets), reference=chosen.reference,
+        reference_backend=report.ran_on(chosen.reference_identity.get("numerics"))["backend"],
+        machine=_board_machine(machines, current, machine), apart=apart, refused=refused,
+        origins={labels[id(res)]: contributed_board.Origin(machine=machines[c.machine["id"]],
+                                                           backend=r.ran_on.get("backend", "?"),
+                                                           file=_where(repo, r.file.path))
+                 for repo, res, c, r in kept})
+    contributed_board.mark_rows(built.table_rows, sources)
+    built.sources = sources
+    return leaderboard.write(built, out)
+
+
+def _downloaded(entries: list, chosen: results_dataset.ContributedResult, refused: list) -> list:
+    """(dataset, result, its contribution, its entry) of every result of the chosen reference, each file downloaded
+    once and verified; one that is not what a manifest lists, or does not read, is refused."""
     by_file = defaultdict(list)
     for repo, c, r in entries:
         if r.reference == chosen.reference:
             by_file[repo, r.file.path].append((c, r))
+    loaded = []
     for (repo, path), listed in by_file.items():
         try:
             loaded.append((repo, *_result(repo, listed)))
@@ -169,25 +193,7 @@ def board(datasets: list[str], *, ref: str | None = None, out=DEFAULT_OUT, title
     if not loaded:
         raise QevalError(f"no result measured against {chosen.reference_label} ({chosen.reference[:12]}) reads: "
                          + "; ".join(f"{name}: {why}" for name, why in refused))
-    kept = _comparable(loaded, apart)
-    labels = _row_labels(kept)
-    current = this_machine()
-    machines = {c.machine["id"]: Machine(c.machine["id"][:12], c.machine, c.machine["id"] == current)
-                for _, _, c, _ in kept}
-    origins = {labels[id(res)]: contributed_board.Origin(machine=machines[c.machine["id"]],
-                                                         backend=r.ran_on.get("backend", "?"),
-                                                         file=_where(repo, r.file.path))
-               for repo, res, c, r in kept}
-    records = _records(kept, labels, chosen.reference, refused)
-    built = leaderboard.build(loaded=[_relabelled(res, labels[id(res)]) for _, res, _, _ in kept], title=title,
-                              deployment=_deployment(records, current, machine))
-    sources = contributed_board.Sources(
-        datasets=tuple(datasets), reference=chosen.reference,
-        reference_backend=report.ran_on(chosen.reference_identity.get("numerics"))["backend"],
-        machine=_board_machine(machines, current, machine), origins=origins, apart=apart, refused=refused)
-    contributed_board.mark_rows(built.table_rows, sources)
-    built.sources = sources
-    return leaderboard.write(built, out)
+    return loaded
 
 
 def _where(repo: str, path: str) -> str:
@@ -335,7 +341,8 @@ def _deployment(records: list, current: str, machine: str | None) -> Records | N
 
 
 def _board_machine(machines: dict[str, Machine], current: str, asked: str | None) -> Machine:
-    """The machine a board's unmarked rows were measured on: `asked` (a machine id's first digits), else this one."""
+    """The machine a board's unmarked rows were measured on: `asked` (a machine id's first digits, of a machine that
+    uploaded a row or measured a record), else this one."""
     if asked is None:
         return machines.get(current) or Machine(current[:12], {"id": current}, True)
     found = [m for key, m in machines.items() if key.startswith(asked.lower())]
