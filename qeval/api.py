@@ -511,3 +511,21 @@ def needle_report(ref: str, *, models=(), kv_types=("f16",), contexts=(4096,), d
         contexts=tuple(contexts), depths=depth_list, trials=trials, needles=needles, corpus=corpus, seed=seed)
     result = run_needles(request, say=lambda line: say(line, progress))
     return result, needles_text(result)
+
+
+def publish_results_report(runs: list[Path], target: str, *, private: bool = False) -> tuple[dict, str]:
+    """Contribute saved results (files or directories of them) and their rows' speed and memory records to a Hub
+    dataset, at paths their identities give, with a manifest of their sha256 (qeval.orchestrate.contributions)."""
+    from qeval.orchestrate import contributions  # noqa: PLC0415 - only this command uploads results
+
+    return contributions.publish_results(runs, target, private=private)
+
+
+def board_report(datasets: list[str], *, ref: str | None = None, out: Path = Path("board"), title: str | None = None,
+                 machine: str | None = None):
+    """The leaderboard of every result in Hub datasets measured against one reference (its label or identity's
+    first digits), written under `out`; rows measured on another machine or backend marked, results of other
+    references listed apart, files that are not what their manifest lists refused (qeval.orchestrate.contributions)."""
+    from qeval.orchestrate import contributions  # noqa: PLC0415 - matplotlib loads only for boards
+
+    return contributions.board(datasets, ref=ref, out=out, title=title, machine=machine)

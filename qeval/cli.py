@@ -765,6 +765,32 @@ def publish_cmd(
                                     private=private))
 
 
+@app.command("publish-results")
+@grouped
+def publish_results_cmd(
+    run: list[Path] = typer.Argument(..., metavar="RUN...", help="Result JSON files, or directories of them (a runs dir or its results/)."),
+    dataset: str = typer.Argument(..., metavar="hf:USER/DATASET", help="The Hub dataset (created if it is not there; HF_TOKEN must be allowed to write to it)."),
+    private: bool = typer.Option(False, "--private", help="Create the dataset private (an existing one keeps its visibility)."),
+    output: Output = JSON,
+):
+    """Contribute saved results, and the speed and memory records of their rows with their machine, to a Hub dataset: files named by their identity, a manifest of their sha256; `qeval board` builds one board from many contributors'."""
+    output.emit(*api.publish_results_report(run, dataset, private=private))
+
+
+@app.command("board")
+def board_cmd(
+    dataset: list[str] = typer.Argument(..., metavar="hf:USER/DATASET...", help="Hub datasets of contributed results (qeval publish-results)."),
+    ref: Optional[str] = typer.Option(None, "--ref", help="The reference: its label or the first digits of its identity (default: the datasets' only one)."),
+    out: Path = typer.Option(Path("board"), "--out", "-o", help="Output directory."),
+    title: Optional[str] = typer.Option(None, "--title", help="Page and markdown heading."),
+    machine: Optional[str] = Machine,
+):
+    """Leaderboard of many contributors' results against one reference: rows measured on another machine or backend marked, other references' results listed apart, tampered or partial files refused and named."""
+    board = api.board_report(dataset, ref=ref, out=out, title=title, machine=machine)
+    typer.echo(board.markdown())
+    typer.echo("wrote " + ", ".join(str(p) for p in board.paths.values()))
+
+
 def plain_help(command):
     """`command` (and every command below it) with its help texts taken as written: typer renders help with rich
     markup, in which a bracket of a help text ([/CONFIG]) would be a tag; escaped, it prints as it stands."""

@@ -8,7 +8,8 @@ the Xet protocol's content-addressed store is not served here; upload_hub() sets
 (POST /REPO.git/info/lfs/objects/batch: an object the server holds needs no upload), a PUT of each LFS object's
 bytes (checked against its sha256), POST /api/validate-yaml for a README.md, and POST
 /api/models/REPO/commit/main (NDJSON: regular files inline in base64,
-LFS files by oid), applied at once; what is committed is then served as any repo."""
+LFS files by oid), applied at once; what is committed is then served as any repo. A dataset repository is served
+the same under /api/datasets/ and /datasets/: `repos` holds it as "datasets/USER/NAME"."""
 
 from __future__ import annotations
 
@@ -61,18 +62,19 @@ class FakeHub:
         server.expect_request("/api/validate-yaml", method="POST").respond_with_json({"warnings": [], "errors": []})
         server.expect_request("/api/agent-harnesses", method="GET").respond_with_json(
             {"standardEnvVars": [], "harnesses": {}})
-        server.expect_request(re.compile(r"^/api/models/.+/preupload/main$"), method="POST") \
+        server.expect_request(re.compile(r"^/api/(models|datasets)/.+/preupload/main$"), method="POST") \
             .respond_with_handler(self._preupload)
-        server.expect_request(re.compile(r"^/api/models/.+/commit/main$"), method="POST").respond_with_handler(self._commit)
+        server.expect_request(re.compile(r"^/api/(models|datasets)/.+/commit/main$"), method="POST") \
+            .respond_with_handler(self._commit)
         server.expect_request(re.compile(r"^/.+\.git/info/lfs/objects/batch$"), method="POST") \
             .respond_with_handler(self._lfs_batch)
         server.expect_request(re.compile(r"^/lfs-upload/[0-9a-f]{64}$"), method="PUT").respond_with_handler(self._lfs_put)
-        server.expect_request(re.compile(r"^/api/models/"), method="GET").respond_with_handler(self._listing)
+        server.expect_request(re.compile(r"^/api/(models|datasets)/"), method="GET").respond_with_handler(self._listing)
         server.expect_request(re.compile(r"^/.+/resolve/[^/]+/")).respond_with_handler(self._file)
 
     # -- reading -----------------------------------------------------------------------------------------------
     def _listing(self, request: Request) -> Response:
-        repo = request.path.removeprefix("/api/models/")
+        repo = repo_key(request.path)
         if repo not in self.repos:
             return hub_error(404, "RepoNotFound")
         body = {"id": repo, "sha": self.commits.get(repo, COMMIT),
@@ -110,7 +112,7 @@ class FakeHub:
     def _create(self, request: Request) -> Response:
         self.calls.append(f"POST {request.path}")
         body = request.get_json()
-        repo = f"{body['organization']}/{body['name']}"
+        repo = f"{'datasets/' if body.get('type') == 'dataset' else ''}{body['organization']}/{body['name']}"
         url = {"url": f"{self.url}/{repo}"}
         if repo in self.repos:  # as the Hub answers: the conflict, with the existing repo's URL
             return Response(json.dumps({"error": "You already created this model repo", **url}), 409,
@@ -148,7 +150,7 @@ class FakeHub:
         if self.failing_commits:
             self.failing_commits -= 1
             return hub_error(500, None)
-        repo = request.path.removeprefix("/api/models/").removesuffix("/commit/main")
+        repo = repo_key(request.path.removesuffix("/commit/main"))
         lines = [json.loads(line) for line in request.get_data().splitlines() if line.strip()]
         files = {}
         for line in lines:
@@ -165,6 +167,11 @@ class FakeHub:
         self.commits[repo] = commit
         return Response(json.dumps({"commitUrl": f"{self.url}/{repo}/commit/{commit}", "commitOid": commit,
                                     "success": True}), content_type="application/json")
+
+
+def repo_key(api_path: str) -> str:
+    """The key in FakeHub.repos of /api/models/USER/NAME (USER/NAME) or /api/datasets/USER/NAME (datasets/USER/NAME)."""
+    return api_path.removeprefix("/api/models/").removeprefix("/api/")
 
 
 def hub_error(status: int, code: str | None) -> Response:

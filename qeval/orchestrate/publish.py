@@ -21,8 +21,8 @@ from qeval.identity import NOT_RECORDED
 from qeval.orchestrate.measured import check_reference
 from qeval.present import results
 from qeval.storage.results import find_results
-from qeval.storage import reference_pack, runs
-from qeval.storage.hub_files import hub_errors, is_hub_spec, split_spec
+from qeval.storage import hub_files, reference_pack, runs
+from qeval.storage.hub_files import is_hub_spec, split_spec
 from qeval.storage.store import StoreReader
 
 RESULTS_FOLDER = "results"  # in the repository: results/<LABEL>/<cand>.vs.<LABEL>.json and their per-token files
@@ -56,28 +56,17 @@ def publish_report(store: str, target: str, results_dir: Path | None = None, car
         manifest_file = staging / reference_pack.manifest_name(label)
         manifest_file.write_bytes(reference_pack.manifest_bytes(manifest))
         files.append((manifest_file.name, manifest_file, "manifest"))
-        commit = _upload(repo, label, files, private)
+        commit = hub_files.upload(repo, [(path, local) for path, local, _ in files], f"qeval reference {label}",
+                                  private)
         return _report(repo, label, commit, _uploaded(files, manifest))
 
 
 def _refuse_private(path: Path, header) -> None:
     """The store goes up byte for byte (its checksums and identity are its bytes): refused when its header names
     this machine's user or a local path (a corpus captured from /home/NAME/...), which the upload would make public."""
-    exposed = _private_fields(dataclasses.asdict(header))
-    if exposed:
-        where, value = exposed[0]
-        raise QevalError(f"{path}: its header holds {where} = {value!r}, a local path or this user's name, which "
-                         "publishing would make public; capture the reference with --corpus as a path relative to the "
-                         "folder you run in, a shipped corpus or an hf: dataset, then publish that store")
-
-
-def _private_fields(value, where: str = "header") -> list[tuple[str, str]]:
-    """(field, value) of every string in `value` that reference_pack.public would change."""
-    if isinstance(value, dict):
-        return [f for key, item in value.items() for f in _private_fields(item, f"{where}.{key}")]
-    if isinstance(value, list):
-        return [f for i, item in enumerate(value) for f in _private_fields(item, f"{where}[{i}]")]
-    return [(where, value)] if isinstance(value, str) and reference_pack.public(value) != value else []
+    reference_pack.refuse_private(dataclasses.asdict(header), "header", str(path),
+                                  "capture the reference with --corpus as a path relative to the folder you run in, a "
+                                  "shipped corpus or an hf: dataset, then publish that store")
 
 
 def _backend(header) -> str:
@@ -115,21 +104,6 @@ def _results(store: Path, label: str, results_dir: Path, staging: Path) -> list[
         if per_token and (result.parent / per_token).is_file():
             files.append((f"{RESULTS_FOLDER}/{label}/{per_token}", result.parent / per_token, "result"))
     return files
-
-
-def _upload(repo: str, label: str, files: list[tuple[str, Path, str]], private: bool):
-    """One commit of every file (created or replaced), the repository created first if it is not there."""
-    from huggingface_hub import CommitOperationAdd, HfApi  # noqa: PLC0415 - slow import, only to publish
-
-    api = HfApi()
-    with hub_errors(repo, access="write"):
-        api.create_repo(repo, exist_ok=True, private=private)
-        # paths, never bytes: huggingface_hub uploads a file object over plain HTTP instead of Xet
-        operations = [CommitOperationAdd(path, str(local)) for path, local, _ in files]
-        try:
-            return api.create_commit(repo, operations, commit_message=f"qeval reference {label}")
-        except ValueError as exc:  # what huggingface_hub refuses before the commit: a card's metadata, say
-            raise QevalError(f"hf:{repo}: the upload was refused: {' '.join(str(exc).split())}") from None
 
 
 def _uploaded(files: list[tuple[str, Path, str]], manifest: dict) -> dict:

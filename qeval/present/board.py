@@ -148,6 +148,7 @@ class BoardRow:
     fingerprint: str | None = None  # its model's (qeval.engine.modelinfo): a speed and memory record must match it
     reference: bool = False  # the reference itself (reference_row): a board with speed and memory shows it
     confidence: list[TokenGroup] | None = None  # summary.by_confidence; None: not recorded
+    mark: str = ""  # after its label: a footnote's mark (a board of contributions: measured on another machine)
 
     def value(self, key: str) -> float | None:
         """The value of board metric `key` ("kld_mean", "ppl")."""
@@ -351,7 +352,8 @@ def leaderboard_cells(r: BoardRow, tasks=(), control: bool = False, segments=(),
     floor, early, deployment)."""
     deepest = "" if r.deepest is None else f"{kld_cell(r.deepest)} ({r.deepest.name})"
     held = "" if r.scored_tokens is None else f"{r.scored_tokens:,} ({r.chunks})"
-    return [r.label, r.quant, r.kv, _num(r.size_gib, ".3f"), _num(r.bpw, ".2f"),
+    return [f"{r.label} {r.mark}" if r.mark else r.label, r.quant, r.kv, _num(r.size_gib, ".3f"),
+            _num(r.bpw, ".2f"),
             *(metric_cell(r, m, mv) for m, mv in r.board_values()),
             "" if r.kld_bound is None else r.kld_bound.bound_text(),
             *((control_cell(r),) if control else ()), *((floor_cell(r),) if floor else ()), deepest, *(kld_cell(r.segments.get(name)) for name in segments),

@@ -49,6 +49,8 @@ class Leaderboard:
     paths: dict[str, Path] = field(default_factory=dict)  # filled by write(): name -> file
     deployment: DeploymentBoard | None = None  # speed and memory of the rows, when records were given
     reference_row: BoardRow | None = None  # the reference itself, on a board with speed and memory
+    # a board of contributions (qeval.present.contributed_board.Sources): where rows were measured, what was left out
+    sources: object | None = None
 
     @property
     def table_rows(self) -> list[BoardRow]:
@@ -119,7 +121,7 @@ def load_results(runs: list[str | os.PathLike], with_per_token: bool = True) -> 
     return loaded
 
 
-def _board_identity(res: results.Result) -> dict:
+def board_identity(res: results.Result) -> dict:
     """What every result on one board shares: the reference (the label the page names it by, and its identity
     over the chunks compared: model, settings, token ids) and the chunk count. Each result must have been
     computed with this qeval's formulas (results.require_current)."""
@@ -133,9 +135,9 @@ def check_comparable(loaded: list[results.Result]) -> None:
     if not loaded:
         raise QevalError("no results to put on a leaderboard")
     first = loaded[0]
-    base = _board_identity(first)
+    base = board_identity(first)
     for other in loaded[1:]:
-        diffs = changes(base, _board_identity(other))
+        diffs = changes(base, board_identity(other))
         if diffs:
             raise QevalError(
                 f"{first.path} (reference {first.ref_label}) and {other.path} (reference {other.ref_label}) were "
@@ -245,6 +247,8 @@ def markdown_page(board: Leaderboard) -> str:
                             boardrows.has_floor(board.rows)), ""]
     if view is not None:
         out += [" ".join(view.notes()), "", *deployment_board.other_machines_markdown(view, board.table_rows)]
+    if board.sources is not None:
+        out += board.sources.markdown()
     return "\n".join(out)
 
 
@@ -254,7 +258,8 @@ def leaderboard_json(board: Leaderboard) -> dict:
     return _strict({"title": board.title, "settings": board.settings, "pareto_front": board.pareto,
                     "columns": list(columns), "rows": board.records(),
                     "by_confidence": {r.label: boardrows.confidence_figures(r) for r in board.table_rows},
-                    **({"deployment": board.deployment.to_json()} if board.deployment else {})})
+                    **({"deployment": board.deployment.to_json()} if board.deployment else {}),
+                    **({"sources": board.sources.to_json()} if board.sources is not None else {})})
 
 
 def _strict(v):

@@ -57,12 +57,17 @@ def ran_where(ref_header: StoreHeader, cand_header: StoreHeader) -> dict:
 
 
 def _ran_on(h: StoreHeader) -> dict:
-    numerics = h.capture.get("numerics")
+    return ran_on(h.capture.get("numerics"), h.capture.get("cpu"))
+
+
+def ran_on(numerics: dict | str | None, cpu: str | None = None) -> dict:
+    """Where logits recorded with these numerics (qeval.identity.producer's) were computed: build, backend, layers
+    offloaded, and the CPU when known."""
     if not isinstance(numerics, dict):
         return {"backend": NOT_RECORDED}
     build = numerics.get("build") or {}
     return {"backend": build_backend(build.get("system_info") or ""), "llama_cpp_python": build.get("llama_cpp_python"),
-            "system_info": build.get("system_info"), "cpu": h.capture.get("cpu"), "gpu_layers": numerics.get("gpu_layers")}
+            "system_info": build.get("system_info"), "cpu": cpu, "gpu_layers": numerics.get("gpu_layers")}
 
 
 def ran_where_text(where: dict) -> str:

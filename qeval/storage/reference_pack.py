@@ -125,6 +125,26 @@ def public(value, private: tuple[str, ...] | None = None):
     return value
 
 
+def refuse_private(value, name: str, where: str, remedy: str) -> None:
+    """Refuse `value` (JSON, called `name` in the message; `where`: whose it is) when a string in it is one public()
+    would change: what cannot be made public by changing it (a store published byte for byte, an identity that is
+    hashed) and would make a local path or this user's name public."""
+    exposed = _private_fields(value, name)
+    if exposed:
+        field, text = exposed[0]
+        raise QevalError(f"{where}: its {field} = {text!r} is a local path or this user's name, which publishing would "
+                         f"make public; {remedy}")
+
+
+def _private_fields(value, where: str) -> list[tuple[str, str]]:
+    """(field, value) of every string in `value` that public() would change."""
+    if isinstance(value, dict):
+        return [f for key, item in value.items() for f in _private_fields(item, f"{where}.{key}")]
+    if isinstance(value, list):
+        return [f for i, item in enumerate(value) for f in _private_fields(item, f"{where}[{i}]")]
+    return [(where, value)] if isinstance(value, str) and public(value) != value else []
+
+
 def _private_words() -> tuple[str, ...]:
     """The home folder and the user's name (a name under 3 characters would hide ordinary words: left out)."""
     words = [str(Path.home())]
@@ -137,27 +157,41 @@ def _private_words() -> tuple[str, ...]:
 
 
 # --- reading -------------------------------------------------------------------------------------------------------
-def read_manifest(data: bytes, where: str) -> Manifest:
-    """A manifest from its bytes, every field checked (`where` names it in messages)."""
+def manifest_json(data: bytes, where: str, kind: str, fmt: str, versions: tuple[int, ...], fields: dict) -> dict:
+    """The JSON object of a manifest's bytes (a `kind` manifest: "reference", "results"), its format `fmt`, its
+    version (one of `versions`) and every field of `fields` (name -> JSON type) checked."""
     try:
         d = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
-        raise QevalError(f"{where} is not a JSON manifest ({exc})") from None
-    if not isinstance(d, dict) or d.get("format") != FORMAT:
-        raise QevalError(f"{where} is not a qeval reference manifest (no \"format\": \"{FORMAT}\")")
+        raise QevalError(f"{where} is not a JSON manifest ({exc}): a partial or damaged file") from None
+    if not isinstance(d, dict) or d.get("format") != fmt:
+        raise QevalError(f"{where} is not a qeval {kind} manifest (no \"format\": \"{fmt}\")")
     version = d.get("version")
-    if type(version) is not int or version not in READABLE_VERSIONS:
+    if type(version) is not int or version not in versions:
         raise QevalError(f"{where}: manifest version {version!r} is not one this qeval reads "
-                         f"({', '.join(map(str, READABLE_VERSIONS))}): a newer qeval published it, upgrade qeval")
-    for name, kind in _FIELDS.items():
+                         f"({', '.join(map(str, versions))}): a newer qeval published it, upgrade qeval")
+    check_fields(d, fields, where)
+    return d
+
+
+def check_fields(d: object, fields: dict, where: str, what: str = "the manifest") -> None:
+    """Refuse `d` unless it is a JSON object holding every field of `fields` (name -> JSON type)."""
+    if not isinstance(d, dict):
+        raise QevalError(f"{where}: {what} is not a JSON object")
+    for name, kind in fields.items():
         if name not in d:
-            raise QevalError(f"{where}: the manifest lacks its field {name!r}")
+            raise QevalError(f"{where}: {what} lacks its field {name!r}")
         if type(d[name]) is not kind:
-            raise QevalError(f"{where}: the manifest's field {name!r} is not a JSON {kind.__name__}")
+            raise QevalError(f"{where}: {what}'s field {name!r} is not a JSON {kind.__name__}")
+
+
+def read_manifest(data: bytes, where: str) -> Manifest:
+    """A manifest from its bytes, every field checked (`where` names it in messages)."""
+    d = manifest_json(data, where, "reference", FORMAT, READABLE_VERSIONS, _FIELDS)
     label = d["label"]
     if not label or PurePosixPath(label).name != label or label in (".", ".."):
         raise QevalError(f"{where}: bad label {label!r}")
-    files = tuple(_pack_file(entry, where) for entry in d["files"])
+    files = tuple(pack_file(entry, where) for entry in d["files"])
     paths = [f.path for f in files]
     if len(set(paths)) != len(paths):
         raise QevalError(f"{where}: a file is listed twice")
@@ -166,7 +200,8 @@ def read_manifest(data: bytes, where: str) -> Manifest:
     return Manifest(label, d["identity"], files, d)
 
 
-def _pack_file(entry: object, where: str) -> PackFile:
+def pack_file(entry: object, where: str, roles: tuple[str, ...] = ROLES) -> PackFile:
+    """A manifest's entry of `files`, every field checked; its role one of `roles`."""
     if not isinstance(entry, dict):
         raise QevalError(f"{where}: an entry of 'files' is not a JSON object")
     path, sha, size, role = (entry.get(k) for k in ("path", "sha256", "bytes", "role"))
@@ -176,8 +211,8 @@ def _pack_file(entry: object, where: str) -> PackFile:
         raise QevalError(f"{where}: {path}: sha256 {sha!r} is not 64 lowercase hex digits")
     if type(size) is not int or size < 0:
         raise QevalError(f"{where}: {path}: bytes {size!r} is not a size")
-    if role not in ROLES:
-        raise QevalError(f"{where}: {path}: role {role!r} is none of {', '.join(ROLES)}")
+    if role not in roles:
+        raise QevalError(f"{where}: {path}: role {role!r} is none of {', '.join(roles)}")
     return PackFile(path, sha, size, role)
 
 
@@ -237,6 +272,15 @@ def _manifests(files: list[str]) -> list[str]:
     return sorted(f[:-len(MANIFEST_SUFFIX)] for f in files if f.endswith(MANIFEST_SUFFIX) and "/" not in f)
 
 
+def mismatch(local: Path, listed: PackFile) -> str:
+    """"" when the downloaded file `local` has the size and sha256 its manifest lists, else what it has instead."""
+    size = local.stat().st_size
+    if size != listed.bytes:
+        return f"{size:,} bytes"
+    sha = file_sha256(local)
+    return "" if sha == listed.sha256 else f"sha256 {sha}"
+
+
 _verified: dict[tuple[str, int, int], Manifest] = {}  # (path, size, mtime) of a store verified in this process
 
 
@@ -249,8 +293,8 @@ def verify(store: Path, manifest: Manifest, where: str) -> None:
     if _verified.get(key) == manifest:
         return
     listed = manifest.store
-    if st.st_size != listed.bytes or (sha := file_sha256(store)) != listed.sha256:
-        got = f"{st.st_size:,} bytes" if st.st_size != listed.bytes else f"sha256 {sha}"
+    got = mismatch(store, listed)
+    if got:
         raise QevalError(f"{where}: the downloaded file has {got}, its manifest says {listed.bytes:,} bytes, sha256 "
                          f"{listed.sha256}: it is damaged or not the file published with the manifest; remove "
                          f"{store.resolve()} from huggingface_hub's cache to download it again")
