@@ -14,9 +14,10 @@ import pytest
 
 from qeval.capture.capture import CaptureSpec, corpus_windows
 from qeval.errors import QevalError
-from qeval.inputs.chat_spans import SEGMENTS
-from qeval.inputs.conversation_windows import (HISTORY_REPLY, conversation_windows, insertion_point,
-                                               parse_depths)
+from qeval.inputs import chat
+from qeval.inputs.chat_spans import SEGMENTS, scored_conversation
+from qeval.inputs.conversation_windows import (HISTORY_REPLY, History, chat_template_for, conversation_windows,
+                                               insertion_point, parse_depths)
 
 TEMPLATE = str(Path(__file__).resolve().parents[1] / "corpora" / "conversations" / "gemma3-tokenizer_config.json")
 N_CTX = 1024
@@ -128,6 +129,17 @@ def test_the_history_is_an_earlier_exchange_the_template_renders(suite, model):
     assert (f"<start_of_turn>model\n{HISTORY_REPLY}<end_of_turn>\n<start_of_turn>user\n"
             "Do I need rain gear in Utrecht tomorrow?<end_of_turn>") in rest
     assert model.text(deep.windows[3]).startswith("<bos><start_of_turn>user\nNORTHANGER ABBEY")  # no system text
+
+
+def test_every_depth_past_the_history_markup_is_met_exactly(suite, model):
+    """A passage that would end in white space is trimmed, a length skipped: it then starts a token later."""
+    template = chat_template_for(model, TEMPLATE)
+    conversation = chat.load_conversations(suite)[1]
+    tokens, labels = scored_conversation(conversation, template, model, {})
+    history = History.of((0,), template, model, {}, N_CTX)
+    for depth in range(20, 200):
+        placed, placed_labels = history.placed(conversation, tokens, labels, depth)
+        assert len(placed) == len(tokens) + depth and placed_labels.sum() == labels.sum()
 
 
 def test_a_depth_that_does_not_fit_or_cannot_be_built_is_refused(suite, model):

@@ -43,6 +43,7 @@ from qeval.storage.scoring import WindowLabels
 HISTORY_CORPUS = DEFAULT_CORPUS  # the text of the history before a conversation at depth: Northanger Abbey
 HISTORY_REPLY = "Noted."  # the assistant's reply that closes the history (not scored)
 MAX_DEPTHS = 255 // len(SEGMENTS)  # a window's labels are one byte: segment x depth
+HISTORY_STARTS = 8  # where in the novel a history's passage may start (History.placed)
 
 @dataclass(frozen=True)
 class ConversationWindows:
@@ -214,35 +215,45 @@ class History:
                              f"{self.n_ctx}: {room} (raise -c to at least {n + deepest}; a conversation at depth is "
                              "never cut)")
 
-    def passage(self, n_tokens: int) -> str:
-        """About n_tokens tokens of the novel (read again from its start when it is shorter)."""
+    def passage(self, start: int, n_tokens: int) -> str:
+        """About n_tokens tokens of the novel from its token `start` on (read again from its beginning when it is
+        shorter), white space at its ends trimmed as templates trim it."""
+        return self._upto(start + n_tokens)[len(self._upto(start)):].decode("utf-8", errors="ignore").strip()
+
+    def _upto(self, n_tokens: int) -> bytes:
         whole, part = divmod(n_tokens, len(self.ends))
-        head = self.text[:self.ends[part - 1]] if part else b""
-        return (self.text * whole + head).decode("utf-8", errors="ignore").strip()
+        return self.text * whole + (self.text[:self.ends[part - 1]] if part else b"")
 
     def placed(self, conversation: Conversation, tokens: np.ndarray, labels: np.ndarray,
                depth: int) -> tuple[np.ndarray, np.ndarray]:
         """The conversation's tokens after a history of exactly `depth` tokens, and its labels, shifted past it.
         The passage's length is found by Newton's steps on its token count (a passage of k tokens renders to about
-        k tokens plus its turns' markup)."""
+        k tokens plus its turns' markup). A passage that would end in white space is trimmed, one token shorter, so
+        that some lengths are skipped: then it starts a token later, which moves its end."""
         if depth == 0:
             return tokens, labels
-        k, tried, shift = depth, set(), 0
-        while k not in tried:
-            tried.add(k)
-            _, longer = rendered_tokens(with_history(conversation, self.passage(k)), self.template, self.model,
-                                        self.template_kwargs)
-            shift = len(longer) - len(tokens)
-            if shift == depth:
-                split = insertion_point(tokens, longer)
-                if split is None:
-                    raise QevalError(f"the chat template of {self.template.source} renders conversation "
-                                     f"{conversation.id!r} otherwise after a history: its own tokens change, so it "
-                                     "cannot be scored at depth")
-                return longer.astype(np.int32), np.insert(labels, split, np.zeros(depth, np.uint8))
-            k = max(0, k + depth - shift)
+        nearest = 0
+        for start in range(HISTORY_STARTS):
+            k, tried = depth, set()
+            while k not in tried:
+                tried.add(k)
+                _, longer = rendered_tokens(with_history(conversation, self.passage(start, k)), self.template,
+                                            self.model, self.template_kwargs)
+                shift = len(longer) - len(tokens)
+                if shift == depth:
+                    return self._spliced(conversation, tokens, labels, longer, depth)
+                nearest = min(nearest or shift, shift, key=lambda n: abs(n - depth))
+                k = max(0, k + depth - shift)
         raise QevalError(f"conversation {conversation.id!r}: no history of exactly {depth} tokens (the nearest held "
-                         f"{shift}; the history's own turns take some tokens, so a depth must be 0 or more than them)")
+                         f"{nearest}; the history's own turns take some tokens, so a depth must be 0 or more than them)")
+
+    def _spliced(self, conversation: Conversation, tokens: np.ndarray, labels: np.ndarray, longer: np.ndarray,
+                 depth: int) -> tuple[np.ndarray, np.ndarray]:
+        split = insertion_point(tokens, longer)
+        if split is None:
+            raise QevalError(f"the chat template of {self.template.source} renders conversation {conversation.id!r} "
+                             "otherwise after a history: its own tokens change, so it cannot be scored at depth")
+        return longer.astype(np.int32), np.insert(labels, split, np.zeros(depth, np.uint8))
 
     def windows(self, conversation: Conversation, tokens: np.ndarray, labels: np.ndarray):
         """(window, labels) of the conversation at every depth, each label naming its segment at that depth."""
