@@ -17,7 +17,7 @@ from qeval.errors import QevalError
 from qeval.inputs import chat
 from qeval.inputs.chat_spans import SEGMENTS, scored_conversation
 from qeval.inputs.conversation_windows import (HISTORY_REPLY, History, chat_template_for, conversation_windows,
-                                               insertion_point, parse_depths)
+                                               insertion_point, parse_history_depths)
 
 TEMPLATE = str(Path(__file__).resolve().parents[1] / "corpora" / "conversations" / "gemma3-tokenizer_config.json")
 N_CTX = 1024
@@ -80,12 +80,12 @@ def windows(suite, model, depths, n_ctx=N_CTX):
 
 
 def test_depths_are_parsed_sorted_and_checked():
-    assert parse_depths(None) is None
-    assert parse_depths("4096, 0,512,512") == (0, 512, 4096)
+    assert parse_history_depths(None) is None
+    assert parse_history_depths("4096, 0,512,512") == (0, 512, 4096)
     for bad, message in (("-5,0", "0 or more tokens, not -5"), ("0,x", "comma-separated"), ("", "comma-separated"),
                          (",".join(map(str, range(86))), "at most 85 depths")):
         with pytest.raises(QevalError, match=message):
-            parse_depths(bad)
+            parse_history_depths(bad)
 
 
 def test_each_conversation_sits_after_a_history_of_exactly_each_depth(suite, model):

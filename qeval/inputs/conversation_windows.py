@@ -82,7 +82,7 @@ def conversation_windows(spec: str, model, n_ctx: int, max_chunks: int | None, c
     LlamaModel: tokenizer, template, EOS); `depths` (--conversation-depths): each conversation after histories of
     those many tokens (the module's docstring), None: at the start of its windows."""
     check_ctx(n_ctx)
-    placed = parse_depths(depths)
+    placed = parse_history_depths(depths)
     conversations = load_conversations(spec)
     template = chat_template_for(model, chat_template)
     categories = list(dict.fromkeys(c.category for c in conversations))
@@ -147,7 +147,7 @@ def conversations_sha256(conversations: list[Conversation]) -> str:
 # --------------------------------------------------------------------------------------------------
 # conversations at depth
 # --------------------------------------------------------------------------------------------------
-def parse_depths(text: str | None) -> tuple[int, ...] | None:
+def parse_history_depths(text: str | None) -> tuple[int, ...] | None:
     """--conversation-depths: distinct depths in tokens, ascending; None without the option."""
     if text is None:
         return None
