@@ -11,7 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import run_cli
 
+from qeval import api
 from qeval.capture.capture import CaptureSpec, corpus_windows
 from qeval.errors import QevalError
 from qeval.inputs import chat
@@ -175,3 +177,21 @@ def test_depth_0_alone_gives_todays_windows_labelled_at_0(suite, model):
     alone, today = windows(suite, model, "0"), windows(suite, model, None)
     np.testing.assert_array_equal(alone.windows, today.windows)
     assert alone.labels.runs == today.labels.runs and alone.labels.segments == tuple(f"{s}@0" for s in SEGMENTS)
+
+
+def test_the_option_reaches_capture_and_matrix(monkeypatch):
+    """--conversation-depths is one option of the corpus-and-windows group: capture and matrix pass it on."""
+    seen = {}
+
+    def record(name):
+        def called(*args, **kwargs):
+            seen[name] = kwargs.get("conversation_depths")
+            return {}, ""
+        return called
+
+    monkeypatch.setattr(api, "capture_store", record("capture"))
+    monkeypatch.setattr(api, "matrix_report", record("matrix"))
+    common = ("--corpus", "c.jsonl", "--score", "assistant", "--conversation-depths", "0,4096")
+    assert run_cli("capture", "m.gguf", "-l", "x", *common).returncode == 0
+    assert run_cli("matrix", "--ref", "m.gguf", "-m", "n.gguf", *common).returncode == 0
+    assert seen == {"capture": "0,4096", "matrix": "0,4096"}
