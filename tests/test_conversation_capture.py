@@ -10,8 +10,8 @@ import pytest
 from conftest import assert_cli_error, run_cli
 
 from qeval import api
-from qeval.errors import QevalError
 from qeval.engine.engine import LlamaModel
+from qeval.errors import QevalError
 from qeval.inputs import chat
 from qeval.inputs.chat_spans import scored_conversation
 from qeval.inputs.conversation_windows import chat_template_for

@@ -18,8 +18,14 @@ from qeval.capture.capture import CaptureSpec, corpus_windows
 from qeval.errors import QevalError
 from qeval.inputs import chat
 from qeval.inputs.chat_spans import SEGMENTS, scored_conversation
-from qeval.inputs.conversation_windows import (HISTORY_REPLY, History, chat_template_for, conversation_windows,
-                                               insertion_point, parse_history_depths)
+from qeval.inputs.conversation_windows import (
+    HISTORY_REPLY,
+    History,
+    chat_template_for,
+    conversation_windows,
+    insertion_point,
+    parse_history_depths,
+)
 
 TEMPLATE = str(Path(__file__).resolve().parents[1] / "corpora" / "conversations" / "gemma3-tokenizer_config.json")
 N_CTX = 1024

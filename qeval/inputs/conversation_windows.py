@@ -193,7 +193,7 @@ class History:
     ends: np.ndarray  # the byte offset after each of its tokens
 
     @classmethod
-    def of(cls, depths, template: ChatTemplate, model, template_kwargs: dict, n_ctx: int) -> "History":
+    def of(cls, depths, template: ChatTemplate, model, template_kwargs: dict, n_ctx: int) -> History:
         tokens = model.tokenize(load_corpus(HISTORY_CORPUS).text, add_special=False, parse_special=False)
         pieces = [model.token_bytes(int(t)) for t in tokens]
         return cls(depths, template, model, template_kwargs, n_ctx, b"".join(pieces),
