@@ -26,6 +26,7 @@ from qeval.inputs.conversation_windows import (
     insertion_point,
     parse_history_depths,
 )
+from qeval.orchestrate import matrix
 
 TEMPLATE = str(Path(__file__).resolve().parents[1] / "corpora" / "conversations" / "gemma3-tokenizer_config.json")
 N_CTX = 1024
@@ -201,3 +202,7 @@ def test_the_option_reaches_capture_and_matrix(monkeypatch):
     assert run_cli("capture", "m.gguf", "-l", "x", *common).returncode == 0
     assert run_cli("matrix", "--ref", "m.gguf", "-m", "n.gguf", *common).returncode == 0
     assert seen == {"capture": "0,4096", "matrix": "0,4096"}
+    request = matrix.MatrixRequest(ref_label="R", ref_path="r.gguf", pairs=(("A", "a.gguf", "f16"),),
+                                   directory=Path("runs"), corpus="c.jsonl", scoring="assistant",
+                                   conversation_depths="0,4096")
+    assert matrix.plan_matrix(request).reference.conversation_depths == "0,4096"  # the reference's capture
