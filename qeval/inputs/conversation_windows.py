@@ -180,7 +180,7 @@ def insertion_point(tokens: np.ndarray, longer: np.ndarray) -> int | None:
     return split if np.array_equal(tokens[:split], longer[:split]) else None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class History:
     """The history conversations are placed after: passages of HISTORY_CORPUS, as many tokens long as needed."""
 
@@ -196,8 +196,8 @@ class History:
     def of(cls, depths, template: ChatTemplate, model, template_kwargs: dict, n_ctx: int) -> History:
         tokens = model.tokenize(load_corpus(HISTORY_CORPUS).text, add_special=False, parse_special=False)
         pieces = [model.token_bytes(int(t)) for t in tokens]
-        return cls(depths, template, model, template_kwargs, n_ctx, b"".join(pieces),
-                   np.cumsum([len(p) for p in pieces]))
+        return cls(depths=depths, template=template, model=model, template_kwargs=template_kwargs, n_ctx=n_ctx,
+                   text=b"".join(pieces), ends=np.cumsum([len(p) for p in pieces]))
 
     def segments(self) -> tuple[str, ...]:
         """segment@depth for every segment and depth, segment-major: tool_call@0 beside tool_call@4096."""
