@@ -179,12 +179,14 @@ def capture_store(model: str, label: str, *, runs_dir=None, out: str | None = No
                   n_ctx: int = 512, chunks: int | None = None, settings: EngineSettings = EngineSettings(),
                   chunk_range: tuple[int, int] | None = None,
                   progress: bool = False, on_chunk=None, force: bool = False, scoring: str = "half",
-                  concat: bool = False, chat_template: str | None = None,
-                  chat_template_kwargs: str | None = None, reference_form: str = "logits") -> tuple[dict, str]:
+                  concat: bool = False, chat_template: str | None = None, chat_template_kwargs: str | None = None,
+                  reference_form: str = "logits", conversation_depths: str | None = None) -> tuple[dict, str]:
     """Capture `model` (a GGUF path or an hf: spec) into a store, resume an interrupted capture, or reuse one that
     holds it already. A store there that holds another capture is refused (naming what differs), or replaced with
     `force`. A conversation corpus is scored with scoring "assistant", rendered with the model's chat template or
-    `chat_template` (a file, or "plain"), `chat_template_kwargs` a JSON object of template variables."""
+    `chat_template` (a file, or "plain"), `chat_template_kwargs` a JSON object of template variables;
+    `conversation_depths` ("0,4096,..."): each conversation placed after a history of that many tokens, its segments
+    labelled segment@depth (qeval.inputs.conversation_windows)."""
     directory = runs.runs_dir(runs_dir)
     runs.check_label(label)
     if out is None:
@@ -193,7 +195,8 @@ def capture_store(model: str, label: str, *, runs_dir=None, out: str | None = No
     spec = CaptureSpec(model=resolve_model(model), out=out, label=label, corpus=corpus, n_ctx=n_ctx,
                        chunks=chunks, chunk_range=chunk_range, settings=settings, replace=force,
                        scoring=Scoring.parse(scoring).rule, concat=concat, chat_template=chat_template,
-                       chat_template_kwargs=chat_template_kwargs, reference_form=reference_form)
+                       chat_template_kwargs=chat_template_kwargs, reference_form=reference_form,
+                       conversation_depths=conversation_depths)
     with contextlib.ExitStack() as stack:
         bar = PlannedProgress(stack, f"capturing {label}", progress, on_chunk)
         result = capture(spec, on_chunk=bar.advance, on_plan=bar.on_plan,
@@ -208,7 +211,8 @@ def matrix_report(ref: str, models: list[str], kv_types: list[str], *, chunks: i
                   concat: bool = False, samplers=(), tasks=(), repos=(), include=(), exclude=(),
                   control: bool = False, chat_template: str | None = None,
                   chat_template_kwargs: str | None = None, floor: str = "none", keep_logits: bool = False,
-                  early: EarlySettings | None = None, deploy=None) -> tuple[dict, str]:
+                  early: EarlySettings | None = None, deploy=None,
+                  conversation_depths: str | None = None) -> tuple[dict, str]:
     """Capture `ref` once, then every model x KV pair (live, or reusing finished stores and results).
     models: GGUF paths or hf: specs (LABEL=… to name one); hf:USER/REPO:* and each of `repos` (hf:USER/REPO) stand
     for every model of the repository, filtered by `include`/`exclude` globs on its file paths and labelled
@@ -223,7 +227,8 @@ def matrix_report(ref: str, models: list[str], kv_types: list[str], *, chunks: i
     and every pair.
     control: run the reference model once more under another batch layout, as the pair `control`: the noise
     floor every other row is read against (qeval.orchestrate.matrix.control_settings); `qeval matrix` asks for it
-    unless --no-control. chat_template, chat_template_kwargs: a conversation corpus's (see capture_store). floor: a row for the reference model on another of llama.cpp's kernel paths, each
+    unless --no-control. chat_template, chat_template_kwargs, conversation_depths: a conversation corpus's (see
+    capture_store). floor: a row for the reference model on another of llama.cpp's kernel paths, each
     KV row's cost read against it (qeval.orchestrate.matrix.FLOORS; `qeval matrix` asks for `auto`).
 
     A pair run live keeps no candidate logits: each chunk's per-token results go to its checkpoint
@@ -254,7 +259,7 @@ def matrix_report(ref: str, models: list[str], kv_types: list[str], *, chunks: i
         directory=runs.runs_dir(runs_dir), chunks=chunks, n_ctx=n_ctx, corpus=corpus, engine=engine, force=force,
         scoring=scoring, concat=concat, samplers=tuple(samplers), tasks=requests, control=control, floor=floor,
         chat_template=chat_template, chat_template_kwargs=chat_template_kwargs, keep_logits=keep_logits, early=early,
-        deploy=None if deploy is None else deploy_spec(deploy))
+        deploy=None if deploy is None else deploy_spec(deploy), conversation_depths=conversation_depths)
     return sweep.run_matrix(request, progress, executor)
 
 

@@ -174,7 +174,12 @@ WINDOWS = OptionGroup("Corpus and windows", dict, {  # api.capture_store's and a
     "n_ctx": (int, typer.Option(512, "-c", "--ctx", "--ctx-size", help="Tokens per window (n_ctx).")),
     "corpus": (Optional[str], typer.Option(None, "--corpus", "-f", help="Text file, folder of *.txt documents, shipped corpus name (or 'shipped': all), wikitext-2, or hf:DATASET[/CONFIG][:SPLIT][#COLUMN]; with --score assistant, conversations: a JSONL file, a folder of them, or 'conversations' (the shipped suite).")),
     "scoring": (str, Score), "concat": (bool, Concat), "chat_template": (Optional[str], ChatTemplateOption),
-    "chat_template_kwargs": (Optional[str], ChatTemplateKwargs)})
+    "chat_template_kwargs": (Optional[str], ChatTemplateKwargs),
+    "conversation_depths": (Optional[str], typer.Option(None, "--conversation-depths", help=(
+        "With --score assistant: place each conversation after a history of each of these many tokens (e.g. "
+        "0,4096,16384; an earlier exchange holding a passage of a novel, rendered by the chat template), one window "
+        "each; its tokens are scored by segment and depth (tool_call@4096). Every conversation must fit -c after "
+        "the deepest.")))})
 
 
 def _early(

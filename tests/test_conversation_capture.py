@@ -11,6 +11,7 @@ from conftest import assert_cli_error, run_cli
 
 from qeval import api
 from qeval.engine.engine import LlamaModel
+from qeval.errors import QevalError
 from qeval.inputs import chat
 from qeval.inputs.chat_spans import scored_conversation
 from qeval.inputs.conversation_windows import chat_template_for
@@ -23,13 +24,20 @@ TEMPLATE = chat.shipped_dir() / "gemma3-chat-template.jinja"
 IDS = ("tool_calls-001", "thinking-007", "chat-002", "multilingual-de-001")
 
 
-@pytest.fixture(scope="module")
-def conversations(tmp_path_factory):
+def shipped_rows(ids) -> list[dict]:
     rows = [json.loads(line) for f in sorted(chat.shipped_dir().glob("*.jsonl"))
             for line in f.read_text().splitlines()]
-    path = tmp_path_factory.mktemp("conv") / "few.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows if r["id"] in IDS))
+    return [r for r in rows if r["id"] in ids]
+
+
+def written(rows: list[dict], path):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+@pytest.fixture(scope="module")
+def conversations(tmp_path_factory):
+    return written(shipped_rows(IDS), tmp_path_factory.mktemp("conv") / "few.jsonl")
 
 
 @pytest.fixture(scope="module")
@@ -115,3 +123,29 @@ def test_a_matrix_over_conversations_with_its_control(models, conversations, cap
     assert {g["segment"] for g in by_label["Q2_K"]["by_segment"]} == {"thinking", "answer", "tool_call"}
     assert {g["category"] for g in by_label["Q2_K"]["by_category"]} == {"tool_calls", "thinking", "chat",
                                                                         "multilingual"}
+
+
+def test_tool_calls_at_depth_are_scored_by_segment_and_depth_and_depth_0_is_todays(models, tmp_path):
+    """--conversation-depths 0,448 at -c 1024: by segment and depth, and the figures at depth 0 are those of the same
+    conversation captured without depths, exactly. A shipped tool call, its answer cut to its first sentence (564
+    tokens, 25 of them scored: a capture codes each scored token's 262K logits)."""
+    (row,) = shipped_rows(("tool_calls-001",))
+    row["messages"][-1]["content"] = row["messages"][-1]["content"].split(". ")[0] + "."
+    corpus = str(written([row], tmp_path / "tool.jsonl"))
+    common = {"runs_dir": tmp_path, "corpus": corpus, "n_ctx": 1024, "scoring": "assistant",
+              "chat_template": str(TEMPLATE)}
+    for label, depths in (("today", None), ("deep", "0,448")):
+        api.capture_store(str(models["Q8_0"]), label, conversation_depths=depths, **common)
+    today, _ = api.kld_report("today", str(models["Q4_K_M"]), runs_dir=tmp_path)
+    deep, text = api.kld_report("deep", str(models["Q4_K_M"]), runs_dir=tmp_path)
+    groups = {g["segment"]: g for g in deep["by_segment"]}
+    assert set(groups) == {"answer@0", "answer@448", "tool_call@0", "tool_call@448"}
+    assert "tool_call@448" in text and "answer@448" in text
+    for group in today["by_segment"]:
+        at_0 = groups[f"{group['segment']}@0"]
+        for key in set(group) - {"segment", "kld_share"}:  # the share is of another total
+            assert json.dumps(at_0[key], sort_keys=True) == json.dumps(group[key], sort_keys=True), key
+        assert groups[f"{group['segment']}@448"]["n"] == group["n"]  # the same tokens, after the history
+    assert deep["scored_tokens"] == 2 * today["scored_tokens"]
+    with pytest.raises(QevalError, match="token windows differ"):  # a store at other depths is never reused
+        api.capture_store(str(models["Q8_0"]), "deep", conversation_depths="0,128", **common)

@@ -135,6 +135,7 @@ class CaptureSpec:
     concat: bool = False  # join the corpus's documents into one token stream (windows may span two)
     chat_template: str | None = None  # conversations: a template file or `plain` (default: the model's own)
     chat_template_kwargs: str | None = None  # conversations: JSON object of template variables
+    conversation_depths: str | None = None  # conversations: history lengths each is placed after (comma-separated)
     settings: EngineSettings = field(default_factory=EngineSettings)  # batch sizes included
     threads: int | None = None  # encoder threads (see encoder_threads)
     code: SqrtLogCode = field(default_factory=SqrtLogCode)
@@ -347,11 +348,11 @@ def corpus_windows(spec: CaptureSpec, engine: Backend) -> tuple[np.ndarray, Wind
         if spec.concat:
             raise QevalError("--concat joins text documents; a conversation is always a window of its own")
         found = conversation_windows(spec.corpus, engine, spec.n_ctx, spec.chunks, spec.chat_template,
-                                     parse_template_kwargs(spec.chat_template_kwargs))
+                                     parse_template_kwargs(spec.chat_template_kwargs), spec.conversation_depths)
         return found.windows, found.labels, found.identity
-    if spec.chat_template or spec.chat_template_kwargs:
-        raise QevalError("--chat-template and --chat-template-kwargs render conversations (--score assistant); "
-                         "a text corpus is scored as it is")
+    if spec.chat_template or spec.chat_template_kwargs or spec.conversation_depths is not None:
+        raise QevalError("--chat-template, --chat-template-kwargs and --conversation-depths render conversations "
+                         "(--score assistant); a text corpus is scored as it is")
     corpus = load_corpus(spec.corpus)
     documents = tokenize_documents(corpus, engine.tokenize, spec.concat)
     windows = make_windows(documents, spec.n_ctx, spec.chunks, f"corpus {corpus.name!r}")

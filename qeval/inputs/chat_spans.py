@@ -201,12 +201,18 @@ def byte_offset(text: str, char: int) -> int:
     return len(text[:char].encode("utf-8"))
 
 
+def rendered_tokens(conversation: Conversation, template: ChatTemplate, model: LlamaModel,
+                    template_kwargs: dict | None = None) -> tuple[str, np.ndarray]:
+    """(text, tokens) of the whole conversation as the template renders it. Special tokens in the rendering are
+    parsed, and none is added: the template writes the BOS."""
+    text = template.render(conversation, add_generation_prompt=False, **(template_kwargs or {}))
+    return text, model.tokenize(text, add_special=False, parse_special=True)
+
+
 def scored_conversation(conversation: Conversation, template: ChatTemplate, model: LlamaModel,
                         template_kwargs: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(int32 tokens, uint8 labels) of the whole conversation as the template renders it. Special tokens in the
-    rendering are parsed, and none is added: the template writes the BOS."""
-    text = template.render(conversation, add_generation_prompt=False, **(template_kwargs or {}))
-    tokens = model.tokenize(text, add_special=False, parse_special=True)
+    """(int32 tokens, uint8 labels) of the whole conversation as the template renders it (rendered_tokens)."""
+    text, tokens = rendered_tokens(conversation, template, model, template_kwargs)
     spans = assistant_spans(text, conversation)
     labels = label_tokens(text, tokens, model.token_bytes, spans, what=f"conversation {conversation.id!r}")
     return tokens.astype(np.int32), labels

@@ -254,6 +254,7 @@ class MatrixRequest:
     floor: str = "none"  # one more pair, FLOOR: the reference model on another kernel path (FLOORS)
     chat_template: str | None = None  # of a conversation corpus (qeval.capture.capture.CaptureSpec)
     chat_template_kwargs: str | None = None
+    conversation_depths: str | None = None
     keep_logits: bool = False  # a pair run live keeps its candidate's logits in a store (the module's docstring)
     early: EarlySettings | None = None  # decide the board early (run_early); None: every pair over every chunk
     deploy: DeploySpec | None = None  # also the speed and memory of the reference and every pair (--deploy)
@@ -306,7 +307,8 @@ def plan_matrix(request: MatrixRequest) -> MatrixPlan:
                             label=r.ref_label, corpus=r.corpus, n_ctx=r.n_ctx, chunks=r.chunks,
                             settings=ref_settings, replace=r.force, scoring=Scoring.parse(r.scoring).rule,
                             concat=r.concat, chat_template=r.chat_template,
-                            chat_template_kwargs=r.chat_template_kwargs)
+                            chat_template_kwargs=r.chat_template_kwargs,
+                            conversation_depths=r.conversation_depths)
     return MatrixPlan(reference=reference, pairs=planned, directory=r.directory, samplers=chosen, tasks=tuple(named),
                       keep_logits=r.keep_logits, early=r.early)
 
