@@ -174,3 +174,29 @@ def test_needles_f16_against_itself_and_a_q4_0_cache(models, shipped_here):
     assert q4["all"]["kld"]["mean"] > 0 and q4["all"]["answers"] == 4
     cost = block["forward_tokens_per_trial"]
     assert cost["naive"] > cost["prefix_once"] > block["prefix_tokens"]
+
+
+def test_a_hybrid_model_puts_the_prefix_state_back(gemma_tokenizer, tmp_path):
+    """A recurrent state cannot be cut back: the prefix's state is saved and put back, and each question still
+    gets the logits of a fresh pass over prefix + question (a tiny random-weight qwen35moe; its float logits are
+    compared with a tolerance, since the continuation's ubatches differ from the fresh pass's)."""
+    import tinymodels
+
+    from qeval.engine.engine import EngineSettings
+    from qeval.engine.prefix import PrefixModel
+
+    path = tinymodels.build_qwen35moe(tmp_path / "qwen35moe-F16.gguf", gemma_tokenizer)
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(10, 1000, 60)
+    questions = [rng.integers(10, 1000, 9), rng.integers(10, 1000, 5)]
+    with PrefixModel(path, EngineSettings(flash_attn="off"), 96) as model:
+        state = model.decode_prefix(prefix)
+        assert state is not None  # a hybrid: its state is saved
+        kept = [model.continue_from(state, len(prefix), q, 2) for q in questions]
+        # without the saved state put back, this one would follow the second question's recurrent state
+        first_again = model.continue_from(state, len(prefix), questions[0], 2)
+        np.testing.assert_array_equal(first_again, kept[0])
+        for q, rows in zip(questions, kept):  # fresh passes last: each one leaves prefix + question in the cache
+            fresh = model.fresh(np.concatenate([prefix, q]), len(prefix) + 2)
+            assert rows.shape == fresh.shape == (len(q) - 2, model.n_vocab)
+            np.testing.assert_allclose(rows, fresh, rtol=0, atol=1e-3 * np.abs(fresh).max())

@@ -1,13 +1,14 @@
-"""A long prefix decoded once, and continuations decoded from a copy of its cached state.
+"""A long prefix decoded once, and continuations decoded after it.
 
 Several questions after one long text need not pay for the text again: the prefix is decoded once in one sequence,
-its state (KV cache, or a recurrent model's state: llama_state_seq_get_data covers both) saved, and each
-continuation decoded after that state is put back (llama_state_seq_set_data), its positions following the prefix.
-llama-bench caches its depth the same way. The cost per continuation is its own tokens, not the prefix's again.
+then each continuation after it, its positions following the prefix; afterwards the continuation's cells are cut
+from the cache (llama_memory_seq_rm), leaving the prefix's as they were decoded. A recurrent state cannot be cut
+back, so for a recurrent or hybrid model the prefix's state is saved (llama_state_seq_get_data) and put back
+instead. llama-bench caches its depth the same way. The cost per continuation is its own tokens, not the prefix's.
 
 Pieces go to llama_decode n_batch tokens at a time from the first position decoded (a continuation's pieces start
-at its first token), so a continuation decoded after a restored state and the same tokens decoded in one fresh pass
-are cut into other ubatches: their logits differ by the last bits llama.cpp's CPU kernels give other shapes
+at its first token), so a continuation decoded after the prefix and the same tokens decoded in one fresh pass
+are cut into other ubatches: their logits may differ by the last bits llama.cpp's CPU kernels give other shapes
 (tests/test_needles.py measures it).
 """
 
@@ -37,17 +38,21 @@ class PrefixModel(LlamaModel):
                       f"(n_ctx {n_ctx}, -b {n_batch}, -ub {n_ubatch})"))
         self.n_batch = n_batch
 
-    def decode_prefix(self, tokens: np.ndarray) -> ctypes.Array:
-        """Decode `tokens` (BOS included, as given) from an empty cache; its saved state."""
+    def decode_prefix(self, tokens: np.ndarray) -> ctypes.Array | None:
+        """Decode `tokens` (BOS included, as given) from an empty cache; its saved state where the memory cannot
+        cut a continuation back off (a recurrent or hybrid model), else None: saving it would copy the whole cache
+        per trial for nothing."""
         self.clear_memory()
         self._decode(tokens, 0, len(tokens))
+        if not (self._lc.llama_model_is_recurrent(self.model) or self._lc.llama_model_is_hybrid(self.model)):
+            return None
         size = self._lc.llama_state_seq_get_size(self.ctx, SEQ)
         state = (ctypes.c_uint8 * size)()
         if self._lc.llama_state_seq_get_data(self.ctx, state, size, SEQ) != size:
             raise QevalError("llama.cpp could not save the prefix's sequence state")
         return state
 
-    def continue_from(self, state: ctypes.Array, at: int, tokens: np.ndarray, first_scored: int) -> np.ndarray:
+    def continue_from(self, state: ctypes.Array | None, at: int, tokens: np.ndarray, first_scored: int) -> np.ndarray:
         """float32 [len(tokens) - first_scored, n_vocab] (a copy): the logits of positions first_scored.. of
         `tokens` decoded after the prefix of `at` tokens whose `state` decode_prefix saved (the cache holding that
         prefix alone: decode_prefix, then continue_from, never fresh, in between). Afterwards the
@@ -57,6 +62,8 @@ class PrefixModel(LlamaModel):
         from a fresh pass past 512 tokens of prefix, the cut ones bit-identical (measured, -fa off)."""
         logits = self._decode(tokens, at, first_scored)
         if not self._lc.llama_memory_seq_rm(self._lc.llama_get_memory(self.ctx), SEQ, at, -1):
+            if state is None:
+                raise QevalError("llama.cpp could not cut a continuation from the cache, and no state was saved")
             self.clear_memory()
             if not self._lc.llama_state_seq_set_data(self.ctx, state, len(state), SEQ):
                 raise QevalError("llama.cpp could not restore the prefix's sequence state")
