@@ -17,7 +17,6 @@ from test_segments import CATEGORIES, N_CHUNKS, N_CTX, N_VOCAB, plain_positions,
 
 from qeval import api
 from qeval.orchestrate import boards
-from qeval.present import cache_board
 from qeval.storage.scoring import WindowLabels
 
 REF = "Q8_0"
@@ -29,6 +28,7 @@ PROSE = (("Q8_0+kv-q8_0", "m-Q8_0.gguf", "Q8_0", 1.06, 8.5, "q8_0", 0.2),
          ("floor", "m-Q8_0.gguf", "Q8_0", 1.06, 8.5, FLOOR_KV, 0.05))
 PROSE_CTX = 2560  # scored from 1280: two of the default depth bands (0, 512, 2048, 2560) hold tokens
 SEGMENTS = ("answer@0", "tool_call@0", "tool_call@32")  # the conversations at two history depths
+THINKING = "thinking@32"  # held too, but no column: a cache board reads tool calls and answers
 CONVERSATION = (("Q8_0+kv-q4_0", "q4_0", 0.8), ("Q8_0+kv-q8_0-q4_0", "q8_0/q4_0", 0.4))  # no q8_0 row: empty cells
 NEEDLE_ROWS = {"Q8_0+kv-q4_0": {25: (3, 4), 75: (1, 4)}, "Q8_0+kv-q5_0": {25: (4, 4), 75: (2, 4)}}  # (agree, asked)
 HERE = machine()
@@ -45,7 +45,9 @@ def build_conversations(runs: Path, ref_label: str = REF, ref_quant: str = "Q8_0
     rng = np.random.default_rng(5)
     tokens = make_tokens(rng, N_CHUNKS, N_CTX, N_VOCAB)
     labels = random_labels(rng)
-    windows = WindowLabels.from_arrays(labels, SEGMENTS, CATEGORIES, [0, 2, 1, 2, 0, 1])
+    odd = labels[1::2]
+    odd[odd == 1] = len(SEGMENTS) + 1  # the answers of every other window are thinking instead
+    windows = WindowLabels.from_arrays(labels, (*SEGMENTS, THINKING), CATEGORIES, [0, 2, 1, 2, 0, 1])
     ref = {c: realistic_logits(rng, len(plain_positions(labels[c])), N_VOCAB) for c in range(N_CHUNKS)}
     extra = {"scoring": "assistant", "windows": windows.to_json(), "corpus": {"name": "conversations"}}
     runs.mkdir(parents=True)
@@ -92,9 +94,9 @@ def here_machine(monkeypatch):
 def inputs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("cache-board")
     prose = build_results(root / "prose", PROSE, ref_label=REF, ref_quant="Q8_0", n_ctx=PROSE_CTX)
-    for label in KV_MIB:
+    for label, kv_mib in KV_MIB.items():
         rec = record_json(label, fingerprint("Q8_0"), "q8_0" if label != REF else "f16", HERE,
-                          [memory_entry(4096, {"model": 1085, "kv": KV_MIB[label], "compute": 300})],
+                          [memory_entry(4096, {"model": 1085, "kv": kv_mib, "compute": 300})],
                           [speed_entry("tg", 128, 0, TG[label][0]), speed_entry("tg", 128, 4096, TG[label][1])])
         rec["kv"].update(kv_block({"Q8_0+kv-q4_0": "q4_0", REF: "f16"}.get(label, "q8_0")))
         write_record(prose, rec)
@@ -159,6 +161,8 @@ def test_tool_call_and_answer_kld_at_each_depth_and_a_missing_row(board, saved):
             key = f"conversations@48/kld_{name}"
             assert rows[label][key] == segments[name]["kld"]["mean"]
             assert rows[label][f"{key}_se"] == segments[name]["kld"]["se"]
+        assert THINKING in segments
+    assert not any("thinking" in h for h in board.header())
     table = dict(zip(board.labels, board.cells()))
     column = board.header().index("conversations@48 KLD tool_call@32 ± SE")
     assert table["Q8_0+kv-q8_0"][column] == ""  # not in the conversation run: an empty cell, no error
@@ -238,3 +242,21 @@ def test_a_file_that_is_no_needle_result_is_refused(inputs, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("[1, 2]")
     assert_cli_error(run_cli("cache-board", inputs["prose"], "--needles", bad), "not a needle result", str(bad))
+
+
+def test_a_label_with_other_kv_types_in_another_source_is_refused(inputs, tmp_path):
+    result = needle_result()
+    result["contexts"][0]["candidates"][0]["kv_allocated"].update(type_k="q8_0", type_v="q8_0")
+    needles = tmp_path / "needles.json"
+    needles.write_text(json.dumps(result))
+    assert_cli_error(run_cli("cache-board", inputs["prose"], "--needles", needles, "--out", tmp_path / "out"),
+                     "Q8_0+kv-q4_0 has K/V q4_0/q4_0", "q8_0/q8_0", str(needles))
+
+
+def test_two_needle_results_for_one_row_and_n_ctx_are_refused(inputs, tmp_path):
+    copy = tmp_path / "again.json"
+    copy.write_text(inputs["needles"].read_text())
+    assert_cli_error(run_cli("cache-board", inputs["prose"], "--needles", inputs["needles"], "--needles", copy,
+                             "--out", tmp_path / "out"),
+                     "two needle results for Q8_0+kv-q4_0 at n_ctx 2048", str(copy))
+    assert not (tmp_path / "out").exists()

@@ -17,9 +17,9 @@ from __future__ import annotations
 import html
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from qeval.errors import QevalError
 from qeval.identity import changes
@@ -94,17 +94,18 @@ class Source:
                for name in self.groups()]
         if boardrows.has_floor(self.board.rows):
             key = f"{self.name}/kld_over_floor"
-            out.append(Column(f"{self.name} KLD over floor ± SE", key, lambda label: self._cell(label, boardrows.floor_cell),
+            out.append(Column(f"{self.name} KLD over floor ± SE", key, self._floor_cell,
                               lambda label: self._over_floor(label, key)))
         return out
 
-    def _cell(self, label: str, cell) -> str:
+    def _floor_cell(self, label: str) -> str:
         row = self.row(label)
-        return "" if row is None else cell(row)
+        return "" if row is None else boardrows.floor_cell(row)
 
     def _over_floor(self, label: str, key: str) -> dict:
         row = self.row(label)
-        return {key: None if row is None else row.kld_over_floor, f"{key}_se": None if row is None else row.kld_over_floor_se}
+        held = row is not None
+        return {key: row.kld_over_floor if held else None, f"{key}_se": row.kld_over_floor_se if held else None}
 
     def to_json(self) -> dict:
         return {"name": self.name, "kind": "conversation" if self.conversation else "prose",
@@ -194,26 +195,20 @@ class CacheBoard:
     quants: dict[str, str]
     sources: list[Source]
     needles: list[Needles]
+    columns: list[Column]  # after label, role, quant and K/V: each source's, the needles', speed and memory
     deployment: DeploymentBoard | None = None
     paths: dict[str, Path] = field(default_factory=dict)
-
-    @property
-    def columns(self) -> list[Column]:
-        return [*(c for s in self.sources for c in s.columns()), *_needle_columns(self.needles),
-                *_deployment_columns(self.deployment)]
 
     def header(self) -> list[str]:
         return ["label", "role", "quant", "K/V", *(c.heading for c in self.columns)]
 
     def cells(self) -> list[list[str]]:
-        columns = self.columns
-        return [[label, self.roles[label], self.quants[label], self.kv[label], *(c.cell(label) for c in columns)]
+        return [[label, self.roles[label], self.quants[label], self.kv[label], *(c.cell(label) for c in self.columns)]
                 for label in self.labels]
 
     def records(self) -> list[dict]:
-        columns = self.columns
         return [{"label": label, "role": self.roles[label] or None, "quant": self.quants[label], "kv": self.kv[label],
-                 **{k: v for c in columns for k, v in c.values(label).items()}} for label in self.labels]
+                 **{k: v for c in self.columns for k, v in c.values(label).items()}} for label in self.labels]
 
     def lines(self) -> list[tuple[str, str]]:
         """(name, text) above the table: the reference, each source, each needle file, the deployment machine."""
@@ -222,13 +217,13 @@ class CacheBoard:
                 + (f", fingerprint {ref['fingerprint'][:16]}…" if ref.get("fingerprint") else ""))]
         for s in self.sources:
             st = s.board.settings
+            held = f"n_ctx {st['n_ctx']}, {st['chunks']} chunks, {st['scored_tokens']:,} scored tokens"
             out.append((f"{'Conversations' if s.conversation else 'Prose'} {s.name}",
-                        f"n_ctx {st['n_ctx']}, {st['chunks']} chunks, {st['scored_tokens']:,} scored tokens, "
-                        f"{len(s.board.rows)} results"))
+                        f"{held}, {len(s.board.rows)} results"))
         for f in self.needles:
             r = f.result
-            out.append((f"Needles {f.path}", f"{r['needles']['source']} ({r['needles']['count']}), corpus "
-                                             f"{r['corpus']}, {r['trials']} trials, seed {r['seed']}"))
+            asked = f"{r['needles']['source']} ({r['needles']['count']}), corpus {r['corpus']}"
+            out.append((f"Needles {f.path}", f"{asked}, {r['trials']} trials, seed {r['seed']}"))
         if self.deployment is not None:
             out += self.deployment.lines()
         return out
@@ -327,9 +322,10 @@ def build(sources: list[Source], needles: list[Needles] = (), title: str | None 
     if deployment is not None:
         view = deployment_board.match(list(rows.values()), deployment.records, deployment.current, deployment.machine)
     ref = sources[0].board.settings["reference"]
+    columns = [*(c for s in sources for c in s.columns()), *_needle_columns(needles), *_deployment_columns(view)]
     return CacheBoard(title=title or f"Cache decision: {ref['model_file'] or ref['label']}",
                       reference={k: ref[k] for k in ("label", "fingerprint", "model_file")}, labels=labels, kv=kv,
-                      roles=roles, quants=quants, sources=sources, needles=needles, deployment=view)
+                      roles=roles, quants=quants, sources=sources, needles=needles, columns=columns, deployment=view)
 
 
 def _join_kv(kv: dict[str, str], label: str, types: str, where: str) -> None:
