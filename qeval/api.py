@@ -398,6 +398,21 @@ def leaderboard_report(runs: list[Path], out: Path, title: str | None = None, ma
     return boards.leaderboard(runs, out=out, title=title, machine=machine)
 
 
+def cache_board_report(runs: list[Path], *, needles=(), out: Path | None = None, title: str | None = None,
+                       machine: str | None = None) -> tuple[dict, str]:
+    """One board for the cache decision (docs/cache-board.md): saved results of several runs (a prose matrix, a
+    conversation matrix: one source per reference store), needle results (`qeval needle --json` files) and the speed
+    and memory records beside the results, joined by label; written under `out` (markdown, JSON, HTML) when given."""
+    from qeval.orchestrate import boards  # noqa: PLC0415
+    from qeval.present import cache_board  # noqa: PLC0415
+
+    board = boards.cache_board(runs, needles, out=out, title=title, machine=machine)
+    text = cache_board.markdown_page(board)
+    if board.paths:
+        text += "\nwrote " + ", ".join(str(p) for p in board.paths.values())
+    return {**cache_board.board_json(board), "paths": {k: str(p) for k, p in board.paths.items()}}, text
+
+
 def card_report(runs: list[Path], out: Path = Path("card"), merge: Path | None = None,
                 title: str | None = None, machine: str | None = None) -> tuple[dict, str]:
     """A model-card block of saved results (table, Pareto plot, provenance, JSON sidecar) written under `out`;

@@ -466,6 +466,21 @@ def leaderboard_cmd(
     typer.echo("wrote " + ", ".join(str(p) for p in board.paths.values()))
 
 
+@app.command("cache-board")
+@grouped
+def cache_board_cmd(
+    run: list[Path] = typer.Argument(..., metavar="RUN", help="Result JSON files, or directories of them, of one reference model: a prose matrix and a conversation matrix (--score assistant --conversation-depths) side by side."),
+    needles: Optional[list[Path]] = typer.Option(None, "--needles", help="A `qeval needle ... --json` result file of the same reference; repeat."),
+    out: Path = typer.Option(Path("cache-board"), "--out", "-o", help="Output directory: cache-board.md, .json, .html."),
+    title: Optional[str] = typer.Option(None, "--title", help="Page and markdown heading."),
+    machine: Optional[str] = Machine,
+    output: Output = JSON,
+):
+    """One board for the cache decision: rows model quant × K/V type; KLD by depth band, tool-call KLD at depth,
+    needle agreement by depth, KV MiB at the context and tg at depth, the numerics floor beside them."""
+    output.emit(*api.cache_board_report(run, needles=needles or (), out=out, title=title, machine=machine))
+
+
 @app.command("card")
 @grouped
 def card_cmd(

@@ -47,13 +47,23 @@ def _model(file_name: str, quant: str, size: float, bpw: float) -> dict:
             "fingerprint": (quant.lower().encode().hex() * 64)[:64], "kv_cache": KV_GEOMETRY}
 
 
+def kv_block(kv: str | dict) -> dict:
+    """A store's KV block from a candidate's KV: one type for K and V ("q8_0"), K/V apart ("q8_0/q4_0"), or the
+    block itself (a dict: e.g. the floor's, the reference's types with flash attention flipped)."""
+    if isinstance(kv, dict):
+        return kv
+    type_k, _, type_v = kv.partition("/")
+    return {"type_k": type_k, "type_v": type_v or type_k}
+
+
 def build_results(runs: Path, candidates=CANDIDATES, seed: int = 0, ref_label: str = "REF",
-                  ref_quant: str = "BF16") -> Path:
-    """A reference store and one store per candidate, compared and saved into runs/results."""
+                  ref_quant: str = "BF16", n_ctx: int = N_CTX) -> Path:
+    """A reference store and one store per candidate over windows of n_ctx tokens, compared and saved into
+    runs/results."""
     rng = np.random.default_rng(seed)
-    tokens = make_tokens(rng, N_CHUNKS, N_CTX, N_VOCAB)
+    tokens = make_tokens(rng, N_CHUNKS, n_ctx, N_VOCAB)
     ref = synth_logits(rng, tokens, N_VOCAB)
-    first, n = half_span(N_CTX)
+    first, n = half_span(n_ctx)
     for c, x in ref.items():  # make the right next token likely, so PPL looks like a language model's
         x[np.arange(n), tokens[c, first + 1:first + 1 + n]] += rng.uniform(12.0, 24.0, size=n).astype(np.float32)
     runs.mkdir(parents=True, exist_ok=True)
@@ -63,7 +73,7 @@ def build_results(runs: Path, candidates=CANDIDATES, seed: int = 0, ref_label: s
     for label, file_name, quant, size, bpw, kv, sigma in candidates:
         logits = {c: perturb(rng, x, sigma) for c, x in ref.items()}
         write_store(runs / f"{label}.qeval", tokens, logits, N_VOCAB, label=label,
-                    model=_model(file_name, quant, size, bpw), kv={"type_k": kv, "type_v": kv}, corpus=CORPUS)
+                    model=_model(file_name, quant, size, bpw), kv=kv_block(kv), corpus=CORPUS)
         api.kld_report(ref_label, label, runs_dir=runs, threads=1, save_result=True)
     return runs
 

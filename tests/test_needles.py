@@ -158,6 +158,7 @@ def test_a_prefix_decoded_once_gives_a_fresh_pass_logits(models, shipped_here):
 
 def test_needles_f16_against_itself_and_a_q4_0_cache(models, shipped_here):
     from qeval.engine.engine import EngineSettings
+    from qeval.engine.modelinfo import model_facts
     from qeval.orchestrate.matrix import pair_settings
     from qeval.orchestrate.needles import NeedleRequest, Run, run_needles
 
@@ -171,6 +172,8 @@ def test_needles_f16_against_itself_and_a_q4_0_cache(models, shipped_here):
     assert same["all"]["kld"]["mean"] == 0 and same["all"]["agreement"]["p"] == 1
     assert same["all"]["same_top1"]["p"] == 1
     assert q4["kv_allocated"]["type_k"] == "q4_0" and q4["kv_allocated"]["type_v"] == "q4_0"
+    # the model as results record it, so a cache board joins needles of the same reference only
+    assert block["reference"]["fingerprint"] == q4["fingerprint"] == model_facts(path)["fingerprint"]
     assert q4["all"]["kld"]["mean"] > 0 and q4["all"]["answers"] == 4
     cost = block["forward_tokens_per_trial"]
     assert cost["naive"] > cost["prefix_once"] > block["prefix_tokens"]

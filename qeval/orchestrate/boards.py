@@ -9,6 +9,7 @@ machine a board shows is the present stage's business.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -122,3 +123,35 @@ def choose(runs: list[str | os.PathLike], question: Question, machine: str | Non
     choice = deployment_choice.choose(view.candidates(board.table_rows, question.by), question)
     return ({**choose_text.choice_json(choice), "machine": view.machine.key, "board": board.title},
             choose_text.choice_text(view, choice, board.table_rows))
+
+
+def read_needles(path: str | os.PathLike):
+    """A `qeval needle --json` result from its file (qeval.present.cache_board.Needles)."""
+    from qeval.present.cache_board import Needles  # noqa: PLC0415
+
+    try:
+        result = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise QevalError(f"cannot read needle results {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise QevalError(f"{path} is not JSON ({exc}): give the file `qeval needle ... --json` wrote") from None
+    if not isinstance(result, dict) or not isinstance(result.get("contexts"), list) or "reference" not in result:
+        raise QevalError(f"{path} is not a needle result (no reference and contexts): give the file `qeval needle "
+                         "... --json` wrote")
+    return Needles(str(path), result)
+
+
+def cache_board(runs: list[str | os.PathLike], needles=(), out=None, title: str | None = None,
+                machine: str | None = None):
+    """`qeval cache-board`: the results of `runs` as one source per reference store (a prose run, a conversation
+    run), the needle files `needles` and the speed and memory records beside the results, joined by label; written
+    under `out` when given."""
+    from qeval.present import cache_board as cache  # noqa: PLC0415
+    from qeval.present import leaderboard as boards  # noqa: PLC0415 - matplotlib loads only for boards
+
+    if not runs:
+        raise QevalError("name at least one result file or directory of results")
+    groups = cache.split_by_reference_store(boards.load_results(runs))
+    board = cache.build([cache.Source(boards.build(loaded=g)) for g in groups], [read_needles(p) for p in needles],
+                        title=title, deployment=records_for(runs, machine))
+    return cache.write(board, out) if out is not None else board

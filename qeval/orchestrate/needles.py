@@ -10,11 +10,13 @@ import contextlib
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from qeval.compare.needle_scores import score_answer, summarize_answers
 from qeval.engine.engine import EngineSettings
+from qeval.engine.modelinfo import content_fingerprint
 from qeval.engine.prefix import PrefixModel
 from qeval.errors import QevalError
 from qeval.inputs.corpus import load_corpus
@@ -90,7 +92,8 @@ def _one_context(request, needles, corpus, n_ctx, say) -> dict:
 
 def _row(run: Run, model: PrefixModel, seconds: float, by_depth: dict) -> dict:
     every = [s for scores in by_depth.values() for s in scores]
-    return {"label": run.label, "model": run.model, "kv": run.settings.as_json(), "kv_allocated": model.allocated,
+    return {"label": run.label, "model": run.model, "fingerprint": content_fingerprint(Path(run.model)),
+            "kv": run.settings.as_json(), "kv_allocated": model.allocated,
             "seconds": seconds, "forward_tokens": model.decoded,
             "depths": [{"depth": d, **summarize_answers(s)} for d, s in sorted(by_depth.items())],
             "all": summarize_answers(every)}

@@ -255,18 +255,18 @@ def markdown_page(board: Leaderboard) -> str:
 def leaderboard_json(board: Leaderboard) -> dict:
     """Strict JSON (a NaN standard error becomes null)."""
     columns = board.columns
-    return _strict({"title": board.title, "settings": board.settings, "pareto_front": board.pareto,
+    return strict_json({"title": board.title, "settings": board.settings, "pareto_front": board.pareto,
                     "columns": list(columns), "rows": board.records(),
                     "by_confidence": {r.label: boardrows.confidence_figures(r) for r in board.table_rows},
                     **({"deployment": board.deployment.to_json()} if board.deployment else {}),
                     **({"sources": board.sources.to_json()} if board.sources is not None else {})})
 
 
-def _strict(v):
+def strict_json(v):
     if isinstance(v, dict):
-        return {k: _strict(x) for k, x in v.items()}
+        return {k: strict_json(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
-        return [_strict(x) for x in v]
+        return [strict_json(x) for x in v]
     return None if isinstance(v, float) and not math.isfinite(v) else v
 
 

@@ -6,15 +6,15 @@ from __future__ import annotations
 from qeval.present.markdown import markdown_table
 
 
-def _share(p: dict) -> str:
+def share(p: dict) -> str:
     return f"{100 * p['p']:.0f} % [{100 * p['lo']:.0f}, {100 * p['hi']:.0f}] ({p['hits']}/{p['n']})"
 
 
 def _cells(depth: str, d: dict, ref_accuracy: dict) -> list[str]:
-    return [depth, _share(d["agreement"]), f"{100 * d['same_top1']['p']:.1f} %",
+    return [depth, share(d["agreement"]), f"{100 * d['same_top1']['p']:.1f} %",
             f"{d['kld']['mean']:.6f} ± {d['kld']['se']:.6f}",
-            f"{d['logprob_delta']['mean']:+.4f} ± {d['logprob_delta']['se']:.4f}", _share(ref_accuracy),
-            _share(d["cand_accuracy"])]
+            f"{d['logprob_delta']['mean']:+.4f} ± {d['logprob_delta']['se']:.4f}", share(ref_accuracy),
+            share(d["cand_accuracy"])]
 
 
 def needles_text(result: dict) -> str:
@@ -33,6 +33,6 @@ def needles_text(result: dict) -> str:
                       markdown_table(["depth", "agreement [95 % Wilson]", "same top-1", "answer KLD",
                                       "Δ log p(answer)", "reference accuracy", "candidate accuracy"], rows)]
         if not block["candidates"]:
-            lines.append(markdown_table(["depth", "reference accuracy"], [[f"{d['depth']:g} %", _share(a)]
+            lines.append(markdown_table(["depth", "reference accuracy"], [[f"{d['depth']:g} %", share(a)]
                                                                           for d, a in zip(ref["depths"], accuracy.values())]))
     return "\n".join(lines)
