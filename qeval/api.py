@@ -75,7 +75,8 @@ def kld_report(ref: str, cand: str, *, chunks: int | None = None, runs_dir=None,
         out["obtained"] = [res.note]
     text = "\n".join(filter(None, [res.note, report.comparison_text(summary)]))
     if is_hub_spec(ref) and res.comparison is not None:  # a reference published from elsewhere: what ran where
-        out["ran_where"] = report.ran_where(res.comparison.ref.header, res.comparison.cand.header)
+        from qeval.orchestrate import publish  # noqa: PLC0415 - only a published reference has a manifest to read
+        out["ran_where"] = publish.ran_where(ref, res.comparison.ref.header, res.comparison.cand.header)
         text += "\n" + report.ran_where_text(out["ran_where"])
     if not rows:
         return out, text

@@ -9,9 +9,11 @@ import hashlib
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
-from conftest import assert_cli_error, make_pair, run_cli, write_store
+from conftest import assert_cli_error, make_pair, make_tokens, perturb, run_cli, synth_logits, write_store
 from fake_hub import fake_hub, upload_hub  # noqa: F401 - fake_hub is a fixture
+from test_leaderboard import _model
 
 from qeval.errors import QevalError
 from qeval.storage import reference_pack
@@ -79,6 +81,10 @@ def test_a_manifest_holds_no_local_path_user_name_or_home(tmp_path, monkeypatch)
     assert read_manifest(text.encode(), "m").store.sha256 == manifest["files"][0]["sha256"]
 
 
+FLOOR_ROW = {"kind": "decode", "backend": "CPU", "build": {}, "path": "REF.qeval", "chunks": 3, "scored_tokens": 24,
+             "kld_mean": 0.002, "kld_se": None, "same_top1": 0.96, "same_top1_se": 0.01}  # names the store: refused
+
+
 def good_manifest(tmp_path) -> dict:
     pair = make_pair(tmp_path / "runs")
     return build_manifest(pair.ref.path, "CPU", [("REF.qeval", pair.ref.path, "store")])
@@ -94,6 +100,10 @@ def good_manifest(tmp_path) -> dict:
     (lambda m: m["files"][0].update(bytes=-1), "is not a size"),
     (lambda m: m["files"][0].update(role="model"), "role 'model' is none of"),
     (lambda m: m.update(files=[]), "exactly one file of role \"store\""),
+    (lambda m: m.update(floors={}), "field 'floors' is not a JSON list"),
+    (lambda m: m.update(floors=[{"kind": "decode"}]), "numerics-floor row's field 'backend' is missing"),
+    (lambda m: m.update(floors=[{**FLOOR_ROW, "kld_mean": "0.1"}]), "field 'kld_mean' is missing or not a JSON float"),
+    (lambda m: m.update(floors=[FLOOR_ROW]), "is no result file the manifest lists"),
 ])
 def test_a_manifest_is_read_trusting_nothing(tmp_path, change, message):
     manifest = good_manifest(tmp_path)
@@ -163,7 +173,7 @@ def test_a_published_reference_pulled_into_a_fresh_cache_compares_as_the_local_s
     assert pulled.read_bytes() == pair.ref.path.read_bytes() and (tmp_path / "fresh-cache") in pulled.parents
     local, remote = (kld_json(ref, pair.cand.path, pair.directory) for ref in (pair.ref.path, f"hf:{REPO}:REF"))
     assert remote["kld"] == local["kld"] and remote["metrics"] == local["metrics"]
-    assert set(remote["ran_where"]) == {"reference", "candidate"} and "ran_where" not in local
+    assert set(remote["ran_where"]) == {"reference", "candidate", "floor"} and "ran_where" not in local
     assert reference_pack.pull(f"hf:{REPO}") == pulled  # the repo's only reference
     info = run_cli("info", f"hf:{REPO}:REF")
     assert info.returncode == 0 and "label      : REF" in info.stdout
@@ -276,3 +286,94 @@ def test_a_real_reference_published_then_pulled_scores_a_live_quant_as_the_local
     assert remote_lines[0].startswith("reference : Q8_0") and "fresh-cache" in remote_lines[0]
     assert remote_lines[1:where[0]] == local.splitlines()[1:] and any("Mean    KLD" in line for line in remote_lines)
     assert not list((tmp_path / "fresh-cache").rglob("*.gguf"))  # the reference model was never fetched
+
+
+# --- the numerics floor published with the reference --------------------------------------------------------------
+def numerics(system_info: str) -> dict:
+    """A store's capture block: where its logits were computed."""
+    return {"cpu": "Test CPU", "numerics": {"build": {"llama_cpp_python": "0.3.36", "system_info": system_info},
+                                            "env": {}, "gpu_layers": 0}}
+
+
+ON_CPU, ON_CUDA = "CPU : AVX2 = 1 | ", "CPU : AVX2 = 1 | CUDA : ARCHS = 890 | "
+REF_KV = {"type_k": "f16", "type_v": "f16", "flash_attn": "auto"}
+
+
+def runs_with_floor(runs: Path, floor_kv: dict | None) -> Path:
+    """REF (Q8_0 weights, f16 KV, on CPU), the floor (REF's model and build, `floor_kv` its kernel path; None: no
+    floor) compared with it and saved, and a Q4_K_M candidate store on CPU (CAND) and on CUDA (CAND-GPU)."""
+    rng = np.random.default_rng(3)
+    tokens = make_tokens(rng, 3, 16, 2000)
+    ref = synth_logits(rng, tokens, 2000)
+    q8, q4 = _model("m-Q8_0.gguf", "Q8_0", 1.0, 8.5), _model("m-Q4_K_M.gguf", "Q4_K_M", 0.6, 4.9)
+    runs.mkdir(parents=True)
+    stores = [("REF", q8, REF_KV, ON_CPU, 0), ("CAND", q4, REF_KV, ON_CPU, 0.5), ("CAND-GPU", q4, REF_KV, ON_CUDA, 0.5)]
+    stores += [("floor", q8, {**REF_KV, **floor_kv}, ON_CPU, 0.05)] if floor_kv else []
+    for label, model, kv, system_info, sigma in stores:
+        logits = {c: perturb(rng, x, sigma) for c, x in ref.items()} if sigma else ref
+        write_store(runs / f"{label}.qeval", tokens, logits, 2000, label=label, model=model, kv=kv,
+                    capture=numerics(system_info))
+    if floor_kv:
+        assert run_cli("kld", "--ref", "REF", "--cand", "floor", "--runs-dir", runs, "--save-result").returncode == 0
+    return runs
+
+
+@pytest.mark.parametrize("floor_kv, kind", [({"decode": "generate"}, "decode"), ({"flash_attn": "off"}, "flash-attn")])
+def test_the_manifest_lists_the_floor_row_with_where_it_ran_and_its_saved_figures(hub, tmp_path, floor_kv, kind):
+    runs = runs_with_floor(tmp_path / "runs", floor_kv)
+    out = publish(runs / "REF.qeval", "--results", runs)
+    text = run_cli("publish", runs / "REF.qeval", f"hf:{REPO}", "--results", runs).stdout  # published again: the same
+    assert f"numerics floor listed: {kind} on CPU (results/REF/floor.vs.REF.json)" in text
+    saved = json.loads((runs / "results" / "floor.vs.REF.json").read_text())
+    manifest = read_manifest(hub.repos[REPO]["REF.reference.json"], "m")
+    assert manifest.floors == out["published"]["floors"] == [{
+        "kind": kind, "backend": "CPU", "path": "results/REF/floor.vs.REF.json",
+        "build": {"llama_cpp_python": "0.3.36", "system_info": ON_CPU, "cpu": None, "gpu_layers": 0, "env": {}},
+        "chunks": 3, "scored_tokens": saved["scored_tokens"], "kld_mean": saved["kld"]["mean"],
+        "kld_se": saved["kld"]["se"], "same_top1": saved["same_top1"]["fraction"],
+        "same_top1_se": saved["same_top1"]["se"]}]
+    listed = {f.path: f.sha256 for f in manifest.files}
+    assert listed["results/REF/floor.vs.REF.json"] == \
+        hashlib.sha256(hub.repos[REPO]["results/REF/floor.vs.REF.json"]).hexdigest()
+    assert str(tmp_path) not in hub.repos[REPO]["REF.reference.json"].decode()
+
+
+def pulled_where(runs: Path, cand: str) -> tuple[dict, str]:
+    """kld's `ran_where` and text for the candidate store `cand` against the published REF."""
+    res = run_cli("kld", "--ref", f"hf:{REPO}:REF", "--cand", runs / f"{cand}.qeval", "--runs-dir", runs)
+    assert res.returncode == 0, res.stderr
+    return kld_json(f"hf:{REPO}:REF", runs / f"{cand}.qeval", runs)["ran_where"], res.stdout
+
+
+def test_a_pull_on_the_floors_backend_shows_it_and_another_backend_is_told_none_applies(hub, tmp_path, monkeypatch):
+    runs = runs_with_floor(tmp_path / "runs", {"decode": "generate"})
+    publish(runs / "REF.qeval", "--results", runs)
+    fresh_cache(monkeypatch, tmp_path / "fresh-cache")
+    row = published_manifest(hub)["floors"][0]
+    where, text = pulled_where(runs, "CAND")
+    assert where["candidate"]["backend"] == "CPU" and where["floor"] == {"backend": "CPU", "rows": [row],
+                                                                         "published": ["CPU"]}
+    assert f"numerics floor on CPU (decode): KLD {row['kld_mean']:.6f} ± {row['kld_se']:.6f}, same top-1 " \
+           f"{100 * row['same_top1']:.2f} ± {100 * row['same_top1_se']:.2f} % (3 chunks; " \
+           "results/REF/floor.vs.REF.json)" in text
+    where, text = pulled_where(runs, "CAND-GPU")
+    assert where["floor"] == {"backend": "CUDA", "rows": [], "published": ["CPU"]}
+    assert "no numerics-floor row was published for backend CUDA: the reference publishes one for CPU only" in text
+    assert "numerics floor on" not in text
+
+
+def test_a_reference_published_without_a_floor_says_none_was(hub, tmp_path, monkeypatch):
+    runs = runs_with_floor(tmp_path / "runs", None)
+    assert run_cli("kld", "--ref", "REF", "--cand", "CAND", "--runs-dir", runs, "--save-result").returncode == 0
+    publish(runs / "REF.qeval", "--results", runs)  # a result, but no floor among the results
+    assert published_manifest(hub)["floors"] == []
+    fresh_cache(monkeypatch, tmp_path / "fresh-cache")
+    where, text = pulled_where(runs, "CAND")
+    assert where["floor"] == {"backend": "CPU", "rows": [], "published": []}
+    assert "no numerics-floor row was published for backend CPU: the reference was published without one" in text
+
+
+def test_a_manifest_published_before_floors_reads_as_none(tmp_path):
+    manifest = good_manifest(tmp_path)
+    assert manifest.pop("floors") == []
+    assert read_manifest(manifest_bytes(manifest), "m").floors == []

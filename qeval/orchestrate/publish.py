@@ -17,9 +17,9 @@ from pathlib import Path
 
 from qeval.engine.machine import build_backend
 from qeval.errors import QevalError
-from qeval.identity import NOT_RECORDED
+from qeval.identity import FLOOR_KV_FREE, NOT_RECORDED, is_floor
 from qeval.orchestrate.measured import check_reference
-from qeval.present import results
+from qeval.present import report, results
 from qeval.storage.results import find_results
 from qeval.storage import hub_files, reference_pack, runs
 from qeval.storage.hub_files import is_hub_spec, split_spec
@@ -47,12 +47,13 @@ def publish_report(store: str, target: str, results_dir: Path | None = None, car
     with tempfile.TemporaryDirectory(prefix="qeval-publish-") as staging:
         staging = Path(staging)
         files = [(runs.store_path(label, Path()).as_posix(), path, "store")]
-        files += _results(path, label, results_dir, staging) if results_dir is not None else []
+        published, floors = _results(path, label, results_dir, staging) if results_dir is not None else ([], [])
+        files += published
         if card is not None:
             if not Path(card).is_file():
                 raise QevalError(f"--card {card} is not a file")
             files.append((CARD, Path(card), "card"))
-        manifest = reference_pack.build_manifest(path, _backend(header), files)
+        manifest = reference_pack.build_manifest(path, _backend(header), files, floors)
         manifest_file = staging / reference_pack.manifest_name(label)
         manifest_file.write_bytes(reference_pack.manifest_bytes(manifest))
         files.append((manifest_file.name, manifest_file, "manifest"))
@@ -84,33 +85,68 @@ def _target(target: str) -> tuple[str, str]:
     return split_spec(target, "repository", "LABEL", "hf:USER/gemma-3-270m-qeval")
 
 
-def _results(store: Path, label: str, results_dir: Path, staging: Path) -> list[tuple[str, Path, str]]:
+def _results(store: Path, label: str, results_dir: Path,
+             staging: Path) -> tuple[list[tuple[str, Path, str]], list[dict]]:
     """The results in `results_dir` measured against `store` (labelled .vs.LABEL; one measured against another
     capture under this label is refused), each as a public copy of its JSON (no local paths) and its per-token
-    file, under results/LABEL/."""
+    file, under results/LABEL/; and the numerics-floor rows among them (_floor_row)."""
     found = [p for p in find_results([results_dir]) if p.name.endswith(f"{runs.RESULT_SEPARATOR}{label}.json")]
     if not found:
         raise QevalError(f"--results {results_dir} holds no result against {label} (*{runs.RESULT_SEPARATOR}{label}.json)")
     folder = staging / RESULTS_FOLDER
     folder.mkdir()
-    files = []
+    files, floors = [], []
     for result in found:
-        check_reference(str(store), results.load_result(result, with_per_token=False), None)
+        saved = check_reference(str(store), results.load_result(result, with_per_token=False), None).summary
         summary = json.loads(result.read_text())
         copy = folder / result.name
         copy.write_text(json.dumps(reference_pack.public(summary), indent=1) + "\n")
         files.append((f"{RESULTS_FOLDER}/{label}/{result.name}", copy, "result"))
+        if is_floor(saved.comparison_request()):
+            floors.append(_floor_row(saved, files[-1][0]))
         per_token = summary.get("per_token_file")
         if per_token and (result.parent / per_token).is_file():
             files.append((f"{RESULTS_FOLDER}/{label}/{per_token}", result.parent / per_token, "result"))
-    return files
+    return files, floors
+
+
+def _floor_row(summary, path: str) -> dict:
+    """A numerics-floor result (qeval.identity.is_floor: the reference model on another of llama.cpp's kernel paths)
+    as the manifest lists it (reference_pack.FLOOR_FIELDS): which path it flipped (`decode`, `flash-attn`: the
+    names of qeval matrix's --floor), where it ran, its KLD and same top-1, the file they come from."""
+    request = summary.comparison_request()
+    ref_kv, floor_kv = (side.get("kv") or {} for side in (request.reference, request.candidate))
+    kind = "+".join(name.replace("_", "-") for name in FLOOR_KV_FREE if ref_kv.get(name) != floor_kv.get(name))
+    numerics = request.candidate.get("numerics")
+    kld, top1 = summary.figures.kld, summary.figures.blocks.get("same_top1") or {}
+    return {"kind": kind, "backend": report.ran_on(numerics)["backend"],
+            "build": reference_pack.build_block(numerics, None), "path": path, "chunks": summary.chunks,
+            "scored_tokens": summary.scored_tokens,
+            "kld_mean": kld.get("mean"), "kld_se": kld.get("se"), "same_top1": top1.get("fraction"),
+            "same_top1_se": top1.get("se")}
+
+
+def ran_where(spec: str, ref_header, cand_header) -> dict:
+    """What ran where when a candidate is compared with the published reference `spec` (hf:USER/REPO[:LABEL]): each
+    side's build and backend (qeval.present.report.ran_where), and the numerics-floor rows published with the
+    reference for the candidate's backend (published_floor)."""
+    where = report.ran_where(ref_header, cand_header)
+    floors = reference_pack.published_manifest(spec).floors
+    return {**where, "floor": published_floor(floors, where["candidate"]["backend"])}
+
+
+def published_floor(floors: list[dict], backend: str) -> dict:
+    """Of a manifest's numerics-floor rows, those that ran on `backend` (the candidate's): a floor measured on another
+    backend says nothing of this one's kernels; `published`: the backends the reference publishes a floor for."""
+    return {"backend": backend, "rows": [f for f in floors if f["backend"] == backend],
+            "published": sorted({f["backend"] for f in floors})}
 
 
 def _uploaded(files: list[tuple[str, Path, str]], manifest: dict) -> dict:
     """What a publish sent: every file's size and role, the manifest's own size, and what the manifest says."""
     listed = [{"path": path, "bytes": local.stat().st_size, "role": role} for path, local, role in files]
     return {"files": listed, "manifest_bytes": next(f["bytes"] for f in listed if f["role"] == "manifest"), "bytes": sum(f["bytes"] for f in listed),
-            "published": {k: manifest[k] for k in ("backend", "build", "form", "bounds", "sizes")}}
+            "published": {k: manifest[k] for k in ("backend", "build", "form", "bounds", "sizes", "floors")}}
 
 
 def _report(repo: str, label: str, commit, uploaded: dict) -> tuple[dict, str]:
@@ -121,6 +157,8 @@ def _report(repo: str, label: str, commit, uploaded: dict) -> tuple[dict, str]:
     lines = [f"published reference {label} to hf:{repo} (commit {commit.oid[:12]}): {len(uploaded['files'])} files, "
              f"{uploaded['bytes']:,} bytes",
              *(f"  {f['path']:<{width}}  {f['bytes']:>14,} bytes  {f['role']}" for f in uploaded["files"]),
+             *(f"numerics floor listed: {f['kind']} on {f['backend']} ({f['path']})"
+               for f in uploaded["published"]["floors"]),
              f"score a model against it, without the original: qeval kld --ref {spec} --cand MODEL.gguf"]
     return out, "\n".join(lines)
 

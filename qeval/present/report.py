@@ -78,8 +78,24 @@ def ran_where_text(where: dict) -> str:
                 f"CPU {d['cpu'] or 'unknown'})")
     ref, cand = where["reference"], where["candidate"]
     same = "the same build" if ref.get("system_info") == cand.get("system_info") else "another build"
-    return (f"ran where  : reference {side(ref)}\n"
-            f"             candidate {side(cand)}; {same}")
+    floor = [f"             {line}" for line in floor_lines(where["floor"])] if "floor" in where else []
+    return "\n".join([f"ran where  : reference {side(ref)}", f"             candidate {side(cand)}; {same}", *floor])
+
+
+def floor_lines(floor: dict) -> list[str]:
+    """The numerics-floor rows published with a reference for the candidate's backend
+    (qeval.orchestrate.publish.published_floor), a line each, or that none applies and why."""
+    if not floor["rows"]:
+        why = f"publishes one for {', '.join(floor['published'])} only" if floor["published"] else \
+            "was published without one"
+        return [f"no numerics-floor row was published for backend {floor['backend']}: the reference {why}"]
+    return [f"numerics floor on {f['backend']} ({f['kind']}): KLD {plus_minus(f['kld_mean'], f['kld_se'], '.6f')}, "
+            f"same top-1 {plus_minus(_percent(f['same_top1']), _percent(f['same_top1_se']), '.2f')} % "
+            f"({f['chunks']} chunks; {f['path']})" for f in floor["rows"]]
+
+
+def _percent(fraction: float | None) -> float | None:
+    return None if fraction is None else 100 * fraction
 
 
 def comparison_text(summary: ComparisonSummary) -> str:

@@ -38,6 +38,11 @@ _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _FIELDS = {"format": str, "version": int, "label": str, "qeval_version": str, "identity": dict, "model": dict,
            "corpus": dict, "build": dict, "backend": str, "form": dict, "bounds": dict, "sizes": dict, "files": list}
 _HASH_BLOCK = 16 << 20
+# a numerics-floor row of `floors` (optional: manifests published before it have none): the reference model again
+# on another of llama.cpp's kernel paths (`kind`: qeval.orchestrate.matrix.FLOORS), where it ran, its figures and
+# the result file (a path of role "result") they are read from. A figure not held is null.
+FLOOR_FIELDS = {"kind": str, "backend": str, "build": dict, "path": str, "chunks": int, "scored_tokens": int,
+                "kld_mean": float, "kld_se": float, "same_top1": float, "same_top1_se": float}
 
 
 @dataclass(frozen=True)
@@ -62,16 +67,22 @@ class Manifest:
     def store(self) -> PackFile:
         return next(f for f in self.files if f.role == "store")
 
+    @property
+    def floors(self) -> list[dict]:
+        """Its numerics-floor rows (FLOOR_FIELDS); none for a manifest published before they were."""
+        return self.fields.get("floors", [])
+
 
 def manifest_name(label: str) -> str:
     return f"{label}{MANIFEST_SUFFIX}"
 
 
 # --- writing -------------------------------------------------------------------------------------------------------
-def build_manifest(store: Path, backend: str, files: list[tuple[str, Path, str]]) -> dict:
+def build_manifest(store: Path, backend: str, files: list[tuple[str, Path, str]], floors: list[dict] = ()) -> dict:
     """The manifest of the complete store at `store` published with `files` ((path in the repository, local path,
     role); the store itself among them, role "store"). `backend`: what the store's llama.cpp build computed on beyond
-    the CPU (qeval.engine.machine.build_backend of its system info)."""
+    the CPU (qeval.engine.machine.build_backend of its system info); `floors`: the numerics-floor rows among the
+    results (FLOOR_FIELDS, each naming its result file's path)."""
     with StoreReader(store, verify_chunks=True) as source:
         if not source.complete:
             raise QevalError(f"{store} is an incomplete capture: only a complete store can be published")
@@ -82,8 +93,7 @@ def build_manifest(store: Path, backend: str, files: list[tuple[str, Path, str]]
         manifest = {
             "format": FORMAT, "version": VERSION, "label": h.label, "qeval_version": h.qeval_version,
             "identity": capture_identity(h), "model": h.model, "corpus": h.corpus,
-            "build": {**numerics["build"], "cpu": capture.get("cpu"), "gpu_layers": numerics.get("gpu_layers"),
-                      "env": numerics.get("env")} if isinstance(numerics, dict) else {"recorded": NOT_RECORDED},
+            "build": build_block(numerics, capture.get("cpu")),
             "backend": backend, "form": form(h),
             "bounds": {"error": error_record.recorded(source), **({"replay": error_record.replayed(source)}
                                                                  if h.replay_record else {})},
@@ -92,8 +102,18 @@ def build_manifest(store: Path, backend: str, files: list[tuple[str, Path, str]]
                       **({"head_bytes": h.head["bytes"]} if h.head else {})},
             "files": [PackFile(path, file_sha256(local), local.stat().st_size, role).to_json()
                       for path, local, role in files],
+            "floors": list(floors),
         }
     return public(manifest)
+
+
+def build_block(numerics: dict | str | None, cpu: str | None) -> dict:
+    """A manifest's `build` of logits computed with these numerics (qeval.identity.producer's): llama.cpp's build,
+    the CPU, layers offloaded and the environment; "not recorded" for a store made before qeval recorded them."""
+    if not isinstance(numerics, dict):
+        return {"recorded": NOT_RECORDED}
+    return {**numerics.get("build", {}), "cpu": cpu, "gpu_layers": numerics.get("gpu_layers"),
+            "env": numerics.get("env")}
 
 
 def manifest_bytes(manifest: dict) -> bytes:
@@ -197,7 +217,27 @@ def read_manifest(data: bytes, where: str) -> Manifest:
         raise QevalError(f"{where}: a file is listed twice")
     if [f.role for f in files].count("store") != 1:
         raise QevalError(f"{where}: the manifest must list exactly one file of role \"store\"")
+    floors = d.get("floors", [])
+    if not isinstance(floors, list):
+        raise QevalError(f"{where}: the manifest's field 'floors' is not a JSON list")
+    results = {f.path for f in files if f.role == "result"}
+    for floor in floors:
+        _check_floor(floor, where, results)
     return Manifest(label, d["identity"], files, d)
+
+
+def _check_floor(floor: object, where: str, results: set[str]) -> None:
+    """A manifest's entry of `floors`, every field checked: of its type (a figure may be null), its path a result
+    file the manifest lists."""
+    if not isinstance(floor, dict):
+        raise QevalError(f"{where}: an entry of 'floors' is not a JSON object")
+    for name, kind in FLOOR_FIELDS.items():
+        value = floor.get(name)
+        number = kind is float and (value is None or type(value) in (int, float))
+        if not number and type(value) is not kind:
+            raise QevalError(f"{where}: a numerics-floor row's field {name!r} is missing or not a JSON {kind.__name__}")
+    if floor["path"] not in results:
+        raise QevalError(f"{where}: numerics-floor row {floor['path']!r} is no result file the manifest lists")
 
 
 def pack_file(entry: object, where: str, roles: tuple[str, ...] = ROLES) -> PackFile:
@@ -247,6 +287,14 @@ def is_published(spec: str) -> bool:
 def pull(spec: str) -> Path:
     """The local store of the published reference `hf:USER/REPO[:LABEL]` (LABEL omitted: the repository's only one),
     downloaded into huggingface_hub's cache (a cached file is not fetched again) and verified (verify())."""
+    manifest = published_manifest(spec)
+    store = Path(hub_files.download(parse_spec(spec)[0], manifest.store.path))
+    verify(store, manifest, f"{spec} ({manifest.store.path})")
+    return store
+
+
+def published_manifest(spec: str) -> Manifest:
+    """The manifest of the published reference `hf:USER/REPO[:LABEL]`, downloaded (cached as pull()'s) and read."""
     repo, label = parse_spec(spec)
     files, where = hub_files.repo_files(repo)
     manifests = _manifests(files)
@@ -262,9 +310,7 @@ def pull(spec: str) -> Path:
     manifest = read_manifest(Path(hub_files.download(repo, name)).read_bytes(), f"{spec} ({name})")
     if manifest_name(manifest.label) != name:
         raise QevalError(f"{spec}: {name} is the manifest of reference {manifest.label!r}")
-    store = Path(hub_files.download(repo, manifest.store.path))
-    verify(store, manifest, f"{spec} ({manifest.store.path})")
-    return store
+    return manifest
 
 
 def _manifests(files: list[str]) -> list[str]:
