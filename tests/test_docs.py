@@ -61,7 +61,7 @@ def test_the_readme_is_short_and_names_the_command_ci_runs():
     ci = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()
           if line.strip() and not line.lstrip().startswith("#")]
     test_command = ci[-1]
-    assert test_command == ".venv/bin/python -m pytest -q"
+    assert test_command == ".venv/bin/python -m pytest -q -n auto --dist loadgroup"
     section = readme.split("\n## Test\n", 1)[1].split("\n## ", 1)[0]
     assert test_command in section
     install = next(line for line in ci if line.startswith("./install.sh"))

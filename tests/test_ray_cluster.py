@@ -81,6 +81,20 @@ def node_of(result: dict) -> str:
     return result["node"].split("/")[1]
 
 
+def assert_attempt_counter_on_the_drivers_node() -> None:
+    """The executor's Tracker is pinned to the driver's node: left to Ray, an actor of no CPU lands on any node
+    (on this cluster mostly on a worker node), whose loss would then fail every task started after it."""
+    import ray
+
+    from qeval.orchestrate.distributed import RayExecutor
+
+    driver = ray.get_runtime_context().get_node_id()
+    for _ in range(6):
+        tracker = RayExecutor._tracker(ray)
+        assert ray.get(tracker.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id())) == driver
+        ray.kill(tracker)
+
+
 def test_matrix_over_three_nodes_equals_one_machine(cluster, nodes, models, local_run, tmp_path):
     from qeval.orchestrate.distributed import RayExecutor
 
@@ -95,20 +109,8 @@ def test_matrix_over_three_nodes_equals_one_machine(cluster, nodes, models, loca
     used = {node_of(t.result) for t in ex.tasks}
     assert used <= {n.node_id[:8] for n in nodes} and len(used) >= 2
     assert f"6 tasks (4 captures, 2 comparisons) on {len(used)} node(s)" in text
-
-
-def test_the_attempt_counter_lives_on_the_drivers_node(cluster, nodes):
-    """The executor's Tracker is pinned to the driver's node: left to Ray, an actor of no CPU lands on any node
-    (on this cluster mostly on a worker node), whose loss would then fail every task started after it."""
-    import ray
-
-    from qeval.orchestrate.distributed import RayExecutor
-
-    driver = ray.get_runtime_context().get_node_id()
-    for _ in range(6):
-        tracker = RayExecutor._tracker(ray)
-        assert ray.get(tracker.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id())) == driver
-        ray.kill(tracker)
+    # on the same worker nodes: three fresh ones for this check alone cost 40-90 s
+    assert_attempt_counter_on_the_drivers_node()
 
 
 def stopping_until_removed(marker_dir: Path):

@@ -18,7 +18,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.stats import binomtest
 
 from qeval.errors import MismatchError, QevalError
 from qeval.identity import short
@@ -79,6 +78,8 @@ def mcnemar_exact(b: int, c: int) -> float:
     """Exact two-sided McNemar p-value for b and c discordant pairs (binomial test at 1/2)."""
     if b < 0 or c < 0:
         raise ValueError("counts must be >= 0")
+    from scipy.stats import binomtest  # noqa: PLC0415 - scipy.stats costs ~1 s to import; only flips need it
+
     return 1.0 if b + c == 0 else float(binomtest(b, b + c, 0.5).pvalue)
 
 

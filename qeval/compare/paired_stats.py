@@ -29,7 +29,9 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import stats as sps
+# scipy.special's Student t functions, the ones scipy.stats.t calls (bit-equal: tests/test_paired.py); scipy.stats
+# itself costs every process that imports this module ~1 s
+from scipy.special import stdtr, stdtrit
 
 from qeval.compare import metric_registry
 from qeval.compare.metric_registry import Metric
@@ -83,7 +85,7 @@ def on_common_chunks(per_token: dict, other: dict, columns=("chunk", "position",
 def t_quantile(confidence: float, df: int) -> float:
     """The multiplier of a two-sided t-interval at `confidence` with df degrees of freedom (cached: a board decided
     early asks for the same few, round after round)."""
-    return float(sps.t.ppf(0.5 + confidence / 2.0, df))
+    return float(stdtrit(df, 0.5 + confidence / 2.0))
 
 
 def interval_t(d: np.ndarray, confidence: float = CONFIDENCE) -> tuple[float, float, float, float, float]:
@@ -95,7 +97,7 @@ def interval_t(d: np.ndarray, confidence: float = CONFIDENCE) -> tuple[float, fl
     if se == 0.0:  # every chunk differs by exactly the same amount (often: not at all)
         return mean, 0.0, mean, mean, (1.0 if mean == 0.0 else 0.0)
     q = t_quantile(confidence, n - 1)
-    p = float(2.0 * sps.t.sf(abs(mean) / se, n - 1))
+    p = float(2.0 * stdtr(n - 1, -abs(mean) / se))  # twice the upper tail
     return mean, se, mean - q * se, mean + q * se, p
 
 
