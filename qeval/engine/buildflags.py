@@ -20,6 +20,9 @@ import shlex
 import sys
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+# llama-cpp-python's own switches: its multimodal library (mtmd, 23K lines of C++) is never loaded by qeval, and
+# compiling it is time every install pays
+PACKAGE_OPTIONS = ("-DLLAVA_BUILD=OFF",)
 
 # ggml option -> the /proc/cpuinfo flags it needs (ggml-cpu/CMakeLists.txt: GGML_AVX512 compiles
 # with -mavx512f -mavx512cd -mavx512vl -mavx512dq -mavx512bw, hence all five).
@@ -87,7 +90,7 @@ def cmake_options(flags: set[str], machine: str | None = None, gpu: str | None =
 
 
 def this_machine_options(gpu: str | None = None) -> list[str]:
-    return cmake_options(cpu_flags(), gpu=gpu)
+    return [*cmake_options(cpu_flags(), gpu=gpu), *PACKAGE_OPTIONS]
 
 
 def reinstall_command(gpu: str | None = None) -> str:
