@@ -56,7 +56,10 @@ Concat = typer.Option(False, "--concat", help="Join the corpus's documents into 
 Score = typer.Option("half", "--score", help=(
     "Which logit positions of each window are scored: half (llama-perplexity's second half, the default), all, "
     "every:S (every S-th position: a sparse sample over the whole depth, for long contexts), or assistant (a "
-    "conversation corpus: only the tokens the assistant wrote, by segment: thinking, answer, tool_call)."))
+    "conversation corpus: only the tokens the assistant wrote, by segment: thinking, answer, tool_call). "
+    "assistant@0,4096,16384: each conversation placed after a history of each of these many tokens (an earlier "
+    "exchange holding a passage of a novel, rendered by the chat template), one window each; its tokens are scored "
+    "by segment and depth (tool_call@4096). Every conversation must fit -c after the deepest."))
 ChatTemplateOption = typer.Option(None, "--chat-template", help=(
     "Conversations: render them with this template (a .jinja file, the original model's tokenizer_config.json, or "
     "a GGUF) instead of the model's own tokenizer.chat_template; `plain`: the same texts without turn markup."))
@@ -170,16 +173,19 @@ DEPLOY_ENGINE = ENGINE.only(
 # task scoring: its batch sizes are llama-perplexity's task settings (TaskSettings)
 TASK_ENGINE = ENGINE.only("type_k", "type_v", "flash_attn", "n_gpu_layers", "n_threads")
 
-WINDOWS = OptionGroup("Corpus and windows", dict, {  # api.capture_store's and api.matrix_report's keywords
+def _windows(**options) -> dict:
+    """The api's corpus keywords; --score assistant@D1,D2 is the rule and its conversation depths."""
+    if "scoring" not in options:  # a command that takes the corpus alone
+        return options
+    rule, at, depths = options.pop("scoring").partition("@")
+    return {**options, "scoring": rule, "conversation_depths": depths if at else None}
+
+
+WINDOWS = OptionGroup("Corpus and windows", _windows, {
     "n_ctx": (int, typer.Option(512, "-c", "--ctx", "--ctx-size", help="Tokens per window (n_ctx).")),
     "corpus": (Optional[str], typer.Option(None, "--corpus", "-f", help="Text file, folder of *.txt documents, shipped corpus name (or 'shipped': all), wikitext-2, or hf:DATASET[/CONFIG][:SPLIT][#COLUMN]; with --score assistant, conversations: a JSONL file, a folder of them, or 'conversations' (the shipped suite).")),
     "scoring": (str, Score), "concat": (bool, Concat), "chat_template": (Optional[str], ChatTemplateOption),
-    "chat_template_kwargs": (Optional[str], ChatTemplateKwargs),
-    "conversation_depths": (Optional[str], typer.Option(None, "--conversation-depths", help=(
-        "With --score assistant: place each conversation after a history of each of these many tokens (e.g. "
-        "0,4096,16384; an earlier exchange holding a passage of a novel, rendered by the chat template), one window "
-        "each; its tokens are scored by segment and depth (tool_call@4096). Every conversation must fit -c after "
-        "the deepest.")))})
+    "chat_template_kwargs": (Optional[str], ChatTemplateKwargs)})
 
 
 def _early(
@@ -469,7 +475,7 @@ def leaderboard_cmd(
 @app.command("cache-board")
 @grouped
 def cache_board_cmd(
-    run: list[Path] = typer.Argument(..., metavar="RUN", help="Result JSON files, or directories of them, of one reference model: a prose matrix and a conversation matrix (--score assistant --conversation-depths) side by side."),
+    run: list[Path] = typer.Argument(..., metavar="RUN", help="Result JSON files, or directories of them, of one reference model: a prose matrix and a conversation matrix (--score assistant@D1,D2,...) side by side."),
     needles: Optional[list[Path]] = typer.Option(None, "--needles", help="A `qeval needle ... --json` result file of the same reference; repeat."),
     out: Path = typer.Option(Path("cache-board"), "--out", "-o", help="Output directory: cache-board.md, .json, .html."),
     title: Optional[str] = typer.Option(None, "--title", help="Page and markdown heading."),

@@ -126,7 +126,7 @@ def test_a_matrix_over_conversations_with_its_control(models, conversations, cap
 
 
 def test_tool_calls_at_depth_are_scored_by_segment_and_depth_and_depth_0_is_todays(models, tmp_path):
-    """--conversation-depths 0,448 at -c 1024: by segment and depth, and the figures at depth 0 are those of the same
+    """--score assistant@0,448 at -c 1024: by segment and depth, and the figures at depth 0 are those of the same
     conversation captured without depths, exactly. A shipped tool call, its answer cut to its first sentence (564
     tokens, 25 of them scored: a capture codes each scored token's 262K logits)."""
     (row,) = shipped_rows(("tool_calls-001",))

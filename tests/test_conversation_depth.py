@@ -1,4 +1,4 @@
-"""Conversations at depth (--conversation-depths): each conversation after a history of exactly D tokens, its own
+"""Conversations at depth (--score assistant@D1,D2): each conversation after a history of exactly D tokens, its own
 tokens unchanged and shifted by D, only they scored, labelled segment@D; refusals naming the limit. Fast: a
 tokenizer of words and characters with Gemma-3's special tokens, the shipped Gemma-3 template; the slow test with
 Gemma-3-270M is in tests/test_conversation_capture.py."""
@@ -169,7 +169,7 @@ def test_a_depth_that_does_not_fit_or_cannot_be_built_is_refused(suite, model):
 def test_depths_are_refused_for_a_text_corpus():
     spec = CaptureSpec(model="m.gguf", out="x.qeval", label="x", corpus="austen-northanger-abbey",
                        conversation_depths="0,512")
-    with pytest.raises(QevalError, match="--conversation-depths render conversations"):
+    with pytest.raises(QevalError, match=r"conversation depths \(--score assistant@D\) render conversations"):
         corpus_windows(spec, engine=None)
 
 
@@ -187,21 +187,24 @@ def test_depth_0_alone_gives_todays_windows_labelled_at_0(suite, model):
 
 
 def test_the_option_reaches_capture_and_matrix(monkeypatch):
-    """--conversation-depths is one option of the corpus-and-windows group: capture and matrix pass it on."""
+    """--score assistant@D1,D2 gives the rule and the depths: capture and matrix pass both on; plain --score gives no
+    depths."""
     seen = {}
 
     def record(name):
         def called(*args, **kwargs):
-            seen[name] = kwargs.get("conversation_depths")
+            seen[name] = kwargs["scoring"], kwargs["conversation_depths"]
             return {}, ""
         return called
 
     monkeypatch.setattr(api, "capture_store", record("capture"))
     monkeypatch.setattr(api, "matrix_report", record("matrix"))
-    common = ("--corpus", "c.jsonl", "--score", "assistant", "--conversation-depths", "0,4096")
-    assert run_cli("capture", "m.gguf", "-l", "x", *common).returncode == 0
-    assert run_cli("matrix", "--ref", "m.gguf", "-m", "n.gguf", *common).returncode == 0
-    assert seen == {"capture": "0,4096", "matrix": "0,4096"}
+    for score, expected in (("assistant@0,4096", ("assistant", "0,4096")), ("assistant", ("assistant", None)),
+                            ("every:16", ("every:16", None))):
+        common = ("--corpus", "c.jsonl", "--score", score)
+        assert run_cli("capture", "m.gguf", "-l", "x", *common).returncode == 0
+        assert run_cli("matrix", "--ref", "m.gguf", "-m", "n.gguf", *common).returncode == 0
+        assert seen == {"capture": expected, "matrix": expected}
     request = matrix.MatrixRequest(ref_label="R", ref_path="r.gguf", pairs=(("A", "a.gguf", "f16"),),
                                    directory=Path("runs"), corpus="c.jsonl", scoring="assistant",
                                    conversation_depths="0,4096")

@@ -351,8 +351,8 @@ def corpus_windows(spec: CaptureSpec, engine: Backend) -> tuple[np.ndarray, Wind
                                      parse_template_kwargs(spec.chat_template_kwargs), spec.conversation_depths)
         return found.windows, found.labels, found.identity
     if spec.chat_template or spec.chat_template_kwargs or spec.conversation_depths is not None:
-        raise QevalError("--chat-template, --chat-template-kwargs and --conversation-depths render conversations "
-                         "(--score assistant); a text corpus is scored as it is")
+        raise QevalError("--chat-template, --chat-template-kwargs and conversation depths (--score assistant@D) "
+                         "render conversations (--score assistant); a text corpus is scored as it is")
     corpus = load_corpus(spec.corpus)
     documents = tokenize_documents(corpus, engine.tokenize, spec.concat)
     windows = make_windows(documents, spec.n_ctx, spec.chunks, f"corpus {corpus.name!r}")

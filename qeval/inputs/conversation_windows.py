@@ -8,7 +8,7 @@ holds two. One shorter than n_ctx is one window, padded after its end with EOS t
 a longer one is cut into windows of n_ctx tokens, each starting afresh. A window in which the assistant wrote
 nothing is left out. Windows keep the corpus order; `--chunks N` takes the first N.
 
-At depth (`--conversation-depths 0,4096,...`), each conversation is placed after a history of exactly D tokens, one
+At depth (`--score assistant@0,4096,...`), each conversation is placed after a history of exactly D tokens, one
 window per conversation and depth (in corpus order, its depths together): an earlier exchange inserted before its
 first turn (after its system message, if any) — a user turn holding a passage of the shipped novel
 (HISTORY_CORPUS) and the assistant's reply HISTORY_REPLY — rendered by the same template, so the window is the
@@ -79,7 +79,7 @@ def chat_template_for(model, chat_template: str | None) -> ChatTemplate:
 def conversation_windows(spec: str, model, n_ctx: int, max_chunks: int | None, chat_template: str | None,
                          template_kwargs: dict, depths: str | None = None) -> ConversationWindows:
     """The scored windows of the conversation corpus `spec`, rendered for `model` (a qeval.engine.engine
-    LlamaModel: tokenizer, template, EOS); `depths` (--conversation-depths): each conversation after histories of
+    LlamaModel: tokenizer, template, EOS); `depths` (--score assistant@D1,D2): each conversation after histories of
     those many tokens (the module's docstring), None: at the start of its windows."""
     check_ctx(n_ctx)
     placed = parse_history_depths(depths)
@@ -148,18 +148,18 @@ def conversations_sha256(conversations: list[Conversation]) -> str:
 # conversations at depth
 # --------------------------------------------------------------------------------------------------
 def parse_history_depths(text: str | None) -> tuple[int, ...] | None:
-    """--conversation-depths: distinct depths in tokens, ascending; None without the option."""
+    """--score assistant@D1,D2: distinct depths in tokens, ascending; None without the option."""
     if text is None:
         return None
     try:
         depths = tuple(sorted({int(d) for d in text.split(",")}))
     except ValueError:
-        raise QevalError(f"--conversation-depths {text!r}: expected history lengths in tokens, comma-separated "
+        raise QevalError(f"--score assistant@{text}: expected history lengths in tokens, comma-separated "
                          "(e.g. 0,4096,16384)") from None
     if depths[0] < 0:
-        raise QevalError(f"--conversation-depths {text!r}: a depth is a history of 0 or more tokens, not {depths[0]}")
+        raise QevalError(f"--score assistant@{text}: a depth is a history of 0 or more tokens, not {depths[0]}")
     if len(depths) > MAX_DEPTHS:
-        raise QevalError(f"--conversation-depths takes at most {MAX_DEPTHS} depths, not {len(depths)}")
+        raise QevalError(f"--score assistant@ takes at most {MAX_DEPTHS} depths, not {len(depths)}")
     return depths
 
 
@@ -210,7 +210,7 @@ class History:
         if n + deepest > self.n_ctx:
             room = (f"the deepest history that fits it is {self.n_ctx - n} tokens" if n <= self.n_ctx
                     else "it does not fit even at depth 0")
-            raise QevalError(f"--conversation-depths {deepest}: conversation {conversations[longest].id!r} holds {n} "
+            raise QevalError(f"--score assistant@{deepest}: conversation {conversations[longest].id!r} holds {n} "
                              f"tokens, so after a history of {deepest} it needs {n + deepest}, more than -c "
                              f"{self.n_ctx}: {room} (raise -c to at least {n + deepest}; a conversation at depth is "
                              "never cut)")

@@ -240,8 +240,8 @@ class CacheBoard:
 NOTE = ("Rows are joined by label across the sources; an empty cell: that source does not hold the row. K/V: the "
         "cache types as llama.cpp allocated them. <source> KLD <band> ± SE: mean KLD against the reference over the "
         "scored tokens at logit positions [lo, hi) of a prose run, SE cluster-robust; <source> KLD tool_call@D / "
-        "answer@D: over the assistant's tool calls / answers after a history of D tokens (--score assistant "
-        "--conversation-depths). needles cN agreement @ d %: the share of needle answers (argmax, teacher-forced) "
+        "answer@D: over the assistant's tool calls / answers after a history of D tokens (--score "
+        "assistant@D1,D2). needles cN agreement @ d %: the share of needle answers (argmax, teacher-forced) "
         "that agree with the reference's at that depth of an n_ctx N window, [95 % Wilson interval] (agreeing/asked). "
         "± is one standard error.")
 DEPLOYMENT_NOTE = ("KV MiB @ ctx C: the KV cache llama.cpp allocates for the row at deployment context C (every "

@@ -35,10 +35,11 @@ def speed_cell(figure: SpeedFigure | None) -> str:
 
 def speed_table(records: list[DeploymentRecord]) -> str:
     """One row per record, one column per test (llama-bench's names: pp512, tg128 @ d4096)."""
-    tests = sorted({s.key for r in records for s in r.speed}, key=lambda k: (k[2], k[0], k[1], k[3]))
+    named = {s.key: s.name for r in records for s in r.speed}  # one figure's name per test
+    tests = sorted(named, key=lambda k: (k[2], k[0], k[1], k[3]))
     if not tests:
         return ""
-    names = [SpeedFigure(*key).name + " t/s" for key in tests]
+    names = [named[key] + " t/s" for key in tests]
     return markdown_table(["label", "KV", *names],
                           [[r.label, _kv(r), *(speed_cell(r.speed_of(*k)) for k in tests)] for r in records],
                           right=range(2, 2 + len(names)))
