@@ -312,17 +312,21 @@ def gemma_tokenizer(models):
 # Fixtures that load a real model (or build one, or start Ray): a test using any of them is `slow`.
 SLOW_FIXTURES = {"models", "tiny", "references", "refused", "gemma_tokenizer"}
 RAY_MODULES = ("test_ray", "test_ray_cluster")
-# Under pytest -n, the tests of one group run in one process: two Ray runtimes at once would share the machine's
-# CPUs, and a module whose fixtures capture stores or build models would build them once in every process.
+# Under pytest -n --dist loadgroup, the tests of one group run in one process: two Ray runtimes at once would share
+# the machine's CPUs, and a module whose fixtures capture stores or build models would build them in every process.
 XDIST_GROUPS = {**dict.fromkeys(RAY_MODULES, "ray"),
                 **{m: m for m in ("test_conversation_capture", "test_architectures", "test_recipes",
                                   "test_saved_candidates", "test_identity")}}
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(items):
-    """`pytest -m "not slow"` runs the synthetic-store tests alone, in seconds."""
+    """`pytest -m "not slow"` runs the synthetic-store tests alone, in seconds. Grouped modules run first, so that no
+    long group is left to run alone at the end."""
     for item in items:
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or item.module.__name__ in RAY_MODULES:
             item.add_marker(pytest.mark.slow)
         if item.module.__name__ in XDIST_GROUPS:
             item.add_marker(pytest.mark.xdist_group(XDIST_GROUPS[item.module.__name__]))
+    items.sort(key=lambda item: item.module.__name__ not in XDIST_GROUPS)  # stable: each module's order kept
+
