@@ -18,6 +18,10 @@ an old label is not.
   task_store_identity(...)  a task store (qeval.capture.tasks): the task set and the tasks selected, the
                             model (its content fingerprint), its tokenizer and vocab, the task settings
                             and the version of the scoring code.
+  needle_row_identity(...)  a row of `qeval needle` (qeval.storage.needle_trials): the reference's run and the
+                            candidate's (each its model and what llama.cpp computes with, as a producer,
+                            and the batch sizes its prefix is decoded in), the trial design (needles,
+                            corpus, depths, seed, jitter, n_ctx) and NEEDLE_SCORES_VERSION.
   ComparisonRequest         a candidate measured against a reference: the reference's producer,
                             vocab, tokenizer and the tokens of the chunks compared; the candidate's
                             producer; the chunk count; METRICS_VERSION; the samplers computed too
@@ -114,6 +118,19 @@ def window_labels_identity(header, n_chunks: int) -> dict:
     the identities of text captures are what they were before labels existed)."""
     labels = header.window_labels
     return {} if labels is None else {"window_labels_sha256": digest(labels.head(n_chunks).to_json())}
+
+
+# The formulas of qeval.compare.needle_scores and the trial planting of qeval.inputs.needles: bump it when a change
+# there moves a recorded trial's numbers, so that recorded trials are measured again, never mixed with new ones.
+NEEDLE_SCORES_VERSION = 1
+
+
+def needle_row_identity(reference: dict, candidate: dict | None, design: dict) -> dict:
+    """A needle row: the candidate run's answers scored against the reference run's over the trials of `design`;
+    candidate None: the reference's own row (its accuracy), apart from a candidate run as the reference is, which
+    is decoded on its own (a check that decoding is deterministic)."""
+    return {"reference": reference, "candidate": candidate, "design": design,
+            "needle_scores_version": NEEDLE_SCORES_VERSION}
 
 
 def task_store_identity(tasks, limit: int | None, model, facts: dict, label: str, settings,

@@ -3,7 +3,9 @@ Wilson intervals; with Gemma-3-270M (slow), the prefix decoded once against a fr
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -156,17 +158,18 @@ def test_a_prefix_decoded_once_gives_a_fresh_pass_logits(models, shipped_here):
                                  + sum(len(trial.prefix) + len(p.continuation) for p in trial.planted))
 
 
-def test_needles_f16_against_itself_and_a_q4_0_cache(models, shipped_here):
+def test_needles_f16_against_itself_and_a_q4_0_cache_then_resumed_and_extended(models, shipped_here, tmp_path):
     from qeval.engine.engine import EngineSettings
     from qeval.engine.modelinfo import model_facts
     from qeval.orchestrate.matrix import pair_settings
     from qeval.orchestrate.needles import NeedleRequest, Run, run_needles
 
     path = str(models["Q8_0"])
+    f16, q4_0 = Run(label="f16", model=path, settings=EngineSettings()), \
+        Run(label="q4_0", model=path, settings=pair_settings("q4_0"))
     request = NeedleRequest(reference=Run(label="ref", model=path, settings=EngineSettings()),
-                            candidates=(Run(label="f16", model=path, settings=EngineSettings()),
-                                        Run(label="q4_0", model=path, settings=pair_settings("q4_0"))),
-                            contexts=(512,), depths=(5.0, 95.0), trials=2)
+                            candidates=(f16, q4_0), contexts=(512,), depths=(5.0, 95.0), trials=2,
+                            directory=tmp_path)
     block, = run_needles(request)["contexts"]
     same, q4 = block["candidates"]
     assert same["all"]["kld"]["mean"] == 0 and same["all"]["agreement"]["p"] == 1
@@ -177,6 +180,26 @@ def test_needles_f16_against_itself_and_a_q4_0_cache(models, shipped_here):
     assert q4["all"]["kld"]["mean"] > 0 and q4["all"]["answers"] == 4
     cost = block["forward_tokens_per_trial"]
     assert cost["naive"] > cost["prefix_once"] > block["prefix_tokens"]
+    assert [r["trials_read_back"] for r in (block["reference"], same, q4)] == [0, 0, 0]
+
+    # a third trial and a new row: the trials recorded are read back, only the missing ones decoded
+    q8_0 = Run(label="q8_0", model=path, settings=pair_settings("q8_0"))
+    more = dataclasses.replace(request, candidates=(f16, q4_0, q8_0), trials=3)
+    said = []
+    extended, = run_needles(more, say=said.append)["contexts"]
+    assert said == [f"n_ctx 512: trial {t}/3" for t in (1, 2, 3)]  # every trial lacks the new row
+    assert [r["trials_read_back"] for r in (extended["reference"], *extended["candidates"])] == [2, 2, 2, 0]
+    assert extended["candidates"][2]["all"]["answers"] == extended["candidates"][1]["all"]["answers"] == 6
+    lines = {c["label"]: Path(c["trials_file"]).read_text().splitlines() for c in extended["candidates"]}
+    assert [len(v) for v in lines.values()] == [4, 4, 4]  # a header and one line per trial, none twice
+    # the same request again decodes nothing, and gives the same numbers
+    again, = run_needles(more, say=said.append)["contexts"]
+    assert len(said) == 3 and again == {**extended, "reference": {
+        **extended["reference"], "trials_read_back": 3}, "candidates": [
+        {**c, "trials_read_back": 3} for c in extended["candidates"]]}
+    # the first two trials of the extended q4_0 row are the first run's
+    first_two = dataclasses.replace(request, candidates=(q4_0,))
+    assert run_needles(first_two)["contexts"][0]["candidates"][0]["all"] == q4["all"]
 
 
 def test_a_hybrid_model_puts_the_prefix_state_back(gemma_tokenizer, tmp_path):
@@ -203,3 +226,89 @@ def test_a_hybrid_model_puts_the_prefix_state_back(gemma_tokenizer, tmp_path):
             fresh = model.fresh(np.concatenate([prefix, q]), len(prefix) + 2)
             assert rows.shape == fresh.shape == (len(q) - 2, model.n_vocab)
             np.testing.assert_allclose(rows, fresh, rtol=0, atol=1e-3 * np.abs(fresh).max())
+
+
+# --------------------------------------------------------------------------------------------------
+# the trials file (qeval.storage.needle_trials)
+# --------------------------------------------------------------------------------------------------
+IDENTITY = {"reference": {"model": {"fingerprint": "ab"}}, "candidate": None, "design": {"n_ctx": 512}}
+KV = {"type_k": "f16", "type_v": "f16", "flash_attn": True}
+
+
+def _record(trial: int):
+    from qeval.storage.needle_trials import TrialRecord
+
+    score = score_answer(np.array([[0.0, 1.0, 2.0]]), np.array([[0.5, 1.0, 2.5]]), np.array([2]))
+    return TrialRecord(trial=trial, seconds=1.5, forward_tokens=600, answers=((5.0, score), (95.0, score)))
+
+
+def _trials_file(tmp_path, trials=(0, 1)):
+    from qeval.storage.needle_trials import NeedleTrials, trials_path
+
+    row = NeedleTrials(trials_path(tmp_path, IDENTITY), IDENTITY)
+    row.start(KV)
+    for t in trials:
+        row.append(_record(t))
+    return row.path
+
+
+def test_trials_are_read_back_as_written(tmp_path):
+    from qeval.storage.needle_trials import NeedleTrials
+
+    path = _trials_file(tmp_path, trials=(1, 0))
+    again = NeedleTrials(path, IDENTITY)
+    assert again.recorded == {0: _record(0), 1: _record(1)} and again.read_back == {0, 1}
+    assert again.kv_allocated == KV
+    again.start(KV)  # the same cache: nothing written
+    again.append(_record(2))
+    assert sorted(NeedleTrials(path, IDENTITY).recorded) == [0, 1, 2]
+    assert len(path.read_text().splitlines()) == 4
+
+
+def test_a_torn_last_line_is_dropped_and_its_trial_run_again(tmp_path):
+    from qeval.storage.needle_trials import NeedleTrials
+
+    path = _trials_file(tmp_path)
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-20])  # killed while writing trial 1's line
+    row = NeedleTrials(path, IDENTITY)
+    assert sorted(row.recorded) == [0] and path.read_bytes() == whole[:whole.rfind(b"\n", 0, -1) + 1]
+    row.start(KV)
+    row.append(_record(1))
+    assert path.read_bytes() == whole
+    path.write_bytes(whole[:30])  # killed while writing the header: the file starts again
+    row = NeedleTrials(path, IDENTITY)
+    assert row.recorded == {} and path.read_bytes() == b""
+    row.start(KV)
+    assert path.read_bytes() == whole[:whole.find(b"\n") + 1]
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda text: text.replace('"n_ctx": 512', '"n_ctx": 1024'), "another row than its name says"),
+    (lambda text: text.replace('"trial": 1', '"trial": 0'), "records trial 0 twice"),
+    (lambda text: text.replace('"forward_tokens": 600', '"forward_tokens": "600"'), "line 2 is no trial record"),
+    (lambda text: text.replace('"trial": 1', '"trial": -1'), "line 3 is no trial record"),
+    (lambda text: text.replace('"flip": false', '"flip": 0'), "line 2 is no trial record"),
+    (lambda text: text.replace('"kld": ', '"kl": '), "line 2 is no trial record"),
+    (lambda text: text.replace("qeval-needle-trials", "something-else"), "no qeval needle-trials file"),
+    (lambda text: text.split("\n", 1)[1], "no qeval needle-trials file"),
+    (lambda text: "# notes\n", "no qeval needle-trials file"),
+    (lambda text: "# notes", "no qeval needle-trials file"),  # not even a torn header: never cut
+])
+def test_a_damaged_trials_file_is_refused_and_left_as_it_is(tmp_path, damage, message):
+    from qeval.storage.needle_trials import NeedleTrials
+
+    path = _trials_file(tmp_path)
+    path.write_text(damage(path.read_text()))
+    before = path.read_bytes()
+    with pytest.raises(QevalError, match=message):
+        NeedleTrials(path, IDENTITY)
+    assert path.read_bytes() == before
+
+
+def test_another_allocated_cache_is_refused(tmp_path):
+    from qeval.storage.needle_trials import NeedleTrials
+
+    row = NeedleTrials(_trials_file(tmp_path), IDENTITY)
+    with pytest.raises(QevalError, match="allocated the KV cache"):
+        row.start({**KV, "type_k": "q8_0"})

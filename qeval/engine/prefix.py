@@ -29,14 +29,19 @@ class PrefixModel(LlamaModel):
     """A model with one context of one sequence of n_ctx tokens; `decoded` counts the tokens it ran forward."""
 
     def __init__(self, model_path: str | os.PathLike, settings: EngineSettings, n_ctx: int):
-        n_batch = min(settings.n_batch or CPU_BATCH, n_ctx)
-        n_ubatch = min(settings.n_ubatch or DEFAULT_UBATCH, n_batch)
+        n_batch, n_ubatch = self.batch_sizes(settings, n_ctx)
         self.n_ctx, self.decoded = n_ctx, 0
         super().__init__(model_path, settings, ContextShape(
             n_ctx_seq=n_ctx, n_seq=1, n_batch=n_batch, n_ubatch=n_ubatch, kv_unified=False,
             described=f"with KV {settings.type_k}/{settings.type_v}, flash attention {settings.flash_attn} "
                       f"(n_ctx {n_ctx}, -b {n_batch}, -ub {n_ubatch})"))
         self.n_batch = n_batch
+
+    @staticmethod
+    def batch_sizes(settings: EngineSettings, n_ctx: int) -> tuple[int, int]:
+        """(n_batch, n_ubatch) it decodes in: -b and -ub, none beyond the window."""
+        n_batch = min(settings.n_batch or CPU_BATCH, n_ctx)
+        return n_batch, min(settings.n_ubatch or DEFAULT_UBATCH, n_batch)
 
     def decode_prefix(self, tokens: np.ndarray) -> ctypes.Array | None:
         """Decode `tokens` (BOS included, as given) from an empty cache; its saved state where the memory cannot

@@ -1,26 +1,30 @@
 """`qeval needle`: needles at depth, the reference and every candidate over the same trials (docs/needles.md).
 
-Every model is opened once per n_ctx (a PrefixModel each); each trial's prefix is decoded once per model, each
-question continued after it; each candidate's answers are scored against the reference's as they come, so no
-trial's logits outlive it."""
+Every model is opened once per n_ctx (a PrefixModel each), and only when a trial of its row is still to run; each
+trial's prefix is decoded once per model, each question continued after it; each candidate's answers are scored
+against the reference's as they come, so no trial's logits outlive it. Each row's trials are recorded in the runs
+directory as they are scored (qeval.storage.needle_trials): a run killed resumes, a run of more trials extends, and
+a row already measured is read back, not decoded again."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from qeval.compare.needle_scores import score_answer, summarize_answers
-from qeval.engine.engine import EngineSettings
-from qeval.engine.modelinfo import content_fingerprint
+from qeval.engine.engine import EngineSettings, planned_fields
+from qeval.engine.modelinfo import model_facts
 from qeval.engine.prefix import PrefixModel
 from qeval.errors import QevalError
+from qeval.identity import digest, model_identity, needle_row_identity
 from qeval.inputs.corpus import load_corpus
 from qeval.inputs.needles import load_needles, plant_trials
+from qeval.storage.needle_trials import NeedleTrials, TrialRecord, trials_path
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +41,7 @@ class NeedleRequest:
     contexts: tuple[int, ...]
     depths: tuple[float, ...]
     trials: int
+    directory: Path  # the runs directory the trials are recorded in
     needles: str | None = None  # a needle file; None: the shipped suite
     corpus: str | None = None
     seed: int = 0
@@ -49,51 +54,90 @@ def run_needles(request: NeedleRequest, say=lambda line: None) -> dict:
     out = {"reference": request.reference.label, "needles": {"source": source, "count": len(needles)},
            "corpus": corpus.name, "depths": list(request.depths), "trials": request.trials, "seed": request.seed,
            "contexts": []}
+    design = {"needles_sha256": digest([dataclasses.asdict(n) for n in needles]), "corpus": corpus.identity(),
+              "depths": list(request.depths), "seed": request.seed, "jitter": request.jitter}
+    facts = {r.model: model_facts(r.model) for r in (request.reference, *request.candidates)}
     for n_ctx in request.contexts:
-        out["contexts"].append(_one_context(request, needles, corpus, n_ctx, say))
+        out["contexts"].append(_one_context(request, needles, corpus, {**design, "n_ctx": n_ctx}, facts, say))
     return out
 
 
-def _one_context(request, needles, corpus, n_ctx, say) -> dict:
+def _run_identity(run: Run, facts: dict, n_ctx: int) -> dict:
+    """What decides a run's logits: its model and what llama.cpp computes them with (as a store's producer), with
+    the batch sizes a PrefixModel decodes in."""
+    n_batch, n_ubatch = PrefixModel.batch_sizes(run.settings, n_ctx)
+    return {"model": model_identity(facts, "qeval", ""),
+            **planned_fields(facts, run.settings, n_ctx), "n_batch": n_batch, "n_ubatch": n_ubatch}
+
+
+def _one_context(request, needles, corpus, design, facts, say) -> dict:
+    n_ctx = design["n_ctx"]
     runs = (request.reference, *request.candidates)
+    identities = [_run_identity(r, facts[r.model], n_ctx) for r in runs]
+    files: dict[Path, NeedleTrials] = {}  # rows of one identity (a candidate given twice) share a file
+    rows = []
+    for k, identity in enumerate(identities):
+        row = needle_row_identity(identities[0], identity if k else None, design)
+        path = trials_path(request.directory, row)
+        rows.append(files.setdefault(path, NeedleTrials(path, row)))
     with contextlib.ExitStack() as stack:
-        models = [stack.enter_context(PrefixModel(r.model, r.settings, n_ctx)) for r in runs]
-        ref = models[0]
-        for run, model in zip(runs[1:], models[1:]):
-            if model.tokenizer_fingerprint() != ref.tokenizer_fingerprint():
-                raise QevalError(f"{run.label} has another tokenizer than the reference: its answers cannot be "
-                                 "compared token by token")
+        models: dict[int, PrefixModel] = {}
+
+        def model(k: int) -> PrefixModel:
+            if k not in models:
+                models[k] = stack.enter_context(PrefixModel(runs[k].model, runs[k].settings, n_ctx))
+                if k and models[k].tokenizer_fingerprint() != models[0].tokenizer_fingerprint():
+                    raise QevalError(f"{runs[k].label} has another tokenizer than the reference: its answers cannot "
+                                     "be compared token by token")
+                rows[k].start(models[k].allocated)
+            return models[k]
+
+        ref = model(0)
         trials = plant_trials(ref.tokenize(corpus.text, add_special=False), lambda t: ref.tokenize(t, False),
                               ref.bos if ref.add_bos else None, needles, depths=request.depths, n_ctx=n_ctx,
                               trials=request.trials, seed=request.seed, jitter=request.jitter)
-        scores = [defaultdict(list) for _ in request.candidates]
-        ref_scores = defaultdict(list)
-        seconds = [0.0] * len(models)
         for trial in trials:
+            if all(trial.index in row.recorded for row in rows):
+                continue
             say(f"n_ctx {n_ctx}: trial {trial.index + 1}/{len(trials)}")
-            answers = []
-            for k, model in enumerate(models):
-                start = time.perf_counter()
-                state = model.decode_prefix(trial.prefix)
-                answers.append([model.continue_from(state, len(trial.prefix), p.continuation, p.first_scored)
-                                for p in trial.planted])
-                seconds[k] += time.perf_counter() - start
-            for p, ref_logits in zip(trial.planted, answers[0]):
-                ref_scores[p.depth].append(score_answer(ref_logits, ref_logits, p.answer))
-                for k, cand in enumerate(answers[1:]):
-                    scores[k][p.depth].append(score_answer(ref_logits, cand[trial.planted.index(p)], p.answer))
+            ref_answers, seconds, tokens = _answers(ref, trial)
+            if trial.index not in rows[0].recorded:
+                _record(rows[0], trial, ref_answers, ref_answers, seconds, tokens)
+            for k in range(1, len(runs)):
+                if trial.index not in rows[k].recorded:
+                    _record(rows[k], trial, ref_answers, *_answers(model(k), trial))
+        used = [{t.index: row.recorded[t.index] for t in trials} for row in rows]
         cost = np.array([t.forward_tokens() for t in trials], np.float64).mean(axis=0)
         return {"n_ctx": n_ctx, "prefix_tokens": float(np.mean([len(t.prefix) for t in trials])),
                 "forward_tokens_per_trial": {"prefix_once": cost[0], "naive": cost[1], "ratio": cost[1] / cost[0]},
-                "reference": _row(request.reference, models[0], seconds[0], ref_scores),
-                "candidates": [_row(r, m, s, sc) for r, m, s, sc in zip(request.candidates, models[1:], seconds[1:],
-                                                                          scores)]}
+                "reference": _row(runs[0], facts, rows[0], used[0]),
+                "candidates": [_row(r, facts, row, u) for r, row, u in zip(runs[1:], rows[1:], used[1:])]}
 
 
-def _row(run: Run, model: PrefixModel, seconds: float, by_depth: dict) -> dict:
+def _answers(model: PrefixModel, trial) -> tuple[list[np.ndarray], float, int]:
+    """The logits of every planted needle's answer after the trial's prefix, and the seconds and forward tokens
+    that took."""
+    start, decoded = time.perf_counter(), model.decoded
+    state = model.decode_prefix(trial.prefix)
+    answers = [model.continue_from(state, len(trial.prefix), p.continuation, p.first_scored) for p in trial.planted]
+    return answers, time.perf_counter() - start, model.decoded - decoded
+
+
+def _record(row: NeedleTrials, trial, ref_answers, answers, seconds: float, tokens: int) -> None:
+    row.append(TrialRecord(trial=trial.index, seconds=seconds, forward_tokens=tokens, answers=tuple(
+        (p.depth, score_answer(r, a, p.answer)) for p, r, a in zip(trial.planted, ref_answers, answers))))
+
+
+def _row(run: Run, facts: dict, row: NeedleTrials, used: dict[int, TrialRecord]) -> dict:
+    by_depth: dict[float, list] = {}
+    for record in used.values():
+        for depth, score in record.answers:
+            by_depth.setdefault(depth, []).append(score)
     every = [s for scores in by_depth.values() for s in scores]
-    return {"label": run.label, "model": run.model, "fingerprint": content_fingerprint(Path(run.model)),
-            "kv": run.settings.as_json(), "kv_allocated": model.allocated,
-            "seconds": seconds, "forward_tokens": model.decoded,
+    return {"label": run.label, "model": run.model, "fingerprint": facts[run.model]["fingerprint"],
+            "kv": run.settings.as_json(), "kv_allocated": row.kv_allocated,
+            "seconds": sum(r.seconds for r in used.values()),
+            "forward_tokens": sum(r.forward_tokens for r in used.values()),
+            "trials_file": str(row.path), "trials_read_back": len(used.keys() & row.read_back),
             "depths": [{"depth": d, **summarize_answers(s)} for d, s in sorted(by_depth.items())],
             "all": summarize_answers(every)}

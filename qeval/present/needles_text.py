@@ -17,6 +17,12 @@ def _cells(depth: str, d: dict, ref_accuracy: dict) -> list[str]:
             share(d["cand_accuracy"])]
 
 
+def _spent(row: dict) -> str:
+    """A row's decode time, and how many of its trials an earlier run recorded (their time included)."""
+    read_back = row["trials_read_back"]
+    return f"{row['seconds']:.1f} s" + (f", {read_back} trials read back from {row['trials_file']}" if read_back else "")
+
+
 def needles_text(result: dict) -> str:
     lines = [f"needles: {result['needles']['source']} ({result['needles']['count']}), corpus {result['corpus']}, "
              f"{result['trials']} trials, seed {result['seed']}; reference {result['reference']}"]
@@ -24,12 +30,12 @@ def needles_text(result: dict) -> str:
         cost, ref = block["forward_tokens_per_trial"], block["reference"]
         lines += ["", f"n_ctx {block['n_ctx']}: prefix {block['prefix_tokens']:.0f} tokens; forward tokens per trial "
                       f"{cost['prefix_once']:.0f} (prefix once) vs {cost['naive']:.0f} (a window per question): "
-                      f"{cost['ratio']:.2f}x; reference {ref['seconds']:.1f} s, KV {ref['kv_allocated']}"]
+                      f"{cost['ratio']:.2f}x; reference {_spent(ref)}, KV {ref['kv_allocated']}"]
         accuracy = {d["depth"]: d["ref_accuracy"] for d in ref["depths"]}
         for cand in block["candidates"]:
             rows = [_cells(f"{d['depth']:g} %", d, accuracy[d["depth"]]) for d in cand["depths"]]
             rows.append(_cells("all", cand["all"], ref["all"]["ref_accuracy"]))
-            lines += ["", f"{cand['label']} (KV {cand['kv_allocated']}, {cand['seconds']:.1f} s)",
+            lines += ["", f"{cand['label']} (KV {cand['kv_allocated']}, {_spent(cand)})",
                       markdown_table(["depth", "agreement [95 % Wilson]", "same top-1", "answer KLD",
                                       "Δ log p(answer)", "reference accuracy", "candidate accuracy"], rows)]
         if not block["candidates"]:
