@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import REPO, kld64, log_softmax64
 
-from qeval.compare.needle_scores import score_answer, summarize_answers
+from qeval.compare.needle_scores import ANSWER_FIELDS, answer_of, score_answer, summarize_answers
 from qeval.compare.stats import wilson_interval
 from qeval.errors import QevalError
 from qeval.inputs import needles as nd
@@ -236,16 +236,18 @@ KV = {"type_k": "f16", "type_v": "f16", "flash_attn": True}
 
 
 def _record(trial: int):
+    from qeval.compare.needle_scores import answer_json
     from qeval.storage.needle_trials import TrialRecord
 
     score = score_answer(np.array([[0.0, 1.0, 2.0]]), np.array([[0.5, 1.0, 2.5]]), np.array([2]))
-    return TrialRecord(trial=trial, seconds=1.5, forward_tokens=600, answers=((5.0, score), (95.0, score)))
+    return TrialRecord(trial=trial, seconds=1.5, forward_tokens=600,
+                       answers=(answer_json(5.0, score), answer_json(95.0, score)))
 
 
 def _trials_file(tmp_path, trials=(0, 1)):
     from qeval.storage.needle_trials import NeedleTrials, trials_path
 
-    row = NeedleTrials(trials_path(tmp_path, IDENTITY), IDENTITY)
+    row = NeedleTrials(trials_path(tmp_path, IDENTITY), IDENTITY, ANSWER_FIELDS)
     row.start(KV)
     for t in trials:
         row.append(_record(t))
@@ -256,12 +258,14 @@ def test_trials_are_read_back_as_written(tmp_path):
     from qeval.storage.needle_trials import NeedleTrials
 
     path = _trials_file(tmp_path, trials=(1, 0))
-    again = NeedleTrials(path, IDENTITY)
+    again = NeedleTrials(path, IDENTITY, ANSWER_FIELDS)
     assert again.recorded == {0: _record(0), 1: _record(1)} and again.read_back == {0, 1}
     assert again.kv_allocated == KV
+    score = score_answer(np.array([[0.0, 1.0, 2.0]]), np.array([[0.5, 1.0, 2.5]]), np.array([2]))
+    assert [answer_of(a) for a in again.recorded[0].answers] == [(5.0, score), (95.0, score)]
     again.start(KV)  # the same cache: nothing written
     again.append(_record(2))
-    assert sorted(NeedleTrials(path, IDENTITY).recorded) == [0, 1, 2]
+    assert sorted(NeedleTrials(path, IDENTITY, ANSWER_FIELDS).recorded) == [0, 1, 2]
     assert len(path.read_text().splitlines()) == 4
 
 
@@ -271,13 +275,13 @@ def test_a_torn_last_line_is_dropped_and_its_trial_run_again(tmp_path):
     path = _trials_file(tmp_path)
     whole = path.read_bytes()
     path.write_bytes(whole[:-20])  # killed while writing trial 1's line
-    row = NeedleTrials(path, IDENTITY)
+    row = NeedleTrials(path, IDENTITY, ANSWER_FIELDS)
     assert sorted(row.recorded) == [0] and path.read_bytes() == whole[:whole.rfind(b"\n", 0, -1) + 1]
     row.start(KV)
     row.append(_record(1))
     assert path.read_bytes() == whole
     path.write_bytes(whole[:30])  # killed while writing the header: the file starts again
-    row = NeedleTrials(path, IDENTITY)
+    row = NeedleTrials(path, IDENTITY, ANSWER_FIELDS)
     assert row.recorded == {} and path.read_bytes() == b""
     row.start(KV)
     assert path.read_bytes() == whole[:whole.find(b"\n") + 1]
@@ -302,13 +306,13 @@ def test_a_damaged_trials_file_is_refused_and_left_as_it_is(tmp_path, damage, me
     path.write_text(damage(path.read_text()))
     before = path.read_bytes()
     with pytest.raises(QevalError, match=message):
-        NeedleTrials(path, IDENTITY)
+        NeedleTrials(path, IDENTITY, ANSWER_FIELDS)
     assert path.read_bytes() == before
 
 
 def test_another_allocated_cache_is_refused(tmp_path):
     from qeval.storage.needle_trials import NeedleTrials
 
-    row = NeedleTrials(_trials_file(tmp_path), IDENTITY)
+    row = NeedleTrials(_trials_file(tmp_path), IDENTITY, ANSWER_FIELDS)
     with pytest.raises(QevalError, match="allocated the KV cache"):
         row.start({**KV, "type_k": "q8_0"})

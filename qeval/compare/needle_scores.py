@@ -9,7 +9,7 @@ log-probability change as mean ± SE over the answers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
@@ -26,6 +26,19 @@ class AnswerScore:
     flip: bool
     ref_correct: bool
     cand_correct: bool
+
+
+ANSWER_FIELDS = {f.name: {"float": float, "int": int, "bool": bool}[f.type] for f in fields(AnswerScore)}
+
+
+def answer_json(depth: float, score: AnswerScore) -> dict:
+    """A planted needle's answer as qeval.storage.needle_trials keeps it."""
+    return {"depth": depth, **asdict(score)}
+
+
+def answer_of(row: dict) -> tuple[float, AnswerScore]:
+    """(depth, score) of a kept answer (its fields checked against ANSWER_FIELDS on read)."""
+    return row["depth"], AnswerScore(**{name: row[name] for name in ANSWER_FIELDS})
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qeval.compare.needle_scores import score_answer, summarize_answers
+from qeval.compare.needle_scores import ANSWER_FIELDS, answer_json, answer_of, score_answer, summarize_answers
 from qeval.engine.engine import EngineSettings, planned_fields
 from qeval.engine.modelinfo import model_facts
 from qeval.engine.prefix import PrefixModel
@@ -79,7 +79,7 @@ def _one_context(request, needles, corpus, design, facts, say) -> dict:
     for k, identity in enumerate(identities):
         row = needle_row_identity(identities[0], identity if k else None, design)
         path = trials_path(request.directory, row)
-        rows.append(files.setdefault(path, NeedleTrials(path, row)))
+        rows.append(files.setdefault(path, NeedleTrials(path, row, ANSWER_FIELDS)))
     with contextlib.ExitStack() as stack:
         models: dict[int, PrefixModel] = {}
 
@@ -125,13 +125,13 @@ def _answers(model: PrefixModel, trial) -> tuple[list[np.ndarray], float, int]:
 
 def _record(row: NeedleTrials, trial, ref_answers, answers, seconds: float, tokens: int) -> None:
     row.append(TrialRecord(trial=trial.index, seconds=seconds, forward_tokens=tokens, answers=tuple(
-        (p.depth, score_answer(r, a, p.answer)) for p, r, a in zip(trial.planted, ref_answers, answers))))
+        answer_json(p.depth, score_answer(r, a, p.answer)) for p, r, a in zip(trial.planted, ref_answers, answers))))
 
 
 def _row(run: Run, facts: dict, row: NeedleTrials, used: dict[int, TrialRecord]) -> dict:
     by_depth: dict[float, list] = {}
     for record in used.values():
-        for depth, score in record.answers:
+        for depth, score in map(answer_of, record.answers):
             by_depth.setdefault(depth, []).append(score)
     every = [s for scores in by_depth.values() for s in scores]
     return {"label": run.label, "model": run.model, "fingerprint": facts[run.model]["fingerprint"],

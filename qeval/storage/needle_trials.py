@@ -11,8 +11,9 @@ UTF-8 JSON lines, each ending in a newline:
     line 1     {"format": "qeval-needle-trials", "version": 1, "identity": {...}, "kv_allocated": {...}}
     then       {"trial": T, "seconds": S, "forward_tokens": N, "answers": [ANSWER, ...]}   one per trial, any order
 
-ANSWER holds a planted needle's depth (percent) and its AnswerScore (qeval.compare.needle_scores): {"depth",
-"kld", "ref_logprob", "cand_logprob", "same_top1", "tokens", "flip", "ref_correct", "cand_correct"}. `seconds` and
+ANSWER holds a planted needle's depth (percent) and its scores, the fields of qeval.compare.needle_scores.AnswerScore
+(passed in as `answer_fields`, name -> float, int or bool): {"depth", "kld", "ref_logprob", "cand_logprob",
+"same_top1", "tokens", "flip", "ref_correct", "cand_correct"}. `seconds` and
 `forward_tokens` are this row's model's decode time and tokens in that trial. Trial T is the trial that
 default_rng([seed, T]) plants (qeval.inputs.needles), whatever the number of trials asked for, so a run of more
 trials reuses the ones recorded and decodes only the rest.
@@ -25,10 +26,9 @@ line without its newline (a run killed while writing it) is dropped, and its tri
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
-from qeval.compare.needle_scores import AnswerScore
 from qeval.errors import QevalError
 from qeval.identity import digest
 from qeval.storage.store import append_durably
@@ -36,7 +36,6 @@ from qeval.storage.store import append_durably
 FORMAT = "qeval-needle-trials"
 VERSION = 1
 SUBDIR = "needles"
-_SCORE_TYPES = {f.name: (bool if f.type == "bool" else int if f.type == "int" else float) for f in fields(AnswerScore)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,14 +43,14 @@ class TrialRecord:
     trial: int
     seconds: float
     forward_tokens: int
-    answers: tuple[tuple[float, AnswerScore], ...]  # (depth, score) per planted needle
+    answers: tuple[dict, ...]  # per planted needle: {"depth", and its scores}
 
     def to_json(self) -> dict:
         return {"trial": self.trial, "seconds": self.seconds, "forward_tokens": self.forward_tokens,
-                "answers": [{"depth": depth, **asdict(score)} for depth, score in self.answers]}
+                "answers": list(self.answers)}
 
     @classmethod
-    def from_json(cls, row: object) -> TrialRecord:
+    def from_json(cls, row: object, answer_fields: dict[str, type]) -> TrialRecord:
         """A record read from disk: every field present and of its type, or ValueError."""
         if not isinstance(row, dict) or set(row) != {"trial", "seconds", "forward_tokens", "answers"}:
             raise ValueError("not a trial record")
@@ -59,8 +58,13 @@ class TrialRecord:
         if not (_is(trial, int) and trial >= 0 and _is(seconds, float) and _is(tokens, int)
                 and isinstance(answers, list) and answers):
             raise ValueError("a trial record's trial, seconds, forward_tokens or answers is malformed")
-        return cls(trial=trial, seconds=float(seconds), forward_tokens=tokens,
-                   answers=tuple(_answer(a) for a in answers))
+        schema = {"depth": float, **answer_fields}
+        for answer in answers:
+            if not isinstance(answer, dict) or set(answer) != set(schema):
+                raise ValueError("an answer lacks a field, or holds one too many")
+            if not all(_is(answer[name], kind) for name, kind in schema.items()):
+                raise ValueError("an answer's field has the wrong type")
+        return cls(trial=trial, seconds=float(seconds), forward_tokens=tokens, answers=tuple(answers))
 
 
 def _is(value: object, kind: type) -> bool:
@@ -71,14 +75,6 @@ def _is(value: object, kind: type) -> bool:
     return isinstance(value, (int, float)) if kind is float else isinstance(value, kind)
 
 
-def _answer(row: object) -> tuple[float, AnswerScore]:
-    if not isinstance(row, dict) or set(row) != {"depth", *_SCORE_TYPES}:
-        raise ValueError("an answer lacks a field, or holds one too many")
-    if not _is(row["depth"], float) or not all(_is(row[name], kind) for name, kind in _SCORE_TYPES.items()):
-        raise ValueError("an answer's field has the wrong type")
-    return float(row["depth"]), AnswerScore(**{name: kind(row[name]) for name, kind in _SCORE_TYPES.items()})
-
-
 def trials_path(directory: Path, identity: dict) -> Path:
     return directory / SUBDIR / f"{digest(identity)[:16]}.jsonl"
 
@@ -86,8 +82,9 @@ def trials_path(directory: Path, identity: dict) -> Path:
 class NeedleTrials:
     """The recorded trials of one row (`recorded`: trial -> TrialRecord), its file open for appending."""
 
-    def __init__(self, path: Path, identity: dict):
+    def __init__(self, path: Path, identity: dict, answer_fields: dict[str, type]):
         self.path, self.identity = path, json.loads(json.dumps(identity))  # as read back: lists, not tuples
+        self.answer_fields = answer_fields
         self.kv_allocated: dict | None = None
         self.recorded: dict[int, TrialRecord] = {}
         if path.exists():
@@ -104,7 +101,7 @@ class NeedleTrials:
             raise QevalError(f"{self.path} is no qeval needle-trials file: move it away")
         for number, line in enumerate(lines[1:], 2):
             try:
-                record = TrialRecord.from_json(json.loads(line))
+                record = TrialRecord.from_json(json.loads(line), self.answer_fields)
             except (json.JSONDecodeError, ValueError) as exc:
                 raise QevalError(f"{self.path} line {number} is no trial record ({exc}): move the file away to "
                                  "measure the row again") from None
