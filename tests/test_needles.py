@@ -316,3 +316,13 @@ def test_another_allocated_cache_is_refused(tmp_path):
     row = NeedleTrials(_trials_file(tmp_path), IDENTITY, ANSWER_FIELDS)
     with pytest.raises(QevalError, match="allocated the KV cache"):
         row.start({**KV, "type_k": "q8_0"})
+
+
+def test_a_missing_or_bad_model_is_one_message(tmp_path):
+    from conftest import run_cli
+
+    (tmp_path / "junk.gguf").write_bytes(b"junk")
+    for model, message in ((tmp_path / "none.gguf", "does not exist"), (tmp_path / "junk.gguf", "not a GGUF")):
+        done = run_cli("needle", str(model), "-c", "1024", "--trials", "1", "--runs-dir", str(tmp_path / "runs"))
+        assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "runs").exists()

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from qeval.compare.needle_scores import ANSWER_FIELDS, answer_json, answer_of, score_answer, summarize_answers
-from qeval.engine.engine import EngineSettings, planned_fields
+from qeval.engine.engine import EngineSettings, check_model_file, planned_fields
 from qeval.engine.modelinfo import model_facts
 from qeval.engine.prefix import PrefixModel
 from qeval.errors import QevalError
@@ -56,7 +56,7 @@ def run_needles(request: NeedleRequest, say=lambda line: None) -> dict:
            "contexts": []}
     design = {"needles_sha256": digest([dataclasses.asdict(n) for n in needles]), "corpus": corpus.identity(),
               "depths": list(request.depths), "seed": request.seed, "jitter": request.jitter}
-    facts = {r.model: model_facts(r.model) for r in (request.reference, *request.candidates)}
+    facts = {r.model: model_facts(check_model_file(r.model)) for r in (request.reference, *request.candidates)}
     for n_ctx in request.contexts:
         out["contexts"].append(_one_context(request, needles, corpus, {**design, "n_ctx": n_ctx}, facts, say))
     return out
