@@ -79,7 +79,9 @@ def _one_context(request, needles, corpus, design, facts, say) -> dict:
     for k, identity in enumerate(identities):
         row = needle_row_identity(identities[0], identity if k else None, design)
         path = trials_path(request.directory, row)
-        rows.append(files.setdefault(path, NeedleTrials(path, row, ANSWER_FIELDS)))
+        if path not in files:
+            files[path] = NeedleTrials(path, row, ANSWER_FIELDS)
+        rows.append(files[path])
     with contextlib.ExitStack() as stack:
         models: dict[int, PrefixModel] = {}
 
