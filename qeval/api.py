@@ -518,12 +518,13 @@ def publish_report(store: str, target: str, *, results_dir: Path | None = None, 
 
 def needle_report(ref: str, *, models=(), kv_types=("f16",), contexts=(4096,), depths: str | None = None,
                   trials: int = 10, needles: str | None = None, corpus: str | None = None, seed: int = 0,
-                  engine: EngineSettings = EngineSettings(), runs_dir=None,
+                  engine: EngineSettings = EngineSettings(), runs_dir=None, early: EarlySettings | None = None,
                   progress: bool = False) -> tuple[dict, str]:
     """Needles at depth (docs/needles.md): `ref` (MODEL or LABEL=MODEL) with an f16 cache is the reference; every
     model of `models` (default: the reference's) under every KV spec of `kv_types` (as matrix's --kv) a candidate,
     labelled as matrix's pairs; `needles` a JSONL needle file (None: the shipped suite). Each row's trials are kept
-    in the runs directory: a rerun resumes, or extends to more trials."""
+    in the runs directory: a rerun resumes, or extends to more trials. `early` (early_settings(...)): decide the rows
+    early, trials as the chunks (qeval.orchestrate.needles)."""
     depth_list = parse_depths(depths)
     ref_label, ref_path = parse_model_arg(ref)
     pairs = matrix.model_kv_pairs(list(models) or [ref], list(kv_types), ref_path)
@@ -532,7 +533,7 @@ def needle_report(ref: str, *, models=(), kv_types=("f16",), contexts=(4096,), d
         candidates=tuple(Run(label=label, model=str(path), settings=pair_settings(kv, engine).validate())
                          for label, path, kv in pairs),
         contexts=tuple(contexts), depths=depth_list, trials=trials, directory=runs.runs_dir(runs_dir),
-        needles=needles, corpus=corpus, seed=seed)
+        needles=needles, corpus=corpus, seed=seed, early=early)
     result = run_needles(request, say=lambda line: say(line, progress))
     return result, needles_text(result)
 

@@ -395,18 +395,21 @@ def needle(
     seed: int = typer.Option(0, "--seed", help="Seed of the trials."),
     windows: dict = WINDOWS.only("corpus"),
     engine: EngineSettings = MATRIX_ENGINE,
+    early: Optional[EarlySettings] = EARLY,
     output: Output = OUTPUT,
 ):
     """Retrieval at depth: facts planted in a long window, a question each after it; each candidate's answers
     against the reference's (agreement, answer KLD), beside the reference's own accuracy. Each row's trials are
-    kept in the runs directory: the same command resumes, and more --trials extend them."""
+    kept in the runs directory: the same command resumes, and more --trials extend them. With --early, trials are
+    the chunks: a row stops once its answer KLD's place is settled."""
     try:
         contexts = [int(c) for c in ctx.split(",") if c.strip()]
     except ValueError:
         raise QevalError(f"-c {ctx}: expected window sizes separated by commas") from None
     output.emit(*api.needle_report(ref, models=model or (), kv_types=[k.strip() for k in kv.split(",") if k.strip()],
                                    contexts=contexts, depths=depths, trials=trials, needles=needles, seed=seed,
-                                   engine=engine, runs_dir=output.runs_dir, progress=not output.as_json, **windows))
+                                   engine=engine, runs_dir=output.runs_dir, early=early, progress=not output.as_json,
+                                   **windows))
 
 
 @app.command("deploy")

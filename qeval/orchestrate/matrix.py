@@ -735,24 +735,29 @@ def run_early(plan: MatrixPlan, pairs: list[PairPlan], ref, n_chunks: int, advan
             ran.add(k)
             lines.extend(([done.note] if done.note else []) + _resumed_line(label, done))
 
-    decide_in_rounds(settings, [k for k, p in enumerate(pairs) if p.action != SKIP], run,
+    decide_in_rounds(settings, [k for k, p in enumerate(pairs) if p.action != SKIP], one_by_one(run),
                      lambda: early_decisions(plan, n_chunks))
     advance(sum(n_chunks - n for n in counted.values()))  # the chunks the stopped pairs leave: the bar ends full
     return lines
 
 
-def decide_in_rounds(settings: EarlySettings, running: list[int], run: Callable[[int, int], None],
+def one_by_one(run: Callable[[int, int], None]) -> Callable[[dict[int, int]], None]:
+    """A round of decide_in_rounds as run(k, target) for each running pair in turn."""
+    return lambda targets: [run(k, target) for k, target in targets.items()]
+
+
+def decide_in_rounds(settings: EarlySettings, running: list[int], run_round: Callable[[dict[int, int]], None],
                      decisions: Callable[[], list[early_stop.Decision]],
                      on_stop: Callable[[int], None] | None = None) -> None:
-    """The rounds of a board decided early (a matrix's, a recipe board's): run(k, target) runs pair k on until it
-    holds `target` chunks of the order (or every chunk): first min_chunks each, then decisions() reads the whole
-    board (so a pair's neighbours are known; one Decision per pair, in the indices `running` uses) and every pair it
-    does not stop runs `step` more, until every pair has stopped. on_stop(k): each pair that ran in a round and
-    that round stopped (a stopped pair may be asked to run again in a later round: its neighbours moved)."""
+    """The rounds of a board decided early (a matrix's, a recipe board's, a needle board's): run_round({k: target})
+    runs each running pair k on until it holds `target` chunks of the order (or every chunk; one_by_one: pair by
+    pair): first min_chunks each, then decisions() reads the whole board (so a pair's neighbours are known; one
+    Decision per pair, in the indices `running` uses) and every pair it does not stop runs `step` more, until every
+    pair has stopped. on_stop(k): each pair that ran in a round and that round stopped (a stopped pair may be asked
+    to run again in a later round: its neighbours moved)."""
     target = dict.fromkeys(running, settings.rule.min_chunks)
     while running:
-        for k in running:
-            run(k, target[k])
+        run_round({k: target[k] for k in running})
         decided = decisions()
         for k in running:
             if decided[k].stop and on_stop is not None:

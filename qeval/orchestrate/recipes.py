@@ -230,7 +230,8 @@ def _measure_early(request: RecipeRequest, ref, n: int, keyed: list[Keyed], ledg
                                    settings)
 
     try:
-        matrix.decide_in_rounds(settings, [i for i, v in enumerate(full) if v is None], run, decisions, stopped)
+        matrix.decide_in_rounds(settings, [i for i, v in enumerate(full) if v is None], matrix.one_by_one(run),
+                                decisions, stopped)
     finally:
         for i in list(on_disk):
             drop(i)

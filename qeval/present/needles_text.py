@@ -23,6 +23,16 @@ def _spent(row: dict) -> str:
     return f"{row['seconds']:.1f} s" + (f", {read_back} trials read back from {row['trials_file']}" if read_back else "")
 
 
+def _stopped(row: dict, result: dict) -> str:
+    """Where --early stopped a row: after how many trials, why, and its answer KLD's interval at that look."""
+    early = row.get("early")
+    if early is None:
+        return ""
+    est = early["estimate"]
+    return (f"; --early: {early['n_chunks']} of {result['trials']} trials, {early['reason']}, answer KLD "
+            f"[{est['low']:.6f}, {est['high']:.6f}] at {100 * est['confidence']:.1f} %")
+
+
 def needles_text(result: dict) -> str:
     lines = [f"needles: {result['needles']['source']} ({result['needles']['count']}), corpus {result['corpus']}, "
              f"{result['trials']} trials, seed {result['seed']}; reference {result['reference']}"]
@@ -32,10 +42,10 @@ def needles_text(result: dict) -> str:
                       f"{cost['prefix_once']:.0f} (prefix once) vs {cost['naive']:.0f} (a window per question): "
                       f"{cost['ratio']:.2f}x; reference {_spent(ref)}, KV {ref['kv_allocated']}"]
         accuracy = {d["depth"]: d["ref_accuracy"] for d in ref["depths"]}
-        for cand in block["candidates"]:
-            rows = [_cells(f"{d['depth']:g} %", d, accuracy[d["depth"]]) for d in cand["depths"]]
-            rows.append(_cells("all", cand["all"], ref["all"]["ref_accuracy"]))
-            lines += ["", f"{cand['label']} (KV {cand['kv_allocated']}, {_spent(cand)})",
+        for cand in block["candidates"]:  # the reference's accuracy over the candidate's own trials (--early: fewer)
+            rows = [_cells(f"{d['depth']:g} %", d, d["ref_accuracy"]) for d in cand["depths"]]
+            rows.append(_cells("all", cand["all"], cand["all"]["ref_accuracy"]))
+            lines += ["", f"{cand['label']} (KV {cand['kv_allocated']}, {_spent(cand)}){_stopped(cand, result)}",
                       markdown_table(["depth", "agreement [95 % Wilson]", "same top-1", "answer KLD",
                                       "Δ log p(answer)", "reference accuracy", "candidate accuracy"], rows)]
         if not block["candidates"]:
