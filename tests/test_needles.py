@@ -333,14 +333,15 @@ def test_early_rows_stop_where_the_rule_says_and_hold_only_those_trials(models, 
     decodes a trial past its stop. A later run without --early extends every row; with it again, nothing runs."""
     from qeval.compare import early
     from qeval.engine.engine import EngineSettings
-    from qeval.orchestrate.matrix import pair_settings
     from qeval.engine.modelinfo import kv_cache_gib, model_facts
+    from qeval.orchestrate.matrix import pair_settings
     from qeval.orchestrate.needles import NeedleRequest, Run, run_needles
 
     path = str(models["Q8_0"])
     rows = (Run(label="f16", model=path, settings=EngineSettings()),
             Run(label="q8_0", model=path, settings=pair_settings("q8_0")),
-            Run(label="q4_0", model=path, settings=pair_settings("q4_0")))
+            Run(label="q4_0", model=path, settings=pair_settings("q4_0")),
+            Run(label="q8_0", model=path, settings=pair_settings("q8_0")))  # given twice: one row of the board
     rule = early.StopRule(min_chunks=2, step=2, rel_precision=0.5)
     request = NeedleRequest(reference=Run(label="ref", model=path, settings=EngineSettings()), candidates=rows,
                             contexts=(512,), depths=(5.0, 95.0), trials=4, directory=tmp_path,
@@ -357,14 +358,16 @@ def test_early_rows_stop_where_the_rule_says_and_hold_only_those_trials(models, 
         recorded[cand["label"]] = {x["trial"]: [a["kld"] for a in x["answers"]] for x in lines}
     # the decisions, recomputed from the files with plain sums
     facts = model_facts(path)
-    memory = [facts["size_gib"] + kv_cache_gib(facts, r.settings.type_k, r.settings.type_v, 512) for r in rows]
+    memory = [facts["size_gib"] + kv_cache_gib(facts, r.settings.type_k, r.settings.type_v, 512) for r in rows[:3]]
     pairs = [early.PairChunks(label=label, chunks=np.array(sorted(t)), sums=np.array([sum(t[i]) for i in sorted(t)]),
                               tokens=np.array([len(t[i]) for i in sorted(t)]), memory_gib=memory[k],
                               kv_quant=k > 0, control=k == 0) for k, (label, t) in enumerate(recorded.items())]
-    again = early.decide(pairs, 4, rule)
-    assert [(d.stop, d.reason, d.n_chunks) for d in again] == \
-        [(c["early"]["stop"], c["early"]["reason"], c["early"]["n_chunks"]) for c in block["candidates"]]
-    for cand, d in zip(block["candidates"], again):
+    again = {d.label: d for d in early.decide(pairs, 4, rule)}
+    assert block["candidates"][3] == block["candidates"][1]
+    for cand in block["candidates"]:
+        d = again[cand["label"]]
+        assert (d.stop, d.reason, d.n_chunks) == (cand["early"]["stop"], cand["early"]["reason"],
+                                                  cand["early"]["n_chunks"])
         assert cand["early"]["estimate"]["mean"] == pytest.approx(d.estimate.mean, rel=1e-12)
         assert cand["all"]["kld"]["mean"] == pytest.approx(d.estimate.mean, rel=1e-12, abs=0)
     assert len(said) == max(c["early"]["n_chunks"] for c in block["candidates"])  # the reference once per trial
@@ -374,7 +377,7 @@ def test_early_rows_stop_where_the_rule_says_and_hold_only_those_trials(models, 
     assert said == [] and [c["trials_read_back"] for c in rerun] == [c["early"]["n_chunks"] for c in rerun]
     assert rerun == [{**c, "trials_read_back": r["trials_read_back"]} for c, r in zip(block["candidates"], rerun)]
     full, = run_needles(dataclasses.replace(request, early=None))["contexts"]
-    assert [c["all"]["answers"] for c in full["candidates"]] == [8, 8, 8] and "early" not in full["candidates"][0]
+    assert [c["all"]["answers"] for c in full["candidates"]] == [8] * 4 and "early" not in full["candidates"][0]
     assert full["candidates"][0]["trials_read_back"] == 2
 
 

@@ -140,9 +140,15 @@ def _one_context(request, needles, corpus, design, facts, say) -> dict:
                         run_trial(trial, needed)
 
             def decisions() -> list[early_stop.Decision]:
-                return early_stop.decide([_trial_chunks(runs[k], rows[k], held(k), facts[runs[k].model], n_ctx,
-                                                        identities[k] == identities[0]) for k in candidates],
-                                         len(trials), request.early.rule)
+                """One per candidate; a candidate given twice is one row of the board (one label, one file)."""
+                first: dict[str, int] = {}
+                for k in candidates:
+                    first.setdefault(runs[k].label, k)
+                decided = early_stop.decide([_trial_chunks(runs[k], rows[k], held(k), facts[runs[k].model], n_ctx,
+                                                           identities[k] == identities[0]) for k in first.values()],
+                                            len(trials), request.early.rule)
+                by_label = {d.label: d for d in decided}
+                return [by_label[runs[k].label] for k in candidates]
 
             decide_in_rounds(request.early, list(range(len(candidates))), run_round, decisions)
             decided = decisions()
