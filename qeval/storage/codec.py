@@ -32,7 +32,7 @@ import numba
 import numpy as np
 
 from qeval.errors import StoreFormatError
-from qeval.storage.error_record import ErrorBands, ErrorMeter, ErrorRecord, subtract_max
+from qeval.storage.error_record import ErrorBands, ErrorMeter, ErrorRecord
 from qeval.storage.hidden_form import OutputHead, StoredActivations, activation_bytes
 from qeval.storage.planes import N_CODES, TOP_K, codes_to_planes, planes_to_codes
 
@@ -222,20 +222,12 @@ def encode_hidden_block(logits: np.ndarray, hidden: np.ndarray, targets: np.ndar
     error, log_norm = ErrorMeter.of(code.error, n_vocab).measure(logits, top_vals[:, 0],
                                                                  lambda t: (codes[t], lut, lut_exp, band))
     meter = ErrorMeter.of(REPLAY_BANDS, n_vocab)
-    uncoded = tuple(UncodedRows(engine, replayed[engine], meter.measure(
-        logits, top_vals[:, 0], lambda t, r=replayed[engine]: float_row_tables(r[t], REPLAY_BANDS))[0])
-        for engine in REPLAY_ENGINES if engine in replayed)
+    uncoded = tuple(UncodedRows(engine, replayed[engine], meter.measure_uncoded(logits, top_vals[:, 0],
+                                                                                replayed[engine])[0])
+                    for engine in REPLAY_ENGINES if engine in replayed)
     logprob_target = (logits[np.arange(b), targets].astype(np.float64) - top_vals[:, 0]) - log_norm
     return EncodedBlock(planes=codes_to_planes(codes), logprob_target=logprob_target, logprob_max=-log_norm,
                         top_ids=top_ids, error=error, hidden=stored, uncoded=uncoded)
-
-
-def float_row_tables(row: np.ndarray, bands: ErrorBands) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """A float32 row stored as itself, for ErrorMeter.measure: (index 0..V-1, l = x − max in float64 (exact),
-    exp(l), band of l) — the entries a kernel reading the row uncoded computes (kernels.pair_sums_replayed)."""
-    stored = np.empty(len(row), dtype=np.float64)
-    subtract_max(row, row.max(), stored)
-    return np.arange(len(row)), stored, np.exp(stored), bands.band_of(stored)
 
 
 def code_of(codec: dict, lut: np.ndarray, where: str) -> SqrtLogCode:

@@ -66,6 +66,8 @@ class ErrorBands:
 
     def band_of(self, relative_logprob: np.ndarray) -> np.ndarray:
         """uint8 band of each stored relative log-probability (≤ 0; -inf goes to the last band): the one rule."""
+        if self.count == 1:  # one band holds everything (a replay's record): no arithmetic over the row
+            return np.zeros(np.shape(relative_logprob), dtype=np.uint8)
         depth = -np.asarray(relative_logprob, dtype=np.float64) / self.width
         with np.errstate(invalid="ignore"):
             return np.where(depth >= self.count - 1, self.count - 1,
@@ -228,6 +230,22 @@ class ErrorMeter:
         if bands not in meters:
             meters[bands] = cls(bands, n_vocab)
         return meters[bands]
+
+    def measure_uncoded(self, logits: np.ndarray, row_max: np.ndarray, stored: np.ndarray) -> tuple[ErrorRecord,
+                                                                                                     np.ndarray]:
+        """measure() of float32 rows [b, V] stored as themselves (a replay's rows, read uncoded): row t is its own
+        table (index 0..V-1, l = x − max in float64 (exact), exp(l), the band of l), the entries a kernel reading it
+        uncoded computes (kernels.pair_sums_replayed); made in this meter's buffers, reused row after row."""
+        if not hasattr(self, "_l"):
+            self._l, self._exp_l = np.empty_like(self._d), np.empty_like(self._e)
+            self._index = np.arange(len(self._d))
+
+        def tables(t: int):
+            subtract_max(stored[t], stored[t].max(), self._l)
+            np.exp(self._l, out=self._exp_l)
+            return self._index, self._l, self._exp_l, self.bands.band_of(self._l)
+
+        return self.measure(logits, row_max, tables)
 
     def _exact_row(self, row: np.ndarray, row_max: float) -> float:
         """Fill d = x − max and e = exp(d) of a float32 row, in float64; return Σ e."""
