@@ -122,6 +122,28 @@ def test_ggml_replays_the_float64_product_to_float32_and_row_by_row(ggml_type, s
         np.testing.assert_array_equal(got[start:stop], ggml.replay(rows.rows(start, stop), start))
 
 
+def test_a_capture_replays_with_ggml_until_a_replay_gives_llamacpps_own_rows(monkeypatch):
+    """GgmlHead.rows_of: rows equal to llama.cpp's logits bit for bit once, then the logits themselves without a
+    replay; rows that differed once (here: llama.cpp's logits one ulp off), replayed every time."""
+    rng = np.random.default_rng(3)
+    head = tiny_head(rng)
+    hidden = rng.standard_normal((20, N_EMBD)).astype(np.float32) * 3
+    rows = StoredActivations.parse(activation_bytes(hidden, head.activation), 20, N_EMBD, head.activation, "t")
+    exact = GgmlHead.of(head, threads=2).replay(rows)
+    same, other = GgmlHead.of(head, threads=2), GgmlHead.of(head, threads=2)
+    calls = {"same": 0, "other": 0}
+    for name, ggml in (("same", same), ("other", other)):
+        replay = ggml.replay
+        monkeypatch.setattr(ggml, "replay", lambda *a, n=name, f=replay: (calls.__setitem__(n, calls[n] + 1), f(*a))[1])
+    off = np.nextafter(exact, np.inf)
+    for start in (0, 10):
+        part = rows.rows(start, start + 10)
+        np.testing.assert_array_equal(same.rows_of(part, start, exact[start:start + 10]), exact[start:start + 10])
+        np.testing.assert_array_equal(other.rows_of(part, start, off[start:start + 10]), exact[start:start + 10])
+    assert (same.reproduces, other.reproduces) == (True, False) and calls == {"same": 1, "other": 2}
+    assert same.rows_of(rows, 0, exact) is exact
+
+
 def test_ggml_types_are_gguf_tables_as_they_were_written_by_hand():
     """The ids and block sizes qeval used to write out (hidden_form, modelinfo, memory), now read from gguf."""
     ids = {"F32": 0, "F16": 1, "Q8_0": 8, "BF16": 30, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "iq4_nl": 20}

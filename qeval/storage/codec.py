@@ -203,8 +203,9 @@ def encode_hidden_block(logits: np.ndarray, hidden: np.ndarray, targets: np.ndar
     logits [b, V]. The planes are those of the portable replay's rows (what a coded comparison reads), the scalars
     and top ids exact (from `logits`, as encode_block's), `error` measured from the exact rows against those coded
     rows; `uncoded`: the rows replayed by llama.cpp's kernel (`ggml_head`, a ggml_replay.GgmlHead, where there is
-    one) and by the portable one, each with its error record measured from the exact rows (what a live comparison
-    reads, uncoded: the replay's own error). `first_row`: the block's first row in its chunk (ggml_replay)."""
+    one: GgmlHead.rows_of, llama.cpp's logits themselves once a replay here gave them bit for bit) and by the
+    portable one, each with its error record measured from the exact rows (what a live comparison reads, uncoded:
+    the replay's own error). `first_row`: the block's first row in its chunk (ggml_replay)."""
     logits = np.ascontiguousarray(logits, dtype=np.float32)
     b, n_vocab = logits.shape
     top_vals = np.empty((b, min(TOP_K, n_vocab)), dtype=np.float32)
@@ -216,7 +217,7 @@ def encode_hidden_block(logits: np.ndarray, hidden: np.ndarray, targets: np.ndar
     rows = StoredActivations.parse(stored, b, head.n_embd, head.activation, "hidden rows")
     replayed = {"portable": np.concatenate(list(replayed_rows(head, rows)))}
     if ggml_head is not None:
-        replayed["ggml"] = ggml_head.replay(rows, first_row)
+        replayed["ggml"] = ggml_head.rows_of(rows, first_row, logits)
     codes = code_replayed(replayed["portable"], code)
     lut, lut_exp, band = code.error_tables()
     error, log_norm = ErrorMeter.of(code.error, n_vocab).measure(logits, top_vals[:, 0],

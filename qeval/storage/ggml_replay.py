@@ -99,6 +99,7 @@ class GgmlHead:
     def __init__(self, lib: _Ggml, head: OutputHead, threads: int):
         self.lib, self.head, self.threads = lib, head, threads
         self._lock = threading.Lock()  # one graph at a time: the work context is reused
+        self.reproduces: bool | None = None  # whether a replay here gave llama.cpp's own logits (rows_of)
         self._weights_ctx = lib.init(_InitParams(len(head.data) + lib.tensor_overhead() + _SLACK, None, False))
         self._weights = lib.new_tensor_2d(self._weights_ctx, type_id(head.ggml_type), head.n_embd,
                                           head.n_vocab)
@@ -130,6 +131,21 @@ class GgmlHead:
                 out[done:done + take] = self._multiply(padded)[place:place + take]
                 done += take
         return out
+
+    def rows_of(self, rows: StoredActivations, first_row: int, logits: np.ndarray) -> np.ndarray:
+        """The rows a replay on this machine gives for stored rows that llama.cpp computed as float32 `logits`, for a
+        capture's record of this engine: replayed until a replay is seen to give `logits` bit for bit, then `logits`
+        themselves (the kernel and its summation order are fixed by the call's shape: a capture need not multiply
+        the head again); replayed always where the first replay gave other rows. A record of `logits` is true
+        whatever a reader's ggml does: rows that hash as they do are llama.cpp's own, and a reader whose rows do not
+        reads the portable replay (store.HiddenChunk)."""
+        if self.reproduces:
+            return logits
+        replayed = self.replay(rows, first_row)
+        if self.reproduces is None:
+            self.reproduces = bool(np.array_equal(replayed.view(np.uint32), np.ascontiguousarray(
+                logits, dtype=np.float32).view(np.uint32)))
+        return replayed
 
     def _multiply(self, part: np.ndarray) -> np.ndarray:
         lib, ctx, head = self.lib, self._work_ctx, self.head
