@@ -680,6 +680,8 @@ def assert_hidden_reference_holds(runs, exact: dict, cand: dict, code_equal: flo
         for source in (lr, RowsSource(h, cand)):
             cmp = metrics.compare(h, source, threads=2)
             assert_bound_holds(cmp, exact, cand if source is not lr else exact)
+            # against the stored candidate too, the reference's rows were read uncoded (metrics.row_plane_sums)
+            assert True in h.replay_matches.values()
         # the live rows read the replay uncoded: ggml's where it hashed as the capture's, else the portable one's;
         # either way the reference's share of the bound is the replay's, far below the code's
         assert True in h.replay_matches.values()

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from conftest import decoded_logprobs, kld64, log_softmax64, perturb, realistic_logits
 
-from qeval.compare.kernels import (N_SUMS, Z_Q_EXACT, decode_tables, evaluation_error, kld_from_sums, pair_sums,
-                                   pair_sums_logits, pair_sums_replayed)
+from qeval.compare.kernels import (BOUND_FWD, BOUND_REV, N_SUMS, Z_Q_EXACT, decode_tables, evaluation_error,
+                                   kld_from_sums, pair_sums, pair_sums_logits, pair_sums_replayed,
+                                   pair_sums_replayed_coded)
 from qeval.storage.codec import BadLogits, SqrtLogCode
 from qeval.storage.store import codes_to_planes, planes_to_codes
 
@@ -99,6 +100,47 @@ def test_pair_sums_replayed_match_float64_reference(n_vocab):
     assert fwd.mean() > 1e-3  # the rows really differ
     with pytest.raises(BadLogits):
         pair_sums_replayed(np.full(n_vocab, np.nan, np.float32), q[0], out[0], scratch)
+
+
+@pytest.mark.parametrize("n_vocab", [2, 17, 4099])
+def test_pair_sums_replayed_coded_match_float64_reference(n_vocab):
+    """A reference read uncoded (float32, a replayed hidden-form row) against a stored candidate's codes: the
+    float64 KLD of the reference row as it is and the decoded candidate row, both ways; with both records, the bound
+    holds against the exact rows (the reference row is its own exact row here: its record is the float64 slack)."""
+    from qeval.storage.codec import REPLAY_BANDS
+    from qeval.storage.error_record import BandWeights, ErrorMeter
+
+    rng = np.random.default_rng(400 + n_vocab)
+    code = SqrtLogCode()
+    p, q = logits_with_masks(rng, 6, n_vocab, sigma=0.7)
+    p = np.where(np.isinf(p), -40.0, p).astype(np.float32)  # the replayed reference: finite float32
+    q = np.where(np.isinf(q), -30.0, q)  # a finite exact candidate: a masked entry's code error is unbounded
+    cand = code.encode_block(q, np.zeros(6, dtype=np.int64))
+    ref_record = ErrorMeter.of(REPLAY_BANDS, n_vocab).measure_uncoded(p, p.max(axis=1), p)[0]
+    ref_w, cand_w = BandWeights.of(ref_record), BandWeights.of(cand.error)
+    e_q, l_q = decode_tables(code.lut())
+    bands_q = code.error.band_of(code.lut())
+    out, bounded = np.full((6, N_SUMS), np.nan), np.full((6, N_SUMS), np.nan)
+    scratch = np.empty((2, n_vocab), dtype=np.float64)
+    planes = codes_to_planes(cand.codes)
+    for t in range(6):
+        pair_sums_replayed_coded(p[t], planes[t], e_q, l_q, out[t], scratch)
+        pair_sums_replayed_coded(p[t], planes[t], e_q, l_q, bounded[t], scratch, bands_q, ref_w.bands[:, t],
+                                 ref_w.tokens[:, t], cand_w.bands[:, t], cand_w.tokens[:, t])
+    fwd, rev = kld_from_sums(out)
+    lp, lq = log_softmax64(p.astype(np.float64)), decoded_logprobs(cand.codes, code.lut())
+    np.testing.assert_allclose(fwd, kld64(lp, lq), rtol=1e-9, atol=1e-13)
+    np.testing.assert_allclose(rev, kld64(lq, lp), rtol=1e-9, atol=1e-13)
+    assert fwd.mean() > 1e-3 and np.isnan(out[:, BOUND_FWD]).all()  # the rows differ; no records, no bound
+    np.testing.assert_array_equal(bounded[:, :6], out[:, :6])
+    exact_q = log_softmax64(q)  # the candidate's exact row: the code's error is what the bound must cover
+    for col, truth in ((BOUND_FWD, kld64(lp, exact_q)), (BOUND_REV, kld64(exact_q, lp))):
+        fin = np.isfinite(truth)
+        got = (fwd, rev)[col - BOUND_FWD]
+        assert np.all(np.abs(got[fin] - truth[fin]) <= bounded[fin, col] + 1e-12)
+        assert np.all(bounded[:, col] > 0) and np.all(np.isfinite(bounded[:, col]))
+    with pytest.raises(BadLogits):
+        pair_sums_replayed_coded(np.full(n_vocab, np.nan, np.float32), planes[0], e_q, l_q, out[0], scratch)
 
 
 def test_the_float64_evaluation_of_a_kld_is_within_its_evaluation_error():

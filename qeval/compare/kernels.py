@@ -245,6 +245,69 @@ def pair_sums_replayed(ref_row: np.ndarray, logits: np.ndarray, out: np.ndarray,
     _pair_sums_replayed_row(raw_p, e_p, raw_q, e_q, 1.0 / e_q.sum(), weights_p, tokens_p, out)
 
 
+@numba.njit(nogil=True, cache=True, fastmath=False)
+def _pair_sums_replayed_coded_row(raw_p, e_p, hq, lo_q, e_q, l_q, out, bands_q, kp, ip, w_p, err_p, w_q, err_q,
+                                  kq, iq):  # pragma: no cover - compiled
+    """One row of pair_sums_replayed_coded: the reference's raw_p = x − max and e_p = exp(raw_p) (float64, read as
+    they are) against a stored candidate's code bytes and tables. The bound is pair_sums's with the reference's
+    code the identity and its one band (codec.REPLAY_BANDS): its record's kp = KL(exact ‖ row), ip = 1 / Σ e_p,
+    w_p and err_p; the candidate's kq, iq and per band w_q, err_q (bands_q None: no bound)."""
+    zp = zq = spp = spq = sqq = sqp = 0.0
+    f1 = r1 = fb = rb = 0.0  # as pair_sums: p~ w_p |a|, q~ w_q |a|, s err_q, s err_p
+    for i in range(len(raw_p)):
+        cq = (np.int32(hq[i]) << 8) | np.int32(lo_q[i])
+        ep, lp, eq, lq = e_p[i], raw_p[i], e_q[cq], l_q[cq]
+        zp += ep
+        zq += eq
+        if ep > 0.0:  # an entry of probability 0 adds nothing (its log is -inf)
+            spp += ep * lp
+            spq += ep * lq
+        sqq += eq * lq
+        sqp += eq * lp
+        if bands_q is not None:  # (a None argument compiles the bound away: numba prunes the branch)
+            bq = bands_q[cq]
+            pn = ep * ip
+            qn = eq * iq
+            pw = pn * w_p
+            qw = qn * w_q[bq]
+            a = abs(lp - lq)
+            if ep > 0.0:
+                f1 += pw * a
+            r1 += qw * a
+            s = abs(pn - qn) + pw + qw
+            fb += s * err_q[bq]
+            rb += s * err_p
+    _write_sums(out, zp, zq, spp, spq, sqq, sqp)
+    if bands_q is not None:
+        out[6] = kp + f1 + kq + fb
+        out[7] = kq + r1 + kp + rb
+
+
+def pair_sums_replayed_coded(ref_row: np.ndarray, planes_q: np.ndarray, e_q: np.ndarray, l_q: np.ndarray,
+                             out: np.ndarray, scratch: np.ndarray, bands_q: np.ndarray | None = None,
+                             weights_p: np.ndarray | None = None, tokens_p: np.ndarray | None = None,
+                             weights_q: np.ndarray | None = None, tokens_q: np.ndarray | None = None) -> None:
+    """The sums of a reference row read uncoded (float32 [V]: a hidden-form row replayed) against a stored
+    candidate's row (planes uint8 [2, V] of its code, tables e_q, l_q): a store-against-store comparison that reads
+    the reference at the replay's speed, not coded again. With bands_q (the candidate's band of each code), the
+    bound from both records (docs/error-bound.md): weights_p [3, 1], tokens_p [2] (BandWeights of the replayed row,
+    one band), weights_q [3, K], tokens_q [2] (the candidate's row). `scratch` is float64 [2, V], reused."""
+    raw_p, e_p = scratch
+    row_max = ref_row.max()  # NaN if any entry is
+    if not np.isfinite(row_max):
+        raise BadLogits("replayed logits contain NaN or a row with no finite value")
+    subtract_max(ref_row, row_max, raw_p)
+    np.exp(raw_p, out=e_p)
+    if bands_q is None:
+        zero = np.zeros(1)
+        _pair_sums_replayed_coded_row(raw_p, e_p, planes_q[0], planes_q[1], e_q, l_q, out, None, 0.0, 0.0, 0.0, 0.0,
+                                      zero, zero, 0.0, 0.0)
+        return
+    _pair_sums_replayed_coded_row(raw_p, e_p, planes_q[0], planes_q[1], e_q, l_q, out, bands_q, tokens_p[0],
+                                  tokens_p[1], weights_p[0, 0], weights_p[2, 0], weights_q[0], weights_q[2],
+                                  tokens_q[0], tokens_q[1])
+
+
 def decode_tables(lut: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(e, l) float64 tables for a store's code table."""
     lut64 = np.asarray(lut, dtype=np.float64)

@@ -26,8 +26,9 @@ from qeval.compare.kernels import (
     pair_sums,
     pair_sums_logits,
     pair_sums_replayed,
+    pair_sums_replayed_coded,
 )
-from qeval.errors import MismatchError, QevalError
+from qeval.errors import MismatchError, QevalError, StoreFormatError
 from qeval.identity import window_labels_identity
 from qeval.pool import bounded_map
 from qeval.storage.codec import BadLogits, top_k_ids
@@ -244,6 +245,45 @@ def plane_sums(ref: ChunkData, cand: ChunkData, ref_tables, cand_tables, n_vocab
     runner.drain()
 
 
+def row_plane_sums(ref: ChunkData, cand: ChunkData, ref_tables, cand_tables, n_vocab: int, sums: np.ndarray,
+                   bands: tuple[np.ndarray, np.ndarray] | None) -> None:
+    """Fused sums of a reference that reads uncoded (a version 6 hidden store: ref.iter_rows gives its replayed rows
+    as float32, at the speed of the replay that hashes as the capture's) against a coded candidate, row by row: a
+    replayed row through pair_sums_replayed_coded, a coded one (a logits piece of an auto store) through pair_sums.
+    With `bands`, the bound's columns too, from each row's records."""
+    scratch = np.empty((2, n_vocab), dtype=np.float64)
+    ref_rows = ref.iter_rows(n_vocab)
+    for start, planes_cand in cand.iter_planes(n_vocab, BLOCK_TOKENS):
+        cand_w = band_weights(cand, start, start + len(planes_cand)) if bands else None
+        for k in range(len(planes_cand)):
+            r, ref_row, record = next(ref_rows)
+            try:
+                _row_sums(ref_row, planes_cand[k], k, record, cand_w, ref_tables, cand_tables, sums[r], scratch,
+                          bands)
+            except BadLogits as exc:
+                raise StoreFormatError(f"chunk {ref.index}: {exc}") from None  # a replay gave no valid row
+    if next(ref_rows, None) is not None:
+        raise MismatchError(f"chunk {ref.index}: the candidate holds fewer rows than the reference")
+
+
+def _row_sums(ref_row, cand_planes, k, record, cand_w, ref_tables, cand_tables, out, scratch, bands) -> None:
+    """One row of row_plane_sums: row k of the candidate's block (its weights cand_w) against the reference's."""
+    ref_w = BandWeights.of(record) if bands else None
+    if ref_row.dtype == np.float32:
+        if bands is None:
+            pair_sums_replayed_coded(ref_row, cand_planes, *cand_tables, out, scratch)
+        else:
+            pair_sums_replayed_coded(ref_row, cand_planes, *cand_tables, out, scratch, bands[1], ref_w.bands[:, 0],
+                                     ref_w.tokens[:, 0], cand_w[0][:, k], cand_w[1][:, k])
+        return
+    rows = out[None]
+    if bands is None:
+        pair_sums(ref_row[None], cand_planes[None], *ref_tables, *cand_tables, rows)
+    else:
+        pair_sums(ref_row[None], cand_planes[None], *ref_tables, *cand_tables, rows, *bands, ref_w.bands,
+                  cand_w[0][:, k:k + 1], ref_w.tokens, cand_w[1][:, k:k + 1])
+
+
 def logit_sums(ref: ChunkData, cand, targets: np.ndarray, ref_tables, n_vocab: int, sums: np.ndarray,
                runner: KernelRunner, ref_bands: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     """Fused sums of a reference chunk against a live candidate's float32 rows (cand.iter_logits), row by row, the
@@ -317,6 +357,9 @@ def compare_chunk(ref: ChunkData, cand, tokens: np.ndarray, positions: np.ndarra
             raise ValueError("samplers read coded rows: open the live candidate with coded=True")
         cand_logprob_target, cand_top_ids = logit_sums(ref, cand, targets, ref_tables, n_vocab, sums, runner,
                                                        bands and bands[0])
+    elif samplers is None and getattr(ref, "reads_uncoded", False):
+        row_plane_sums(ref, cand, ref_tables, cand_tables, n_vocab, sums, bands if bounded else None)
+        cand_logprob_target, cand_top_ids = cand.logprob_target, cand.top_ids
     else:
         plane_sums(ref, cand, ref_tables, cand_tables, n_vocab, sums, runner, samplers, sampled,
                    bands if bounded else None)

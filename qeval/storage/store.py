@@ -286,6 +286,12 @@ class ChunkData:
             if reader.read(1):
                 raise StoreFormatError(f"chunk {self.index}: code frame holds more data than its token count")
 
+    @property
+    def reads_uncoded(self) -> bool:
+        """Whether iter_rows gives rows uncoded (a version 6 hidden piece's replayed rows), which a comparison reads
+        as they are: a live candidate's, and a coded candidate's (metrics.row_plane_sums)."""
+        return False
+
     def iter_rows(self, n_vocab: int, buffers: int = 1) -> Iterator[tuple[int, np.ndarray, ErrorRecord | None]]:
         """(row, the row as read, its error record) one row at a time, as a comparison against a live candidate reads
         a reference: planes uint8 [2, V] (coded), or float32 [V] replayed rows (a version 6 hidden piece, read
@@ -356,6 +362,10 @@ class HiddenChunk(ChunkData):
                 raise self._differs()
 
         yield from reblock(checked(), block_tokens)
+
+    @property
+    def reads_uncoded(self) -> bool:
+        return bool(self.replays)
 
     def iter_rows(self, n_vocab: int, buffers: int = 1) -> Iterator[tuple[int, np.ndarray, ErrorRecord | None]]:
         if not self.replays:  # version 5: its record is of the coded rows only
@@ -1209,6 +1219,10 @@ class PiecedChunk(ChunkData):
 
     def iter_planes(self, n_vocab: int, block_tokens: int = 16, buffers: int = 1) -> Iterator[tuple[int, np.ndarray]]:
         return self._walk(lambda piece: piece.iter_planes(n_vocab, block_tokens, buffers))
+
+    @property
+    def reads_uncoded(self) -> bool:
+        return self._reader.header.replay_record  # its hidden pieces do; its logits pieces, if any, read coded
 
     def iter_rows(self, n_vocab: int, buffers: int = 1) -> Iterator[tuple[int, np.ndarray, ErrorRecord | None]]:
         return self._walk(lambda piece: piece.iter_rows(n_vocab, buffers))
