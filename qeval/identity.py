@@ -44,6 +44,10 @@ import numpy as np
 # 4: every metric holds its certified bound (docs/error-bound.md); live candidates in float64 (their NLL exact).
 # 5: the bound also covers the float64 evaluation of the KLD; a format-6 hidden reference is read uncoded live.
 METRICS_VERSION = 5
+# A reference read uncoded (a format-6 hidden store) is one version ahead: it is read uncoded against a stored
+# candidate too (metrics.row_plane_sums), which moved only its comparisons' figures, so every other result saved at
+# METRICS_VERSION stays current. The next change that moves every comparison bumps METRICS_VERSION past it.
+UNCODED_REFERENCE_VERSION = METRICS_VERSION + 1
 
 # How identity fields read in messages (anything else reads as its own name).
 _NAMES = {"kv": "KV", "tokens_sha256": "token ids sha256", "tokenizer_sha256": "tokenizer",
@@ -238,6 +242,12 @@ def changes(old: dict, new: dict, prefix: str = "") -> list[str]:
     return out
 
 
+def metrics_version_of(reference: dict) -> int:
+    """The formulas' version a comparison against `reference` (reference_identity) is computed with."""
+    head = (reference.get("codec") or {}).get("head") or {}
+    return UNCODED_REFERENCE_VERSION if head.get("read_uncoded") else METRICS_VERSION
+
+
 def reference_identity(source, n_chunks: int) -> dict:
     """The reference side of a comparison over its first n_chunks windows (a store or anything read like one)."""
     h = source.header
@@ -252,7 +262,7 @@ class ComparisonRequest:
     reference: dict  # reference_identity()
     candidate: dict  # producer() of the candidate (its tokens are the reference's, its vocab too)
     chunks: int  # the first `chunks` chunks of the reference
-    metrics_version: int = METRICS_VERSION
+    metrics_version: int | None = None  # None: this qeval's for the reference (metrics_version_of)
     samplers: tuple[str, ...] = ()  # canonical settings strings (qeval.compare.sampler.settings_names), a set
     # a board decided early: the chunk order, rule and chunks visited (qeval.compare.early.EarlySettings.record);
     # None for a run over every chunk. Not in a pair's checkpoint's identity: a full run extends an early one
@@ -260,6 +270,8 @@ class ComparisonRequest:
 
     def __post_init__(self):
         object.__setattr__(self, "samplers", tuple(sorted(set(self.samplers))))
+        if self.metrics_version is None:
+            object.__setattr__(self, "metrics_version", metrics_version_of(self.reference))
 
     def identity(self) -> dict:
         """What the key hashes. Without samplers the field is left out, so a request that asks for none is

@@ -71,6 +71,31 @@ def test_request_key_changes_with_every_field_and_only_with_them():
     assert identity.ComparisonRequest.from_summary({}) is None
 
 
+def test_a_reference_read_uncoded_is_compared_with_its_own_metrics_version():
+    """A format-6 hidden reference is read uncoded against stored candidates too (metrics.row_plane_sums), which
+    moved its figures only: its requests carry UNCODED_REFERENCE_VERSION, every other reference's METRICS_VERSION,
+    and a result against it saved at METRICS_VERSION is refused as computed with other formulas."""
+    from qeval.present.results import require_current
+
+    logits = {"model": {"fingerprint": "ab" * 32}, "codec": {"name": "sqrt-log"}}
+    hidden = {**logits, "codec": {"name": "sqrt-log", "head": {"form": "hidden", "read_uncoded": True}}}
+    format_5 = {**logits, "codec": {"name": "sqrt-log", "head": {"form": "hidden"}}}
+    cand = {"model": {"fingerprint": "ef" * 32}}
+    versions = [identity.ComparisonRequest(reference=r, candidate=cand, chunks=8).metrics_version
+                for r in (logits, hidden, format_5)]
+    assert versions == [identity.METRICS_VERSION, identity.UNCODED_REFERENCE_VERSION, identity.METRICS_VERSION]
+    assert identity.UNCODED_REFERENCE_VERSION != identity.METRICS_VERSION
+    old = identity.ComparisonRequest(reference=hidden, candidate=cand, chunks=8,
+                                     metrics_version=identity.METRICS_VERSION)
+
+    class Saved:  # what require_current reads of a saved result
+        origin, label, ref_label = "C.vs.R.json", "C", "R"
+        summary = type("S", (), {"qeval_version": "0.1.0", "comparison_request": lambda self: old})()
+
+    with pytest.raises(QevalError, match=f"this qeval computes version {identity.UNCODED_REFERENCE_VERSION}"):
+        require_current(Saved())
+
+
 def test_samplers_are_part_of_the_request_as_a_set_of_settings():
     ref, cand = {"model": {"fingerprint": "ab" * 32}, "n_ctx": 512}, {"model": {"fingerprint": "ef" * 32}}
     base = identity.ComparisonRequest(reference=ref, candidate=cand, chunks=80)

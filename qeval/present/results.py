@@ -15,7 +15,7 @@ from qeval.compare import depth, sampler
 from qeval.compare.metrics import GROUP_FIELDS, PER_TOKEN_FIELDS, Comparison, summarize_tokens, top1_probability
 from qeval.compare.summary import ComparisonSummary, TokenGroup, of_figures, summarize
 from qeval.errors import QevalError
-from qeval.identity import METRICS_VERSION, ComparisonRequest, changes, reference_identity
+from qeval.identity import ComparisonRequest, changes, metrics_version_of, reference_identity
 from qeval.storage.results import read_result, result_path, write_result
 from qeval.storage.runs import LIVE_SUFFIX
 
@@ -123,10 +123,10 @@ def require_current(res: Result) -> ComparisonRequest:
             "qeval matrix)")
     if request is None:
         raise QevalError(f"{res.origin} was saved by an older qeval that did not record what it measured; {redo}")
-    if request.metrics_version != METRICS_VERSION:
+    current = metrics_version_of(request.reference)
+    if request.metrics_version != current:
         raise QevalError(f"{res.origin} was computed with metrics version {request.metrics_version} (qeval "
-                         f"{res.summary.qeval_version or '?'}); this qeval computes version {METRICS_VERSION}: "
-                         f"{redo}")
+                         f"{res.summary.qeval_version or '?'}); this qeval computes version {current}: {redo}")
     return request
 
 
