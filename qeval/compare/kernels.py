@@ -171,6 +171,16 @@ def _pair_sums_row(hp, lo_p, raw, e_raw, inv_exact, floor, e_floor, e_p, l_p, ba
         out[7] = c + math.expm1(c) * b1 / zq + b2 / zq + kp + rb
 
 
+def relative_row(row: np.ndarray, raw: np.ndarray, e: np.ndarray) -> None:
+    """raw = x − max (float64: exact) and e = exp(raw) of a float32 row read as it is, into the buffers given (exp in
+    numpy, vectorised, unlike a scalar exp in a compiled loop); BadLogits for a row with NaN or no finite value."""
+    row_max = row.max()  # NaN if any entry is
+    if not np.isfinite(row_max):
+        raise BadLogits("logits contain NaN or a row with no finite value")
+    subtract_max(row, row_max, raw)
+    np.exp(raw, out=e)
+
+
 def pair_sums_logits(planes_ref: np.ndarray, logits: np.ndarray, e_p: np.ndarray, l_p: np.ndarray,
                      out: np.ndarray, scratch: np.ndarray, bands_p: np.ndarray | None = None,
                      weights_p: np.ndarray | None = None, tokens_p: np.ndarray | None = None) -> None:
@@ -184,14 +194,25 @@ def pair_sums_logits(planes_ref: np.ndarray, logits: np.ndarray, e_p: np.ndarray
     `scratch` is float64 [2, V], reused across calls (a fresh 4 MB array per row would cost a page fault per
     4 KB). exp runs in numpy, vectorised, unlike a scalar exp in a compiled loop."""
     raw, e_raw = scratch
-    row_max = logits.max()  # NaN if any entry is
-    if not np.isfinite(row_max):
-        raise BadLogits("logits contain NaN or a row with no finite value")
-    subtract_max(logits, row_max, raw)
-    np.exp(raw, out=e_raw)
+    relative_row(logits, raw, e_raw)
     floor = float(l_p[0])
     _pair_sums_row(planes_ref[0], planes_ref[1], raw, e_raw, 1.0 / e_raw.sum(), floor, math.exp(floor), e_p, l_p,
                    bands_p, weights_p, tokens_p, out)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _add_entry(zp, zq, spp, spq, sqq, sqp, ep, lp, eq, lq):  # pragma: no cover - compiled
+    """A row's six sums with one entry more, read as it is on both sides (e = exp(l)); an entry of probability 0
+    adds nothing on its side (its log is -inf)."""
+    zp += ep
+    zq += eq
+    if ep > 0.0:
+        spp += ep * lp
+        spq += ep * lq
+    if eq > 0.0:
+        sqq += eq * lq
+        sqp += eq * lp
+    return zp, zq, spp, spq, sqq, sqp
 
 
 @numba.njit(nogil=True, cache=True, fastmath=False)
@@ -206,14 +227,7 @@ def _pair_sums_replayed_row(raw_p, e_p, raw_q, e_q, inv_exact, weights_p, tokens
     rb = 0.0  # sum (|q - p~| + p~ w) err: the reference's error where the rows differ
     for i in range(len(raw_p)):
         ep, eq, lp, lq = e_p[i], e_q[i], raw_p[i], raw_q[i]
-        zp += ep
-        zq += eq
-        if ep > 0.0:  # an entry of probability 0 adds nothing (its log is -inf)
-            spp += ep * lp
-            spq += ep * lq
-        if eq > 0.0:
-            sqq += eq * lq
-            sqp += eq * lp
+        zp, zq, spp, spq, sqq, sqp = _add_entry(zp, zq, spp, spq, sqq, sqp, ep, lp, eq, lq)
         if weights_p is not None:
             pn = ep * ip
             pw = pn * weights_p[0, 0]
@@ -236,12 +250,8 @@ def pair_sums_replayed(ref_row: np.ndarray, logits: np.ndarray, out: np.ndarray,
     rows, one band) bounds, docs/error-bound.md ("A reference read uncoded"). `scratch` is float64
     [4, V], reused across calls."""
     raw_p, e_p, raw_q, e_q = scratch
-    for row, raw, e in ((ref_row, raw_p, e_p), (logits, raw_q, e_q)):
-        row_max = row.max()  # NaN if any entry is
-        if not np.isfinite(row_max):
-            raise BadLogits("logits contain NaN or a row with no finite value")
-        subtract_max(row, row_max, raw)
-        np.exp(raw, out=e)
+    relative_row(ref_row, raw_p, e_p)
+    relative_row(logits, raw_q, e_q)
     _pair_sums_replayed_row(raw_p, e_p, raw_q, e_q, 1.0 / e_q.sum(), weights_p, tokens_p, out)
 
 
@@ -257,13 +267,7 @@ def _pair_sums_replayed_coded_row(raw_p, e_p, hq, lo_q, e_q, l_q, out, bands_q, 
     for i in range(len(raw_p)):
         cq = (np.int32(hq[i]) << 8) | np.int32(lo_q[i])
         ep, lp, eq, lq = e_p[i], raw_p[i], e_q[cq], l_q[cq]
-        zp += ep
-        zq += eq
-        if ep > 0.0:  # an entry of probability 0 adds nothing (its log is -inf)
-            spp += ep * lp
-            spq += ep * lq
-        sqq += eq * lq
-        sqp += eq * lp
+        zp, zq, spp, spq, sqq, sqp = _add_entry(zp, zq, spp, spq, sqq, sqp, ep, lp, eq, lq)
         if bands_q is not None:  # (a None argument compiles the bound away: numba prunes the branch)
             bq = bands_q[cq]
             pn = ep * ip
@@ -293,11 +297,7 @@ def pair_sums_replayed_coded(ref_row: np.ndarray, planes_q: np.ndarray, e_q: np.
     bound from both records (docs/error-bound.md): weights_p [3, 1], tokens_p [2] (BandWeights of the replayed row,
     one band), weights_q [3, K], tokens_q [2] (the candidate's row). `scratch` is float64 [2, V], reused."""
     raw_p, e_p = scratch
-    row_max = ref_row.max()  # NaN if any entry is
-    if not np.isfinite(row_max):
-        raise BadLogits("replayed logits contain NaN or a row with no finite value")
-    subtract_max(ref_row, row_max, raw_p)
-    np.exp(raw_p, out=e_p)
+    relative_row(ref_row, raw_p, e_p)
     if bands_q is None:
         zero = np.zeros(1)
         _pair_sums_replayed_coded_row(raw_p, e_p, planes_q[0], planes_q[1], e_q, l_q, out, None, 0.0, 0.0, 0.0, 0.0,
