@@ -91,7 +91,7 @@ def speed(work: Path, chunks: int, repeats: int) -> dict:
                           repeats)
             out[f"replay_uncoded_{engine}_tokens_per_s"] = scored / replay
             out[f"replay_uncoded_{engine}_engines"] = hid.replay_matches
-            if engine == "portable":  # the coded read (a comparison against a stored candidate): portable, coded
+            if engine == "portable":  # the coded read (samplers against a stored candidate): portable, coded
                 replay = best(lambda: [hid.read_chunk(c).codes(hid.header.n_vocab) for c in hid.chunk_indices],
                               repeats)
                 out["replay_coded_tokens_per_s"] = scored / replay  # on REPLAY_THREADS threads (every core)
