@@ -4,8 +4,8 @@
     PYTHONPATH=. nice python bench/bench_hidden_form.py speed [--chunks 4] [--work DIR] [--out FILE]
 
 Gemma-3-270M Q8_0 (the demo's quants, ~/.cache/qeval/models), n_ctx 512, the shipped corpus, --chunks windows,
-every thread of this machine. Both subcommands capture (or reuse, from --work) the same reference twice with
-`qeval capture`'s code: --reference-form logits (LOG) and hidden (HID).
+every thread of this machine. Both subcommands capture (or reuse, from --work) the same reference three times with
+`qeval capture`'s code: --reference-form logits (LOG), hidden (HID) and auto (AUT, the default).
 
 sizes: bytes per scored token of each store (the whole file; the hidden one also without its head, which is stored
   once whatever the number of tokens, and per part: hidden rows, scalars and ids, error record), beside llama.cpp's
@@ -50,14 +50,14 @@ def capture(work: Path, label: str, model: Path, chunks: int, form: str) -> floa
 def captures(work: Path, chunks: int) -> dict:
     models = demo.prepare_models(demo.models_dir())
     seconds = {label: capture(work, label, models["Q8_0"], chunks, form)
-               for label, form in (("LOG", "logits"), ("HID", "hidden"))}
+               for label, form in (("LOG", "logits"), ("HID", "hidden"), ("AUT", "auto"))}
     return {"models": models, "capture_seconds": seconds}
 
 
 def sizes(work: Path, chunks: int) -> dict:
     done = captures(work, chunks)
     out = {}
-    for label in ("LOG", "HID"):
+    for label in ("LOG", "HID", "AUT"):
         with StoreReader(work / f"{label}.qeval") as r:
             scored = sum(r.header.n_scored_of(c) for c in r.chunk_indices)
             size = r.size_bytes

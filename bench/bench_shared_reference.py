@@ -6,14 +6,15 @@ downloads, and the time to a first KLD for a user who holds only the Q4_K_M GGUF
 Gemma-3-270M (the demo's quants, ~/.cache/qeval/models), n_ctx 512, the shipped corpus, --chunks windows, every
 thread of this machine, side by side in one run:
 
-1. the publisher captures the Q8_0 reference in the hidden form (HID) and, to compare, in the logits form (LOG):
-   seconds and bytes of each store (reused from --work when there);
-2. `qeval publish` puts HID on a local server that answers as the Hugging Face Hub does (tests/fake_hub.py, git LFS:
+1. the publisher captures the Q8_0 reference in the default form (REF: `--reference-form auto`, hidden wherever its
+   replay holds) and, to compare, in the logits form (LOG): seconds and bytes of each store, and the form of REF's
+   pieces (reused from --work when there);
+2. `qeval publish` puts REF on a local server that answers as the Hugging Face Hub does (tests/fake_hub.py, git LFS:
    the Xet protocol is not served locally): seconds and bytes sent;
 3. a user with an empty huggingface_hub cache pulls it (`--ref hf:`: download, sha256, the store's own checksums):
    seconds and bytes downloaded; then `qeval kld` of the Q4_K_M GGUF live against it: seconds, and its figures;
-4. the same user capturing the reference themselves instead (they would need the 292 MB Q8_0 GGUF): the LOG
-   capture's seconds plus the live `qeval kld` against LOG.
+4. the same user capturing the reference themselves instead (they would need the 292 MB Q8_0 GGUF): REF's capture
+   seconds plus the live `qeval kld` against their own REF, whose figures must be the pulled one's to every digit.
 
 Results go to bench/results/shared-reference-<cpu>.json (or --out), with the load average before and after: on a
 shared machine the seconds move with its load; the bytes do not.
@@ -26,6 +27,7 @@ import json
 import os
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -36,6 +38,8 @@ from pytest_httpserver import HTTPServer
 from qeval import api
 from qeval.orchestrate import demo
 from qeval.storage import reference_pack
+from qeval.storage.hidden_form import DEFAULT_FORM
+from qeval.storage.store import StoreReader
 
 REPO = "bench/gemma-3-270m-reference"
 
@@ -76,7 +80,9 @@ def main() -> None:
            "load_average_before": os.getloadavg(),
            "gguf_bytes": {q: models[q].stat().st_size for q in ("Q8_0", "Q4_K_M")}}
     stores = {label: capture(work, label, models["Q8_0"], args.chunks, form)
-              for label, form in (("HID", "hidden"), ("LOG", "logits"))}
+              for label, form in (("REF", DEFAULT_FORM), ("LOG", "logits"))}
+    with StoreReader(stores["REF"]["path"]) as ref:
+        stores["REF"]["pieces"] = dict(Counter(form for _, _, form in ref.piece_forms()))
     server = HTTPServer()
     server.start()
     with pytest.MonkeyPatch.context() as mp:
@@ -87,20 +93,22 @@ def main() -> None:
         mp.setattr(constants, "HF_HUB_CACHE", str(work / "publisher-cache"))
         upload_hub(mp)
         hub = FakeHub(server)
-        _, out["publish_seconds"] = timed(lambda: api.publish_report(str(stores["HID"]["path"]), f"hf:{REPO}:HID"))
+        _, out["publish_seconds"] = timed(lambda: api.publish_report(str(stores["REF"]["path"]), f"hf:{REPO}:REF"))
         out["publish_bytes_sent"] = sum(n for _, n in hub.puts)
         out["published_files"] = {name: len(data) for name, data in hub.repos[REPO].items()}
         user_cache = work / "user-cache"  # a user who never pulled anything
         mp.setattr(constants, "HF_HUB_CACHE", str(user_cache))
         reference_pack._verified.clear()
-        pulled, out["pull_seconds"] = timed(lambda: reference_pack.pull(f"hf:{REPO}:HID"))
+        pulled, out["pull_seconds"] = timed(lambda: reference_pack.pull(f"hf:{REPO}:REF"))
         out["pull_bytes"] = sum(p.stat().st_size for p in user_cache.rglob("*") if p.is_file() and not p.is_symlink())
-        out["user_kld_vs_hf"] = kld(f"hf:{REPO}:HID", models["Q4_K_M"], args.chunks, work / "user-runs")
+        out["user_kld_vs_hf"] = kld(f"hf:{REPO}:REF", models["Q4_K_M"], args.chunks, work / "user-runs")
     server.stop()
     out["user_kld_vs_hf"]["pull_plus_kld_seconds"] = out["pull_seconds"] + out["user_kld_vs_hf"]["seconds"]
-    out["self_kld_vs_log"] = kld(str(stores["LOG"]["path"]), models["Q4_K_M"], args.chunks, work / "self-runs")
-    if stores["LOG"]["seconds"] is not None:
-        out["self_kld_vs_log"]["capture_plus_kld_seconds"] = stores["LOG"]["seconds"] + out["self_kld_vs_log"]["seconds"]
+    own = out["self_kld_vs_own_ref"] = kld(str(stores["REF"]["path"]), models["Q4_K_M"], args.chunks, work / "self-runs")
+    if stores["REF"]["seconds"] is not None:
+        own["capture_plus_kld_seconds"] = stores["REF"]["seconds"] + own["seconds"]
+    figures = [k for k in own if k not in ("seconds", "capture_plus_kld_seconds")]
+    out["pulled_figures_equal_own"] = all(own[k] == out["user_kld_vs_hf"][k] for k in figures)
     out["stores"] = {label: {k: v for k, v in s.items() if k != "path"} for label, s in stores.items()}
     out["load_average_after"] = os.getloadavg()
     path = args.out or Path(__file__).parent / "results" / \

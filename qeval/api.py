@@ -24,7 +24,6 @@ from qeval.inputs.needles import parse_depths
 from qeval.orchestrate import budget, matrix, sweep
 from qeval.orchestrate import deploy as deploy_run
 from qeval.orchestrate.deploy import DeploySpec
-from qeval.orchestrate.needles import NeedleRequest, Run, run_needles
 from qeval.orchestrate.matrix import (  # noqa: F401 - public
     EarlySettings,
     TaskRequest,
@@ -33,11 +32,13 @@ from qeval.orchestrate.matrix import (  # noqa: F401 - public
     pair_settings,
     parse_model_arg,
 )
+from qeval.orchestrate.needles import NeedleRequest, Run, run_needles
 from qeval.orchestrate.sources import compare, is_model_file, measure, open_source  # noqa: F401 - public here as before
 from qeval.present import report, results
 from qeval.present.needles_text import needles_text
 from qeval.present.progress import PlannedProgress, progress_bar, say
 from qeval.storage import runs
+from qeval.storage.hidden_form import DEFAULT_FORM
 from qeval.storage.llamacpp import import_llamacpp
 from qeval.storage.scoring import Scoring
 from qeval.storage.store import StoreReader
@@ -181,7 +182,7 @@ def capture_store(model: str, label: str, *, runs_dir=None, out: str | None = No
                   chunk_range: tuple[int, int] | None = None,
                   progress: bool = False, on_chunk=None, force: bool = False, scoring: str = "half",
                   concat: bool = False, chat_template: str | None = None, chat_template_kwargs: str | None = None,
-                  reference_form: str = "logits", conversation_depths: str | None = None) -> tuple[dict, str]:
+                  reference_form: str = DEFAULT_FORM, conversation_depths: str | None = None) -> tuple[dict, str]:
     """Capture `model` (a GGUF path or an hf: spec) into a store, resume an interrupted capture, or reuse one that
     holds it already. A store there that holds another capture is refused (naming what differs), or replaced with
     `force`. A conversation corpus is scored with scoring "assistant", rendered with the model's chat template or

@@ -114,7 +114,8 @@ def test_capture_in_groups_writes_the_same_store(models, tmp_path):
 def test_live_candidate_in_groups_resumes_and_equals_capture(models, tmp_path):
     runs = tmp_path / "runs"
     api.capture_store(str(models["Q8_0"]), "ref", runs_dir=runs, n_ctx=N_CTX, chunks=N_WINDOWS, settings=NO_FA)
-    api.capture_store(str(models["Q2_K"]), "q2", runs_dir=runs, n_ctx=N_CTX, chunks=N_WINDOWS, settings=PIECES)
+    api.capture_store(str(models["Q2_K"]), "q2", runs_dir=runs, n_ctx=N_CTX, chunks=N_WINDOWS, settings=PIECES,
+                      reference_form="logits")  # coded, as the live candidate saved with --save is
     stored, _ = api.kld_report("ref", "q2", runs_dir=runs)
     groups = EngineSettings(flash_attn="off", n_batch=4 * N_CTX, decode_ahead=True)
     live, _ = api.kld_report("ref", str(models["Q2_K"]), runs_dir=runs, settings=groups, save="q2live")

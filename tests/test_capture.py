@@ -83,19 +83,20 @@ def test_rerun_is_a_noop_and_resume_after_kill(models, runs):
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    with StoreReader(path, tolerate_torn_tail=True) as partial:
+    with StoreReader(path, tolerate_torn_tail=True) as partial:  # a hidden chunk is read while its store is open
         assert not partial.complete
-        kept = {i: partial.read_chunk(i) for i in partial.chunk_indices}
+        kept = {i: (partial.read_chunk(i).codes(partial.header.n_vocab), partial.read_chunk(i).logprob_target)
+                for i in partial.chunk_indices}
     assert 3 <= len(kept) < RESUME_CHUNKS
     out = run_cli("capture", str(models["Q8_0"]), "--label", "ref", "-c", "128", "--chunks", str(RESUME_CHUNKS),
                   "--runs-dir", str(runs))
     assert f"({RESUME_CHUNKS - len(kept)} captured now)" in out.stdout
     with StoreReader(path, verify_chunks=True) as store:
         assert store.complete and store.chunk_indices == list(range(RESUME_CHUNKS))
-        for i, old in kept.items():  # earlier chunks untouched
+        for i, (codes, logprob_target) in kept.items():  # earlier chunks untouched
             new = store.read_chunk(i)
-            np.testing.assert_array_equal(new.codes(store.header.n_vocab), old.codes(store.header.n_vocab))
-            np.testing.assert_array_equal(new.logprob_target, old.logprob_target)
+            np.testing.assert_array_equal(new.codes(store.header.n_vocab), codes)
+            np.testing.assert_array_equal(new.logprob_target, logprob_target)
     again = run_cli("capture", str(models["Q8_0"]), "--label", "ref", "-c", "128", "--chunks", str(RESUME_CHUNKS),
                     "--runs-dir", str(runs))
     assert "already complete" in again.stdout
@@ -108,10 +109,17 @@ def test_live_candidate_equals_stored_candidate(models, runs):
     for key in ("perplexity", "kld", "kld_reverse", "delta_p", "same_top1", "top5_agreement"):
         assert live[key] == stored[key]
     assert live["kld"]["mean"] > 0.05  # Q2_K really differs from Q8_0
-    # a separately captured store of the same model gives the same numbers too
-    api.capture_store(str(models["Q2_K"]), "q2cap", runs_dir=runs, n_ctx=N_CTX, chunks=3)
+    # a separately captured store of the same model in the logits form gives the same numbers too
+    api.capture_store(str(models["Q2_K"]), "q2cap", runs_dir=runs, n_ctx=N_CTX, chunks=3, reference_form="logits")
     captured, _ = api.kld_report("ref", "q2cap", runs_dir=runs)
     assert captured["kld"] == stored["kld"]
+    # in the default form, its hidden rows are read through the portable replay, coded: within its error
+    api.capture_store(str(models["Q2_K"]), "q2auto", runs_dir=runs, n_ctx=N_CTX, chunks=3)
+    with StoreReader(runs / "q2auto.qeval") as q2auto:
+        assert q2auto.header.hidden
+    auto, _ = api.kld_report("ref", "q2auto", runs_dir=runs)
+    assert auto["kld"]["mean"] == pytest.approx(stored["kld"]["mean"], rel=1e-5)
+    assert auto["kld"] != stored["kld"]
 
 
 def test_live_candidate_uncoded_equals_coded_within_the_code_floor(models, runs):
@@ -207,8 +215,13 @@ def test_real_enospc_write_is_reported_and_store_stays_valid(models, runs, tmp_p
         assert "not enough disk space" in proc.stderr and not (mnt / "ref.qeval").exists()
         ample = namedtuple("Usage", "total used free")(1 << 40, 0, 1 << 40)
         monkeypatch.setattr(shutil, "disk_usage", lambda path: ample)
-        with pytest.raises(QevalError, match="resume"):
+        # the hidden form's head (178 MB) is what fills this disk: nothing is kept
+        with pytest.raises(QevalError, match="cannot create store .*nothing was kept"):
             api.capture_store(str(models["Q8_0"]), "ref", out=str(mnt / "ref.qeval"), n_ctx=N_CTX, chunks=12)
+        assert not (mnt / "ref.qeval").exists()
+        with pytest.raises(QevalError, match="resume"):  # the logits form fills it chunk by chunk
+            api.capture_store(str(models["Q8_0"]), "ref", out=str(mnt / "ref.qeval"), n_ctx=N_CTX, chunks=12,
+                              reference_form="logits")
         with StoreReader(mnt / "ref.qeval", verify_chunks=True, tolerate_torn_tail=True) as partial:
             assert 1 <= len(partial.chunk_indices) < 12 and not partial.complete
     finally:

@@ -43,9 +43,10 @@ def conversations(tmp_path_factory):
 @pytest.fixture(scope="module")
 def captured(models, conversations, tmp_path_factory):
     runs = tmp_path_factory.mktemp("runs")
-    for label in ("Q8_0", "Q4_K_M"):
+    # the reference in the default form; the candidate coded, as a live one saved with --save is (the same codes)
+    for label, form in (("Q8_0", "auto"), ("Q4_K_M", "logits")):
         api.capture_store(str(models[label]), label, runs_dir=runs, corpus=str(conversations), n_ctx=N_CTX,
-                          scoring="assistant", chat_template=str(TEMPLATE))
+                          scoring="assistant", chat_template=str(TEMPLATE), reference_form=form)
     return runs
 
 

@@ -21,11 +21,12 @@ from qeval import api
 from qeval.compare import metrics
 from qeval.errors import StoreFormatError
 from qeval.identity import capture_conflicts, form
-from qeval.storage.codec import REPLAY_ENGINES, REPLAY_ROWS, SqrtLogCode, encode_hidden_block
 from qeval.storage import ggml_replay, ggml_types, llama_libraries
+from qeval.storage.codec import REPLAY_ENGINES, SqrtLogCode, encode_hidden_block
 from qeval.storage.ggml_replay import GgmlHead
 from qeval.storage.hidden_form import (
     ACTIVATIONS,
+    AUTO_REPLAY_KL,
     QK8_0,
     OutputHead,
     StoredActivations,
@@ -401,19 +402,29 @@ def test_where_ggml_sums_otherwise_the_portable_replay_is_read(hidden_store):
 
 
 def test_auto_keeps_hidden_only_where_the_replay_is_within_its_target(tmp_path):
-    """PieceBuilder: both forms made; the piece keeps the hidden form when its worst token's replay KL is within
-    AUTO_REPLAY_KL, else the logits code."""
+    """PieceBuilder: a piece keeps the hidden form when its worst token's replay KL is within AUTO_REPLAY_KL, and
+    then never codes its logits (it has no code to do so here); a piece with one block that misses is the logits
+    code of every one of its rows, the blocks before the miss included, exactly as the logits form codes them."""
     from qeval.capture.capture import PieceBuilder, StoredForm
 
     code = SqrtLogCode()
-    for noise, kept in ((1e-7, HiddenChunk), (3e-2, None)):
-        cap = HiddenCapture(seed=2, n_chunks=1, noise=noise)
-        form_ = StoredForm("auto", cap.head, "auto")
-        builder = PieceBuilder(0, None, 0)
-        targets = cap.tokens[0, 12:23]
-        builder.add(form_.encode(cap.logits[0], cap.hidden[0], targets, code))
+    cap = HiddenCapture(seed=2, n_chunks=1, noise=1e-7)
+    form_ = StoredForm("auto", cap.head, "auto")
+    n_rows = len(cap.logits[0])
+    targets = cap.tokens[0, 1:n_rows + 1]
+    missed = cap.logits[0].copy()
+    missed[4:8] *= 1 + 3e-2 * np.random.default_rng(3).standard_normal(missed[4:8].shape).astype(np.float32)
+    for logits, kept in ((cap.logits[0], HiddenChunk), (missed, None)):
+        builder = PieceBuilder(0, None, 0, code=None if kept else code)
+        for start in range(0, n_rows, 4):  # the second block misses
+            builder.add(form_.encode(logits[start:start + 4], cap.hidden[0][start:start + 4],
+                                     targets[start:start + 4], code, start))
         piece = builder.finish()
-        assert isinstance(piece, kept) if kept else not isinstance(piece, HiddenChunk)
+        if kept:
+            assert isinstance(piece, kept) and builder.worst_replay_kl <= AUTO_REPLAY_KL
+            continue
+        assert not isinstance(piece, HiddenChunk) and builder.worst_replay_kl > AUTO_REPLAY_KL
+        np.testing.assert_array_equal(piece.codes(N_VOCAB), code.encode_block(logits, targets).codes)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -599,6 +610,31 @@ def test_the_form_is_part_of_a_stores_identity(hidden_store, tmp_path):
     assert older.format_version == 5 and form(older) != form(StoreReader(path).header)
 
 
+def test_auto_takes_a_complete_store_of_its_capture_in_any_form(hidden_store, tmp_path):
+    """The default form (auto) takes as it is a complete store of the same capture made in the logits or the hidden
+    form (a reference captured before auto was the default is not captured again); hidden asked for by name does
+    not take a logits store, and auto takes no store of another capture, nor an interrupted one of another form."""
+    from qeval.storage.store import StoreComplete, StoreConflict
+
+    cap, path, _ = hidden_store
+    logits = write_store(tmp_path / "L.qeval", cap.tokens, cap.logits, N_VOCAB, label="HID")
+    lut = SqrtLogCode().lut()
+    auto = make_header(cap.tokens, N_VOCAB, SqrtLogCode(), "HID", head=head_entry(cap.head, "auto"))
+    for stored, name in ((logits.path, "logits"), (path, "hidden")):
+        with pytest.raises(StoreComplete) as done:
+            StoreWriter.open(stored, auto, cap.tokens, lut, head=cap.head)
+        assert done.value.stored_form == name
+    hidden = make_header(cap.tokens, N_VOCAB, SqrtLogCode(), "HID", head=head_entry(cap.head, "hidden"))
+    with pytest.raises(StoreConflict):
+        StoreWriter.open(logits.path, hidden, cap.tokens, lut, head=cap.head)
+    other = make_header(cap.tokens, N_VOCAB, SqrtLogCode(), "OTHER", head=head_entry(cap.head, "auto"))
+    with pytest.raises(StoreConflict):
+        StoreWriter.open(logits.path, other, cap.tokens, lut, head=cap.head)
+    partial = write_store(tmp_path / "P.qeval", cap.tokens, cap.logits, N_VOCAB, label="HID", finish=False)
+    with pytest.raises(StoreConflict):
+        StoreWriter.open(partial.path, auto, cap.tokens, lut, head=cap.head)
+
+
 def test_info_reads_pieces_of_any_size(tmp_path):
     """A later piece larger than the first (its hidden rows compress less): info reads every replay record."""
     cap = HiddenCapture(seed=5, n_chunks=2)
@@ -657,7 +693,7 @@ def captured_pair(model, runs, chunks: int, n_ctx: int = 512, cand_model=None):
     from test_error_bound import exact_rows  # noqa: PLC0415
 
     api.capture_store(str(model), "HID", runs_dir=runs, chunks=chunks, n_ctx=n_ctx, reference_form="hidden")
-    api.capture_store(str(model), "LOG", runs_dir=runs, chunks=chunks, n_ctx=n_ctx)
+    api.capture_store(str(model), "LOG", runs_dir=runs, chunks=chunks, n_ctx=n_ctx, reference_form="logits")
     with StoreReader(runs / "LOG.qeval") as lr:
         exact = exact_rows(model, lr.tokens)
         cand = exact_rows(cand_model, lr.tokens) if cand_model is not None else exact

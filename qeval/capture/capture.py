@@ -25,9 +25,20 @@ from qeval.inputs.conversation_windows import conversation_windows, is_conversat
 from qeval.inputs.corpus import load_corpus, make_windows, tokenize_documents
 from qeval.pool import bounded_map
 from qeval.storage.codec import BadLogits, EncodedBlock, SqrtLogCode, encode_hidden_block
-from qeval.storage.hidden_form import AUTO_REPLAY_KL, FORMS, NotReplayable, OutputHead, head_entry, read_head
 from qeval.storage.error_record import ErrorRecord, rows_of
 from qeval.storage.ggml_replay import GgmlHead
+from qeval.storage.hidden_form import (
+    AUTO,
+    AUTO_REPLAY_KL,
+    DEFAULT_FORM,
+    FORMS,
+    HIDDEN,
+    LOGITS,
+    NotReplayable,
+    OutputHead,
+    head_entry,
+    read_head,
+)
 from qeval.storage.runs import LIVE_SUFFIX
 from qeval.storage.scoring import ASSISTANT, Scoring, WindowLabels
 from qeval.storage.store import (
@@ -38,21 +49,22 @@ from qeval.storage.store import (
     StoreHeader,
     StoreReader,
     StoreWriter,
+    has_data,
     reblock,
     tokens_sha256,
     zstd_compressor,
 )
 
 ENCODE_BLOCK = 16
-LOGITS, HIDDEN, AUTO = FORMS
 
 
 @dataclass(frozen=True)
 class StoredForm:
     """What a capture stores of each piece (--reference-form): the logits code, the hidden form (the output head's
-    input, replayed through `head` by a reader), or auto: both are made, and a piece keeps the hidden form when
-    every token's replay is within AUTO_REPLAY_KL of llama.cpp's logits, else the code. `asked`: the form asked for;
-    `why_logits`: why a capture asked for auto stores logits only (a head it cannot replay)."""
+    input, replayed through `head` by a reader), or auto: a piece keeps the hidden form when every token's replay
+    is within AUTO_REPLAY_KL of llama.cpp's logits, else the code. Auto codes the logits of a piece only once one of
+    its blocks misses (PieceBuilder), so where the replay holds it costs what the hidden form costs. `asked`: the
+    form asked for; `why_logits`: why a capture asked for auto stores logits only (a head it cannot replay)."""
 
     name: str = LOGITS
     head: OutputHead | None = None
@@ -61,13 +73,14 @@ class StoredForm:
     ggml: GgmlHead | None = None  # the head in llama.cpp's own kernel, replaying beside the portable replay
 
     def encode(self, logits: np.ndarray, hidden: np.ndarray | None, targets: np.ndarray, code: SqrtLogCode,
-               first_row: int = 0) -> EncodedBlock | dict[str, EncodedBlock]:
-        """A logits form's block, else each kept form's block by name (`first_row`: its first row in the chunk)."""
+               first_row: int = 0) -> EncodedBlock | dict[str, EncodedBlock | ExactRows]:
+        """A logits form's block, else the hidden block by name and, for auto, the exact rows it may still need to
+        code (`first_row`: the block's first row in the chunk)."""
         if self.name == LOGITS:
             return code.encode_block(logits, targets)
         blocks = {HIDDEN: encode_hidden_block(logits, hidden, targets, code, self.head, self.ggml, first_row)}
-        if self.name == AUTO:
-            blocks[LOGITS] = code.encode_block(logits, targets)
+        if self.name == AUTO:  # a copy: the engine's rows are overwritten by its next call, before the piece ends
+            blocks[EXACT] = ExactRows(np.array(logits, dtype=np.float32), targets)
         return blocks
 
     def header_entry(self) -> dict:
@@ -80,10 +93,14 @@ class StoredForm:
         return {"reference_form": {"asked": self.asked, **({"why_logits": self.why_logits} if self.why_logits else {})}}
 
 
-def stored_form(asked: str, model: str, settings: EngineSettings) -> StoredForm:
-    """The form a capture of `model` asked for `asked` stores; QevalError for a hidden form it cannot replay."""
+def check_form(asked: str) -> None:
     if asked not in FORMS:
         raise QevalError(f"--reference-form must be one of {', '.join(FORMS)}, not {asked!r}")
+
+
+def stored_form(asked: str, model: str, settings: EngineSettings) -> StoredForm:
+    """The form a capture of `model` asked for `asked` stores; QevalError for a hidden form it cannot replay."""
+    check_form(asked)
     if asked == LOGITS:
         return StoredForm()
     try:
@@ -98,28 +115,53 @@ def stored_form(asked: str, model: str, settings: EngineSettings) -> StoredForm:
     return StoredForm(name=asked, head=head, asked=asked, ggml=GgmlHead.of(head, settings.n_threads))
 
 
-class PieceBuilder:
-    """One piece of a chunk in a capture's form (StoredForm): the builder of each form it keeps, and at the end the
-    piece in the form chosen (auto: hidden where the worst token's replay KL is within AUTO_REPLAY_KL)."""
+EXACT = "exact"  # an auto capture's block: its exact rows, kept until its piece is settled
 
-    def __init__(self, index: int, compressor: zstandard.ZstdCompressor, first_row: int):
-        self.index, self.compressor, self.first_row = index, compressor, first_row
+
+@dataclass(frozen=True)
+class ExactRows:
+    """A block's exact float32 logits [b, V] and its targets, which an auto piece codes if a block misses."""
+
+    logits: np.ndarray
+    targets: np.ndarray
+
+
+class PieceBuilder:
+    """One piece of a chunk in a capture's form (StoredForm), and at the end the piece in the form chosen. Auto keeps
+    each block's exact rows while every replay so far is within AUTO_REPLAY_KL (at most a piece: 268 MB at a 262K
+    vocab); at the first block that misses, the piece's rows are coded (`code`) and it is stored as logits."""
+
+    def __init__(self, index: int, compressor: zstandard.ZstdCompressor, first_row: int,
+                 code: SqrtLogCode | None = None):
+        self.index, self.compressor, self.first_row, self.code = index, compressor, first_row, code
         self.builders: dict[str, ChunkBuilder] = {}
         self.worst_replay_kl = 0.0
+        self.exact: list[ExactRows] = []
 
-    def add(self, blocks: EncodedBlock | dict[str, EncodedBlock]) -> None:
-        for name, block in (blocks if isinstance(blocks, dict) else {LOGITS: blocks}).items():
-            if name not in self.builders:  # the hidden rows are small: a compressor of their own
-                self.builders[name] = ChunkBuilder(self.index, self.compressor if name == LOGITS else None,
-                                                   self.first_row, hidden=name == HIDDEN)
-            self.builders[name].add_block(block)
+    def add(self, blocks: EncodedBlock | dict[str, EncodedBlock | ExactRows]) -> None:
+        blocks = dict(blocks) if isinstance(blocks, dict) else {LOGITS: blocks}
+        exact = blocks.pop(EXACT, None)
+        for name, block in blocks.items():
+            self._add(name, block)
             for uncoded in block.uncoded:  # the portable replay's KL(exact ‖ replayed): what any machine reads
                 if uncoded.engine == "portable":
                     self.worst_replay_kl = max(self.worst_replay_kl, float(uncoded.record.kl.max()))
+        if exact is not None:
+            self.exact.append(exact)
+            if self.worst_replay_kl > AUTO_REPLAY_KL:  # this piece is stored as logits: code every row kept so far
+                for rows in self.exact:
+                    self._add(LOGITS, self.code.encode_block(rows.logits, rows.targets))
+                self.exact.clear()
+
+    def _add(self, name: str, block: EncodedBlock) -> None:
+        if name not in self.builders:  # the hidden rows are small: a compressor of their own
+            self.builders[name] = ChunkBuilder(self.index, self.compressor if name == LOGITS else None,
+                                               self.first_row, hidden=name == HIDDEN)
+        self.builders[name].add_block(block)
 
     def finish(self) -> ChunkData:
-        hidden = HIDDEN in self.builders and (LOGITS not in self.builders or self.worst_replay_kl <= AUTO_REPLAY_KL)
-        return self.builders[HIDDEN if hidden else LOGITS].finish()
+        """The piece: its logits where it has them (the logits form, or an auto piece whose replay missed)."""
+        return self.builders[LOGITS if LOGITS in self.builders else HIDDEN].finish()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,7 +182,7 @@ class CaptureSpec:
     threads: int | None = None  # encoder threads (see encoder_threads)
     code: SqrtLogCode = field(default_factory=SqrtLogCode)
     replace: bool = False  # a store at `out` that holds another capture is replaced, not refused (--force)
-    reference_form: str = LOGITS  # what the store keeps of each piece: logits, hidden or auto (qeval.storage.hidden_form)
+    reference_form: str = DEFAULT_FORM  # what the store keeps of each piece: logits, hidden or auto (hidden_form)
 
 
 @dataclass
@@ -152,7 +194,13 @@ class CaptureResult:
     seconds: float
     header: StoreHeader | None = None
 
+    stored_form: str = ""  # an auto capture that took a complete store made in another form: that form
+
     def summary_line(self) -> str:
+        if self.stored_form:
+            return (f"{self.path} is already complete ({self.chunks_total} chunks) in the {self.stored_form} form: "
+                    "nothing to do (auto takes a store of this capture in any form; --reference-form with --force "
+                    "recaptures it in the one named)")
         if self.status == "already complete":
             return f"{self.path} is already complete ({self.chunks_total} chunks): nothing to do"
         if self.status == OLDER_FORM:
@@ -240,7 +288,7 @@ def iter_pieces(engine: Backend, windows: np.ndarray, indices: list[int], scored
     n_scored = {index: len(positions) for index, positions in zip(indices, scored)}
     for index, row, blocks in iter_encoded_blocks(engine, windows, indices, scored, code, pool, form):
         if builder is None:
-            builder = PieceBuilder(index, compressor, row)
+            builder = PieceBuilder(index, compressor, row, code)
         builder.add(blocks)
         n_rows = len(next(iter(blocks.values())) if isinstance(blocks, dict) else blocks)
         if ends_piece(row + n_rows, n_scored[index]):
@@ -289,23 +337,28 @@ def capture(spec: CaptureSpec, on_chunk: Callable[[int], None] | None = None,
     settings = spec.settings.validate()
     scoring = Scoring.parse(spec.scoring)
     check_corpus_kind(spec.corpus, scoring)
-    form = stored_form(spec.reference_form, spec.model, settings)
+    check_form(spec.reference_form)
     with contextlib.closing(open_backend(spec.model, spec.n_ctx, settings, scoring)) as engine:
+        form = stored_form(spec.reference_form, spec.model, settings)  # the model file is known good by now
         windows, labels, identity = corpus_windows(spec, engine)
         chunk_range = resolve_range(spec.chunk_range, len(windows))
         header = store_header(engine, spec.label, windows, chunk_range, identity, spec.code, labels,
                               form.header_entry(), created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                               **form.facts())
         out = Path(spec.out)
+        fresh = not has_data(out) and not spec.replace
+        if on_start and fresh:  # before a byte is written: a store whose head alone fills the disk is refused too
+            on_start(CaptureStart(header=header, todo=list(range(*chunk_range)), path=out, model=spec.model,
+                                  settings=settings))
         try:
             writer = StoreWriter.open(out, header, windows, spec.code.lut(), replace=spec.replace, head=form.head)
         except StoreComplete as done:
             return CaptureResult(path=out, status=OLDER_FORM if done.older_form else "already complete",
                                  chunks_total=chunk_range[1] - chunk_range[0], chunks_written=0,
-                                 seconds=time.perf_counter() - t0, header=header)
+                                 seconds=time.perf_counter() - t0, header=header, stored_form=done.stored_form)
         with writer:
             todo = [i for i in range(*chunk_range) if i not in writer.done_chunks]
-            if on_start:
+            if on_start and not fresh:
                 try:
                     on_start(CaptureStart(header=header, todo=todo, path=writer.path, model=spec.model,
                                           settings=settings))

@@ -25,7 +25,7 @@ from qeval.errors import QevalError
 from qeval.present.progress import say
 from qeval.storage.codec import REPLAY_BANDS, REPLAY_ENGINES
 from qeval.storage.error_record import DEFAULT_BANDS, record_bytes
-from qeval.storage.hidden_form import ACTIVATIONS
+from qeval.storage.hidden_form import ACTIVATIONS, AUTO, HIDDEN
 from qeval.storage.store import StoreHeader
 
 # --- bytes: the store format (docs/store-format.md) ------------------------------------------------------------
@@ -44,7 +44,8 @@ STORE_TABLE_BYTES = 65_536 * 4
 # The hidden form (format versions 5 and 6, qeval.storage.hidden_form) keeps per scored token its scalars, ids and error
 # record as above and the output head's input instead of the codes: zstd takes q8_0 rows (680 bytes at Gemma-3's
 # d_model 640) to ~0.92 of their size (docs/why-logits.md), fp16 rows hardly at all; plus the head, once per store.
-# Auto may keep either form per piece: counted as the logits form, plus the head. Since format 6 a hidden row also
+# Auto (the default) is counted as the hidden form: it keeps the logits only of a piece whose replay misses, which
+# nothing foresees. Since format 6 a hidden row also
 # has a replay record of one band per replay engine (24 bytes each), and each piece their 72 bytes of framing.
 HIDDEN_ZSTD_RATIO = 0.95
 REPLAY_ROW_BYTES = len(REPLAY_ENGINES) * (record_bytes(1, REPLAY_BANDS.count) - record_bytes(0, REPLAY_BANDS.count)) + 1
@@ -87,16 +88,22 @@ class Run:
     @property
     def bytes(self) -> int:
         store = STORE_TABLE_BYTES + 4 * self.tokens + self.rows * (
-            STORE_ROW_BYTES + ERROR_ROW_BYTES + self.row_form_bytes) + (self.head or {}).get("bytes", 0) \
-            if self.keeps_store else 0
+            STORE_ROW_BYTES + ERROR_ROW_BYTES + self.row_form_bytes) + self.head_bytes if self.keeps_store else 0
         result = RESULT_JSON_BYTES + self.rows * 8 * (RESULT_COLUMNS + SAMPLER_COLUMNS * self.samplers) \
             if self.keeps_result else 0
         return math.ceil(store + result)
 
     @property
+    def head_bytes(self) -> int:
+        """The output head a hidden store embeds: once, whatever its number of rows."""
+        return (self.head or {}).get("bytes", 0) if self.keeps_store else 0
+
+    @property
     def row_form_bytes(self) -> float:
-        """What a scored row's form costs beyond its scalars and error record: its codes, or its hidden row."""
-        if self.head is not None and self.head["form"] == "hidden":
+        """What a scored row's form costs beyond its scalars and error record: its codes, or its hidden row (auto's
+        too: it keeps a piece's codes only where the replay misses, which a disk check cannot foresee; a capture
+        that then fills the disk stops resumable, qeval.storage.store.WriteFailed)."""
+        if self.head is not None and self.head["form"] in (HIDDEN, AUTO):
             return ACTIVATIONS[self.head["type"]].row_bytes(self.head["n_embd"]) * HIDDEN_ZSTD_RATIO + REPLAY_ROW_BYTES
         return self.n_vocab * STORE_BYTES_PER_VOCAB_ENTRY
 
@@ -207,10 +214,13 @@ class Budget:
         many chunks fit) and `elsewhere` (the flag that writes to another disk)."""
         free = free_bytes(self.directory)
         say(self.text(free), announce)
-        fits = int(self.chunks * free / self.bytes) if self.bytes else self.chunks
-        per_chunk = size_text(self.bytes / max(self.chunks, 1))
-        hint = less if less != "--chunks" else f"--chunks {fits} writes ~{size_text(self.bytes * fits / self.chunks)}" \
-            if fits else f"--chunks N writes ~{per_chunk} per chunk"
+        once = sum(r.head_bytes for r in self.runs)  # written whatever the chunk count
+        per_chunk = (self.bytes - once) / max(self.chunks, 1)
+        fits = min(self.chunks, int((free - once) / per_chunk)) if per_chunk and free > once else \
+            0 if per_chunk else self.chunks
+        plus = f" plus ~{size_text(once)} once (the hidden form's output head)" if once else ""
+        hint = less if less != "--chunks" else f"--chunks {fits} writes ~{size_text(once + per_chunk * fits)}" \
+            if fits else f"--chunks N writes ~{size_text(per_chunk)} per chunk{plus}"
         require_space(self.directory, self.bytes, self.what, hint, elsewhere, free)
 
 

@@ -39,6 +39,8 @@ from qeval.storage.gguf_file import read_gguf
 
 QK8_0 = 32
 FORMS = ("logits", "hidden", "auto")  # --reference-form: what a capture stores (auto: hidden where it replays)
+LOGITS, HIDDEN, AUTO = FORMS
+DEFAULT_FORM = AUTO  # every capture's unless asked otherwise: the compact form wherever its replay holds
 # Auto keeps a chunk hidden only where every token's replay is this close to llama.cpp's own logits
 # (KL(exact ‖ replay), nats): ~20x Gemma-3-270M Q8_0's worst token (4.5e-11), ~400x below the code's own error.
 AUTO_REPLAY_KL = 1e-9

@@ -35,9 +35,9 @@ import zstandard
 from qeval import __version__
 from qeval.errors import MismatchError, QevalError, StoreFormatError, WriteFailed
 from qeval.identity import capture_conflicts, extends, tokens_sha256
-from qeval.storage.error_record import ErrorBands, ErrorRecord, record_bytes, rows_of
 from qeval.storage.codec import REPLAY_BANDS, REPLAY_ENGINES, EncodedBlock, code_of, replayed_planes, replayed_rows
-from qeval.storage.hidden_form import OutputHead, StoredActivations, check_head_entry
+from qeval.storage.error_record import ErrorBands, ErrorRecord, record_bytes, rows_of
+from qeval.storage.hidden_form import AUTO, LOGITS, OutputHead, StoredActivations, check_head_entry
 from qeval.storage.planes import N_CODES, TOP_K, codes_to_planes, planes_to_codes  # noqa: F401 - re-exported
 from qeval.storage.scoring import HALF, Scoring, WindowLabels, positions_of
 
@@ -566,7 +566,7 @@ class StoreWriter(OpenFile):
             raise ValueError(f"tokens must be [{header.n_chunks}, {header.n_ctx}], got {tokens.shape}")
         if header.tokens_sha256 != tokens_sha256(tokens):
             raise ValueError("header.tokens_sha256 does not match the tokens")
-        if not _has_data(path):
+        if not has_data(path):
             return cls._create(path, header, tokens, lut, head)
         try:
             conflicts, complete = _conflicts_with(path, header, tokens, lut)
@@ -583,6 +583,10 @@ class StoreWriter(OpenFile):
         if (complete and not replace and header.error and not header.head
                 and not _conflicts_with(path, replace_error(header), tokens, lut)[0]):
             raise StoreComplete(path, older_form=True)
+        if complete and not replace and header.head.get("form") == AUTO:
+            stored = _header_of(path)
+            if not _conflicts_with(path, in_form_of(header, stored), tokens, lut)[0]:
+                raise StoreComplete(path, stored_form=form_name(stored))
         if not replace:
             raise StoreConflict(path, conflicts)
         return cls._replacement(path, header, tokens, lut, head)
@@ -594,13 +598,19 @@ class StoreWriter(OpenFile):
             fh = open(path, "wb")
         except OSError as exc:
             raise QevalError(f"cannot create store {path}: {exc.strerror}") from None
-        fh.write(_PREAMBLE.pack(MAGIC, header.format_version, 0))
-        fh.write(_encode_record(b"HEAD", json.dumps(header.to_json(), sort_keys=True).encode()))
-        fh.write(_encode_record(b"TOKS", tokens.tobytes()))
-        fh.write(_encode_record(b"LUT_", np.ascontiguousarray(lut, "<f4").tobytes()))
-        if head is not None:
-            fh.write(_encode_record(b"OUTW", head.payload()))
-        _sync(fh)
+        try:
+            fh.write(_PREAMBLE.pack(MAGIC, header.format_version, 0))
+            fh.write(_encode_record(b"HEAD", json.dumps(header.to_json(), sort_keys=True).encode()))
+            fh.write(_encode_record(b"TOKS", tokens.tobytes()))
+            fh.write(_encode_record(b"LUT_", np.ascontiguousarray(lut, "<f4").tobytes()))
+            if head is not None:  # the head (178 MB for Gemma-3-270M's) may be what fills the disk
+                fh.write(_encode_record(b"OUTW", head.payload()))
+            _sync(fh)
+        except OSError as exc:
+            fh.close()
+            path.unlink(missing_ok=True)
+            raise WriteFailed(f"cannot create store {path} ({exc.strerror or exc}): nothing was kept", path,
+                              exc.errno) from None
         writer = cls(path, header, fh, {})
         writer.created = True
         return writer
@@ -724,9 +734,10 @@ class StoreComplete(Exception):
     capture but was made before stores recorded their error (format version 3 or less): it still reads, its bounds
     read "not recorded", and only a replacement (--force) records them."""
 
-    def __init__(self, path: Path, older_form: bool = False):
+    def __init__(self, path: Path, older_form: bool = False, stored_form: str = ""):
         super().__init__(f"{path} is already complete")
         self.path, self.older_form = path, older_form
+        self.stored_form = stored_form  # an auto capture's store made in another form (form_name), taken as it is
 
 
 class StoreConflict(MismatchError):
@@ -756,18 +767,35 @@ def replace_error(header: StoreHeader) -> StoreHeader:
     return dataclasses.replace(header, error={}, format_version=LABELLED_VERSION if header.windows else FORMAT_VERSION)
 
 
+def in_form_of(header: StoreHeader, stored: StoreHeader) -> StoreHeader:
+    """The header of the same capture as `header` in the form of `stored` (its code, error bands and head): what a
+    store of this capture made in that form holds. An auto capture takes a complete store of it in any form."""
+    return dataclasses.replace(header, codec=stored.codec, error=stored.error, head=stored.head,
+                               format_version=stored.format_version)
+
+
+def form_name(header: StoreHeader) -> str:
+    """The form a store was captured in: logits, hidden or auto (hidden where its replay holds)."""
+    return header.head.get("form", LOGITS) if header.head else LOGITS
+
+
+def _header_of(path: Path) -> StoreHeader:
+    with StoreReader(path, tolerate_torn_tail=True) as old:
+        return old.header
+
+
 def replacement_path(path: Path) -> Path:
     """Where a store that replaces `path` is written until it is complete."""
     return path.with_name(path.name + REPLACEMENT_SUFFIX)
 
 
-def _has_data(path: Path) -> bool:
+def has_data(path: Path) -> bool:
     return path.exists() and path.stat().st_size > 0
 
 
 def _is_resumable(path: Path, header: StoreHeader, tokens: np.ndarray, lut: np.ndarray) -> bool:
     """Whether `path` holds an interrupted capture of exactly these inputs."""
-    if not _has_data(path):
+    if not has_data(path):
         return False
     try:
         conflicts, complete = _conflicts_with(path, header, tokens, lut)
