@@ -331,8 +331,9 @@ def capture(spec: CaptureSpec, on_chunk: Callable[[int], None] | None = None,
             on_plan: Callable[[int, int], None] | None = None,
             on_start: Callable[[CaptureStart], None] | None = None) -> CaptureResult:
     """Write (or resume) the store for `spec`. on_plan(total, already_done); on_chunk(1) per chunk. on_start, before
-    any window is decoded, may refuse the capture by raising (a disk too small: qeval.orchestrate.budget); a store
-    file this call created is then removed, so nothing half-made is left to conflict with the next attempt."""
+    any window is decoded (before a new store's first byte: its head may be most of it), may refuse the capture by
+    raising (a disk too small: qeval.orchestrate.budget); a store file this call created is then removed, so
+    nothing half-made is left to conflict with the next attempt."""
     t0 = time.perf_counter()
     settings = spec.settings.validate()
     scoring = Scoring.parse(spec.scoring)
