@@ -63,6 +63,11 @@ FORWARD_S_PER_TOKEN_GB = 13.8 / (8 * 512) / 0.237
 CODE_S_PER_ROW = (38.5 - 8192 * FORWARD_S_PER_TOKEN_GB * 0.292) / 4080
 # a live candidate (not coded), the same windows with the Q2_K: 35.2 s, i.e. 1.9 ms per row to compare it.
 COMPARE_S_PER_ROW = (35.2 - 8192 * FORWARD_S_PER_TOKEN_GB * 0.237) / 4080
+# a capture in the hidden form (or auto) also replays the head per scored row in qeval's portable kernel and
+# measures it: bench/bench_hidden_form.py sizes, 4 and 8 windows of the same Q8_0 on the same Intel Xeon, quiet
+# (bench/results/hidden-form-sizes-{4,8}chunks-auto-intel.json): the 4 windows more took 33.9 s in auto against
+# 6.5 s in the logits form, i.e. 26.9 ms more per scored row of 262,144 x 640 head entries.
+REPLAY_S_PER_HEAD_ENTRY = (33.9 - 6.5) / 1020 / (262_144 * 640)
 MEASURED_THREADS, MEASURED_VOCAB = 2, 262_144
 MEASURED_ON = "2-core Intel Xeon (AVX-512)"
 # --decode generate (one token per call) runs other kernels, 2-4x slower on CPU (the option's own help): the low end.
@@ -94,6 +99,13 @@ class Run:
         return math.ceil(store + result)
 
     @property
+    def replay_s_per_row(self) -> float:
+        """A hidden (or auto) capture's replay of the head, per scored row (REPLAY_S_PER_HEAD_ENTRY)."""
+        if not self.keeps_store or self.head is None or self.head["form"] not in (HIDDEN, AUTO):
+            return 0.0
+        return REPLAY_S_PER_HEAD_ENTRY * self.n_vocab * self.head["n_embd"]
+
+    @property
     def head_bytes(self) -> int:
         """The output head a hidden store embeds: once, whatever its number of rows."""
         return (self.head or {}).get("bytes", 0) if self.keeps_store else 0
@@ -116,7 +128,7 @@ class Run:
         if self.settings.decode == GENERATE:
             forward *= GENERATE_SLOWDOWN
         per_row = (COMPARE_S_PER_ROW if self.live else 0.0) + (CODE_S_PER_ROW if self.keeps_store else 0.0)
-        rows = self.rows * per_row * self.n_vocab / MEASURED_VOCAB
+        rows = self.rows * (per_row * self.n_vocab / MEASURED_VOCAB + self.replay_s_per_row)
         threads = self.settings.n_threads or available_cores()
         return (forward + rows) * MEASURED_THREADS / threads
 
