@@ -21,7 +21,7 @@ from qeval import api
 from qeval.compare import metrics
 from qeval.errors import StoreFormatError
 from qeval.identity import capture_conflicts, form
-from qeval.storage import ggml_replay, ggml_types, llama_libraries
+from qeval.storage import ggml_replay, ggml_types, hidden_form, llama_libraries
 from qeval.storage.codec import REPLAY_ENGINES, SqrtLogCode, encode_hidden_block
 from qeval.storage.ggml_replay import GgmlHead
 from qeval.storage.hidden_form import (
@@ -192,10 +192,13 @@ def test_without_its_libraries_the_ggml_replay_is_unavailable_not_an_error(monke
 
 
 @pytest.mark.parametrize("n_tokens", [1, 5, 37])
-def test_q8_0_replay_is_the_in_order_block_sum_bit_for_bit(n_tokens):
+@pytest.mark.parametrize("threads", [1, 2, 5, 16])
+def test_q8_0_replay_is_the_in_order_block_sum_bit_for_bit(n_tokens, threads, monkeypatch):
     """A store's checksum is over replayed rows, so the kernel must give one fixed sum on any machine and tiling:
     Σ_b int_dot_b · (d_x·d_w), blocks in order, float64, computed here with exact int64 dot products (plain numpy),
-    over token counts that are not a multiple of the kernel's 4 and a vocabulary that is not one of its tile."""
+    over token counts that are not a multiple of the kernel's 4, a vocabulary that is not one of its tile (6 tiles
+    of 128), and the tiles split into runs for 1, 2, 5 or 16 cores (more cores than tiles: one run per tile)."""
+    monkeypatch.setattr(hidden_form, "REPLAY_THREADS", threads)
     rng = np.random.default_rng(7)
     head = tiny_head(rng)
     hidden = rng.standard_normal((n_tokens, N_EMBD)).astype(np.float32) * 5
