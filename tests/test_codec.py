@@ -208,3 +208,23 @@ def test_codec_params_describe_the_code():
     p = SqrtLogCode(knee=-3.0).params()
     assert p["name"] == "sqrt-log" and p["knee"] == -3.0
     assert math.isclose(p["slope"], 65535 / 5.0)
+
+
+def test_rows_stored_as_the_exact_rows_are_measured_as_a_copy_of_them_is():
+    """A replay that gave llama.cpp's own rows (the same array) is measured without a pass of its own: its record
+    equals, bit for bit, the record of an equal copy measured entry by entry, ties, -inf and single entries too;
+    and it is the float64 slack: KL ~ 1e-12, every |δ| ~ 1e-12."""
+    from qeval.storage.codec import REPLAY_BANDS
+    from qeval.storage.error_record import FLOAT64_SLACK, ErrorMeter
+
+    rows = tricky_rows(np.random.default_rng(77))
+    meter = ErrorMeter.of(rows.shape[1])
+    assert meter.uncoded(rows, rows, REPLAY_BANDS) is None  # no tables of its own
+    (itself, copy), log_norm = meter.measure(rows, rows.max(axis=1), [
+        (REPLAY_BANDS, meter.uncoded(rows, rows, REPLAY_BANDS)),
+        (REPLAY_BANDS, meter.uncoded(rows, rows.copy(), REPLAY_BANDS))])
+    for field in ("kl", "log_norm", "lo", "hi"):
+        assert getattr(itself, field).tobytes() == getattr(copy, field).tobytes(), field
+    np.testing.assert_allclose(log_norm, log_softmax64(rows.astype(np.float64)).max(axis=1) * -1, rtol=0, atol=1e-12)
+    assert np.all(np.abs(itself.kl - FLOAT64_SLACK) < 1e-14)
+    assert np.all(itself.max_abs_dlogp() < 2 * FLOAT64_SLACK)

@@ -116,7 +116,8 @@ def test_pair_sums_replayed_coded_match_float64_reference(n_vocab):
     p = np.where(np.isinf(p), -40.0, p).astype(np.float32)  # the replayed reference: finite float32
     q = np.where(np.isinf(q), -30.0, q)  # a finite exact candidate: a masked entry's code error is unbounded
     cand = code.encode_block(q, np.zeros(6, dtype=np.int64))
-    ref_record = ErrorMeter.of(REPLAY_BANDS, n_vocab).measure_uncoded(p, p.max(axis=1), p)[0]
+    meter = ErrorMeter.of(n_vocab)
+    ref_record = meter.measure(p, p.max(axis=1), [(REPLAY_BANDS, meter.uncoded(p, p.copy(), REPLAY_BANDS))])[0][0]
     ref_w, cand_w = BandWeights.of(ref_record), BandWeights.of(cand.error)
     e_q, l_q = decode_tables(code.lut())
     bands_q = code.error.band_of(code.lut())

@@ -132,8 +132,8 @@ def encode_block(logits: np.ndarray, targets: np.ndarray, code: SqrtLogCode) -> 
         error, log_norm = None, np.log(mass)
     else:  # the scalars and the record from the exact row, in float64 (the scalars are then exact)
         lut, lut_exp, band = code.error_tables()
-        error, log_norm = ErrorMeter.of(code.error, n_vocab).measure(logits, row_max[:, 0],
-                                                                     lambda t: (codes[t], lut, lut_exp, band))
+        (error,), log_norm = ErrorMeter.of(n_vocab).measure(logits, row_max[:, 0], [
+            (code.error, lambda t: (codes[t], lut, lut_exp, band))])
     rows = np.arange(b)
     logprob_target = (logits[rows, targets].astype(np.float64) - row_max[:, 0]) - log_norm
     return EncodedBlock(planes=planes, logprob_target=logprob_target, logprob_max=-log_norm, top_ids=top_ids,
@@ -220,12 +220,12 @@ def encode_hidden_block(logits: np.ndarray, hidden: np.ndarray, targets: np.ndar
         replayed["ggml"] = ggml_head.rows_of(rows, first_row, logits)
     codes = code_replayed(replayed["portable"], code)
     lut, lut_exp, band = code.error_tables()
-    error, log_norm = ErrorMeter.of(code.error, n_vocab).measure(logits, top_vals[:, 0],
-                                                                 lambda t: (codes[t], lut, lut_exp, band))
-    meter = ErrorMeter.of(REPLAY_BANDS, n_vocab)
-    uncoded = tuple(UncodedRows(engine, replayed[engine], meter.measure_uncoded(logits, top_vals[:, 0],
-                                                                                replayed[engine])[0])
-                    for engine in REPLAY_ENGINES if engine in replayed)
+    meter = ErrorMeter.of(n_vocab)
+    engines = [engine for engine in REPLAY_ENGINES if engine in replayed]
+    (error, *records), log_norm = meter.measure(logits, top_vals[:, 0], [
+        (code.error, lambda t: (codes[t], lut, lut_exp, band)),
+        *((REPLAY_BANDS, meter.uncoded(logits, replayed[engine], REPLAY_BANDS)) for engine in engines)])
+    uncoded = tuple(UncodedRows(engine, replayed[engine], record) for engine, record in zip(engines, records))
     logprob_target = (logits[np.arange(b), targets].astype(np.float64) - top_vals[:, 0]) - log_norm
     return EncodedBlock(planes=codes_to_planes(codes), logprob_target=logprob_target, logprob_max=-log_norm,
                         top_ids=top_ids, error=error, hidden=stored, uncoded=uncoded)

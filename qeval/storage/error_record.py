@@ -209,43 +209,52 @@ def _measure_row(d, e, index, stored, stored_exp, band, lo, hi):  # pragma: no c
     return z_stored, s
 
 
+@numba.njit(nogil=True, cache=True)
+def _sum_in_order(e):  # pragma: no cover - compiled
+    """Σ e_i, i in order (as _measure_row sums a row stored as the exact row itself)."""
+    total = 0.0
+    for i in range(len(e)):
+        total += e[i]
+    return total
+
+
 class ErrorMeter:
-    """Measures rows as they are stored: the error record of each, and its exact log-normaliser. Its row buffers
-    are reused from row to row (a fresh 2 MB buffer per block costs a page fault per 4 KB): ErrorMeter.of gives
-    each thread its own."""
+    """Measures rows as they are stored: the error record of each stored form of them, and their exact
+    log-normaliser. Each exact row is computed once for all the forms a capture stores of it (the logits code, each
+    replay engine's rows). Its row buffers are reused from row to row (a fresh 2 MB buffer per block costs a page
+    fault per 4 KB): ErrorMeter.of gives each thread its own."""
 
     _mine = threading.local()
 
-    def __init__(self, bands: ErrorBands, n_vocab: int):
-        self.bands = bands
+    def __init__(self, n_vocab: int):
         self._d = np.empty(n_vocab, dtype=np.float64)
         self._e = np.empty(n_vocab, dtype=np.float64)
+        self._l, self._exp_l = np.empty_like(self._d), np.empty_like(self._e)
+        self._index = np.arange(n_vocab)
 
     @classmethod
-    def of(cls, bands: ErrorBands, n_vocab: int) -> "ErrorMeter":
-        """This thread's meter for rows of n_vocab entries in `bands`."""
-        meters = getattr(cls._mine, "meters", None)
-        if meters is None or any(len(m._d) != n_vocab for m in meters.values()):
-            meters = cls._mine.meters = {}
-        if bands not in meters:
-            meters[bands] = cls(bands, n_vocab)
-        return meters[bands]
+    def of(cls, n_vocab: int) -> "ErrorMeter":
+        """This thread's meter for rows of n_vocab entries."""
+        meter = getattr(cls._mine, "meter", None)
+        if meter is None or len(meter._d) != n_vocab:
+            meter = cls._mine.meter = cls(n_vocab)
+        return meter
 
-    def measure_uncoded(self, logits: np.ndarray, row_max: np.ndarray, stored: np.ndarray) -> tuple[ErrorRecord,
-                                                                                                     np.ndarray]:
-        """measure() of float32 rows [b, V] stored as themselves (a replay's rows, read uncoded): row t is its own
-        table (index 0..V-1, l = x − max in float64 (exact), exp(l), the band of l), the entries a kernel reading it
-        uncoded computes (kernels.pair_sums_replayed); made in this meter's buffers, reused row after row."""
-        if not hasattr(self, "_l"):
-            self._l, self._exp_l = np.empty_like(self._d), np.empty_like(self._e)
-            self._index = np.arange(len(self._d))
+    def uncoded(self, logits: np.ndarray, stored: np.ndarray, bands: ErrorBands):
+        """The stored_rows of float32 rows [b, V] stored as themselves (a replay's rows, read uncoded), for measure():
+        row t is its own table (index 0..V-1, l = x − max in float64 (exact), exp(l), the band of l), the entries a
+        kernel reading it uncoded computes (kernels.pair_sums_replayed). Rows that are `logits` themselves (a replay
+        that gave llama.cpp's rows, GgmlHead.rows_of) in one band: None, which measure() takes as the exact row
+        itself, with no pass of its own over the vocabulary."""
+        if stored is logits and bands.count == 1:
+            return None
 
         def tables(t: int):
             subtract_max(stored[t], stored[t].max(), self._l)
             np.exp(self._l, out=self._exp_l)
-            return self._index, self._l, self._exp_l, self.bands.band_of(self._l)
+            return self._index, self._l, self._exp_l, bands.band_of(self._l)
 
-        return self.measure(logits, row_max, tables)
+        return tables
 
     def _exact_row(self, row: np.ndarray, row_max: float) -> float:
         """Fill d = x − max and e = exp(d) of a float32 row, in float64; return Σ e."""
@@ -253,24 +262,40 @@ class ErrorMeter:
         np.exp(self._d, out=self._e)  # numpy's exp is vectorised (SIMD), a scalar exp in a compiled loop is not
         return float(self._e.sum())  # pairwise summation: relative error ~1e-16 * log2(V)
 
-    def measure(self, logits: np.ndarray, row_max: np.ndarray, stored_rows) -> tuple[ErrorRecord, np.ndarray]:
-        """(the record, exact log Σ_j exp(x_j − max) in float64) of float32 logit rows [b, V] with maxima
-        `row_max`, stored as stored_rows(t) → (index, l, exp(l), band) of row t (see _measure_row): its stored
-        relative log-probs (≤ 0, 0 at the top), their exponentials in float64, their bands (ErrorBands.band_of)."""
-        b, k = len(logits), self.bands.count
-        kl, log_norm, stored_log_norm = np.empty(b), np.empty(b), np.empty(b)
-        lo, hi = np.empty((b, k)), np.empty((b, k))
+    def measure(self, logits: np.ndarray, row_max: np.ndarray, forms) -> tuple[list[ErrorRecord], np.ndarray]:
+        """([the record of each form], exact log Σ_j exp(x_j − max) in float64) of float32 logit rows [b, V] with
+        maxima `row_max`. forms: (bands, stored_rows) of each stored form, stored_rows(t) → (index, l, exp(l), band)
+        of row t (see _measure_row): its stored relative log-probs (≤ 0, 0 at the top), their exponentials in
+        float64, their bands (ErrorBands.band_of); called once per row, after the exact row is at hand. None: the
+        exact rows themselves, in one band (uncoded())."""
+        b = len(logits)
+        records = [ErrorRecord(np.empty(b), np.empty(b), np.empty((b, bands.count)), np.empty((b, bands.count)))
+                   for bands, _ in forms]
+        log_norm = np.empty(b)
         for t in range(b):
             z = self._exact_row(logits[t], row_max[t])
-            lo[t], hi[t] = np.inf, -np.inf
-            z_stored, s = _measure_row(self._d, self._e, *stored_rows(t), lo[t], hi[t])
-            log_norm[t], stored_log_norm[t] = math.log(z), math.log(z_stored)
-            zeta = log_norm[t] - stored_log_norm[t]  # log p_i − log p̃_i = r_i − zeta
-            kl[t] = max(0.0, s / z - zeta) + FLOAT64_SLACK
-            empty = lo[t] > hi[t]
-            lo[t] = np.where(empty, 0.0, lo[t] - zeta - FLOAT64_SLACK)
-            hi[t] = np.where(empty, 0.0, hi[t] - zeta + FLOAT64_SLACK)
-        return ErrorRecord(kl, stored_log_norm, outward(lo, -np.inf), outward(hi, np.inf)), log_norm
+            log_norm[t] = math.log(z)
+            for record, (_, stored_rows) in zip(records, forms):
+                self._measure_row(t, z, None if stored_rows is None else stored_rows(t), record)
+        rounded = [ErrorRecord(r.kl, r.log_norm, outward(r.lo, -np.inf), outward(r.hi, np.inf)) for r in records]
+        return rounded, log_norm
+
+    def _measure_row(self, t: int, z: float, tables, record: ErrorRecord) -> None:
+        """Row t of `record` (float64 lo and hi until measure() rounds them outward) from the exact row at hand (its
+        Σ exp(x − max): z)."""
+        lo, hi = record.lo[t], record.hi[t]
+        lo[:], hi[:] = np.inf, -np.inf
+        if tables is None:  # the exact row as its own one band: every r is 0 (NaN where p = 0, which counts nowhere)
+            z_stored, s = _sum_in_order(self._e), 0.0
+            lo[0] = hi[0] = 0.0
+        else:
+            z_stored, s = _measure_row(self._d, self._e, *tables, lo, hi)
+        record.log_norm[t] = math.log(z_stored)
+        zeta = math.log(z) - record.log_norm[t]  # log p_i − log p̃_i = r_i − zeta
+        record.kl[t] = max(0.0, s / z - zeta) + FLOAT64_SLACK
+        empty = lo > hi
+        lo[:] = np.where(empty, 0.0, lo - zeta - FLOAT64_SLACK)
+        hi[:] = np.where(empty, 0.0, hi - zeta + FLOAT64_SLACK)
 
 
 @dataclass
