@@ -34,6 +34,7 @@ from qeval.storage.hidden_form import (
     bf16_bits,
     encode_q8_0,
     head_entry,
+    read_head,
 )
 from qeval.storage.store import PIECE_ROWS, ChunkBuilder, HiddenChunk, StoreHeader, StoreReader, StoreWriter
 
@@ -738,6 +739,30 @@ def test_gemma_q8_0_in_the_hidden_form(models, tmp_path):
     exact, cand = captured_pair(models["Q8_0"], runs, chunks=1, cand_model=models["Q4_0"])
     sizes = assert_hidden_reference_holds(runs, exact, cand, code_equal=0.9999)
     assert (sizes["hidden_bytes"] - sizes["head_bytes"]) / 255 < 2500
+
+
+@pytest.mark.parametrize("scoring", ["half", "every:64"])
+def test_an_engine_asked_for_hidden_rows_returns_the_scored_rows_it_returns_without(models, scoring):
+    """Hidden rows make llama.cpp output every token of a call; the engine picks the scored rows out of them (one
+    run of rows: views of llama.cpp's buffers, every:64: a copy). They are the rows the same engine returns without
+    hidden rows, in the same order, and each hidden row is the input of its own logits row (replayed through the
+    head, ~1e-6 nats away)."""
+    from qeval.engine.engine import Engine  # noqa: PLC0415
+    from qeval.storage.scoring import Scoring  # noqa: PLC0415
+
+    windows = np.random.default_rng(5).integers(100, 20_000, size=(2, 512)).astype(np.int32)
+    plain, hidden = (Engine(str(models["Q8_0"]), 512, scoring=Scoring.parse(scoring)) for _ in range(2))
+    hidden.output_hidden()
+    head = read_head(models["Q8_0"])
+    with plain, hidden:
+        for want, got in zip(plain.iter_calls(windows), hidden.iter_calls(windows), strict=True):
+            for w, g in zip(want, got, strict=True):
+                assert (w.window, w.first_row, list(w.positions)) == (g.window, g.first_row, list(g.positions))
+                np.testing.assert_allclose(g.logits, w.logits, rtol=0, atol=1e-3)
+                assert np.array_equal(g.logits.argmax(axis=1), w.logits.argmax(axis=1))
+                rows = StoredActivations.parse(activation_bytes(g.hidden[:8], head.activation), len(g.hidden[:8]),
+                                               head.n_embd, head.activation, "rows")
+                np.testing.assert_allclose(head.replay(rows), g.logits[:8], rtol=0, atol=1e-3)
 
 
 def test_an_f16_head_in_the_hidden_form(gemma_tokenizer, tmp_path):

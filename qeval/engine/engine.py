@@ -699,7 +699,9 @@ class Engine(LlamaModel):
         for (k, start, stop), (_, lo, hi) in zip(spans, parts):
             picked.append(at + scored[k][lo:hi] - start)
             at += stop - start
-        rows = np.concatenate(picked)
+        rows = np.concatenate(picked)  # ascending
+        if rows[-1] - rows[0] + 1 == len(rows):  # one run (a window's half, a call's one span): views, as without
+            rows = slice(rows[0], rows[-1] + 1)  # hidden rows, not a 1 MB copy of every row at a 262K vocabulary
         embd = np.ctypeslib.as_array(self._lc.llama_get_embeddings(self.ctx), shape=(at, self.n_embd))
         return self.output_logits(at)[rows], embd[rows]
 
