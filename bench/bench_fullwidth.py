@@ -206,7 +206,8 @@ def main() -> None:
     corpus = SCRATCH / "corpus.txt"
     corpus.write_text(load_corpus(args.corpus).text)
     doc = json.loads(args.out.read_text()) if args.out.is_file() else {
-        "cpu": cpu_name(), "cores": os.cpu_count(), "note": "shared machine: other jobs ran beside these",
+        "cpu": cpu_name(), "cores": os.cpu_count(),
+        "note": "ran_beside: what else of this series ran beside a step; load_average_before: the machine's load then",
         "models": {q: {"file": p.name, "bytes": p.stat().st_size} for q, p in models.items()}, "steps": []}
     as_bytes = int(args.as_gib * 2**30)
     for step in args.steps.split(","):
@@ -214,7 +215,7 @@ def main() -> None:
         if step.startswith("capture"):  # a finished store of the same capture would be reused, not measured
             (runs / f"{capture_store(step)[0]}.qeval").unlink(missing_ok=True)
         result = {"step": step, "score": args.score, "corpus": args.corpus, "as_cap_gib": args.as_gib,
-                  "ran_beside": args.beside,
+                  "ran_beside": args.beside, "load_average_before": os.getloadavg(),
                   **run_capped(argv, as_bytes, env)}
         stdout = result.pop("stdout")
         if step.startswith("kld"):

@@ -758,8 +758,12 @@ def test_an_engine_asked_for_hidden_rows_returns_the_scored_rows_it_returns_with
         for want, got in zip(plain.iter_calls(windows), hidden.iter_calls(windows), strict=True):
             for w, g in zip(want, got, strict=True):
                 assert (w.window, w.first_row, list(w.positions)) == (g.window, g.first_row, list(g.positions))
+                # equal bit for bit on an AMD EPYC Zen 4, with its AVX-512 and an AVX2-only build; the tolerance leaves
+                # room for another CPU's kernel choice at another output count (the head multiplies every token here)
                 np.testing.assert_allclose(g.logits, w.logits, rtol=0, atol=1e-3)
-                assert np.array_equal(g.logits.argmax(axis=1), w.logits.argmax(axis=1))
+                top2 = np.partition(w.logits, -2, axis=1)[:, -2:]
+                clear = top2[:, 1] - top2[:, 0] > 2e-3  # a top-1 that a 1e-3 move cannot flip
+                assert np.array_equal(g.logits.argmax(axis=1)[clear], w.logits.argmax(axis=1)[clear])
                 rows = StoredActivations.parse(activation_bytes(g.hidden[:8], head.activation), len(g.hidden[:8]),
                                                head.n_embd, head.activation, "rows")
                 np.testing.assert_allclose(head.replay(rows), g.logits[:8], rtol=0, atol=1e-3)
