@@ -94,3 +94,23 @@ def test_a_wheel_is_installed_only_where_its_requirement_is_unmet(tmp_path):
         '"nothere-1-py3-none-any.whl": "surely-not-installed-dist"}')
     assert [p.name for p in missing_wheels.missing(tmp_path)] == [
         "pytest-999-py3-none-any.whl", "nothere-1-py3-none-any.whl"]
+
+
+def test_a_pair_travels_as_its_compressed_reference_and_the_device_derives_the_candidate(tmp_path, gemma_tokenizer,
+                                                                                         monkeypatch):
+    """Both pairs fit one call only as compressed references (a second call may find the machine bare and rebuild):
+    unpacking gives the reference byte for byte and a Q4_0 candidate from llama.cpp's own quantizer."""
+    import checks  # noqa: PLC0415 - imports qeval's demo and the bench helpers
+    import gguf  # noqa: PLC0415
+    import models  # noqa: PLC0415
+
+    monkeypatch.setattr(models, "gemma_tokenizer", lambda: gemma_tokenizer)
+    spec = models.ModelSpec("dense-512", 512, models.build_dense)
+    folder = models.build_pair(spec, tmp_path / "kit" / "models-dense-512", tmp_path / "cache")
+    assert [p.name for p in folder.iterdir()] == [models.PACKED_REFERENCE] == [checks.PACKED_REFERENCE]
+    assert checks.unpack_pair(folder)
+    assert (folder / "reference.gguf").read_bytes() == (tmp_path / "cache" / "dense-512-Q8_0.gguf").read_bytes()
+    file_type = gguf.GGUFReader(folder / "candidate.gguf").get_field("general.file_type").contents()
+    assert file_type == gguf.LlamaFileType.MOSTLY_Q4_0
+    assert checks.unpack_pair(folder)  # again: nothing to do
+    assert not checks.unpack_pair((tmp_path / "kit" / "models-none").resolve())

@@ -821,6 +821,26 @@ def test_the_head_read_from_a_gguf_and_what_cannot_be_replayed(tmp_path):
         stored_form("sparse", str(tmp_path / "q8.gguf"), EngineSettings())
 
 
+def test_layers_offloaded_are_measured_not_refused_and_another_backend_is_refused(tmp_path, monkeypatch):
+    """A GPU run's replay is certified or not by its record (auto keeps a piece hidden only where it holds), so
+    -ngl asks for the hidden form as a CPU run does; a backend with no llama.cpp output layer is still refused."""
+    from qeval.capture.capture import AUTO, stored_form  # noqa: PLC0415
+    from qeval.engine.engine import EngineSettings  # noqa: PLC0415
+    from qeval.errors import QevalError  # noqa: PLC0415
+
+    path = head_only_gguf(tmp_path / "q8.gguf", "Q8_0")
+    monkeypatch.setattr(EngineSettings, "offloaded", property(lambda self: self.n_gpu_layers != 0))
+    offloaded = EngineSettings(n_gpu_layers=99)
+    assert offloaded.offloaded
+    for asked in ("hidden", AUTO):
+        form = stored_form(asked, str(path), offloaded)
+        assert form.name == asked and form.head is not None and form.ggml is not None
+    other = EngineSettings(backend="other")
+    with pytest.raises(QevalError, match="another backend"):
+        stored_form("hidden", str(path), other)
+    assert "another backend" in stored_form(AUTO, str(path), other).facts()["reference_form"]["why_logits"]
+
+
 def test_shards_of_a_hidden_capture_merge_into_one_store(tmp_path):
     """Merging copies the head once and every HIDN piece verbatim: the merged store reads as the shards did."""
     from qeval.orchestrate.merge import merge_stores  # noqa: PLC0415

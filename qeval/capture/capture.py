@@ -104,9 +104,11 @@ def stored_form(asked: str, model: str, settings: EngineSettings) -> StoredForm:
     if asked == LOGITS:
         return StoredForm()
     try:
-        if settings.backend != LLAMA_CPP or settings.offloaded:
-            raise NotReplayable("the hidden form replays ggml's CPU kernels: a model run on another backend or with "
-                                "layers offloaded rounds its activations otherwise")
+        # Layers offloaded to a GPU are no reason to refuse: the replay's record measures how far the CPU replay
+        # falls from the GPU's logits, and auto keeps a piece hidden only where that measure certifies it.
+        if settings.backend != LLAMA_CPP:
+            raise NotReplayable("the hidden form replays llama.cpp's output layer: a model run on another backend "
+                                "gives no activations to replay")
         head = read_head(model)
     except NotReplayable as exc:
         if asked == HIDDEN:

@@ -3,7 +3,7 @@ on each model pair the kit carries, every result into one folder with summary.js
 
     python tools/gpu/checks.py --kit .gpukit/kit --bin BUILD/bin --ngl 99 --out OUT [--chunks 4] [--rounds 2]
 
-Per pair (models-*/reference.gguf, candidate.gguf):
+Per pair (models-*/: the reference, carried as reference.gguf.zst, and the candidate derived from it here):
 1. parity: `qeval capture` of the reference and `qeval kld` of the candidate (live) against llama-perplexity's
    --kl-divergence-base / --kl-divergence: PPL, mean KLD, same top-1;
 2. speed: `qeval deploy` against llama-bench (pp and tg, same -ngl), runs alternated; memory lines as qeval reads
@@ -26,18 +26,22 @@ import time
 from contextlib import closing
 from pathlib import Path
 
+import zstandard
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 from bench_vs_llamacpp import alternate
 from common import cpu_name, llama_numbers, timed
 
 from qeval.inputs.corpus import load_corpus
+from qeval.orchestrate import demo
 from qeval.storage.store import StoreReader
 
 QEVAL = [sys.executable, "-m", "qeval"]
 N_CTX = 512
 BIG_BATCH = 2048
-CHECKS = ("parity", "speed", "hidden", "big_batches")
+CHECKS = ("parity", "hidden", "speed", "big_batches")  # most wanted first: a call stopped at its limit keeps those
+PACKED_REFERENCE, CANDIDATE_FTYPE = "reference.gguf.zst", demo.DERIVED_FTYPES["Q4_0"]  # as tools/gpu/models.py packs
 
 
 def qeval_json(*args: str) -> dict:
@@ -144,6 +148,21 @@ class Pair:
         return {"batch": BIG_BATCH, "llamacpp": ll, "qeval": q, "time_ratio": q["wall_s"] / ll["wall_s"]}
 
 
+def unpack_pair(folder: Path) -> bool:
+    """Make folder/reference.gguf from the carried reference.gguf.zst, and folder/candidate.gguf from it with
+    llama.cpp's quantizer (Q8_0 requantized to Q4_0); False where the folder holds no pair."""
+    reference, packed = folder / "reference.gguf", folder / PACKED_REFERENCE
+    if not reference.is_file():
+        if not packed.is_file():
+            return False
+        partial = reference.with_suffix(".part")
+        with packed.open("rb") as src, partial.open("wb") as dst:
+            zstandard.ZstdDecompressor().copy_stream(src, dst)
+        partial.replace(reference)
+    demo.quantize(reference, folder / "candidate.gguf", CANDIDATE_FTYPE)
+    return True
+
+
 def first_json(text: str, opener: str):
     """The JSON value that starts at the first `opener` of a tool's output (its stdout; the log follows)."""
     return json.JSONDecoder().raw_decode(text[text.index(opener):])[0]
@@ -205,12 +224,10 @@ def main(argv: list[str] | None = None) -> int:
                      "build": json.loads(args.build_json.read_text()) if args.build_json else None, "pairs": {},
                      "failed": []}
     write_summary(summary, args)
-    for folder in sorted(args.kit.glob("models-*")):
-        if not (folder / "reference.gguf").is_file():
-            continue
-        pair = Pair(folder, args, corpus)
-        result = summary["pairs"].setdefault(pair.name, {})
-        for check in args.only.split(","):
+    pairs = [Pair(folder, args, corpus) for folder in sorted(args.kit.glob("models-*")) if unpack_pair(folder)]
+    for check in args.only.split(","):  # each check on every pair before the next check
+        for pair in pairs:
+            result = summary["pairs"].setdefault(pair.name, {})
             started = time.perf_counter()
             try:
                 result[check] = getattr(pair, check)()

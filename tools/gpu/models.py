@@ -2,7 +2,8 @@
 
 Built with tests/tinymodels.py (its GGUF writer, tokenizer helpers and qwen35moe builder) at hidden width 32, so
 that the two vocab matrices stay small at a 262K vocab; each pair is a reference (Q8_0: a head the hidden form
-replays) and a candidate (Q4_0), both quantized by llama.cpp's own quantizer from one F16 source.
+replays), quantized by llama.cpp's own quantizer from an F16 source and carried zstd-compressed, and a candidate
+(Q4_0) that the device derives from it with the same quantizer (checks.unpack_pair): so both pairs fit one call.
 
 * dense-262k: a two-layer llama-architecture model (attention, KV cache, flash attention) with Gemma-3's real
   tokenizer, vocab 262,144;
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
+import zstandard
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
@@ -30,6 +32,7 @@ T = gguf.MODEL_TENSOR
 GEMMA_VOCAB = 262_144
 N_EMBD = 32  # the smallest width Q4_0/Q8_0 blocks (32 values) quantize whole
 REFERENCE, CANDIDATE = "Q8_0", "Q4_0"
+PACKED_REFERENCE = "reference.gguf.zst"
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,9 @@ def gemma_tokenizer() -> list[tinymodels.MetadataEntry]:
 
 
 def build_pair(spec: ModelSpec, out: Path, cache: Path) -> Path:
-    """out/reference.gguf (Q8_0) and out/candidate.gguf (Q4_0) of one spec; the F16 source stays in the cache."""
+    """out/reference.gguf.zst: the Q8_0 reference, compressed so that every pair travels in one call (a machine that
+    must start again spends minutes rebuilding); the device derives the Q4_0 candidate from it (checks.unpack_pair).
+    The F16 source and the uncompressed reference stay in the cache."""
     cache.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     source = cache / f"{spec.name}-F16.gguf"
@@ -101,6 +106,10 @@ def build_pair(spec: ModelSpec, out: Path, cache: Path) -> Path:
         partial = source.with_suffix(".gguf.part")
         spec.build(partial, tokenizer)
         partial.rename(source)
-    for role, quant in (("reference", REFERENCE), ("candidate", CANDIDATE)):
-        demo.quantize(source, out / f"{role}.gguf", demo.DERIVED_FTYPES[quant])
+    reference = demo.quantize(source, cache / f"{spec.name}-{REFERENCE}.gguf", demo.DERIVED_FTYPES[REFERENCE])
+    packed = out / PACKED_REFERENCE
+    partial = packed.with_suffix(".part")
+    with reference.open("rb") as src, partial.open("wb") as dst:
+        zstandard.ZstdCompressor(level=19, threads=-1).copy_stream(src, dst)
+    partial.replace(packed)
     return out
