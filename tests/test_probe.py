@@ -170,3 +170,24 @@ def test_help_shows_the_option_groups_as_panels():
     proc = run_cli("recipe", "fit", "--help")
     for panel in ("Variants", "Sweep", "Search", "Early decisions", "Deployment", "Output"):
         assert f"─ {panel} ─" in proc.stdout, panel
+
+
+def test_a_build_whose_libraries_carry_their_own_cxx_runtime_is_named_as_the_cause(monkeypatch, tmp_path):
+    """Seen on an NVIDIA H200 machine: libllama linked with -static-libstdc++ (no libstdc++.so.6 needed) crashed in
+    llama_model::print_info inside libggml-cuda's copy of the runtime; the message says so and how to run anyway."""
+    from qeval.storage import llama_libraries  # noqa: PLC0415
+
+    real = llama_libraries.library_path("llama")
+    assert "libstdc++.so.6" in llama_libraries.needed_libraries(real) and not llama_libraries.private_cxx_runtime()
+    # the same library, its needed C++ runtime renamed in its string table: it now loads none
+    (tmp_path / "libllama.so").write_bytes(real.read_bytes().replace(b"libstdc++.so.6\0", b"libstdX++.so.6\0"))
+    assert "libstdX++.so.6" in llama_libraries.needed_libraries(tmp_path / "libllama.so")
+    assert llama_libraries.private_cxx_runtime(tmp_path)
+    (tmp_path / "libllama.so").write_bytes(b"MZ not an ELF file")
+    assert llama_libraries.needed_libraries(tmp_path / "libllama.so") is None
+    assert not llama_libraries.private_cxx_runtime(tmp_path)
+
+    monkeypatch.setattr(probe, "private_cxx_runtime", lambda: True)
+    message = probe.crash_message(-int(signal.SIGSEGV), "", "the first decode")
+    assert "own copy of the C++ runtime" in message and "LD_PRELOAD=libstdc++.so.6" in message
+    assert buildflags.reinstall_command() in message

@@ -2,7 +2,7 @@
 
 A llama.cpp build can die without a Python exception: SIGILL when it was compiled for
 instructions this CPU lacks (AVX-512 on an AMD Zen 3, say), SIGSEGV in the AMX matmul of a
-native build on some Intel machines, SIGBUS, SIGFPE, an abort. So every path that runs llama.cpp
+native build on some Intel machines or where each library carries its own C++ runtime, SIGBUS, SIGFPE, an abort. So every path that runs llama.cpp
 first runs it in a child process: a decode of a few tokens before a capture or a live candidate
 (remembered per build, keyed by the shared libraries' paths, sizes and mtimes), and the whole
 quantization for `demo`. A crash there becomes one clear message with a rebuild command for
@@ -25,7 +25,7 @@ from pathlib import Path
 from qeval.engine.buildflags import X86_OPTIONS, cpu_flags, is_x86_64, reinstall_command
 from qeval.engine.modelinfo import cache_dir
 from qeval.errors import QevalError
-from qeval.storage.llama_libraries import library_folders, shared_libraries
+from qeval.storage.llama_libraries import library_folders, private_cxx_runtime, shared_libraries
 
 SYSTEM_INFO_PREFIX = "qeval-llama-system-info: "
 
@@ -74,6 +74,10 @@ def crash_message(returncode: int, stdout: str, what: str) -> str:
     lacking = missing_instructions(info, cpu_flags()) if is_x86_64() else []
     if lacking:
         why = f"it was compiled for {', '.join(lacking)}, which this CPU does not have"
+    elif private_cxx_runtime():
+        why = ("its libraries each carry their own copy of the C++ runtime (libllama loads no libstdc++.so.6: "
+               "linked with -static-libstdc++), and the copies crash where they meet; run qeval with "
+               "LD_PRELOAD=libstdc++.so.6, or rebuild it with a compiler that links libstdc++ dynamically")
     elif sig == "SIGILL":
         why = ("it executes an instruction this CPU does not have: it was compiled for another CPU "
                "(AVX-512 on a CPU without it, say)")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import struct
 import sys
 from pathlib import Path
 
@@ -60,3 +61,40 @@ def library_file(folder: Path, name: str) -> Path:
 def shared_libraries(root: Path) -> list[Path]:
     """Every shared library under `root`, of any platform: what a build is made of (sorted per pattern)."""
     return [p for pattern in PATTERNS for p in sorted(root.rglob(pattern))]
+
+
+# C++ runtimes a shared library can load (GNU's and LLVM's), by the start of their file names
+CXX_RUNTIMES = ("libstdc++.so", "libc++.so")
+_PT_LOAD, _PT_DYNAMIC, _DT_NULL, _DT_NEEDED, _DT_STRTAB = 1, 2, 0, 1, 5
+
+
+def needed_libraries(path: Path) -> list[str] | None:
+    """The libraries an ELF shared library names as needed (its DT_NEEDED entries), in order; None where `path` is
+    not a 64-bit little-endian ELF file (macOS, Windows, a 32-bit build): the question is then left open."""
+    data = Path(path).read_bytes()
+    if data[:6] != b"\x7fELF\x02\x01":
+        return None
+    phoff, phentsize, phnum = int.from_bytes(data[32:40], "little"), *struct.unpack_from("<HH", data, 54)
+    headers = [struct.unpack_from("<IIQQQQ", data, phoff + i * phentsize) for i in range(phnum)]
+    loads = [(vaddr, offset, filesz) for kind, _, offset, vaddr, _, filesz in headers if kind == _PT_LOAD]
+    dynamic = next(((offset, filesz) for kind, _, offset, _, _, filesz in headers if kind == _PT_DYNAMIC), None)
+    if dynamic is None:
+        return []
+    entries = [struct.unpack_from("<qQ", data, at) for at in range(dynamic[0], sum(dynamic) - 15, 16)]
+    entries = entries[:next((i for i, (tag, _) in enumerate(entries) if tag == _DT_NULL), len(entries))]
+    strtab = next((value for tag, value in entries if tag == _DT_STRTAB), None)
+    base = next((offset + strtab - vaddr for vaddr, offset, size in loads if strtab is not None
+                 and vaddr <= strtab < vaddr + size), None)
+    if base is None:
+        return None
+    return [data[base + value:data.index(b"\0", base + value)].decode() for tag, value in entries if tag == _DT_NEEDED]
+
+
+def private_cxx_runtime(folder: Path | None = None) -> bool:
+    """Whether the build's libllama loads no C++ runtime: it was linked with its own copy (-static-libstdc++), and so
+    was each of its C++ libraries. Two such copies meet when a model loads (llama_model::print_info's stream output
+    resolves to libggml-cuda's copy: SIGSEGV, seen on an NVIDIA H200 machine's CUDA build); llama.cpp's own
+    executables link the runtime into themselves and run. False where it cannot be told (not ELF, no libllama)."""
+    lib = library_path("llama", folder)
+    needed = None if lib is None else needed_libraries(lib)
+    return needed is not None and not any(name.startswith(CXX_RUNTIMES) for name in needed)

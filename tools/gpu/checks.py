@@ -26,6 +26,7 @@ import time
 from contextlib import closing
 from pathlib import Path
 
+import numpy as np
 import zstandard
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,6 +36,7 @@ from common import cpu_name, llama_numbers, timed
 
 from qeval.inputs.corpus import load_corpus
 from qeval.orchestrate import demo
+from qeval.storage.hidden_form import AUTO_REPLAY_KL
 from qeval.storage.store import StoreReader
 
 QEVAL = [sys.executable, "-m", "qeval"]
@@ -123,23 +125,23 @@ class Pair:
                 "note": "the last round's figures; runs alternated (qeval first in even rounds)"}
 
     def hidden(self) -> dict:
+        """auto's decision per piece, and the replay's KL per token against this run's logits: from a capture in
+        the hidden form, since auto keeps no replay record of a piece it codes as logits."""
         timing = self.qeval_capture("hidden-auto", form="auto")
-        path = self.runs / "hidden-auto.qeval"
-        info = qeval_json("info", str(path))
+        info = qeval_json("info", str(self.runs / "hidden-auto.qeval"))
+        asked = next((d["reference_form"] for d in walk(info) if isinstance(d.get("reference_form"), dict)), {})
+        hidden_timing = self.qeval_capture("hidden", form="hidden")
         per_token: dict[str, list[float]] = {}
-        kinds = []
-        with closing(StoreReader(path)) as store:
+        with closing(StoreReader(self.runs / "hidden.qeval")) as store:
             for index in store.chunk_indices:
-                chunk = store.read_chunk(index)
-                kinds.append(type(chunk).__name__)
-                for replay in getattr(chunk, "replays", ()):
+                for replay in store.read_chunk(index).replays:
                     per_token.setdefault(replay.engine, []).extend(float(v) for v in replay.record.kl)
         (self.work / "hidden-replay-kl-per-token.json").write_text(json.dumps(per_token))
-        asked = next((d["reference_form"] for d in walk(info) if isinstance(d.get("reference_form"), dict)), {})
-        return {"capture": timing, "decision": {**asked, "pieces_by_form": info.get("pieces_by_form")},
-                "pieces": {k: kinds.count(k) for k in sorted(set(kinds))},
-                "replay_kl_per_token": {engine: {"tokens": len(v), "max": max(v), "mean": sum(v) / len(v)}
-                                        for engine, v in per_token.items() if v}}
+        return {"capture": {"auto": timing, "hidden": hidden_timing},
+                "decision": {**asked, "pieces_by_form": info.get("pieces_by_form"),
+                             "auto_replay_kl_limit": AUTO_REPLAY_KL},
+                "replay_kl_per_token": {engine: {"tokens": len(v), "max": max(v), "median": float(np.median(v)),
+                                                 "mean": sum(v) / len(v)} for engine, v in per_token.items() if v}}
 
     def big_batches(self) -> dict:
         base = self.work / "reference-b2048.kld"

@@ -76,7 +76,14 @@ echo "{\"variant\": \"$variant\", \"jobs\": $jobs, \"build_seconds\": $build_s, 
   > "$out/build.json"
 [ "$build_only" = 1 ] && exit 0
 
-# 4. the checks, from outside the checkout (so that the installed qeval is the one imported)
+# 4. a build whose libraries each carry their own C++ runtime (the H200 image's compiler links libstdc++ statically)
+#    crashes as a model loads in Python (docs/gpu.md): load the system's runtime first, measured to cure it
+if (cd / && "$py" -c "import sys; from qeval.storage.llama_libraries import private_cxx_runtime as p; sys.exit(not p())"); then
+  export LD_PRELOAD="$(ldconfig -p | grep -m 1 'libstdc++.so.6 ' | sed 's/.*=> //')"
+  log "libllama loads no libstdc++.so.6 (linked with its own copy): LD_PRELOAD=$LD_PRELOAD"
+fi
+
+# 5. the checks, from outside the checkout (so that the installed qeval is the one imported)
 ngl=99; [ "$variant" = cpu ] && ngl=0
 (cd / && "$py" "$repo/tools/gpu/checks.py" --kit "$kit" --bin "$bindir" --ngl "$ngl" --out "$out" \
   --build-json "$out/build.json" --started "$t_start" "$@")
