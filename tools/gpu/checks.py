@@ -204,7 +204,8 @@ def machine() -> dict:
 def write_summary(summary: dict, args: argparse.Namespace) -> None:
     if args.started:
         summary["total_seconds"] = round(time.time() - args.started, 1)
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    for folder in filter(None, (args.out, args.mirror)):
+        (folder / "summary.json").write_text(json.dumps(summary, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,9 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="alternated rounds of each timed comparison")
     ap.add_argument("--reps", type=int, default=3, help="llama-bench's -r (and deploy's reps)")
     ap.add_argument("--only", default=",".join(CHECKS), help="comma-separated subset of " + ",".join(CHECKS))
+    ap.add_argument("--mirror", type=Path, help="a folder that also gets summary.json (the device tool's $OUT)")
     ap.add_argument("--build-json", type=Path)
     ap.add_argument("--started", type=float, help="when run.sh started (epoch seconds): the total time")
     args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
     corpus = args.out / "corpus.txt"
     corpus.write_text(load_corpus().text)
     summary: dict = {"machine": machine(), "ngl": args.ngl, "chunks": args.chunks, "n_ctx": N_CTX,

@@ -5,7 +5,8 @@
 #   tools/gpu/run.sh [--cpu] [--out DIR] [--jobs N] [--build-only] [--arch 90]
 #
 #   --cpu         the CPU variant (-ngl 0), to test the kit where no GPU is lent; default: CUDA, -ngl 99
-#   --out DIR     where results go (default: $OUT on the device machine, else .gpukit/out-<variant>)
+#   --out DIR     where results go (default .gpukit/out-<variant>); on the device machine summary.json, run.log and
+#                 build.json are also kept in $OUT as they are written (it brings back 8 files, 2 folders deep)
 #   --jobs N      build parallelism (default: all cores)
 #   --build-only  stop after the build and the install
 #   --arch A      CMAKE_CUDA_ARCHITECTURES (default 90: H100/H200)
@@ -16,7 +17,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 repo=$PWD kit=$PWD/.gpukit/kit work=$PWD/.gpukit/work
-variant=cuda out="${OUT:-}" jobs="$(nproc)" build_only=0 arch=90
+variant=cuda out="" mirror="${OUT:-}" jobs="$(nproc)" build_only=0 arch=90
 while [ $# -gt 0 ]; do
   case "$1" in
     --cpu) variant=cpu; shift ;;
@@ -34,7 +35,7 @@ py="${PYTHON:-python3}"
 site=$work/site-$variant build=$work/build-$variant
 mkdir -p "$site" "$work"
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-log() { echo "run.sh: $*" | tee -a "$out/run.log" >&2; }
+log() { echo "run.sh: $*" | tee -a "$out/run.log" ${mirror:+"$mirror/run.log"} >&2; }
 stamp() { date +%s.%N; }
 t_start=$(stamp)
 
@@ -74,6 +75,7 @@ bindir="$(dirname "$(find "$build" -name llama-perplexity -type f -perm -u+x | h
   llama_cpp.__file__, '; qeval from', qeval.__file__)") | tee -a "$out/run.log" >&2
 echo "{\"variant\": \"$variant\", \"jobs\": $jobs, \"build_seconds\": $build_s, \"cmake_args\": \"$cmake_args\"}" \
   > "$out/build.json"
+[ -n "$mirror" ] && cp "$out/build.json" "$mirror/"
 [ "$build_only" = 1 ] && exit 0
 
 # 4. a build whose libraries each carry their own C++ runtime (the H200 image's compiler links libstdc++ statically)
@@ -86,4 +88,4 @@ fi
 # 5. the checks, from outside the checkout (so that the installed qeval is the one imported)
 ngl=99; [ "$variant" = cpu ] && ngl=0
 (cd / && "$py" "$repo/tools/gpu/checks.py" --kit "$kit" --bin "$bindir" --ngl "$ngl" --out "$out" \
-  --build-json "$out/build.json" --started "$t_start" "$@")
+  --build-json "$out/build.json" --started "$t_start" ${mirror:+--mirror "$mirror"} "$@")
