@@ -108,9 +108,10 @@ def test_a_pair_travels_as_its_compressed_reference_and_the_device_derives_the_c
     spec = models.ModelSpec("dense-512", 512, models.build_dense)
     folder = models.build_pair(spec, tmp_path / "kit" / "models-dense-512", tmp_path / "cache")
     assert [p.name for p in folder.iterdir()] == [models.PACKED_REFERENCE] == [checks.PACKED_REFERENCE]
-    assert checks.unpack_pair(folder)
-    assert (folder / "reference.gguf").read_bytes() == (tmp_path / "cache" / "dense-512-Q8_0.gguf").read_bytes()
-    file_type = gguf.GGUFReader(folder / "candidate.gguf").get_field("general.file_type").contents()
+    pair = checks.unpack_pair(folder, tmp_path / "out" / folder.name)
+    assert [p.name for p in folder.iterdir()] == [models.PACKED_REFERENCE]  # the kit is left as it was carried
+    assert (pair / "reference.gguf").read_bytes() == (tmp_path / "cache" / "dense-512-Q8_0.gguf").read_bytes()
+    file_type = gguf.GGUFReader(pair / "candidate.gguf").get_field("general.file_type").contents()
     assert file_type == gguf.LlamaFileType.MOSTLY_Q4_0
-    assert checks.unpack_pair(folder)  # again: nothing to do
-    assert not checks.unpack_pair((tmp_path / "kit" / "models-none").resolve())
+    assert checks.unpack_pair(folder, pair) == pair  # again: nothing to do
+    assert checks.unpack_pair(tmp_path / "kit" / "models-none", tmp_path / "none") is None

@@ -150,19 +150,22 @@ class Pair:
         return {"batch": BIG_BATCH, "llamacpp": ll, "qeval": q, "time_ratio": q["wall_s"] / ll["wall_s"]}
 
 
-def unpack_pair(folder: Path) -> bool:
-    """Make folder/reference.gguf from the carried reference.gguf.zst, and folder/candidate.gguf from it with
-    llama.cpp's quantizer (Q8_0 requantized to Q4_0); False where the folder holds no pair."""
-    reference, packed = folder / "reference.gguf", folder / PACKED_REFERENCE
+def unpack_pair(folder: Path, into: Path) -> Path | None:
+    """into/reference.gguf from the carried folder/reference.gguf.zst, and into/candidate.gguf from it with
+    llama.cpp's quantizer (Q8_0 requantized to Q4_0): the folder of the pair, None where `folder` holds none. The kit
+    itself is left as it was carried."""
+    packed = folder / PACKED_REFERENCE
+    if not packed.is_file():
+        return None
+    into.mkdir(parents=True, exist_ok=True)
+    reference = into / "reference.gguf"
     if not reference.is_file():
-        if not packed.is_file():
-            return False
         partial = reference.with_suffix(".part")
         with packed.open("rb") as src, partial.open("wb") as dst:
             zstandard.ZstdDecompressor().copy_stream(src, dst)
         partial.replace(reference)
-    demo.quantize(reference, folder / "candidate.gguf", CANDIDATE_FTYPE)
-    return True
+    demo.quantize(reference, into / "candidate.gguf", CANDIDATE_FTYPE)
+    return into
 
 
 def first_json(text: str, opener: str):
@@ -229,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
                      "build": json.loads(args.build_json.read_text()) if args.build_json else None, "pairs": {},
                      "failed": []}
     write_summary(summary, args)
-    pairs = [Pair(folder, args, corpus) for folder in sorted(args.kit.glob("models-*")) if unpack_pair(folder)]
+    unpacked = (unpack_pair(folder, args.out / "models" / folder.name) for folder in sorted(args.kit.glob("models-*")))
+    pairs = [Pair(folder, args, corpus) for folder in unpacked if folder is not None]
     for check in args.only.split(","):  # each check on every pair before the next check
         for pair in pairs:
             result = summary["pairs"].setdefault(pair.name, {})
