@@ -392,6 +392,13 @@ def merge_report(parts: list[Path], out: Path, label: str | None = None, progres
     return merge(parts, out, label=label, progress=progress)
 
 
+def certify_report(store: str, runs_dir=None, progress: bool = False) -> tuple[dict, str]:
+    """Make a store's lean pieces full ones, readable on any machine (qeval.orchestrate.certify)."""
+    from qeval.orchestrate.certify import certify_report as certify  # noqa: PLC0415
+
+    return certify(store, runs_dir, progress)
+
+
 def leaderboard_report(runs: list[Path], out: Path, title: str | None = None, machine: str | None = None):
     """The leaderboard of saved results, written under `out` (markdown, CSV, JSON, HTML, plots), with the speed and
     memory measured beside them: this machine's, or `machine`'s (a machine id or its first digits)."""

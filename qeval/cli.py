@@ -442,6 +442,17 @@ def merge_cmd(
     output.emit(*api.merge_report(paths[:-1], paths[-1], label=label, progress=True))
 
 
+@app.command("certify")
+@grouped
+def certify_cmd(
+    store: str = typer.Argument(..., help="The store: a path or a label in RUNS_DIR."),
+    output: Output = OUTPUT,
+):
+    """Make a store readable on any machine: each lean hidden piece (replayed by llama.cpp's own kernel only, as
+    captured here) gets its portable replay. Run where it was captured; publish does it."""
+    output.emit(*api.certify_report(store, runs_dir=output.runs_dir, progress=True))
+
+
 @app.command()
 @grouped
 def demo(

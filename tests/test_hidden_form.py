@@ -36,7 +36,15 @@ from qeval.storage.hidden_form import (
     head_entry,
     read_head,
 )
-from qeval.storage.store import PIECE_ROWS, ChunkBuilder, HiddenChunk, StoreHeader, StoreReader, StoreWriter
+from qeval.storage.store import (
+    LEAN_VERSION,
+    PIECE_ROWS,
+    ChunkBuilder,
+    HiddenChunk,
+    StoreHeader,
+    StoreReader,
+    StoreWriter,
+)
 
 N_VOCAB, N_EMBD, N_CTX = 700, 64, 24
 
@@ -287,7 +295,7 @@ def test_a_hidden_store_reads_back_as_the_capture_coded_it(hidden_store):
     tags = [t for t, _, _ in _records(data)]
     assert tags[:4] == [b"HEAD", b"TOKS", b"LUT_", b"OUTW"] and tags.count(b"HIDN") == 3 and b"CHNK" not in tags
     with StoreReader(path) as r:
-        assert r.header.format_version == 6 and r.header.head["type"] == "Q8_0"
+        assert r.header.format_version == LEAN_VERSION and r.header.head["type"] == "Q8_0"
         for c in range(3):
             at_capture = encode_hidden_block(cap.logits[c], cap.hidden[c], cap.tokens[c, r.header.positions_of(c) + 1],
                                              SqrtLogCode(), cap.head, GgmlHead.of(cap.head))

@@ -18,6 +18,7 @@ from test_leaderboard import _model
 from qeval.errors import QevalError
 from qeval.storage import reference_pack
 from qeval.storage.reference_pack import build_manifest, manifest_bytes, read_manifest
+from qeval.storage.store import StoreReader
 
 REPO = "org/refs"
 
@@ -264,21 +265,26 @@ def test_which_reference_of_a_repo_and_a_gguf_repo_is_no_reference(hub, tmp_path
 @pytest.mark.slow
 def test_a_real_reference_published_then_pulled_scores_a_live_quant_as_the_local_store(hub, models, tmp_path,
                                                                                         monkeypatch):
-    """Gemma-3-270M's Q8_0 captured here, published, then pulled onto a 'machine' with an empty cache and no Q8_0
-    model: the live Q4_K_M's figures against it are the local store's to every digit."""
+    """Gemma-3-270M's Q8_0 captured here (its pieces lean), published (certified first), then pulled onto a 'machine'
+    with an empty cache and no Q8_0 model: the live Q4_K_M's figures against it are the lean local store's to every
+    digit."""
     runs = tmp_path / "runs"
     res = run_cli("capture", models["Q8_0"], "--label", "Q8_0", "-c", "128", "--chunks", "3", "--runs-dir", runs)
     assert res.returncode == 0, res.stderr
+    with StoreReader(runs / "Q8_0.qeval") as store:
+        assert store.lean_pieces() == 3
+    kld = ("kld", "--cand", models["Q4_K_M"], "--runs-dir")
+    res = run_cli(*kld, runs, "--ref", runs / "Q8_0.qeval")
+    assert res.returncode == 0, res.stderr
+    local = res.stdout
     published = publish(runs / "Q8_0.qeval")
-    assert published["published"]["backend"] == "CPU"
+    assert published["published"]["backend"] == "CPU" and published["certified_lean_pieces"] == 3
+    with StoreReader(runs / "Q8_0.qeval") as store:
+        assert store.lean_pieces() == 0  # what went up reads on any machine
     fresh_cache(monkeypatch, tmp_path / "fresh-cache")
-    elsewhere = tmp_path / "elsewhere"  # a runs directory that holds nothing
-    texts = {}
-    for ref, directory in ((runs / "Q8_0.qeval", runs), (f"hf:{REPO}:Q8_0", elsewhere)):
-        res = run_cli("kld", "--ref", ref, "--cand", models["Q4_K_M"], "--runs-dir", directory)
-        assert res.returncode == 0, res.stderr
-        texts[str(ref)] = res.stdout
-    local, remote = texts.values()
+    res = run_cli(*kld, tmp_path / "elsewhere", "--ref", f"hf:{REPO}:Q8_0")  # a runs directory that holds nothing
+    assert res.returncode == 0, res.stderr
+    remote = res.stdout
     remote_lines = remote.splitlines()
     where = [i for i, line in enumerate(remote_lines) if line.startswith("ran where")]
     assert len(where) == 1 and "reference CPU" in remote_lines[where[0]] and "the same build" in remote_lines[where[0] + 1]

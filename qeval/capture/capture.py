@@ -71,6 +71,7 @@ class StoredForm:
     asked: str = LOGITS
     why_logits: str = ""
     ggml: GgmlHead | None = None  # the head in llama.cpp's own kernel, replaying beside the portable replay
+    lean: bool = True  # no portable replay where ggml reproduces (encode_hidden_block)
 
     def encode(self, logits: np.ndarray, hidden: np.ndarray | None, targets: np.ndarray, code: SqrtLogCode,
                first_row: int = 0) -> EncodedBlock | dict[str, EncodedBlock | ExactRows]:
@@ -78,7 +79,8 @@ class StoredForm:
         code (`first_row`: the block's first row in the chunk)."""
         if self.name == LOGITS:
             return code.encode_block(logits, targets)
-        blocks = {HIDDEN: encode_hidden_block(logits, hidden, targets, code, self.head, self.ggml, first_row)}
+        blocks = {HIDDEN: encode_hidden_block(logits, hidden, targets, code, self.head, self.ggml, first_row,
+                                              self.lean)}
         if self.name == AUTO:  # a copy: the engine's rows are overwritten by its next call, before the piece ends
             blocks[EXACT] = ExactRows(np.array(logits, dtype=np.float32), targets)
         return blocks
@@ -98,7 +100,7 @@ def check_form(asked: str) -> None:
         raise QevalError(f"--reference-form must be one of {', '.join(FORMS)}, not {asked!r}")
 
 
-def stored_form(asked: str, model: str, settings: EngineSettings) -> StoredForm:
+def stored_form(asked: str, model: str, settings: EngineSettings, lean: bool = True) -> StoredForm:
     """The form a capture of `model` asked for `asked` stores; QevalError for a hidden form it cannot replay."""
     check_form(asked)
     if asked == LOGITS:
@@ -114,7 +116,7 @@ def stored_form(asked: str, model: str, settings: EngineSettings) -> StoredForm:
         if asked == HIDDEN:
             raise QevalError(f"--reference-form hidden: {exc} (--reference-form auto stores logits there)") from None
         return StoredForm(asked=asked, why_logits=str(exc))
-    return StoredForm(name=asked, head=head, asked=asked, ggml=GgmlHead.of(head, settings.n_threads))
+    return StoredForm(name=asked, head=head, asked=asked, ggml=GgmlHead.of(head, settings.n_threads), lean=lean)
 
 
 EXACT = "exact"  # an auto capture's block: its exact rows, kept until its piece is settled
@@ -185,6 +187,9 @@ class CaptureSpec:
     code: SqrtLogCode = field(default_factory=SqrtLogCode)
     replace: bool = False  # a store at `out` that holds another capture is replaced, not refused (--force)
     reference_form: str = DEFAULT_FORM  # what the store keeps of each piece: logits, hidden or auto (hidden_form)
+    # hidden pieces lean where ggml reproduces llama.cpp's logits here (store.LEAN_VERSION), certified when the store
+    # travels (qeval certify, publish); False for a cluster's captures, whose readers run on nodes of any kind
+    lean: bool = True
 
 
 @dataclass
@@ -342,7 +347,7 @@ def capture(spec: CaptureSpec, on_chunk: Callable[[int], None] | None = None,
     check_corpus_kind(spec.corpus, scoring)
     check_form(spec.reference_form)
     with contextlib.closing(open_backend(spec.model, spec.n_ctx, settings, scoring)) as engine:
-        form = stored_form(spec.reference_form, spec.model, settings)  # the model file is known good by now
+        form = stored_form(spec.reference_form, spec.model, settings, spec.lean)  # the model file is known good by now
         windows, labels, identity = corpus_windows(spec, engine)
         chunk_range = resolve_range(spec.chunk_range, len(windows))
         header = store_header(engine, spec.label, windows, chunk_range, identity, spec.code, labels,

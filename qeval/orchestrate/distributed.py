@@ -157,15 +157,16 @@ def count_chunks(path: Path) -> int:
 
 
 def on_cluster(plan: MatrixPlan, cpus_per_task: float) -> MatrixPlan:
-    """`plan` as Ray tasks run it: paths absolute (every node sees them on the shared filesystem), and
-    unless -t, the threads of a task's own CPUs, not those of the whole node."""
+    """`plan` as Ray tasks run it: paths absolute (every node sees them on the shared filesystem), unless -t the
+    threads of a task's own CPUs, not those of the whole node, and a reference whose hidden pieces are certified as
+    they are captured (not lean): its shards and its readers may run on nodes of any CPU kind."""
     threads = max(1, int(cpus_per_task))
     corpus = plan.reference.corpus
     directory = Path(plan.directory).resolve()
     reference = replace(plan.reference, model=os.path.abspath(plan.reference.model),
                         out=str(runs.store_path(plan.reference.label, directory)),
                         corpus=os.path.abspath(corpus) if corpus and Path(corpus).is_file() else corpus,
-                        settings=_with_threads(plan.reference.settings, threads), threads=threads)
+                        settings=_with_threads(plan.reference.settings, threads), threads=threads, lean=False)
     pairs = tuple(replace(p, model=os.path.abspath(p.model), settings=_with_threads(p.settings, threads))
                   for p in plan.pairs)
     return replace(plan, reference=reference, pairs=pairs, directory=directory)

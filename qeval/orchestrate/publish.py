@@ -18,6 +18,7 @@ from pathlib import Path
 from qeval.engine.machine import build_backend
 from qeval.errors import QevalError
 from qeval.identity import FLOOR_KV_FREE, NOT_RECORDED, is_floor
+from qeval.orchestrate.certify import certify_store
 from qeval.orchestrate.measured import check_reference
 from qeval.present import report, results
 from qeval.storage.results import find_results
@@ -42,6 +43,7 @@ def publish_report(store: str, target: str, results_dir: Path | None = None, car
         label, header = source.header.label, source.header
     runs.check_label(label)
     _refuse_private(path, header)
+    certified = certify_store(path)  # a published store is read on every machine: no lean piece goes up
     if named and named != label:
         raise QevalError(f"{path} holds reference {label!r}: it is published under its own label, hf:{repo}:{label}")
     with tempfile.TemporaryDirectory(prefix="qeval-publish-") as staging:
@@ -59,7 +61,7 @@ def publish_report(store: str, target: str, results_dir: Path | None = None, car
         files.append((manifest_file.name, manifest_file, "manifest"))
         commit = hub_files.upload(repo, [(path, local) for path, local, _ in files], f"qeval reference {label}",
                                   private)
-        return _report(repo, label, commit, _uploaded(files, manifest))
+        return _report(repo, label, commit, _uploaded(files, manifest), certified.lean_pieces)
 
 
 def _refuse_private(path: Path, header) -> None:
@@ -149,12 +151,14 @@ def _uploaded(files: list[tuple[str, Path, str]], manifest: dict) -> dict:
             "published": {k: manifest[k] for k in ("backend", "build", "form", "bounds", "sizes", "floors")}}
 
 
-def _report(repo: str, label: str, commit, uploaded: dict) -> tuple[dict, str]:
+def _report(repo: str, label: str, commit, uploaded: dict, certified: int) -> tuple[dict, str]:
     spec = f"hf:{repo}:{label}"
     out = {"repo": repo, "label": label, "reference": spec, "commit": commit.oid, "commit_url": commit.commit_url,
-           **uploaded}
+           "certified_lean_pieces": certified, **uploaded}
     width = max(len(f["path"]) for f in uploaded["files"])
-    lines = [f"published reference {label} to hf:{repo} (commit {commit.oid[:12]}): {len(uploaded['files'])} files, "
+    lines = [*([f"certified {certified} lean pieces first (qeval certify): the store reads on any machine"]
+               if certified else []),
+             f"published reference {label} to hf:{repo} (commit {commit.oid[:12]}): {len(uploaded['files'])} files, "
              f"{uploaded['bytes']:,} bytes",
              *(f"  {f['path']:<{width}}  {f['bytes']:>14,} bytes  {f['role']}" for f in uploaded["files"]),
              *(f"numerics floor listed: {f['kind']} on {f['backend']} ({f['path']})"

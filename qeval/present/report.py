@@ -289,7 +289,9 @@ def hidden_form_facts(source, size: int, scored: int) -> dict:
     if not h.hidden:
         return {}
     forms = Counter(f for _, _, f in source.piece_forms()) if hasattr(source, "piece_forms") else Counter()
-    return {"pieces_by_form": dict(sorted(forms.items())), "head": h.head, "replay": error_record.replayed(source),
+    lean = source.lean_pieces() if hasattr(source, "lean_pieces") else 0
+    return {"pieces_by_form": dict(sorted(forms.items())), "lean_pieces": lean, "head": h.head,
+            "replay": error_record.replayed(source),
             "bytes_per_scored_token_without_head": (size - h.head["bytes"]) / scored if scored else math.nan}
 
 
@@ -345,6 +347,10 @@ def info_text(d: dict) -> str:
                   f"sha256 {head['fingerprint'][:16]}…; {d['bytes_per_scored_token_without_head']:,.0f} bytes per "
                   "scored token without it",
                   f"replay     : {replay_text(d['replay'])}"]
+        if d["lean_pieces"]:
+            lines.append(f"lean       : {d['lean_pieces']} hidden pieces replayed by llama.cpp's own kernel only: read "
+                         "where it gives the capture's rows again (this CPU kind and build); `qeval certify` makes "
+                         "them readable anywhere (publish does it)")
     return "\n".join(lines)
 
 
@@ -414,6 +420,16 @@ def ppl_matrix_markdown(pairs: list[tuple[str, str, str]], summaries: list[Compa
         return [name, *(cell.get((path, kv), ref_cell if name == ref_name and kv == "f16" else "") for kv in kvs)]
 
     return markdown_table(["model", *(f"KV {kv}" for kv in kvs)], map(row, models))
+
+
+def certify_text(certified: dict) -> str:
+    """The line `qeval certify` prints (qeval.orchestrate.certify)."""
+    if not certified["lean_pieces"]:
+        return f"{certified['path']} holds no lean piece: every machine reads it as it is"
+    coded = (f"; {certified['coded']} coded as logits (their portable replay missed auto's bound)"
+             if certified["coded"] else "")
+    return (f"certified {certified['path']}: {certified['lean_pieces']} lean pieces now read on any machine"
+            f"{coded}, {certified['size_bytes']:,} bytes")
 
 
 def merge_text(merged: dict) -> str:

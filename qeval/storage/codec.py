@@ -197,15 +197,19 @@ class UncodedRows:
     record: ErrorRecord
 
 
+def coded_engine(engines) -> str:
+    """The engine whose rows a hidden piece's codes, checksum and error record are of: the portable replay's where
+    the piece records it, else ggml's (a lean piece: ggml's rows were llama.cpp's logits on the capturing machine)."""
+    return "portable" if "portable" in engines else "ggml"
+
+
 def encode_hidden_block(logits: np.ndarray, hidden: np.ndarray, targets: np.ndarray, code: SqrtLogCode,
-                        head: OutputHead, ggml_head=None, first_row: int = 0) -> "EncodedBlock":
+                        head: OutputHead, ggml_head=None, first_row: int = 0, lean: bool = False) -> "EncodedBlock":
     """A block in the hidden form: hidden float32 [b, n_embd] rows (the head's input) with their exact float32
-    logits [b, V]. The planes are those of the portable replay's rows (what a coded comparison reads), the scalars
-    and top ids exact (from `logits`, as encode_block's), `error` measured from the exact rows against those coded
-    rows; `uncoded`: the rows replayed by llama.cpp's kernel (`ggml_head`, a ggml_replay.GgmlHead, where there is
-    one: GgmlHead.rows_of, llama.cpp's logits themselves once a replay here gave them bit for bit) and by the
-    portable one, each with its error record measured from the exact rows (what a live comparison reads, uncoded:
-    the replay's own error). `first_row`: the block's first row in its chunk (ggml_replay)."""
+    logits [b, V]. The scalars and top ids exact (from `logits`, as encode_block's); the rest as certified_block
+    makes them, with ggml's rows (`ggml_head`, a ggml_replay.GgmlHead, where there is one: GgmlHead.rows_of,
+    llama.cpp's logits themselves once a replay here gave them bit for bit). `lean`: where ggml reproduces, no
+    portable replay (a lean piece: store.LEAN_VERSION). `first_row`: the block's first row in its chunk."""
     logits = np.ascontiguousarray(logits, dtype=np.float32)
     b, n_vocab = logits.shape
     top_vals = np.empty((b, min(TOP_K, n_vocab)), dtype=np.float32)
@@ -215,20 +219,35 @@ def encode_hidden_block(logits: np.ndarray, hidden: np.ndarray, targets: np.ndar
         raise BadLogits("logits contain NaN or a row with no finite value")
     stored = activation_bytes(hidden, head.activation)
     rows = StoredActivations.parse(stored, b, head.n_embd, head.activation, "hidden rows")
-    replayed = {"portable": np.concatenate(list(replayed_rows(head, rows)))}
-    if ggml_head is not None:
-        replayed["ggml"] = ggml_head.rows_of(rows, first_row, logits)
-    codes = code_replayed(replayed["portable"], code)
+    ggml = None if ggml_head is None else ggml_head.rows_of(rows, first_row, logits)
+    portable = not (lean and ggml_head is not None and ggml_head.reproduces)
+    block, log_norm = certified_block(logits, top_vals[:, 0], stored, rows, code, head, ggml, portable)
+    block.logprob_target = (logits[np.arange(b), targets].astype(np.float64) - top_vals[:, 0]) - log_norm
+    block.logprob_max, block.top_ids = -log_norm, top_ids
+    return block
+
+
+def certified_block(logits: np.ndarray, row_max: np.ndarray, stored: bytes, rows: StoredActivations,
+                    code: SqrtLogCode, head: OutputHead, ggml: np.ndarray | None,
+                    portable: bool = True) -> tuple["EncodedBlock", np.ndarray]:
+    """A hidden block's stored rows (`stored`, parsed as `rows`) against their exact float32 logits (`row_max`: each
+    row's max) without its scalars, and each row's log-normaliser: the rows replayed by ggml (`ggml`, as given) and,
+    where `portable`, by the portable kernel, each with its error record measured from the exact rows (what a live
+    comparison reads, uncoded); the planes are the coded rows of coded_engine (what a coded comparison reads), `error`
+    measured from the exact rows against them. A capture's blocks and `qeval certify`'s are made here alike."""
+    replayed = {} if ggml is None else {"ggml": ggml}
+    if portable:
+        replayed["portable"] = np.concatenate(list(replayed_rows(head, rows)))
+    codes = code_replayed(replayed[coded_engine(replayed)], code)
     lut, lut_exp, band = code.error_tables()
-    meter = ErrorMeter.of(n_vocab)
+    meter = ErrorMeter.of(logits.shape[1])
     engines = [engine for engine in REPLAY_ENGINES if engine in replayed]
-    (error, *records), log_norm = meter.measure(logits, top_vals[:, 0], [
+    (error, *records), log_norm = meter.measure(logits, row_max, [
         (code.error, lambda t: (codes[t], lut, lut_exp, band)),
         *((REPLAY_BANDS, meter.uncoded(logits, replayed[engine], REPLAY_BANDS)) for engine in engines)])
     uncoded = tuple(UncodedRows(engine, replayed[engine], record) for engine, record in zip(engines, records))
-    logprob_target = (logits[np.arange(b), targets].astype(np.float64) - top_vals[:, 0]) - log_norm
-    return EncodedBlock(planes=codes_to_planes(codes), logprob_target=logprob_target, logprob_max=-log_norm,
-                        top_ids=top_ids, error=error, hidden=stored, uncoded=uncoded)
+    return EncodedBlock(planes=codes_to_planes(codes), logprob_target=None, logprob_max=None, top_ids=None,
+                        error=error, hidden=stored, uncoded=uncoded), log_norm
 
 
 def code_of(codec: dict, lut: np.ndarray, where: str) -> SqrtLogCode:

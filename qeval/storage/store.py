@@ -35,7 +35,17 @@ import zstandard
 from qeval import __version__
 from qeval.errors import MismatchError, QevalError, StoreFormatError, WriteFailed
 from qeval.identity import capture_conflicts, extends, tokens_sha256
-from qeval.storage.codec import REPLAY_BANDS, REPLAY_ENGINES, EncodedBlock, code_of, replayed_planes, replayed_rows
+from qeval.storage.codec import (
+    REPLAY_BANDS,
+    REPLAY_ENGINES,
+    REPLAY_ROWS,
+    EncodedBlock,
+    code_of,
+    code_replayed,
+    coded_engine,
+    replayed_planes,
+    replayed_rows,
+)
 from qeval.storage.error_record import ErrorBands, ErrorRecord, record_bytes, rows_of
 from qeval.storage.hidden_form import AUTO, LOGITS, OutputHead, StoredActivations, check_head_entry
 from qeval.storage.planes import N_CODES, TOP_K, codes_to_planes, planes_to_codes  # noqa: F401 - re-exported
@@ -54,7 +64,12 @@ HIDDEN_VERSION = 5
 # 6: a HIDN record also holds, per replay engine (codec.REPLAY_ENGINES), the checksum of the float32 rows it replays
 # and their own error record (one band): what a live comparison reads uncoded. Version 5 pieces are read coded only.
 REPLAY_RECORD_VERSION = 6
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
+# 7: a HIDN record may be lean: ggml's replay only (its rows were llama.cpp's logits where it was captured), its
+# codes, checksum and error record of ggml's rows (codec.coded_engine). Read where ggml gives those rows again (the
+# capturing CPU kind and build); `qeval certify` adds the portable replay for every other machine. In version 6
+# every HIDN record holds the portable replay.
+LEAN_VERSION = 7
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 PIECE_TAGS = (b"CHNK", b"HIDN")  # the two forms of a piece
 # A chunk (window) of more scored rows is written as pieces of this many rows (one CHNK record each), so
 # writer and reader hold one piece, not a window: a 32K window scored everywhere is ~4 GB compressed.
@@ -117,8 +132,8 @@ class StoreHeader:
             object.__setattr__(self, "format_version", LABELLED_VERSION)
         if self.error and self.format_version < ERROR_VERSION:
             object.__setattr__(self, "format_version", ERROR_VERSION)
-        if self.head and self.format_version < HIDDEN_VERSION:  # (a version 5 asked for by name stays: older form)
-            object.__setattr__(self, "format_version", REPLAY_RECORD_VERSION)
+        if self.head and self.format_version < HIDDEN_VERSION:  # (a version 5 or 6 asked for by name stays)
+            object.__setattr__(self, "format_version", LEAN_VERSION)
 
     @property
     def replay_record(self) -> bool:
@@ -335,27 +350,51 @@ class HiddenChunk(ChunkData):
     reader: "StoreReader | None" = None  # where its head and code come from (None: a piece being written)
     replays: tuple[UncodedReplay, ...] = ()  # version 6, in the order a reader prefers the engines; (): version 5
 
-    def _stored_rows(self) -> StoredActivations:
+    def stored_bytes(self) -> bytearray:
+        """The piece's stored activations, row after row (head.activation.row_bytes each)."""
         head = self.reader.output_head
         raw = bytearray(self.n_tokens * head.activation.row_bytes(head.n_embd))
         with zstandard.ZstdDecompressor().stream_reader(self.codes_zst, read_across_frames=False) as stream:
             _read_exact(stream, memoryview(raw), f"chunk {self.index} (hidden rows)")
             if stream.read(1):
                 raise StoreFormatError(f"chunk {self.index}: hidden frame holds more data than its token count")
-        return StoredActivations.parse(raw, self.n_tokens, head.n_embd, head.activation,
+        return raw
+
+    def _stored_rows(self) -> StoredActivations:
+        head = self.reader.output_head
+        return StoredActivations.parse(self.stored_bytes(), self.n_tokens, head.n_embd, head.activation,
                                        f"{self.reader.path}: chunk {self.index}")
 
     def _differs(self) -> StoreFormatError:
+        if self.lean:
+            return StoreFormatError(
+                f"{self.reader.path}: chunk {self.index} is lean: certified only where llama.cpp's own kernel gives "
+                "the capture's rows again, and this machine's does not (another CPU kind or llama.cpp build). Run "
+                f"`qeval certify {self.reader.path}` on a machine like the capturing one (publish does it), then "
+                "compare here")
         return StoreFormatError(f"{self.reader.path}: chunk {self.index}: the hidden rows replayed on this machine "
                                 "differ from the capture's (its error record is not theirs); compare on a machine "
                                 "like the capturing one, or capture the reference in the logits form")
+
+    @property
+    def lean(self) -> bool:
+        """A lean piece (LEAN_VERSION): ggml's replay only, its codes of ggml's rows."""
+        return bool(self.replays) and coded_engine([r.engine for r in self.replays]) == "ggml"
 
     def iter_planes(self, n_vocab: int, block_tokens: int = 16, buffers: int = 1) -> Iterator[tuple[int, np.ndarray]]:
         """Replayed blocks are fresh arrays, so `buffers` (a ring size for stored codes) is not needed."""
         digest = xxhash.xxh3_64()
 
+        def coded() -> Iterator[np.ndarray]:
+            if not self.lean:
+                yield from replayed_planes(self.reader.output_head, self._stored_rows(), self.reader.code)
+                return
+            rows = self.uncoded_rows()[0]  # ggml's, hashed as the capture's
+            for start in range(0, len(rows), REPLAY_ROWS):
+                yield codes_to_planes(code_replayed(rows[start:start + REPLAY_ROWS], self.reader.code))
+
         def checked() -> Iterator[np.ndarray]:
-            for planes in replayed_planes(self.reader.output_head, self._stored_rows(), self.reader.code):
+            for planes in coded():
                 digest.update(planes)
                 yield planes
             if digest.intdigest() != self.replay_checksum:
@@ -371,11 +410,11 @@ class HiddenChunk(ChunkData):
         if not self.replays:  # version 5: its record is of the coded rows only
             yield from super().iter_rows(n_vocab, buffers)
             return
-        rows, replay = self._uncoded_rows()
+        rows, replay = self.uncoded_rows()
         for k in range(len(rows)):
             yield k, rows[k], replay.record.rows(k, k + 1)
 
-    def _uncoded_rows(self) -> tuple[np.ndarray, UncodedReplay]:
+    def uncoded_rows(self) -> tuple[np.ndarray, UncodedReplay]:
         """float32 rows [n, V] of the first engine (of those the capture recorded) whose rows hash as the capture's
         did, checked before any is read, and what the capture recorded of them."""
         stored = self._stored_rows()
@@ -1187,6 +1226,9 @@ class StoreReader(OpenFile):
                 replays.append(UncodedReplay(REPLAY_ENGINES[engine - 1], checksum_, record))
                 pos += size
         replays.sort(key=lambda r: REPLAY_ENGINES.index(r.engine))  # the order a reader prefers them in
+        if replays and self.header.format_version < LEAN_VERSION and "portable" not in (r.engine for r in replays):
+            raise StoreFormatError(f"{self.path}: chunk {index} has no portable replay, which every hidden piece of a "
+                                   f"version {self.header.format_version} store holds")
         return HiddenChunk(index, *scalars[:3], memoryview(payload)[pos:], first_row, scalars[3], replayed, self,
                            tuple(replays))
 
@@ -1216,13 +1258,21 @@ class StoreReader(OpenFile):
         """Whether `engine`'s rows hashed as the capture's: an engine that did not is not tried again."""
         self._replay_matches[engine] = matches
 
+    def hidden_pieces(self) -> Iterator[HiddenChunk]:
+        """Every hidden piece, row order (a logits piece is not read)."""
+        for index, first_row, piece_form in self.piece_forms():
+            if piece_form == "hidden":
+                yield self._read_piece(index, first_row, dict(self._pieces_of(index))[first_row], None)
+
     def iter_replays(self) -> Iterator[tuple[int, UncodedReplay]]:
         """(chunk, uncoded replay) of every engine of every hidden piece that records them (version 6), row order."""
-        for index, first_row, piece_form in self.piece_forms():
-            if piece_form == "hidden" and self.header.replay_record:
-                piece = self._read_piece(index, first_row, dict(self._pieces_of(index))[first_row], None)
-                for replay in piece.replays:
-                    yield index, replay
+        for piece in self.hidden_pieces() if self.header.replay_record else ():
+            for replay in piece.replays:
+                yield piece.index, replay
+
+    def lean_pieces(self) -> int:
+        """How many of its pieces are lean (LEAN_VERSION): read only where ggml gives the capture's rows again."""
+        return sum(piece.lean for piece in self.hidden_pieces())
 
     def piece_forms(self) -> Iterator[tuple[int, int, str]]:
         """(chunk, first row, "logits" or "hidden") of every piece, from the records' tags alone."""
