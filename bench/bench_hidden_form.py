@@ -9,7 +9,8 @@ every thread of this machine. Both subcommands capture (or reuse, from --work) t
 
 sizes: bytes per scored token of each store (the whole file; the hidden one also without its head, which is stored
   once whatever the number of tokens, and per part: hidden rows, scalars and ids, error record), beside llama.cpp's
-  --kl-divergence-base (524,296 B per token at this vocabulary); capture seconds per scored token of each form.
+  --kl-divergence-base (524,296 B per token at this vocabulary); capture seconds per scored token of each form; and
+  `qeval certify` of a copy of the auto store (what publish pays for its lean pieces).
 speed: side by side in one run (best of --repeats): replaying the hidden store (reading every chunk's rows as a
   comparison does: decompress, replay through the head on every core), in scored tokens per second: uncoded by
   llama.cpp's own kernel (ggml) and by qeval's portable one (a live comparison's read), and coded (a stored
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -33,6 +35,7 @@ from common import best, cpu_name
 
 from qeval import api
 from qeval.compare import metrics
+from qeval.orchestrate.certify import certify_store
 from qeval.orchestrate import demo
 from qeval.storage.error_record import record_bytes
 from qeval.storage.store import StoreReader
@@ -71,7 +74,17 @@ def sizes(work: Path, chunks: int) -> dict:
                 entry.update(head_bytes=head, bytes_per_token_without_head=(size - head) / scored,
                              hidden_row_raw_bytes=r.output_head.activation.row_bytes(r.header.head["n_embd"]))
             out[label] = entry
-    return {"stores": out, "llamacpp_bytes_per_token": LLAMACPP_BYTES_PER_TOKEN}
+    return {"stores": out, "llamacpp_bytes_per_token": LLAMACPP_BYTES_PER_TOKEN, "certify": certify_copy(work)}
+
+
+def certify_copy(work: Path) -> dict:
+    """What `qeval certify` (publish) then pays for the auto store's lean pieces, on a copy: seconds, pieces."""
+    copy = work / "AUT-certified.qeval"
+    shutil.copy(work / "AUT.qeval", copy)
+    t0 = time.perf_counter()
+    res = certify_store(copy)
+    return {"seconds": time.perf_counter() - t0, "lean_pieces": res.lean_pieces, "kept_hidden": res.kept_hidden,
+            "coded": res.coded, "file_bytes": res.size_bytes}
 
 
 def speed(work: Path, chunks: int, repeats: int) -> dict:

@@ -132,10 +132,10 @@ def test_unsupported_preamble_version(one):
 def test_unsupported_header_version(tmp_path):
     rng = np.random.default_rng(33)
     tokens = make_tokens(rng, 1, 16, 500)
-    store = write_store(tmp_path / "v.qeval", tokens, synth_logits(rng, tokens, 500), 500, format_version=7)
-    with pytest.raises(StoreFormatError, match="version 7 is not supported"):
+    store = write_store(tmp_path / "v.qeval", tokens, synth_logits(rng, tokens, 500), 500, format_version=8)
+    with pytest.raises(StoreFormatError, match="version 8 is not supported"):
         StoreReader(store.path)
-    assert_cli_error(run_cli("info", store.path), "version 7 is not supported")
+    assert_cli_error(run_cli("info", store.path), "version 8 is not supported")
 
 
 def test_store_still_being_written(tmp_path, one):

@@ -201,8 +201,14 @@ def matrix(models, runs_dir, executor=None):
 
 @pytest.fixture(scope="module")
 def local_run(models, tmp_path_factory):
+    """The matrix on one machine, its reference then certified: a cluster captures it without lean pieces (its
+    readers run on nodes of any kind), so the stores compare piece for piece only once this one is certified too
+    (tests/test_certify.py: certified pieces are a portable capture's, field for field)."""
+    from qeval.orchestrate.certify import certify_store
+
     d = tmp_path_factory.mktemp("local")
     result, _ = matrix(models, d)
+    assert certify_store(d / "Q8_0.qeval").lean_pieces > 0
     return d, result
 
 

@@ -63,8 +63,9 @@ FORWARD_S_PER_TOKEN_GB = 13.8 / (8 * 512) / 0.237
 CODE_S_PER_ROW = (38.5 - 8192 * FORWARD_S_PER_TOKEN_GB * 0.292) / 4080
 # a live candidate (not coded), the same windows with the Q2_K: 35.2 s, i.e. 1.9 ms per row to compare it.
 COMPARE_S_PER_ROW = (35.2 - 8192 * FORWARD_S_PER_TOKEN_GB * 0.237) / 4080
-# a capture in the hidden form (or auto) also replays the head per scored row in qeval's portable kernel and
-# measures it: bench/bench_hidden_form.py sizes, 4 and 8 windows of the same Q8_0 on the same Intel Xeon, quiet
+# a capture in the hidden form (or auto) replayed the head per scored row in qeval's portable kernel and measured it
+# (since format 7 only where ggml does not give llama.cpp's logits again, else `qeval certify` does when the store
+# travels: an upper bound on a capture that stays lean): bench/bench_hidden_form.py sizes, 4 and 8 windows of the same Q8_0 on the same Intel Xeon, quiet
 # (bench/results/hidden-form-sizes-{4,8}chunks-auto-intel.json): the 4 windows more took 33.9 s in auto against
 # 6.5 s in the logits form, i.e. 26.9 ms more per scored row of 262,144 x 640 head entries.
 REPLAY_S_PER_HEAD_ENTRY = (33.9 - 6.5) / 1020 / (262_144 * 640)

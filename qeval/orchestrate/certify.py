@@ -53,9 +53,8 @@ def certify_store(path: str | os.PathLike, on_piece: Callable[[int], None] | Non
     tmp = path.with_name(path.name + TMP_SUFFIX)
     with StoreReader(path) as reader:
         if not reader.complete:
-            raise QevalError(f"cannot certify {path}: the store is incomplete ({len(reader.chunk_indices)} of "
-                             f"{reader.header.chunk_stop - reader.header.chunk_start} chunks); finish its capture "
-                             "first (re-run it to resume)")
+            raise QevalError(f"cannot certify {path}: it is an incomplete capture; finish it first (run the capture "
+                             "again: it resumes)")
         found = reader.lean_pieces()
         if not found:
             return CertifyResult(path, 0, 0, 0, reader.size_bytes)

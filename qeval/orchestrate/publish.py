@@ -41,6 +41,7 @@ def publish_report(store: str, target: str, results_dir: Path | None = None, car
     path = runs.resolve_path(store, runs.runs_dir(runs_dir))
     with StoreReader(path) as source:
         label, header = source.header.label, source.header
+        reference_pack.require_complete(source, path)  # before certifying it
     runs.check_label(label)
     _refuse_private(path, header)
     certified = certify_store(path)  # a published store is read on every machine: no lean piece goes up

@@ -78,14 +78,18 @@ def manifest_name(label: str) -> str:
 
 
 # --- writing -------------------------------------------------------------------------------------------------------
+def require_complete(source: StoreReader, store: Path) -> None:
+    if not source.complete:
+        raise QevalError(f"{store} is an incomplete capture: only a complete store can be published")
+
+
 def build_manifest(store: Path, backend: str, files: list[tuple[str, Path, str]], floors: list[dict] = ()) -> dict:
     """The manifest of the complete store at `store` published with `files` ((path in the repository, local path,
     role); the store itself among them, role "store"). `backend`: what the store's llama.cpp build computed on beyond
     the CPU (qeval.engine.machine.build_backend of its system info); `floors`: the numerics-floor rows among the
     results (FLOOR_FIELDS, each naming its result file's path)."""
     with StoreReader(store, verify_chunks=True) as source:
-        if not source.complete:
-            raise QevalError(f"{store} is an incomplete capture: only a complete store can be published")
+        require_complete(source, store)
         h = source.header
         capture = h.capture
         numerics = capture.get("numerics")
