@@ -153,6 +153,6 @@ def test_certify_refuses_an_incomplete_store_and_the_cli_says_what_it_did(captur
     res = run_cli("certify", lean_copy)
     assert res.returncode == 0 and f"certified {lean_copy}: 1 lean pieces now read on any machine" in res.stdout
     assert "holds no lean piece" in run_cli("certify", lean_copy).stdout
-    assert "lean " not in run_cli("info", lean_copy).stdout
+    assert "lean       :" not in run_cli("info", lean_copy).stdout
     assert_cli_error(run_cli("certify", tmp_path / "none.qeval"), "none.qeval")
     assert_cli_error(run_cli("certify", "hf:someone/ref"), "certified already")
