@@ -35,8 +35,8 @@ from common import best, cpu_name
 
 from qeval import api
 from qeval.compare import metrics
-from qeval.orchestrate.certify import certify_store
 from qeval.orchestrate import demo
+from qeval.orchestrate.certify import certify_store
 from qeval.storage.error_record import record_bytes
 from qeval.storage.store import StoreReader
 
