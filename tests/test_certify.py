@@ -20,6 +20,7 @@ from qeval.capture.capture import CaptureSpec, capture
 from qeval.engine.engine import EngineSettings
 from qeval.errors import QevalError, StoreFormatError
 from qeval.orchestrate import certify
+from qeval.storage import store as store_module
 from qeval.storage.store import ChunkData, HiddenChunk, StoreReader, StoreWriter
 
 
@@ -131,8 +132,10 @@ def test_an_auto_piece_whose_portable_replay_misses_is_coded_as_logits(captured,
     assert_same(reads(lean_copy)[0], lean_planes)
 
 
-def test_a_version_6_store_holds_no_lean_piece(captured, tmp_path):
-    with closing(StoreReader(captured["lean"])) as reader:
+def test_a_version_6_store_holds_no_lean_piece(captured, tmp_path, monkeypatch):
+    """A file qeval's writer would not make (it refuses a lean piece there): the reader trusts nothing."""
+    with closing(StoreReader(captured["lean"])) as reader, monkeypatch.context() as patched:
+        patched.setattr(store_module, "LEAN_VERSION", 6)
         header = dataclasses.replace(reader.header, format_version=6)
         with StoreWriter.open(tmp_path / "v6.qeval", header, reader.tokens, reader.lut,
                               head=reader.output_head) as writer:
@@ -156,3 +159,24 @@ def test_certify_refuses_an_incomplete_store_and_the_cli_says_what_it_did(captur
     assert "lean       :" not in run_cli("info", lean_copy).stdout
     assert_cli_error(run_cli("certify", tmp_path / "none.qeval"), "none.qeval")
     assert_cli_error(run_cli("certify", "hf:someone/ref"), "certified already")
+
+
+def test_a_version_6_store_resumed_or_grown_gets_no_lean_piece(models, captured, tmp_path):
+    """A capture that resumes (or grows) a store of version 6, made before lean pieces, writes full pieces: a lean
+    one would make it unreadable there. The writer refuses a lean piece in such a store outright."""
+    with closing(StoreReader(captured["lean"])) as reader:
+        header = dataclasses.replace(reader.header, format_version=6)
+        lean_piece = next(reader.iter_pieces(0))
+        with StoreWriter.open(tmp_path / "lean.qeval", header, reader.tokens, reader.lut,
+                              head=reader.output_head) as writer:
+            with pytest.raises(ValueError, match="a lean piece in a version 6 store"):
+                writer.write_chunk(lean_piece)
+    with closing(StoreReader(tmp_path / "lean.qeval", tolerate_torn_tail=True)) as started:
+        assert not started.complete and not started.chunk_indices  # started, nothing written
+    spec = CaptureSpec(model=str(models["Q8_0"]), out=str(tmp_path / "lean.qeval"), label="lean", chunks=1,
+                       reference_form="auto", settings=EngineSettings(n_threads=2))
+    assert capture(spec).chunks_written == 1
+    (piece,) = pieces(tmp_path / "lean.qeval")
+    assert not piece.lean and [r.engine for r in piece.replays] == ["ggml", "portable"]
+    with closing(StoreReader(tmp_path / "lean.qeval")) as resumed:
+        assert resumed.header.format_version == 6

@@ -7,6 +7,7 @@ store it writes is resumable, so an interrupted capture continues from its last 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from qeval.storage.hidden_form import (
 from qeval.storage.runs import LIVE_SUFFIX
 from qeval.storage.scoring import ASSISTANT, Scoring, WindowLabels
 from qeval.storage.store import (
+    LEAN_VERSION,
     PIECE_ROWS,
     ChunkBuilder,
     ChunkData,
@@ -365,6 +367,8 @@ def capture(spec: CaptureSpec, on_chunk: Callable[[int], None] | None = None,
                                  chunks_total=chunk_range[1] - chunk_range[0], chunks_written=0,
                                  seconds=time.perf_counter() - t0, header=header, stored_form=done.stored_form)
         with writer:
+            if writer.header.format_version < LEAN_VERSION:  # resuming or growing an older store: no lean piece
+                form = dataclasses.replace(form, lean=False)
             todo = [i for i in range(*chunk_range) if i not in writer.done_chunks]
             if on_start and not fresh:
                 try:

@@ -711,6 +711,8 @@ class StoreWriter(OpenFile):
         if chunk.first_row != rows or chunk.first_row % PIECE_ROWS:
             raise ValueError(f"chunk {chunk.index}: a piece at row {chunk.first_row}, expected row {rows} "
                              f"(pieces start at multiples of {PIECE_ROWS})")
+        if isinstance(chunk, HiddenChunk) and chunk.lean and self.header.format_version < LEAN_VERSION:
+            raise ValueError(f"chunk {chunk.index}: a lean piece in a version {self.header.format_version} store")
         end = rows + chunk.n_tokens
         if chunk.n_tokens < 1 or end > n_scored or (end < n_scored and end % PIECE_ROWS):
             raise ValueError(f"chunk {chunk.index}: a piece of rows {rows}:{end} does not fit {n_scored} "
