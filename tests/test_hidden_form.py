@@ -5,6 +5,8 @@ uncoded, the bound against float64 logits token by token, and a reader that trus
 
 from __future__ import annotations
 
+import ctypes
+
 import json
 import struct
 import sys
@@ -749,32 +751,96 @@ def test_gemma_q8_0_in_the_hidden_form(models, tmp_path):
     assert (sizes["hidden_bytes"] - sizes["head_bytes"]) / 255 < 2500
 
 
+# (route, -b, decode-ahead): one window per call (-b 128 < n_ctx 512) reads the head's input in llama.cpp's graph;
+# two windows per call (-b 1024) interleave in ubatches, so their rows come from an embeddings context; decode-ahead
+# copies hidden rows with the logits before the next decode overwrites both
+ROUTES = [("graph", 128, False), ("embeddings", 1024, False), ("graph", 128, True)]
+
+
 @pytest.mark.parametrize("scoring", ["half", "every:64"])
-def test_an_engine_asked_for_hidden_rows_returns_the_scored_rows_it_returns_without(models, scoring):
-    """Hidden rows make llama.cpp output every token of a call; the engine picks the scored rows out of them (one
-    run of rows: views of llama.cpp's buffers, every:64: a copy). They are the rows the same engine returns without
-    hidden rows, in the same order, and each hidden row is the input of its own logits row (replayed through the
-    head, ~1e-6 nats away)."""
-    from qeval.engine.engine import Engine  # noqa: PLC0415
+@pytest.mark.parametrize(("route", "n_batch", "ahead"), ROUTES)
+def test_an_engine_asked_for_hidden_rows_returns_the_scored_rows_it_returns_without(models, scoring, route, n_batch,
+                                                                                    ahead):
+    """The engine's hidden rows come with the scored rows it returns without them, in the same order, and each is
+    the input of its own logits row (replayed through the head, ~1e-6 nats away). Read in the graph, the logits
+    are those of an engine without hidden rows bit for bit (the head multiplies the same rows); from an embeddings
+    context, where llama.cpp outputs every token of a call, within 1e-3."""
+    from qeval.engine.engine import Engine, EngineSettings  # noqa: PLC0415
     from qeval.storage.scoring import Scoring  # noqa: PLC0415
 
-    windows = np.random.default_rng(5).integers(100, 20_000, size=(2, 512)).astype(np.int32)
-    plain, hidden = (Engine(str(models["Q8_0"]), 512, scoring=Scoring.parse(scoring)) for _ in range(2))
+    windows = np.random.default_rng(5).integers(100, 20_000, size=(3, 512)).astype(np.int32)
+    settings = EngineSettings(n_batch=n_batch, decode_ahead=ahead)
+    plain, hidden = (Engine(str(models["Q8_0"]), 512, settings, scoring=Scoring.parse(scoring)) for _ in range(2))
     hidden.output_hidden()
+    assert (plain.hidden_source, hidden.hidden_source) == (None, route)
     head = read_head(models["Q8_0"])
     with plain, hidden:
         for want, got in zip(plain.iter_calls(windows), hidden.iter_calls(windows), strict=True):
             for w, g in zip(want, got, strict=True):
                 assert (w.window, w.first_row, list(w.positions)) == (g.window, g.first_row, list(g.positions))
-                # equal bit for bit on an AMD EPYC Zen 4, with its AVX-512 and an AVX2-only build; the tolerance leaves
-                # room for another CPU's kernel choice at another output count (the head multiplies every token here)
-                np.testing.assert_allclose(g.logits, w.logits, rtol=0, atol=1e-3)
-                top2 = np.partition(w.logits, -2, axis=1)[:, -2:]
-                clear = top2[:, 1] - top2[:, 0] > 2e-3  # a top-1 that a 1e-3 move cannot flip
-                assert np.array_equal(g.logits.argmax(axis=1)[clear], w.logits.argmax(axis=1)[clear])
-                rows = StoredActivations.parse(activation_bytes(g.hidden[:8], head.activation), len(g.hidden[:8]),
+                if route == "graph":
+                    np.testing.assert_array_equal(g.logits, w.logits)
+                else:  # equal bit for bit on an AMD EPYC Zen 4; room for another CPU's kernel at another row count
+                    np.testing.assert_allclose(g.logits, w.logits, rtol=0, atol=1e-3)
+                    top2 = np.partition(w.logits, -2, axis=1)[:, -2:]
+                    clear = top2[:, 1] - top2[:, 0] > 2e-3  # a top-1 that a 1e-3 move cannot flip
+                    assert np.array_equal(g.logits.argmax(axis=1)[clear], w.logits.argmax(axis=1)[clear])
+                picked = np.unique(np.linspace(0, len(g.hidden) - 1, 8).astype(int))  # first, last and between
+                rows = StoredActivations.parse(activation_bytes(g.hidden[picked], head.activation), len(picked),
                                                head.n_embd, head.activation, "rows")
-                np.testing.assert_allclose(head.replay(rows), g.logits[:8], rtol=0, atol=1e-3)
+                np.testing.assert_allclose(head.replay(rows), g.logits[picked], rtol=0, atol=1e-3)
+
+
+def test_a_tap_that_read_other_rows_than_the_decode_output_is_refused():
+    """A graph that named no result_norm, or another count of rows than the call's outputs, is an error that says
+    so, never rows guessed."""
+    from qeval.engine.hidden_tap import HiddenTap  # noqa: PLC0415
+    from qeval.errors import QevalError  # noqa: PLC0415
+
+    from qeval.storage.ggml_replay import _InitParams  # noqa: PLC0415
+
+    base = ctypes.CDLL(str(llama_libraries.library_path("ggml-base")))
+    for name, restype, argtypes in (("ggml_init", ctypes.c_void_p, [_InitParams]), ("ggml_free", None, [ctypes.c_void_p]),
+                                    ("ggml_new_tensor_2d", ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_int,
+                                                                             ctypes.c_int64, ctypes.c_int64]),
+                                    ("ggml_backend_cpu_buffer_type", ctypes.c_void_p, []),
+                                    ("ggml_backend_alloc_ctx_tensors_from_buft", ctypes.c_void_p,
+                                     [ctypes.c_void_p, ctypes.c_void_p]),
+                                    ("ggml_backend_buffer_free", None, [ctypes.c_void_p]),
+                                    ("ggml_backend_tensor_set", None, [ctypes.c_void_p, ctypes.c_void_p,
+                                                                       ctypes.c_size_t, ctypes.c_size_t])):
+        getattr(base, name).restype, getattr(base, name).argtypes = restype, argtypes
+    # float32 tensors in a backend buffer, as a graph's are (ggml_backend_tensor_get reads only those)
+    shapes = {"two": (4, 2), "one": (4, 1), "wide": (5, 2), "many": (4, 9)}
+    ctx = base.ggml_init(_InitParams(1 << 16, None, True))
+    tensors = {name: base.ggml_new_tensor_2d(ctx, 0, *shape) for name, shape in shapes.items()}
+    buffer = base.ggml_backend_alloc_ctx_tensors_from_buft(ctx, base.ggml_backend_cpu_buffer_type())
+    try:
+        for name, (n_embd, rows) in shapes.items():
+            values = np.arange(n_embd * rows, dtype=np.float32)
+            base.ggml_backend_tensor_set(tensors[name], values.ctypes.data, 0, values.nbytes)
+
+        def tensor(n_embd: int, rows: int) -> int:
+            return tensors[next(name for name, shape in shapes.items() if shape == (n_embd, rows))]
+
+        tap = HiddenTap(n_embd=4, max_rows=8)
+        tap.start()
+        with pytest.raises(QevalError, match="0 result_norm rows for 3 outputs"):
+            tap.rows(3)
+        for rows in (2, 1):  # two tensors of one call (its ubatches), in order
+            assert tap.callback(tensor(4, rows), False, None)
+        np.testing.assert_array_equal(tap.rows(3), np.concatenate([np.arange(8).reshape(2, 4), np.arange(4)[None]]))
+        tap.start()
+        assert tap.callback(tensor(5, 2), False, None)  # rows of another width: kept as an error, never raised into C
+        with pytest.raises(QevalError, match="10 elements in 40 bytes is not float32 rows of 4"):
+            tap.rows(2)
+        tap.start()
+        assert tap.callback(tensor(4, 9), False, None)
+        with pytest.raises(QevalError, match="more than 8 result_norm rows"):
+            tap.rows(9)
+    finally:
+        base.ggml_backend_buffer_free(buffer)
+        base.ggml_free(ctx)
 
 
 def test_an_f16_head_in_the_hidden_form(gemma_tokenizer, tmp_path):

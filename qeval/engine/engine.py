@@ -28,7 +28,7 @@ from typing import Iterator, Protocol
 
 import numpy as np
 
-from qeval.engine import numerics
+from qeval.engine import hidden_tap, numerics
 from qeval.engine.buildflags import cpu_model
 from qeval.engine.build_check import cache_type
 from qeval.engine.cache_types import verified_cache
@@ -432,7 +432,10 @@ class LlamaModel:
         # the two lay out the cache differently and round differently: llama-perplexity's way, for parity.
         cparams.swa_full = False
         cparams.n_threads = cparams.n_threads_batch = self.n_threads
-        if getattr(self, "hidden", False):
+        tap = getattr(self, "_tap", None)
+        if tap is not None:  # the head's input read in the graph (qeval.engine.hidden_tap)
+            cparams.cb_eval = tap.callback
+        elif getattr(self, "hidden", False):
             cparams.pooling_type = self._lc.LLAMA_POOLING_TYPE_NONE
         if s.rope_scaling:
             cparams.rope_scaling_type = ROPE_SCALING[s.rope_scaling]
@@ -595,6 +598,7 @@ class Engine(LlamaModel):
         self.windows_per_call = max(1, self.n_batch // n_ctx) if self.whole_windows else 1
         self._decoder: ThreadPoolExecutor | None = None  # the decode-ahead thread, once used
         self.hidden = False  # also return the output head's input of every scored row (output_hidden)
+        self._tap: hidden_tap.HiddenTap | None = None  # how, in calls of one sequence
         # As llama-perplexity sets the context up: one sequence (and n_ctx KV cells) per window of a call.
         super().__init__(model_path, settings, ContextShape(
             n_ctx_seq=n_ctx, n_seq=self.windows_per_call, n_batch=self.n_batch, n_ubatch=self.n_ubatch,
@@ -661,7 +665,9 @@ class Engine(LlamaModel):
         if spans[0][1] == 0:  # new windows: nothing of the previous ones may be attended to
             self.clear_memory()
         self._fill_batch(windows, spans, masks)
-        if self.hidden:  # an embeddings call outputs every token: only where some are scored
+        if self._tap is not None:
+            self._tap.start()
+        elif self.hidden:  # an embeddings call outputs every token: only where some are scored
             self._lc.llama_set_embeddings(self.ctx, bool(self._logits_view[:self._batch.n_tokens].any()))
         self.decode()
         # the rows [lo, hi) of each window's scored positions among its positions [start, stop)
@@ -682,19 +688,32 @@ class Engine(LlamaModel):
 
     def output_hidden(self) -> None:
         """From now on also return each scored row's hidden state: llama.cpp's `result_norm`, the output head's
-        input, from the same decode as its logits (an embeddings context with pooling none). The context is made
-        again with pooling none; embeddings are switched on only for calls with scored rows, since llama.cpp then
-        outputs every token of the call (the rows are picked out here)."""
+        input, from the same decode as its logits. The context is made again, either way:
+
+        - calls of one window (n_ctx >= n_batch, or -b as large as n_ctx): read in the graph as llama.cpp computes
+          it for the scored rows alone (qeval.engine.hidden_tap);
+        - calls of several windows, whose ubatches interleave them: an embeddings context with pooling none, its
+          embeddings switched on only for calls with scored rows, since llama.cpp then outputs every token of the
+          call (the rows are picked out here)."""
         if not self.hidden:
             self.hidden = True
+            if self.windows_per_call == 1 and hidden_tap.available():
+                self._tap = hidden_tap.HiddenTap(self.n_embd, self.n_batch, self._lc.ggml_backend_sched_eval_callback)
             self.open_context(self.context_shape)
             self._bind_batch()
+
+    @property
+    def hidden_source(self) -> str | None:
+        """Where hidden rows come from (output_hidden): "graph", "embeddings", or None when none are returned."""
+        return None if not self.hidden else "graph" if self._tap is not None else "embeddings"
 
     def _output_rows(self, spans: list[Span], scored: list[np.ndarray], parts, total: int
                      ) -> tuple[np.ndarray, np.ndarray | None]:
         """(logits, hidden or None) of the scored rows of the last decode, in batch order."""
         if not self.hidden:
             return self.output_logits(total), None
+        if self._tap is not None:
+            return self.output_logits(total), self._tap.rows(total)
         picked, at = [], 0
         for (k, start, stop), (_, lo, hi) in zip(spans, parts):
             picked.append(at + scored[k][lo:hi] - start)
@@ -754,19 +773,18 @@ class Engine(LlamaModel):
 
 def decode_ahead(calls: Iterator[list[ScoredRows]], decoder: ThreadPoolExecutor, max_rows: int,
                  n_vocab: int) -> Iterator[list[ScoredRows]]:
-    """`calls`, each copied out of llama.cpp's buffer, the next one decoding while the caller works.
+    """`calls`, each copied out of llama.cpp's buffers, the next one decoding while the caller works.
 
     llama_decode releases the GIL (ctypes), so the next call runs on `decoder` while the caller
-    encodes the copy: an accelerator need not wait for the CPU. One copy buffer, so a yielded call
-    is valid until the next iteration, as without decode-ahead.
+    encodes the copy: an accelerator need not wait for the CPU. One copy buffer (logits, and hidden rows
+    where a call has them: the next decode overwrites those too), so a yielded call is valid until the next
+    iteration, as without decode-ahead.
     """
-    buffer = None
+    buffers: dict[str, np.ndarray] = {}
     pending = decoder.submit(next, calls, None)
     try:
         while (call := pending.result()) is not None:
-            if buffer is None:
-                buffer = np.empty((max_rows, n_vocab), dtype=np.float32)
-            copied = _copy_rows(call, buffer)
+            copied = _copy_rows(call, buffers, max_rows, n_vocab)
             pending = decoder.submit(next, calls, None)
             yield copied
     finally:
@@ -774,11 +792,18 @@ def decode_ahead(calls: Iterator[list[ScoredRows]], decoder: ThreadPoolExecutor,
         calls.close()
 
 
-def _copy_rows(call: list[ScoredRows], buffer: np.ndarray) -> list[ScoredRows]:
+def _copy_rows(call: list[ScoredRows], buffers: dict[str, np.ndarray], max_rows: int,
+               n_vocab: int) -> list[ScoredRows]:
+    """The rows of `call` copied into `buffers` (made at their first use, [max_rows, width] each)."""
+    def copied(name: str, rows: np.ndarray, at: int) -> np.ndarray:
+        if name not in buffers:
+            buffers[name] = np.empty((max_rows, n_vocab if name == "logits" else rows.shape[1]), dtype=np.float32)
+        np.copyto(buffers[name][at:at + len(rows)], rows)
+        return buffers[name][at:at + len(rows)]
+
     out, at = [], 0
     for rows in call:
-        n = len(rows.logits)
-        np.copyto(buffer[at:at + n], rows.logits)
-        out.append(replace(rows, logits=buffer[at:at + n]))
-        at += n
+        out.append(replace(rows, logits=copied("logits", rows.logits, at),
+                           hidden=None if rows.hidden is None else copied("hidden", rows.hidden, at)))
+        at += len(rows.logits)
     return out

@@ -175,11 +175,12 @@ class OutputHead:
         h.update(self.data)
         return h.hexdigest()
 
-    def payload(self) -> bytes:
-        """The OUTW record's payload (docs/store-format.md)."""
+    def payload_parts(self) -> list:
+        """The OUTW record's payload (docs/store-format.md) in the parts it joins: its description, then the weights
+        as they are held (not copied)."""
         desc = json.dumps({k: v for k, v in self.describe().items() if k not in ("fingerprint", "bytes")},
                           sort_keys=True).encode()
-        return b"".join([_HEAD_PREFIX.pack(len(desc), 0), desc, bytes(self.data)])
+        return [_HEAD_PREFIX.pack(len(desc), 0) + desc, self.data]
 
     @classmethod
     def from_payload(cls, payload, where: str) -> "OutputHead":

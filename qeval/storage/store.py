@@ -531,6 +531,18 @@ def _encode_record(tag: bytes, payload: bytes) -> bytes:
     return _RECORD.pack(tag, 0, len(payload)) + payload + _CHECKSUM.pack(checksum(payload))
 
 
+def _write_record(fh, tag: bytes, parts: list) -> None:
+    """The record of the payload b"".join(parts) written part by part: a head's weights (540 MB at the seeds'
+    width) go to the file from where they are, never copied into one payload and again into one record."""
+    digest = xxhash.xxh3_64()
+    for part in parts:
+        digest.update(part)
+    fh.write(_RECORD.pack(tag, 0, sum(memoryview(part).nbytes for part in parts)))
+    for part in parts:
+        fh.write(part)
+    fh.write(_CHECKSUM.pack(digest.intdigest()))
+
+
 def _chunk_payload(chunk: ChunkData, header: StoreHeader) -> bytes:
     n, top_k = chunk.n_tokens, header.top_k
     if chunk.top_ids.shape != (n, top_k):
@@ -643,7 +655,7 @@ class StoreWriter(OpenFile):
             fh.write(_encode_record(b"TOKS", tokens.tobytes()))
             fh.write(_encode_record(b"LUT_", np.ascontiguousarray(lut, "<f4").tobytes()))
             if head is not None:  # the head (178 MB for Gemma-3-270M's) may be what fills the disk
-                fh.write(_encode_record(b"OUTW", head.payload()))
+                _write_record(fh, b"OUTW", head.payload_parts())
             _sync(fh)
         except OSError as exc:
             fh.close()

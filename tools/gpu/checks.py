@@ -125,23 +125,29 @@ class Pair:
                 "note": "the last round's figures; runs alternated (qeval first in even rounds)"}
 
     def hidden(self) -> dict:
-        """auto's decision per piece, and the replay's KL per token against this run's logits: from a capture in
-        the hidden form, since auto keeps no replay record of a piece it codes as logits."""
+        """auto's decision per piece, and the replay's KL per token against this run's logits: from captures in the
+        hidden form, since auto keeps no replay record of a piece it codes as logits. Both ways of reading the head's
+        input (qeval.engine.hidden_tap): -b 2048 puts 4 windows in a call (an embeddings context), -b N_CTX one
+        (read in llama.cpp's graph, as at long contexts)."""
         timing = self.qeval_capture("hidden-auto", form="auto")
         info = qeval_json("info", str(self.runs / "hidden-auto.qeval"))
         asked = next((d["reference_form"] for d in walk(info) if isinstance(d.get("reference_form"), dict)), {})
-        hidden_timing = self.qeval_capture("hidden", form="hidden")
-        per_token: dict[str, list[float]] = {}
-        with closing(StoreReader(self.runs / "hidden.qeval")) as store:
-            for index in store.chunk_indices:
-                for replay in store.read_chunk(index).replays:
-                    per_token.setdefault(replay.engine, []).extend(float(v) for v in replay.record.kl)
-        (self.work / "hidden-replay-kl-per-token.json").write_text(json.dumps(per_token))
-        return {"capture": {"auto": timing, "hidden": hidden_timing},
+        captures, replay_kl = {"auto": timing}, {}
+        for route, batch in (("embeddings", None), ("graph", N_CTX)):
+            label = f"hidden-{route}"
+            captures[label] = self.qeval_capture(label, batch, form="hidden")
+            per_token: dict[str, list[float]] = {}
+            with closing(StoreReader(self.runs / f"{label}.qeval")) as store:
+                for index in store.chunk_indices:
+                    for replay in store.read_chunk(index).replays:
+                        per_token.setdefault(replay.engine, []).extend(float(v) for v in replay.record.kl)
+            (self.work / f"{label}-replay-kl-per-token.json").write_text(json.dumps(per_token))
+            replay_kl[route] = {engine: {"tokens": len(v), "max": max(v), "median": float(np.median(v)),
+                                         "mean": sum(v) / len(v)} for engine, v in per_token.items() if v}
+        return {"capture": captures,
                 "decision": {**asked, "pieces_by_form": info.get("pieces_by_form"),
                              "auto_replay_kl_limit": AUTO_REPLAY_KL},
-                "replay_kl_per_token": {engine: {"tokens": len(v), "max": max(v), "median": float(np.median(v)),
-                                                 "mean": sum(v) / len(v)} for engine, v in per_token.items() if v}}
+                "replay_kl_per_token": replay_kl}
 
     def big_batches(self) -> dict:
         base = self.work / "reference-b2048.kld"
