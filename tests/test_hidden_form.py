@@ -6,7 +6,6 @@ uncoded, the bound against float64 logits token by token, and a reader that trus
 from __future__ import annotations
 
 import ctypes
-
 import json
 import struct
 import sys
@@ -796,7 +795,6 @@ def test_a_tap_that_read_other_rows_than_the_decode_output_is_refused():
     so, never rows guessed."""
     from qeval.engine.hidden_tap import HiddenTap  # noqa: PLC0415
     from qeval.errors import QevalError  # noqa: PLC0415
-
     from qeval.storage.ggml_replay import _InitParams  # noqa: PLC0415
 
     base = ctypes.CDLL(str(llama_libraries.library_path("ggml-base")))
