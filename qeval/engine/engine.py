@@ -686,18 +686,19 @@ class Engine(LlamaModel):
                 at += hi - lo
         return out
 
-    def output_hidden(self) -> None:
+    def output_hidden(self, in_graph: bool = True) -> None:
         """From now on also return each scored row's hidden state: llama.cpp's `result_norm`, the output head's
         input, from the same decode as its logits. The context is made again, either way:
 
         - calls of one window (n_ctx >= n_batch, or -b as large as n_ctx): read in the graph as llama.cpp computes
           it for the scored rows alone (qeval.engine.hidden_tap);
-        - calls of several windows, whose ubatches interleave them: an embeddings context with pooling none, its
-          embeddings switched on only for calls with scored rows, since llama.cpp then outputs every token of the
-          call (the rows are picked out here)."""
+        - calls of several windows, whose ubatches interleave them, or `in_graph` False (what the tap saves is
+          measured against it: bench/bench_hidden_tap.py): an embeddings context with pooling none, its embeddings
+          switched on only for calls with scored rows, since llama.cpp then outputs every token of the call (the
+          rows are picked out here)."""
         if not self.hidden:
             self.hidden = True
-            if self.windows_per_call == 1 and hidden_tap.available():
+            if in_graph and self.windows_per_call == 1 and hidden_tap.available():
                 self._tap = hidden_tap.HiddenTap(self.n_embd, self.n_batch, self._lc.ggml_backend_sched_eval_callback)
             self.open_context(self.context_shape)
             self._bind_batch()
