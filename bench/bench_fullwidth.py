@@ -1,16 +1,17 @@
 """The seeds' width, measured (issue 28): qeval capture, a live qeval candidate and llama-perplexity on the
-full-width qwen35moe model of bench/fullwidth_model.py, at long n_ctx, one window each.
+full-width qwen35moe model of bench/fullwidth_model.py, at long n_ctx, one window each (a capture: --windows).
 
     python bench/bench_fullwidth.py --steps capture:8192,capture:8192:hidden,kld:8192:f16,llama:8192 \
-        [--score every:64] [--corpus NAME] [--llama-perplexity PATH] [--as-gib 14] [--models-dir DIR] \
+        [--score every:64] [--windows 1] [--corpus NAME] [--llama-perplexity PATH] [--as-gib 14] \
+        [--models-dir DIR] \
         [--out bench/results/fullwidth-qwen35moe-amd-epyc.json]
 
 A step is one child process, run under `prlimit --as` (an address-space cap: a run that asks for more
 memory fails alone instead of pushing a shared machine out of memory) and timed by /usr/bin/time (wall
 clock, peak RSS):
 
-* capture:N[:FORM] — `qeval capture` of the Q8_0 reference, n_ctx N, one window of --corpus (its documents joined:
-  --concat), --score S, --reference-form FORM (default logits; the store is ref<N>, or ref<N>-<FORM>);
+* capture:N[:FORM] — `qeval capture` of the Q8_0 reference, n_ctx N, --windows windows of --corpus (its documents
+  joined: --concat), --score S, --reference-form FORM (default logits; the store is ref<N>, or ref<N>-<FORM>);
 * kld:N:KV[:ROT] — `qeval kld` of the Q4_0 model run live against that capture, KV cache type KV for K and V,
   Hadamard rotation ROT (on/off; default auto);
 * llama:N — llama-perplexity --kl-divergence-base of the Q8_0 reference, n_ctx N, one chunk, over the same
@@ -87,7 +88,7 @@ def step_argv(step: str, models: dict[str, Path], args, runs: Path, corpus: Path
     if kind == "capture":
         label, form = capture_store(step)
         return qeval_argv("capture", str(models["Q8_0"]), "-l", label, "-c", n_ctx, "--score", args.score,
-                          "--corpus", args.corpus, "--chunks", "1", "--concat", "--reference-form", form,
+                          "--corpus", args.corpus, "--chunks", str(args.windows), "--concat", "--reference-form", form,
                           *common), None
     if kind == "kld":
         kv, rotation = (rest + ["auto"])[:2] if rest else ("f16", "auto")
@@ -185,6 +186,8 @@ def main() -> None:
     ap.add_argument("--steps", help="comma-separated capture:N, kld:N:KV[:ROT], llama:N")
     ap.add_argument("--table", action="store_true", help="print --out's table (the last run of each step) and stop")
     ap.add_argument("--score", default="every:64")
+    ap.add_argument("--windows", type=int, default=1, help="windows a capture step captures (--chunks): what a hidden "
+                    "capture pays once, its head, weighs less over more windows")
     ap.add_argument("--corpus", default=DEFAULT_CORPUS,
                     help="what capture:N and llama:N read (`shipped`: every shipped text, for n_ctx past one book)")
     ap.add_argument("--llama-perplexity")
@@ -214,7 +217,8 @@ def main() -> None:
         argv, env = step_argv(step, models, args, runs, corpus)
         if step.startswith("capture"):  # a finished store of the same capture would be reused, not measured
             (runs / f"{capture_store(step)[0]}.qeval").unlink(missing_ok=True)
-        result = {"step": step, "score": args.score, "corpus": args.corpus, "as_cap_gib": args.as_gib,
+        result = {"step": step, "score": args.score, "windows": args.windows, "corpus": args.corpus,
+                  "as_cap_gib": args.as_gib,
                   "ran_beside": args.beside, "load_average_before": os.getloadavg(),
                   **run_capped(argv, as_bytes, env)}
         stdout = result.pop("stdout")

@@ -1,15 +1,16 @@
 """The hidden form of a reference: the output head's input, stored as the capturing CPU kernel consumes it, and
 the head itself, replayed into logits when a comparison reads the store.
 
-llama.cpp's embeddings output (pooling none) is `result_norm`, the input of `logits = W_out @ h` (then, where the
-GGUF says so, c·tanh(x/c): `<arch>.final_logit_softcapping`). On CPU a mul_mat first rounds its float32
-activations to the weight type's vec_dot_type (ggml-cpu type_traits_cpu): Q8_0 → q8_0 blocks (per 32 values an
-fp16 scale d = amax/127 and int8 q = round-half-even(x·127/amax), quantize_row_q8_0), F16 → fp16, BF16 → bf16,
-F32 → f32. The store keeps exactly that (ACTIVATIONS), so a replay multiplies what ggml multiplied. The replay
-here is qeval's portable one: only the float32 accumulation order of ggml's dot products is not reproduced
-(docs/why-logits.md: mean KL ~7e-12 on Gemma-3-270M Q8_0); ggml_replay is llama.cpp's own kernel, exact where the
-CPU sums as the capturing one did. The capture measures each replay against llama.cpp's own logits token by token
-(the ERRS record of the coded rows, a replay record per engine), so that difference is inside the certified bound.
+llama.cpp's `result_norm` (read in its graph, or as its embeddings output: qeval.engine.hidden_tap) is the input
+of `logits = W_out @ h` (then, where the GGUF says so, c·tanh(x/c): `<arch>.final_logit_softcapping`). On CPU a
+mul_mat first rounds its float32 activations to the weight type's vec_dot_type (ggml-cpu type_traits_cpu): Q8_0 →
+q8_0 blocks (per 32 values an fp16 scale d = amax/127 and int8 q = round-half-even(x·127/amax), quantize_row_q8_0),
+F16 → fp16, BF16 → bf16, F32 → f32. The store keeps exactly that (ACTIVATIONS), so a replay multiplies what ggml
+multiplied. The replay here is qeval's portable one: only the float32 accumulation order of ggml's dot products is
+not reproduced (docs/why-logits.md: mean KL ~7e-12 on Gemma-3-270M Q8_0); ggml_replay is llama.cpp's own kernel,
+exact where the CPU sums as the capturing one did. The capture measures each replay against llama.cpp's own logits
+token by token (the ERRS record of the coded rows, a replay record per engine), so that difference is inside the
+certified bound.
 
 A replay must give the same rows wherever it runs: the bound was measured on the rows the capture replayed. The
 kernels here are deterministic by construction (no BLAS: a q8_0 block's int8 dot product is an exact integer,

@@ -9,7 +9,8 @@ Per pair (models-*/: the reference, carried as reference.gguf.zst, and the candi
 2. speed: `qeval deploy` against llama-bench (pp and tg, same -ngl), runs alternated; memory lines as qeval reads
    them (per device buffer);
 3. the hidden form: a capture with --reference-form auto: what auto decided (and why), and the replay's measured
-   KL per token against the logits of this run;
+   KL per token against the logits of this run, with the head's input read both ways (in llama.cpp's graph, and
+   as its embeddings output);
 4. GPU-sized batches: capture time at -b/-ub 2048 against llama-perplexity's at the same batches (alternated).
 """
 
