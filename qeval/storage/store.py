@@ -95,8 +95,14 @@ ZSTD_LEVEL = 1
 REPLACEMENT_SUFFIX = ".replacing"  # not "*.qeval": a replacement being written is never taken for a label
 
 
-def checksum(payload: bytes) -> int:
-    return xxhash.xxh3_64_intdigest(payload)
+def checksum(*parts) -> int:
+    """XXH3-64 of the payload b"".join(parts), without joining them."""
+    if len(parts) == 1:
+        return xxhash.xxh3_64_intdigest(parts[0])
+    digest = xxhash.xxh3_64()
+    for part in parts:
+        digest.update(part)
+    return digest.intdigest()
 
 
 @dataclass(frozen=True)
@@ -527,20 +533,21 @@ class ChunkBuilder:
         return sum(len(cols[0]) for cols in self._scalars)
 
 
+def _record_parts(tag: bytes, parts: list) -> list:
+    """A record of the payload b"".join(parts), as the parts to write one after the other."""
+    size = sum(memoryview(part).nbytes for part in parts)
+    return [_RECORD.pack(tag, 0, size), *parts, _CHECKSUM.pack(checksum(*parts))]
+
+
 def _encode_record(tag: bytes, payload: bytes) -> bytes:
-    return _RECORD.pack(tag, 0, len(payload)) + payload + _CHECKSUM.pack(checksum(payload))
+    return b"".join(_record_parts(tag, [payload]))
 
 
 def _write_record(fh, tag: bytes, parts: list) -> None:
-    """The record of the payload b"".join(parts) written part by part: a head's weights (540 MB at the seeds'
-    width) go to the file from where they are, never copied into one payload and again into one record."""
-    digest = xxhash.xxh3_64()
-    for part in parts:
-        digest.update(part)
-    fh.write(_RECORD.pack(tag, 0, sum(memoryview(part).nbytes for part in parts)))
-    for part in parts:
+    """A record written part by part: a head's weights (540 MB at the seeds' width) go to the file from where they
+    are, never copied into one payload and again into one record."""
+    for part in _record_parts(tag, parts):
         fh.write(part)
-    fh.write(_CHECKSUM.pack(digest.intdigest()))
 
 
 def _chunk_payload(chunk: ChunkData, header: StoreHeader) -> bytes:
